@@ -1,0 +1,1 @@
+//! Port and IP range allocators for the API server (work in progress).

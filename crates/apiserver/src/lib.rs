@@ -1,0 +1,1 @@
+//! Kubernetes-compatible API server with NodePort and ClusterIP allocation (work in progress).

@@ -1,0 +1,47 @@
+//! One module per subcommand; each owns its `Args` and `run`.
+
+pub mod apiserver;
+pub mod lab;
+pub mod proxy;
+pub mod render;
+pub mod up;
+
+use clap::Subcommand;
+
+/// A configuration mistake: printed as one line, exit code 64.
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
+/// The subcommands of `nodeport`.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Kubernetes-compatible API server that allocates NodePorts and ClusterIPs.
+    Apiserver(apiserver::Args),
+    /// Node proxy: programs the kernel for Services, as kube-proxy does.
+    Proxy(proxy::Args),
+    /// Print the ruleset the proxy would program for a file of objects.
+    Render(render::Args),
+    /// Reproduce the NodePort lab in network namespaces on this machine.
+    Lab(lab::Args),
+    /// Single node: API server and proxy in one process.
+    Up(up::Args),
+}
+
+/// Runs one subcommand to completion.
+pub fn run(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Apiserver(args) => apiserver::run(args),
+        Command::Proxy(args) => proxy::run(args),
+        Command::Render(args) => render::run(args),
+        Command::Lab(args) => lab::run(args),
+        Command::Up(args) => up::run(args),
+    }
+}

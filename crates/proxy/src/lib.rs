@@ -1,0 +1,1 @@
+//! Node proxy: informers, change tracking, desired state and kernel backends (work in progress).

@@ -1,0 +1,1 @@
+//! Throwaway network-namespace topologies (work in progress).
