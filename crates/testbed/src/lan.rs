@@ -18,13 +18,24 @@ pub struct Lan {
 impl Lan {
     /// Creates the fabric namespace `np-…-<role>` with a bridge in it.
     pub fn new(role: &str) -> Result<Self> {
-        let fabric = Netns::new(role)?;
+        Self::with_fabric(Netns::new(role)?)
+    }
+
+    /// Builds the network in a fabric namespace the caller created (for example with
+    /// [`Netns::create`], to choose its name): adds the bridge and brings it up.
+    pub fn with_fabric(fabric: Netns) -> Result<Self> {
         fabric.run(&["ip", "link", "add", BRIDGE, "type", "bridge"])?;
         fabric.run(&["ip", "link", "set", BRIDGE, "up"])?;
         Ok(Self {
             fabric,
             ports: AtomicU32::new(0),
         })
+    }
+
+    /// Gives up the network object and returns its fabric namespace guard (which still deletes
+    /// the bridge and every port when dropped, unless persisted).
+    pub fn into_fabric(self) -> Netns {
+        self.fabric
     }
 
     /// The fabric namespace (for `tcpdump` while debugging, or to cut a link).

@@ -39,6 +39,33 @@ impl Netns {
         Ok(ns)
     }
 
+    /// Creates a namespace with exactly this name (loopback up), for callers that own the
+    /// naming themselves, such as `nodeport lab` whose namespaces may outlive the process
+    /// (`--keep`). Such names are never touched by [`sweep_stale`]; the caller keeps them unique.
+    pub fn create(name: &str) -> Result<Self> {
+        run_cmd(Command::new("ip").args(["netns", "add", name]))?;
+        let ns = Self {
+            name: name.to_owned(),
+        };
+        ns.run(&["ip", "link", "set", "lo", "up"])?;
+        Ok(ns)
+    }
+
+    /// Takes charge of an existing namespace: dropping the guard deletes it (and kills what
+    /// runs in it), as for one this process created.
+    pub fn adopt(name: &str) -> Self {
+        Self {
+            name: name.to_owned(),
+        }
+    }
+
+    /// Disarms the guard: the namespace and everything running in it stay after the guard is
+    /// gone. Returns the name, with which [`Netns::adopt`] can take charge of it again.
+    pub fn persist(self) -> String {
+        let mut this = std::mem::ManuallyDrop::new(self);
+        std::mem::take(&mut this.name)
+    }
+
     /// The namespace's name, as `ip netns` knows it.
     pub fn name(&self) -> &str {
         &self.name
@@ -217,6 +244,14 @@ impl ChildGuard {
             self.child = None;
         }
         status
+    }
+
+    /// Leaves the child running after the guard is gone (it is no longer killed or reaped by
+    /// this process) and returns its PID.
+    pub fn detach(mut self) -> u32 {
+        let pid = self.pid();
+        self.child = None;
+        pid
     }
 
     /// What was started, for messages.
