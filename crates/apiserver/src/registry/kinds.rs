@@ -1,0 +1,151 @@
+//! Per-kind hooks for the kinds without allocation: defaulting on create and light validation.
+
+use std::net::IpAddr;
+
+use k8s_openapi::api::core::v1::{NamespaceSpec, NamespaceStatus};
+
+use super::object::Object;
+use super::validation::{self, NameRule};
+use crate::error::{FieldError, GoValue};
+
+/// `PrepareForCreate` of each kind's strategy.
+pub fn prepare_create(object: &mut Object) {
+    match object {
+        Object::Service(svc) => {
+            svc.status = None;
+            super::service::set_defaults(svc);
+        }
+        Object::Namespace(ns) => {
+            // The namespace strategy adds the `kubernetes` finalizer and starts it Active.
+            let spec = ns.spec.get_or_insert_with(NamespaceSpec::default);
+            let finalizers = spec.finalizers.get_or_insert_with(Vec::new);
+            if !finalizers.iter().any(|f| f == "kubernetes") {
+                finalizers.push("kubernetes".into());
+            }
+            ns.status = Some(NamespaceStatus {
+                phase: Some("Active".into()),
+                ..Default::default()
+            });
+        }
+        Object::EndpointSlice(slice) => {
+            slice.metadata.generation = Some(1);
+        }
+        Object::Node(_) | Object::Endpoints(_) => {}
+    }
+}
+
+/// Decode-time defaults that also apply to updates.
+pub fn set_defaults(object: &mut Object) {
+    if let Object::Service(svc) = object {
+        super::service::set_defaults(svc);
+    }
+}
+
+fn valid_ip(s: &str) -> bool {
+    s.parse::<IpAddr>().is_ok()
+}
+
+fn check_port(errs: &mut Vec<FieldError>, path: &str, port: Option<i32>, protocol: Option<&str>) {
+    if let Some(p) = port
+        && !(1..=65535).contains(&p)
+    {
+        errs.push(FieldError::invalid(
+            format!("{path}.port"),
+            GoValue::Int(p.into()),
+            "must be between 1 and 65535, inclusive",
+        ));
+    }
+    if let Some(proto) = protocol
+        && !matches!(proto, "TCP" | "UDP" | "SCTP")
+    {
+        errs.push(FieldError::not_supported(
+            format!("{path}.protocol"),
+            proto,
+            &["SCTP", "TCP", "UDP"],
+        ));
+    }
+}
+
+/// Validation of the kinds other than Service.
+pub fn validate(object: &Object) -> Vec<FieldError> {
+    match object {
+        Object::Service(svc) => super::service::validate(svc),
+        Object::Namespace(ns) => {
+            validation::object_meta(&ns.metadata, false, NameRule::Dns1123Label)
+        }
+        Object::Node(node) => {
+            validation::object_meta(&node.metadata, false, NameRule::Dns1123Subdomain)
+        }
+        Object::Endpoints(ep) => {
+            let mut errs = validation::object_meta(&ep.metadata, true, NameRule::Dns1123Subdomain);
+            for (i, subset) in ep.subsets.iter().flatten().enumerate() {
+                for (field, list) in [
+                    ("addresses", &subset.addresses),
+                    ("notReadyAddresses", &subset.not_ready_addresses),
+                ] {
+                    for (j, addr) in list.iter().flatten().enumerate() {
+                        if !valid_ip(&addr.ip) {
+                            errs.push(FieldError::invalid(
+                                format!("subsets[{i}].{field}[{j}].ip"),
+                                GoValue::Str(&addr.ip),
+                                "must be a valid IP address, (e.g. 10.9.8.7 or 2001:db8::ffff)",
+                            ));
+                        }
+                    }
+                }
+                for (j, port) in subset.ports.iter().flatten().enumerate() {
+                    check_port(
+                        &mut errs,
+                        &format!("subsets[{i}].ports[{j}]"),
+                        Some(port.port),
+                        port.protocol.as_deref(),
+                    );
+                }
+            }
+            errs
+        }
+        Object::EndpointSlice(slice) => {
+            let mut errs =
+                validation::object_meta(&slice.metadata, true, NameRule::Dns1123Subdomain);
+            let address_type = slice.address_type.as_str();
+            if !matches!(address_type, "IPv4" | "IPv6" | "FQDN") {
+                errs.push(FieldError::not_supported(
+                    "addressType",
+                    address_type,
+                    &["FQDN", "IPv4", "IPv6"],
+                ));
+            }
+            for (i, ep) in slice.endpoints.iter().enumerate() {
+                if ep.addresses.is_empty() {
+                    errs.push(FieldError::required(
+                        format!("endpoints[{i}].addresses"),
+                        "must contain at least 1 address",
+                    ));
+                }
+                for (j, addr) in ep.addresses.iter().enumerate() {
+                    let ok = match address_type {
+                        "IPv4" => addr.parse::<std::net::Ipv4Addr>().is_ok(),
+                        "IPv6" => addr.parse::<std::net::Ipv6Addr>().is_ok(),
+                        _ => validation::dns1123_subdomain(addr).is_empty(),
+                    };
+                    if !ok {
+                        errs.push(FieldError::invalid(
+                            format!("endpoints[{i}].addresses[{j}]"),
+                            GoValue::Str(addr),
+                            format!("must be a valid {address_type} address"),
+                        ));
+                    }
+                }
+            }
+            for (i, port) in slice.ports.iter().flatten().enumerate() {
+                check_port(
+                    &mut errs,
+                    &format!("ports[{i}]"),
+                    port.port,
+                    port.protocol.as_deref(),
+                );
+            }
+            errs
+        }
+    }
+}

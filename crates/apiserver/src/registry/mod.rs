@@ -1,0 +1,1173 @@
+//! The registry: kube-apiserver's generic `Store` for the served kinds, over [`crate::store`].
+//!
+//! Reads come straight from the backend. Every write is one [`Store::mutate`] closure that reads
+//! the object (and, for Services, the allocators), applies kube-apiserver's steps in its order
+//! (metadata, defaulting, allocation, `PrepareForUpdate`, validation, preconditions) and writes
+//! the result, so the check-then-write is atomic and the allocation is part of the same commit.
+//!
+//! Objects are stored as JSON without `metadata.resourceVersion`; on every read the key's
+//! `mod_revision` is written into it, as kube-apiserver's etcd3 store does.
+
+pub mod kinds;
+pub mod object;
+pub mod patch;
+pub mod selector;
+pub mod service;
+pub mod validation;
+
+use std::collections::BTreeSet;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use base64::Engine;
+use k8s_openapi::api::core::v1::{Namespace, Service};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+use rand::RngExt;
+use serde_json::{Value, json};
+
+use self::object::Object;
+use self::selector::{FieldSelector, LabelSelector};
+use self::service::ServiceRanges;
+use crate::error::ApiError;
+use crate::resource::Kind;
+use crate::storage::{self, KeyValue, ListRequest, Revision};
+use crate::store::{Allocators, Done, Store, Txn};
+
+/// How unknown fields in a request body are treated (`fieldValidation` query parameter).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FieldValidation {
+    /// Drop them silently.
+    Ignore,
+    /// Drop them and say so in a `Warning` header (kube-apiserver's default).
+    #[default]
+    Warn,
+    /// Reject the request with 400 `strict decoding error: unknown field "..."`.
+    Strict,
+}
+
+impl FieldValidation {
+    /// Parses the query value.
+    pub fn parse(s: &str) -> Result<Self, ApiError> {
+        match s {
+            "" | "Warn" => Ok(FieldValidation::Warn),
+            "Ignore" => Ok(FieldValidation::Ignore),
+            "Strict" => Ok(FieldValidation::Strict),
+            other => Err(ApiError::bad_request(format!(
+                "fieldValidation parameter unsupported: {other}; must be one of: Ignore, Warn, Strict"
+            ))),
+        }
+    }
+}
+
+/// Options of a write.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct WriteOptions {
+    /// `dryRun=All`: run everything, keep nothing.
+    pub dry_run: bool,
+    /// `fieldValidation`.
+    pub field_validation: FieldValidation,
+}
+
+/// The result of a write.
+#[derive(Debug, Clone)]
+pub struct Written {
+    /// The object as stored (with its new `resourceVersion`).
+    pub object: Value,
+    /// `Warning` headers to send.
+    pub warnings: Vec<String>,
+    /// Whether the write created the object (201 instead of 200).
+    pub created: bool,
+}
+
+/// `preconditions` of a delete.
+#[derive(Debug, Clone, Default)]
+pub struct Preconditions {
+    /// The object must have this UID.
+    pub uid: Option<String>,
+    /// The object must be at this resourceVersion.
+    pub resource_version: Option<String>,
+}
+
+/// Options of a list.
+#[derive(Debug, Clone, Default)]
+pub struct ListOptions {
+    /// `labelSelector`.
+    pub labels: LabelSelector,
+    /// `fieldSelector`.
+    pub fields: FieldSelector,
+    /// `limit` (0 = all).
+    pub limit: usize,
+    /// `continue`.
+    pub continue_token: Option<String>,
+    /// `resourceVersion` with `resourceVersionMatch=Exact`: read at exactly this revision.
+    pub exact_revision: Option<Revision>,
+}
+
+/// One page of a list.
+#[derive(Debug, Clone)]
+pub struct ListResult {
+    /// The objects, in key order.
+    pub items: Vec<Value>,
+    /// The revision the list was read at.
+    pub revision: Revision,
+    /// The token for the next page.
+    pub continue_token: Option<String>,
+    /// How many keys follow (an upper bound when selectors filter).
+    pub remaining: Option<usize>,
+}
+
+/// A patch format (`Content-Type` of a PATCH).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PatchType {
+    /// `application/json-patch+json` (RFC 6902).
+    Json,
+    /// `application/merge-patch+json` (RFC 7386).
+    Merge,
+    /// `application/strategic-merge-patch+json`.
+    StrategicMerge,
+}
+
+/// Discrepancies between the allocation bitmaps and the Services (see [`Registry::verify`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Verification {
+    /// Ports set in the bitmap that no Service holds.
+    pub leaked_ports: Vec<u16>,
+    /// Ports Services hold that the bitmap does not mark.
+    pub missing_ports: Vec<u16>,
+    /// Ports held by more than one Service.
+    pub duplicate_ports: Vec<u16>,
+    /// Addresses set in the bitmap that no Service holds.
+    pub leaked_ips: Vec<IpAddr>,
+    /// Addresses Services hold that the bitmap does not mark.
+    pub missing_ips: Vec<IpAddr>,
+    /// Addresses held by more than one Service.
+    pub duplicate_ips: Vec<IpAddr>,
+    /// How many Services were checked.
+    pub services: usize,
+}
+
+impl Verification {
+    /// Whether the bitmaps equal exactly what the Services hold.
+    pub fn is_consistent(&self) -> bool {
+        self.leaked_ports.is_empty()
+            && self.missing_ports.is_empty()
+            && self.duplicate_ports.is_empty()
+            && self.leaked_ips.is_empty()
+            && self.missing_ips.is_empty()
+            && self.duplicate_ips.is_empty()
+    }
+}
+
+/// The namespaces that exist from the first start (kube-apiserver's system namespaces).
+pub const SYSTEM_NAMESPACES: [&str; 3] = ["default", "kube-system", "kube-public"];
+
+/// Serves the kinds over a [`Store`].
+#[derive(Clone)]
+pub struct Registry {
+    store: Store,
+    ranges: Arc<ServiceRanges>,
+}
+
+fn now() -> Time {
+    // Kubernetes timestamps have second precision.
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    Time(k8s_openapi::jiff::Timestamp::from_second(secs as i64).expect("current time is in range"))
+}
+
+fn new_uid() -> String {
+    let mut rng = rand::rng();
+    let b: [u8; 16] = rng.random();
+    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!(
+        "{}-{}-4{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[13..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
+}
+
+/// `names.SimpleNameGenerator`: the prefix and 5 random characters from kube's alphabet.
+fn generate_name(prefix: &str) -> String {
+    const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
+    let mut rng = rand::rng();
+    let prefix = if prefix.len() > 58 {
+        &prefix[..58]
+    } else {
+        prefix
+    };
+    let suffix: String = (0..5)
+        .map(|_| ALPHABET[rng.random_range(0..ALPHABET.len())] as char)
+        .collect();
+    format!("{prefix}{suffix}")
+}
+
+/// The stored form: JSON without `resourceVersion`.
+fn encode_stored(object: &Object) -> Arc<[u8]> {
+    let mut value = object.to_value();
+    if let Some(meta) = value.get_mut("metadata").and_then(Value::as_object_mut) {
+        meta.remove("resourceVersion");
+    }
+    serde_json::to_vec(&value)
+        .expect("objects serialize")
+        .into()
+}
+
+/// Parses a stored value and stamps its `resourceVersion`.
+pub fn decode_stored(value: &[u8], revision: Revision) -> Result<Value, ApiError> {
+    let mut v: Value = serde_json::from_slice(value)
+        .map_err(|e| ApiError::internal(format!("stored object is not JSON: {e}")))?;
+    if revision != 0 {
+        set_resource_version(&mut v, revision);
+    }
+    Ok(v)
+}
+
+/// Sets `metadata.resourceVersion`.
+pub fn set_resource_version(value: &mut Value, revision: Revision) {
+    if let Some(meta) = value.get_mut("metadata").and_then(Value::as_object_mut) {
+        meta.insert(
+            "resourceVersion".into(),
+            Value::String(revision.to_string()),
+        );
+    }
+}
+
+fn typed_from_entry(kind: Kind, value: &[u8]) -> Result<Object, ApiError> {
+    let v: Value = serde_json::from_slice(value)
+        .map_err(|e| ApiError::internal(format!("stored object is not JSON: {e}")))?;
+    Ok(Object::decode(kind, &v)?.object)
+}
+
+/// Checks `apiVersion` and `kind` of a request body against the endpoint.
+fn check_type(kind: Kind, body: &Value) -> Result<(), ApiError> {
+    match body.get("kind").and_then(Value::as_str) {
+        None | Some("") => {
+            return Err(ApiError::bad_request(format!(
+                "Object 'Kind' is missing in '{}'",
+                serde_json::to_string(body).unwrap_or_default()
+            )));
+        }
+        Some(k) if k != kind.kind() => {
+            return Err(ApiError::bad_request(format!(
+                "the kind in the data ({k}) does not match the expected kind ({})",
+                kind.kind()
+            )));
+        }
+        _ => {}
+    }
+    match body.get("apiVersion").and_then(Value::as_str) {
+        Some(v) if v != kind.api_version() => Err(ApiError::bad_request(format!(
+            "the API version in the data ({v}) does not match the expected API version ({})",
+            kind.api_version()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+fn unknown_field_handling(
+    unknown: &[String],
+    mode: FieldValidation,
+) -> Result<Vec<String>, ApiError> {
+    if unknown.is_empty() {
+        return Ok(Vec::new());
+    }
+    let messages: Vec<String> = unknown
+        .iter()
+        .map(|f| format!("unknown field {f:?}"))
+        .collect();
+    match mode {
+        FieldValidation::Ignore => Ok(Vec::new()),
+        FieldValidation::Warn => Ok(messages),
+        FieldValidation::Strict => Err(ApiError::bad_request(format!(
+            "strict decoding error: {}",
+            messages.join(", ")
+        ))),
+    }
+}
+
+fn invalid(kind: Kind, name: &str, errs: Vec<crate::error::FieldError>) -> ApiError {
+    ApiError::invalid(kind.subject(), name, errs)
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ContinueToken {
+    v: String,
+    rv: Revision,
+    start: String,
+}
+
+impl Registry {
+    /// A registry over `store` for the given ranges.
+    pub fn new(store: Store, ranges: ServiceRanges) -> Self {
+        Registry {
+            store,
+            ranges: Arc::new(ranges),
+        }
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// The allocation ranges.
+    pub fn ranges(&self) -> &ServiceRanges {
+        &self.ranges
+    }
+
+    fn key(&self, kind: Kind, namespace: Option<&str>, name: &str) -> String {
+        kind.key(self.store.prefix(), namespace, name)
+    }
+
+    fn namespace_key(&self, namespace: &str) -> String {
+        Kind::Namespace.key(self.store.prefix(), None, namespace)
+    }
+
+    /// GET one object.
+    pub async fn get(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> Result<Value, ApiError> {
+        let key = self.key(kind, namespace, name);
+        let fetched = self.store.backend().get_many(vec![key.clone()]).await?;
+        match fetched.kvs.get(&key) {
+            Some(kv) => decode_stored(&kv.value, kv.mod_revision),
+            None => Err(ApiError::not_found(kind.subject(), name)),
+        }
+    }
+
+    /// LIST with selectors and pagination.
+    pub async fn list(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        options: &ListOptions,
+    ) -> Result<ListResult, ApiError> {
+        let prefix = kind.list_prefix(self.store.prefix(), namespace);
+        let (mut start, mut revision) = (None, options.exact_revision);
+        if let Some(token) = options.continue_token.as_deref().filter(|t| !t.is_empty()) {
+            let decoded = base64::engine::general_purpose::URL_SAFE
+                .decode(token)
+                .ok()
+                .and_then(|b| serde_json::from_slice::<ContinueToken>(&b).ok())
+                .ok_or_else(|| ApiError::bad_request("invalid continue token"))?;
+            start = Some(format!("{prefix}{}", decoded.start));
+            revision = Some(decoded.rv);
+        }
+        let continued = start.is_some();
+        let limit = (options.limit > 0).then_some(options.limit);
+
+        // A single-name field selector (`metadata.name=<node>`) reads one key.
+        if let Some(name) = options.fields.exact_name()
+            && !continued
+        {
+            let key = match namespace {
+                Some(_) => self.key(kind, namespace, name),
+                None if !kind.namespaced() => self.key(kind, None, name),
+                None => String::new(),
+            };
+            if !key.is_empty() && revision.is_none() {
+                let fetched = self.store.backend().get_many(vec![key.clone()]).await?;
+                let mut items = Vec::new();
+                if let Some(kv) = fetched.kvs.get(&key) {
+                    let v = decode_stored(&kv.value, kv.mod_revision)?;
+                    if options.fields.matches(&v)
+                        && options.labels.matches(&selector::labels_of(&v))
+                    {
+                        items.push(v);
+                    }
+                }
+                return Ok(ListResult {
+                    items,
+                    revision: fetched.revision,
+                    continue_token: None,
+                    remaining: None,
+                });
+            }
+        }
+
+        let mut items = Vec::new();
+        let mut read_revision = None;
+        let mut next_start = start;
+        let mut remaining;
+        loop {
+            let page = self
+                .store
+                .backend()
+                .list(ListRequest {
+                    prefix: prefix.clone(),
+                    start: next_start.clone(),
+                    revision: read_revision.or(revision),
+                    limit: limit.map(|l| (l - items.len()).max(1)),
+                })
+                .await
+                .map_err(|err| match err {
+                    storage::Error::Compacted { .. } if continued => ApiError::expired(
+                        "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter, or use the continue token in this response to retrieve the remainder of the results. Continuing with the provided token results in an inconsistent list - objects that were created, modified, or deleted between the time the first chunk was returned and now may show up in the list.",
+                    ),
+                    other => other.into(),
+                })?;
+            read_revision = Some(page.revision);
+            remaining = page.remaining;
+            let last_key = page.kvs.last().map(|kv| kv.key.clone());
+            for kv in &page.kvs {
+                let v = decode_stored(&kv.value, kv.mod_revision)?;
+                if options.fields.matches(&v) && options.labels.matches(&selector::labels_of(&v)) {
+                    items.push(v);
+                }
+            }
+            match (limit, last_key) {
+                (Some(l), Some(last)) if remaining > 0 => {
+                    next_start = Some(format!("{last}\u{0}"));
+                    if items.len() >= l {
+                        break;
+                    }
+                }
+                _ => {
+                    remaining = 0;
+                    break;
+                }
+            }
+        }
+        let revision = read_revision.unwrap_or_default();
+        let continue_token = (remaining > 0).then(|| {
+            let start = next_start.unwrap_or_default();
+            let token = ContinueToken {
+                v: "meta.k8s.io/v1".into(),
+                rv: revision,
+                start: start.strip_prefix(&prefix).unwrap_or(&start).to_owned(),
+            };
+            base64::engine::general_purpose::URL_SAFE
+                .encode(serde_json::to_vec(&token).expect("token serializes"))
+        });
+        Ok(ListResult {
+            items,
+            revision,
+            remaining: (remaining > 0 && options.labels.is_empty() && options.fields.is_empty())
+                .then_some(remaining),
+            continue_token,
+        })
+    }
+
+    /// Decodes a request body, applying `fieldValidation`.
+    fn decode_body(
+        kind: Kind,
+        body: &Value,
+        mode: FieldValidation,
+    ) -> Result<(Object, Vec<String>), ApiError> {
+        check_type(kind, body)?;
+        let decoded = Object::decode(kind, body)?;
+        let warnings = unknown_field_handling(&decoded.unknown_fields, mode)?;
+        Ok((decoded.object, warnings))
+    }
+
+    /// CREATE (POST).
+    pub async fn create(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        body: Value,
+        options: WriteOptions,
+    ) -> Result<Written, ApiError> {
+        let (mut object, warnings) = Self::decode_body(kind, &body, options.field_validation)?;
+        {
+            let meta = object.metadata_mut();
+            if kind.namespaced() {
+                let url_ns = namespace.unwrap_or("");
+                match meta.namespace.as_deref() {
+                    None | Some("") => meta.namespace = Some(url_ns.to_owned()),
+                    Some(ns) if ns != url_ns => {
+                        return Err(ApiError::bad_request(
+                            "the namespace of the provided object does not match the namespace sent on the request",
+                        ));
+                    }
+                    _ => {}
+                }
+            } else {
+                meta.namespace = None;
+            }
+            if meta.name.as_deref().unwrap_or("").is_empty()
+                && let Some(prefix) = meta.generate_name.as_deref().filter(|p| !p.is_empty())
+            {
+                meta.name = Some(generate_name(prefix));
+            }
+            meta.uid = Some(new_uid());
+            meta.creation_timestamp = Some(now());
+            meta.resource_version = None;
+            meta.deletion_timestamp = None;
+            meta.deletion_grace_period_seconds = None;
+            meta.managed_fields = None;
+        }
+        kinds::prepare_create(&mut object);
+        let name = object.name().to_owned();
+        if !matches!(object, Object::Service(_)) {
+            let errs = kinds::validate(&object);
+            if !errs.is_empty() {
+                return Err(invalid(kind, &name, errs));
+            }
+        } else {
+            // Without a usable name there is no key; report it before allocating anything.
+            let errs = validation::object_meta(
+                object.metadata(),
+                true,
+                validation::NameRule::Dns1035Label,
+            );
+            if !errs.is_empty() {
+                return Err(invalid(kind, &name, errs));
+            }
+        }
+        let ns = object.metadata().namespace.clone();
+        let key = self.key(kind, ns.as_deref(), &name);
+        let mut keys = vec![key.clone()];
+        let ns_key = ns.as_deref().map(|n| self.namespace_key(n));
+        keys.extend(ns_key.clone());
+        let ranges = self.ranges.clone();
+        let dry_run = options.dry_run;
+        let done = self
+            .store
+            .mutate(keys, move |txn| {
+                if let (Some(ns_key), Some(ns)) = (&ns_key, &ns)
+                    && txn.get(ns_key).is_none()
+                {
+                    return Err(ApiError::not_found(Kind::Namespace.subject(), ns));
+                }
+                if txn.get(&key).is_some() {
+                    return Err(ApiError::already_exists(kind.subject(), &name));
+                }
+                let mut object = object.clone();
+                if let Object::Service(svc) = &mut object {
+                    service::create(svc, txn.allocators()?, &ranges)?;
+                }
+                if dry_run {
+                    txn.set_dry_run();
+                }
+                txn.put(key.clone(), encode_stored(&object));
+                Ok(object.to_value())
+            })
+            .await?;
+        Ok(finish(done, warnings, true))
+    }
+
+    /// UPDATE (PUT), of the object or of its `status`.
+    pub async fn update(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+        status_only: bool,
+        body: Value,
+        options: WriteOptions,
+    ) -> Result<Written, ApiError> {
+        let (mut object, warnings) = Self::decode_body(kind, &body, options.field_validation)?;
+        match object.metadata().name.as_deref() {
+            None | Some("") => object.metadata_mut().name = Some(name.to_owned()),
+            Some(n) if n != name => {
+                return Err(ApiError::bad_request(format!(
+                    "the name of the object ({n}) does not match the name on the URL ({name})"
+                )));
+            }
+            _ => {}
+        }
+        if kind.namespaced() {
+            let url_ns = namespace.unwrap_or("");
+            match object.metadata().namespace.as_deref() {
+                None | Some("") => object.metadata_mut().namespace = Some(url_ns.to_owned()),
+                Some(ns) if ns != url_ns => {
+                    return Err(ApiError::bad_request(
+                        "the namespace of the provided object does not match the namespace sent on the request",
+                    ));
+                }
+                _ => {}
+            }
+        }
+        kinds::set_defaults(&mut object);
+        let key = self.key(kind, namespace, name);
+        let mut keys = vec![key.clone()];
+        let ns_key = namespace
+            .filter(|_| kind.namespaced())
+            .map(|n| self.namespace_key(n));
+        keys.extend(ns_key.clone());
+        let ranges = self.ranges.clone();
+        let name = name.to_owned();
+        let namespace = namespace.map(str::to_owned);
+        let done = self
+            .store
+            .mutate(keys, move |txn| {
+                let Some(old) = txn.get(&key) else {
+                    if !kind.allow_create_on_update() || status_only {
+                        return Err(ApiError::not_found(kind.subject(), &name));
+                    }
+                    if let (Some(ns_key), Some(ns)) = (&ns_key, &namespace)
+                        && txn.get(ns_key).is_none()
+                    {
+                        return Err(ApiError::not_found(Kind::Namespace.subject(), ns));
+                    }
+                    let mut object = object.clone();
+                    {
+                        let meta = object.metadata_mut();
+                        meta.uid = Some(new_uid());
+                        meta.creation_timestamp = Some(now());
+                        meta.resource_version = None;
+                    }
+                    kinds::prepare_create(&mut object);
+                    if let Object::Service(svc) = &mut object {
+                        service::create(svc, txn.allocators()?, &ranges)?;
+                    } else {
+                        let errs = kinds::validate(&object);
+                        if !errs.is_empty() {
+                            return Err(invalid(kind, &name, errs));
+                        }
+                    }
+                    if options.dry_run {
+                        txn.set_dry_run();
+                    }
+                    txn.put(key.clone(), encode_stored(&object));
+                    return Ok((object.to_value(), true, 0));
+                };
+                let old_object = typed_from_entry(kind, &old.value)?;
+                let new = apply_update(
+                    txn,
+                    kind,
+                    &old_object,
+                    old.mod_revision,
+                    object.clone(),
+                    status_only,
+                    &ranges,
+                )?;
+                let encoded = encode_stored(&new);
+                if encoded == old.value {
+                    // kube-apiserver's GuaranteedUpdate writes nothing when nothing changed.
+                    return Ok((new.to_value(), false, old.mod_revision));
+                }
+                if options.dry_run {
+                    txn.set_dry_run();
+                }
+                txn.put(key.clone(), encoded);
+                Ok((new.to_value(), false, old.mod_revision))
+            })
+            .await?;
+        let (mut object, created, old_revision) = done.value;
+        match done.revision {
+            Some(rev) => set_resource_version(&mut object, rev),
+            None if old_revision != 0 => set_resource_version(&mut object, old_revision),
+            None => {}
+        }
+        Ok(Written {
+            object,
+            warnings,
+            created,
+        })
+    }
+
+    /// PATCH, of the object or of its `status`.
+    #[allow(clippy::too_many_arguments)]
+    pub async fn patch(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+        status_only: bool,
+        patch_type: PatchType,
+        patch: Value,
+        options: WriteOptions,
+    ) -> Result<Written, ApiError> {
+        let key = self.key(kind, namespace, name);
+        let ranges = self.ranges.clone();
+        let name = name.to_owned();
+        let done = self
+            .store
+            .mutate(vec![key.clone()], move |txn| {
+                let Some(old) = txn.get(&key) else {
+                    return Err(ApiError::not_found(kind.subject(), &name));
+                };
+                let old_value = decode_stored(&old.value, old.mod_revision)?;
+                let patched = patch::apply(kind, patch_type, &old_value, &patch)?;
+                let decoded = Object::decode(kind, &patched)?;
+                let warnings =
+                    unknown_field_handling(&decoded.unknown_fields, options.field_validation)?;
+                let mut object = decoded.object;
+                if object.name() != name {
+                    return Err(ApiError::bad_request(format!(
+                        "the name of the object ({}) does not match the name on the URL ({name})",
+                        object.name()
+                    )));
+                }
+                kinds::set_defaults(&mut object);
+                let old_object = typed_from_entry(kind, &old.value)?;
+                let new = apply_update(
+                    txn,
+                    kind,
+                    &old_object,
+                    old.mod_revision,
+                    object,
+                    status_only,
+                    &ranges,
+                )?;
+                let encoded = encode_stored(&new);
+                if encoded != old.value {
+                    if options.dry_run {
+                        txn.set_dry_run();
+                    }
+                    txn.put(key.clone(), encoded);
+                }
+                Ok((new.to_value(), warnings, old.mod_revision))
+            })
+            .await?;
+        let (mut object, warnings, old_revision) = done.value;
+        set_resource_version(&mut object, done.revision.unwrap_or(old_revision));
+        Ok(Written {
+            object,
+            warnings,
+            created: false,
+        })
+    }
+
+    /// DELETE one object. Returns the deleted object.
+    pub async fn delete(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+        preconditions: Preconditions,
+        options: WriteOptions,
+    ) -> Result<Value, ApiError> {
+        let key = self.key(kind, namespace, name);
+        let mut keys = vec![key.clone()];
+        let mut extra = Vec::new();
+        match kind {
+            // kube-apiserver's Service REST deletes the same-named Endpoints with the Service.
+            Kind::Service => extra.push(self.key(Kind::Endpoints, namespace, name)),
+            Kind::Namespace => {
+                if SYSTEM_NAMESPACES.contains(&name) {
+                    return Err(ApiError::forbidden(
+                        kind.subject(),
+                        name,
+                        "this namespace may not be deleted",
+                    ));
+                }
+                // Our namespace deletion is immediate: what the namespace controller would
+                // remove goes in the same transaction.
+                for k in [Kind::Service, Kind::Endpoints, Kind::EndpointSlice] {
+                    let page = self
+                        .store
+                        .backend()
+                        .list(ListRequest {
+                            prefix: k.list_prefix(self.store.prefix(), Some(name)),
+                            start: None,
+                            revision: None,
+                            limit: None,
+                        })
+                        .await?;
+                    extra.extend(page.kvs.into_iter().map(|kv| kv.key));
+                }
+            }
+            _ => {}
+        }
+        keys.extend(extra.iter().cloned());
+        let service_prefix = Kind::Service.list_prefix(self.store.prefix(), None);
+        let name = name.to_owned();
+        let done = self
+            .store
+            .mutate(keys, move |txn| {
+                let Some(old) = txn.get(&key) else {
+                    return Err(ApiError::not_found(kind.subject(), &name));
+                };
+                let old_value = decode_stored(&old.value, old.mod_revision)?;
+                check_preconditions(kind, &name, &old_value, old.mod_revision, &preconditions)?;
+                if let Object::Service(svc) = typed_from_entry(kind, &old.value)? {
+                    service::release(&svc, txn.allocators()?);
+                }
+                for extra_key in &extra {
+                    if let Some(entry) = txn.get(extra_key) {
+                        if extra_key.starts_with(&service_prefix)
+                            && let Object::Service(svc) =
+                                typed_from_entry(Kind::Service, &entry.value)?
+                        {
+                            service::release(&svc, txn.allocators()?);
+                        }
+                        txn.delete(extra_key.clone());
+                    }
+                }
+                if options.dry_run {
+                    txn.set_dry_run();
+                }
+                txn.delete(key.clone());
+                Ok(old_value)
+            })
+            .await?;
+        Ok(done.value)
+    }
+
+    /// DELETE a collection: every object the selectors match. Returns the deleted objects.
+    pub async fn delete_collection(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        list: &ListOptions,
+        options: WriteOptions,
+    ) -> Result<Vec<Value>, ApiError> {
+        if kind == Kind::Namespace {
+            return Err(ApiError::method_not_supported(
+                kind.subject(),
+                "deletecollection",
+            ));
+        }
+        let matched = self
+            .list(
+                kind,
+                namespace,
+                &ListOptions {
+                    limit: 0,
+                    continue_token: None,
+                    ..list.clone()
+                },
+            )
+            .await?;
+        let mut keys = Vec::new();
+        for item in &matched.items {
+            let ns = item.pointer("/metadata/namespace").and_then(Value::as_str);
+            let name = item
+                .pointer("/metadata/name")
+                .and_then(Value::as_str)
+                .unwrap_or("");
+            keys.push(self.key(kind, ns, name));
+            if kind == Kind::Service {
+                keys.push(self.key(Kind::Endpoints, ns, name));
+            }
+        }
+        let endpoints_prefix = Kind::Endpoints.list_prefix(self.store.prefix(), None);
+        let done = self
+            .store
+            .mutate(keys.clone(), move |txn| {
+                let mut deleted = Vec::new();
+                for key in &keys {
+                    let Some(entry) = txn.get(key) else { continue };
+                    if kind == Kind::Service && key.starts_with(&endpoints_prefix) {
+                        txn.delete(key.clone());
+                        continue;
+                    }
+                    if let Object::Service(svc) = typed_from_entry(kind, &entry.value)? {
+                        service::release(&svc, txn.allocators()?);
+                    }
+                    deleted.push(decode_stored(&entry.value, entry.mod_revision)?);
+                    txn.delete(key.clone());
+                }
+                if options.dry_run {
+                    txn.set_dry_run();
+                }
+                Ok(deleted)
+            })
+            .await?;
+        Ok(done.value)
+    }
+
+    /// Creates what exists from the first start, and the allocation bitmaps: the system
+    /// namespaces, `default/kubernetes`, and bitmaps rebuilt from the stored Services when they are
+    /// missing or were written for other ranges (the flags changed).
+    pub async fn bootstrap(&self) -> Result<(), ApiError> {
+        let services = self
+            .store
+            .backend()
+            .list(ListRequest {
+                prefix: Kind::Service.list_prefix(self.store.prefix(), None),
+                start: None,
+                revision: None,
+                limit: None,
+            })
+            .await?;
+        let service_keys: Vec<String> = services.kvs.iter().map(|kv| kv.key.clone()).collect();
+        let mut keys = service_keys.clone();
+        let ns_keys: Vec<(String, String)> = SYSTEM_NAMESPACES
+            .iter()
+            .map(|n| (n.to_string(), self.namespace_key(n)))
+            .collect();
+        keys.extend(ns_keys.iter().map(|(_, k)| k.clone()));
+        let kubernetes_key = self.key(Kind::Service, Some("default"), "kubernetes");
+        keys.push(kubernetes_key.clone());
+        let ranges = self.ranges.clone();
+        self.store
+            .mutate(keys, move |txn| {
+                if !txn.allocators_initialized() {
+                    let mut fresh = Allocators {
+                        ports: nodeport_alloc::port::Allocator::new(ranges.node_ports),
+                        ips: nodeport_alloc::ip::Allocator::new(ranges.cluster_ips)
+                            .map_err(ApiError::internal)?,
+                    };
+                    for key in &service_keys {
+                        let Some(entry) = txn.get(key) else { continue };
+                        let Object::Service(svc) = typed_from_entry(Kind::Service, &entry.value)? else {
+                            continue;
+                        };
+                        let (ips, ports) = service::held(&svc);
+                        for ip in ips {
+                            if let Err(e) = fresh.ips.allocate(ip) {
+                                tracing::warn!(service = key, %ip, error = %e, "ClusterIP not restored into the rebuilt bitmap");
+                            }
+                        }
+                        for port in ports {
+                            if let Err(e) = fresh.ports.allocate(port) {
+                                tracing::warn!(service = key, port, error = %e, "nodePort not restored into the rebuilt bitmap");
+                            }
+                        }
+                    }
+                    if !service_keys.is_empty() {
+                        tracing::warn!(services = service_keys.len(), "allocation bitmaps rebuilt from the stored Services");
+                    }
+                    txn.replace_allocators(fresh);
+                }
+                for (name, key) in &ns_keys {
+                    if txn.get(key).is_none() {
+                        let mut ns = Object::Namespace(Box::new(Namespace {
+                            metadata: ObjectMeta {
+                                name: Some(name.clone()),
+                                uid: Some(new_uid()),
+                                creation_timestamp: Some(now()),
+                                labels: Some([("kubernetes.io/metadata.name".to_owned(), name.clone())].into()),
+                                ..Default::default()
+                            },
+                            ..Default::default()
+                        }));
+                        kinds::prepare_create(&mut ns);
+                        txn.put(key.clone(), encode_stored(&ns));
+                    }
+                }
+                if txn.get(&kubernetes_key).is_none() {
+                    let mut svc: Service = service::kubernetes_service(&ranges);
+                    svc.metadata.uid = Some(new_uid());
+                    svc.metadata.creation_timestamp = Some(now());
+                    service::create(&mut svc, txn.allocators()?, &ranges)?;
+                    txn.put(kubernetes_key.clone(), encode_stored(&Object::Service(Box::new(svc))));
+                }
+                Ok(())
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// Compares the stored bitmaps with what the stored Services hold, at one revision.
+    pub async fn verify(&self) -> Result<Verification, ApiError> {
+        let page = self
+            .store
+            .backend()
+            .list(ListRequest {
+                prefix: format!("{}/", self.store.prefix()),
+                start: None,
+                revision: None,
+                limit: None,
+            })
+            .await?;
+        verify_dump(&page.kvs, self.store.prefix(), &self.ranges)
+    }
+}
+
+/// [`Registry::verify`] over a dump of the keyspace (also used offline on a stopped server's data).
+pub fn verify_dump(
+    kvs: &[KeyValue],
+    prefix: &str,
+    ranges: &ServiceRanges,
+) -> Result<Verification, ApiError> {
+    let np_key = storage::keys::node_port_range(prefix);
+    let ip_key = storage::keys::service_ip_range(prefix);
+    let service_prefix = Kind::Service.list_prefix(prefix, None);
+    let mut report = Verification::default();
+    let mut ports_held = std::collections::BTreeMap::<u16, usize>::new();
+    let mut ips_held = std::collections::BTreeMap::<IpAddr, usize>::new();
+    let mut bitmap_ports = BTreeSet::new();
+    let mut bitmap_ips = BTreeSet::new();
+    for kv in kvs {
+        if kv.key == np_key {
+            let snap = crate::store::decode_range(&kv.value).map_err(ApiError::internal)?;
+            let mut a = nodeport_alloc::port::Allocator::new(ranges.node_ports);
+            a.restore(&snap.range, &snap.data)
+                .map_err(ApiError::internal)?;
+            bitmap_ports.extend(a.iter());
+        } else if kv.key == ip_key {
+            let snap = crate::store::decode_range(&kv.value).map_err(ApiError::internal)?;
+            let mut a = nodeport_alloc::ip::Allocator::new(ranges.cluster_ips)
+                .map_err(ApiError::internal)?;
+            a.restore(&snap.range, &snap.data)
+                .map_err(ApiError::internal)?;
+            bitmap_ips.extend(a.iter());
+        } else if kv.key.starts_with(&service_prefix) {
+            let Object::Service(svc) = typed_from_entry(Kind::Service, &kv.value)? else {
+                continue;
+            };
+            report.services += 1;
+            let (ips, ports) = service::held(&svc);
+            for ip in ips {
+                *ips_held.entry(ip).or_default() += 1;
+            }
+            for p in ports {
+                *ports_held.entry(p).or_default() += 1;
+            }
+        }
+    }
+    for (p, n) in &ports_held {
+        if *n > 1 {
+            report.duplicate_ports.push(*p);
+        }
+        if !bitmap_ports.contains(p) {
+            report.missing_ports.push(*p);
+        }
+    }
+    for (ip, n) in &ips_held {
+        if *n > 1 {
+            report.duplicate_ips.push(*ip);
+        }
+        if !bitmap_ips.contains(ip) {
+            report.missing_ips.push(*ip);
+        }
+    }
+    report.leaked_ports = bitmap_ports
+        .into_iter()
+        .filter(|p| !ports_held.contains_key(p))
+        .collect();
+    report.leaked_ips = bitmap_ips
+        .into_iter()
+        .filter(|ip| !ips_held.contains_key(ip))
+        .collect();
+    Ok(report)
+}
+
+fn check_preconditions(
+    kind: Kind,
+    name: &str,
+    object: &Value,
+    revision: Revision,
+    pre: &Preconditions,
+) -> Result<(), ApiError> {
+    if let Some(uid) = pre.uid.as_deref() {
+        let actual = object
+            .pointer("/metadata/uid")
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        if uid != actual {
+            return Err(ApiError::conflict(
+                kind.subject(),
+                name,
+                &format!(
+                    "Precondition failed: UID in precondition: {uid}, UID in object meta: {actual}"
+                ),
+            ));
+        }
+    }
+    if let Some(rv) = pre.resource_version.as_deref() {
+        let actual = revision.to_string();
+        if rv != actual {
+            return Err(ApiError::conflict(
+                kind.subject(),
+                name,
+                &format!(
+                    "Precondition failed: ResourceVersion in precondition: {rv}, ResourceVersion in object meta: {actual}"
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The shared part of PUT and PATCH once the new object is decoded: optimistic concurrency,
+/// immutable metadata, status handling, then the kind's update hooks.
+fn apply_update(
+    txn: &mut Txn<'_>,
+    kind: Kind,
+    old: &Object,
+    old_revision: Revision,
+    mut new: Object,
+    status_only: bool,
+    ranges: &ServiceRanges,
+) -> Result<Object, ApiError> {
+    let name = old.name().to_owned();
+    if let Some(rv) = new
+        .metadata()
+        .resource_version
+        .as_deref()
+        .filter(|rv| !rv.is_empty())
+        && (old_revision == 0 || rv != old_revision.to_string())
+    {
+        return Err(ApiError::modified(kind.subject(), &name));
+    }
+    if status_only {
+        // The status subresource changes status and nothing else.
+        let mut merged = old.clone();
+        merged.set_status_from(&new);
+        new = merged;
+    } else {
+        if kind.has_status() {
+            new.set_status_from(old);
+        }
+        let old_meta = old.metadata();
+        let meta = new.metadata_mut();
+        meta.uid = old_meta.uid.clone();
+        meta.creation_timestamp = old_meta.creation_timestamp.clone();
+        meta.deletion_timestamp = old_meta.deletion_timestamp.clone();
+        meta.generate_name = meta
+            .generate_name
+            .take()
+            .or_else(|| old_meta.generate_name.clone());
+        meta.managed_fields = None;
+        if let Some(uid) = &meta.uid
+            && old_meta.uid.as_ref() != Some(uid)
+        {
+            return Err(ApiError::conflict(kind.subject(), &name, "UID mismatch"));
+        }
+    }
+    new.metadata_mut().resource_version = None;
+    match (&mut new, old) {
+        (Object::Service(new_svc), Object::Service(old_svc)) => {
+            if !status_only {
+                service::update(old_svc, new_svc, txn.allocators()?, ranges)?;
+            }
+        }
+        (Object::EndpointSlice(new_slice), Object::EndpointSlice(old_slice)) => {
+            let generation = old_slice.metadata.generation.unwrap_or(1);
+            let changed = new_slice.endpoints != old_slice.endpoints
+                || new_slice.ports != old_slice.ports
+                || new_slice.address_type != old_slice.address_type;
+            new_slice.metadata.generation = Some(if changed { generation + 1 } else { generation });
+            let errs = kinds::validate(&new);
+            if !errs.is_empty() {
+                return Err(invalid(kind, &name, errs));
+            }
+        }
+        _ => {
+            let errs = kinds::validate(&new);
+            if !errs.is_empty() {
+                return Err(invalid(kind, &name, errs));
+            }
+        }
+    }
+    Ok(new)
+}
+
+fn finish(done: Done<Value>, warnings: Vec<String>, created: bool) -> Written {
+    let mut object = done.value;
+    if let Some(rev) = done.revision {
+        set_resource_version(&mut object, rev);
+    }
+    Written {
+        object,
+        warnings,
+        created,
+    }
+}
+
+/// A `Status` with `status: Success` for a deleted object (what the generic store returns when it
+/// does not return the object itself).
+pub fn success_status(kind: Kind, object: &Value) -> Value {
+    let mut details = json!({
+        "name": object.pointer("/metadata/name").cloned().unwrap_or(Value::Null),
+        "kind": kind.resource(),
+        "uid": object.pointer("/metadata/uid").cloned().unwrap_or(Value::Null),
+    });
+    if !kind.group().is_empty() {
+        details["group"] = Value::String(kind.group().into());
+    }
+    json!({"kind":"Status","apiVersion":"v1","metadata":{},"status":"Success","details":details})
+}

@@ -1,0 +1,194 @@
+//! The resources this server serves, with their names, scopes and storage keys.
+
+use crate::error::Subject;
+
+/// A served resource.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kind {
+    /// `core/v1` Service (namespaced, `status` subresource, allocation).
+    Service,
+    /// `core/v1` Endpoints (namespaced).
+    Endpoints,
+    /// `discovery.k8s.io/v1` EndpointSlice (namespaced).
+    EndpointSlice,
+    /// `core/v1` Node (cluster-scoped, `status` subresource).
+    Node,
+    /// `core/v1` Namespace (cluster-scoped, `status` subresource).
+    Namespace,
+}
+
+impl Kind {
+    /// Every served resource.
+    pub const ALL: [Kind; 5] = [
+        Kind::Namespace,
+        Kind::Service,
+        Kind::Endpoints,
+        Kind::Node,
+        Kind::EndpointSlice,
+    ];
+
+    /// The API group (`""` for core).
+    pub fn group(self) -> &'static str {
+        match self {
+            Kind::EndpointSlice => "discovery.k8s.io",
+            _ => "",
+        }
+    }
+
+    /// The version within the group.
+    pub fn version(self) -> &'static str {
+        "v1"
+    }
+
+    /// `apiVersion` as written in objects.
+    pub fn api_version(self) -> &'static str {
+        match self {
+            Kind::EndpointSlice => "discovery.k8s.io/v1",
+            _ => "v1",
+        }
+    }
+
+    /// `kind`.
+    pub fn kind(self) -> &'static str {
+        match self {
+            Kind::Service => "Service",
+            Kind::Endpoints => "Endpoints",
+            Kind::EndpointSlice => "EndpointSlice",
+            Kind::Node => "Node",
+            Kind::Namespace => "Namespace",
+        }
+    }
+
+    /// `kind` of the list.
+    pub fn list_kind(self) -> String {
+        format!("{}List", self.kind())
+    }
+
+    /// The plural resource name used in paths.
+    pub fn resource(self) -> &'static str {
+        match self {
+            Kind::Service => "services",
+            Kind::Endpoints => "endpoints",
+            Kind::EndpointSlice => "endpointslices",
+            Kind::Node => "nodes",
+            Kind::Namespace => "namespaces",
+        }
+    }
+
+    /// The singular name.
+    pub fn singular(self) -> &'static str {
+        match self {
+            Kind::Service => "service",
+            Kind::Endpoints => "endpoints",
+            Kind::EndpointSlice => "endpointslice",
+            Kind::Node => "node",
+            Kind::Namespace => "namespace",
+        }
+    }
+
+    /// kubectl short names.
+    pub fn short_names(self) -> &'static [&'static str] {
+        match self {
+            Kind::Service => &["svc"],
+            Kind::Endpoints => &["ep"],
+            Kind::EndpointSlice => &[],
+            Kind::Node => &["no"],
+            Kind::Namespace => &["ns"],
+        }
+    }
+
+    /// Whether objects live in a namespace.
+    pub fn namespaced(self) -> bool {
+        !matches!(self, Kind::Node | Kind::Namespace)
+    }
+
+    /// Whether the resource has a `status` subresource.
+    pub fn has_status(self) -> bool {
+        matches!(self, Kind::Service | Kind::Node | Kind::Namespace)
+    }
+
+    /// Whether PUT of a missing object creates it (`AllowCreateOnUpdate` of the kube strategy).
+    pub fn allow_create_on_update(self) -> bool {
+        matches!(self, Kind::Service | Kind::Endpoints | Kind::EndpointSlice)
+    }
+
+    /// The storage directory under the prefix, as kube-apiserver names it.
+    fn key_dir(self) -> &'static str {
+        match self {
+            Kind::Service => "services/specs",
+            Kind::Endpoints => "services/endpoints",
+            Kind::EndpointSlice => "endpointslices",
+            Kind::Node => "minions",
+            Kind::Namespace => "namespaces",
+        }
+    }
+
+    /// The storage key of one object.
+    pub fn key(self, prefix: &str, namespace: Option<&str>, name: &str) -> String {
+        match namespace {
+            Some(ns) if self.namespaced() => format!("{prefix}/{}/{ns}/{name}", self.key_dir()),
+            _ => format!("{prefix}/{}/{name}", self.key_dir()),
+        }
+    }
+
+    /// The key prefix of a list, within one namespace or across all.
+    pub fn list_prefix(self, prefix: &str, namespace: Option<&str>) -> String {
+        match namespace {
+            Some(ns) if self.namespaced() => format!("{prefix}/{}/{ns}/", self.key_dir()),
+            _ => format!("{prefix}/{}/", self.key_dir()),
+        }
+    }
+
+    /// The subject of error messages about this resource.
+    pub fn subject(self) -> Subject {
+        Subject {
+            group: self.group(),
+            resource: self.resource(),
+            kind: self.kind(),
+        }
+    }
+
+    /// The resource served at `group`/`version`/`resource`.
+    pub fn from_path(group: &str, version: &str, resource: &str) -> Option<Kind> {
+        Kind::ALL
+            .into_iter()
+            .find(|k| k.group() == group && k.version() == version && k.resource() == resource)
+    }
+
+    /// kubectl categories (`kubectl get all`).
+    pub fn categories(self) -> &'static [&'static str] {
+        match self {
+            Kind::Service => &["all"],
+            _ => &[],
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_laid_out_as_kube_apiserver_lays_them_out() {
+        assert_eq!(
+            Kind::Service.key("/registry", Some("default"), "web"),
+            "/registry/services/specs/default/web"
+        );
+        assert_eq!(
+            Kind::Endpoints.key("/registry", Some("default"), "web"),
+            "/registry/services/endpoints/default/web"
+        );
+        assert_eq!(
+            Kind::EndpointSlice.key("/registry", Some("ns"), "web-abc"),
+            "/registry/endpointslices/ns/web-abc"
+        );
+        assert_eq!(
+            Kind::Node.key("/registry", None, "n1"),
+            "/registry/minions/n1"
+        );
+        assert_eq!(
+            Kind::Namespace.key("/registry", None, "default"),
+            "/registry/namespaces/default"
+        );
+    }
+}

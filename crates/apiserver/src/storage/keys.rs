@@ -1,0 +1,24 @@
+//! Storage keys, laid out as kube-apiserver lays them out in etcd under `--etcd-prefix`.
+//!
+//! | what | key |
+//! | --- | --- |
+//! | Service | `<prefix>/services/specs/<namespace>/<name>` |
+//! | Endpoints | `<prefix>/services/endpoints/<namespace>/<name>` |
+//! | EndpointSlice | `<prefix>/endpointslices/<namespace>/<name>` |
+//! | Node | `<prefix>/minions/<name>` |
+//! | Namespace | `<prefix>/namespaces/<name>` |
+//! | NodePort bitmap | `<prefix>/ranges/servicenodeports` |
+//! | ClusterIP bitmap | `<prefix>/ranges/serviceips` |
+
+/// kube-apiserver's default `--etcd-prefix`.
+pub const DEFAULT_PREFIX: &str = "/registry";
+
+/// The key of the NodePort allocation bitmap (a `RangeAllocation` JSON document).
+pub fn node_port_range(prefix: &str) -> String {
+    format!("{prefix}/ranges/servicenodeports")
+}
+
+/// The key of the ClusterIP allocation bitmap (a `RangeAllocation` JSON document).
+pub fn service_ip_range(prefix: &str) -> String {
+    format!("{prefix}/ranges/serviceips")
+}

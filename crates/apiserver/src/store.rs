@@ -1,0 +1,482 @@
+//! The single writer: every mutation of the API runs here, serially, and commits in batches.
+//!
+//! Why one writer: the NodePort and ClusterIP bitmaps are two hot keys that every Service write
+//! reads and changes. With optimistic compare-and-swap from many concurrent requests, nearly all
+//! of them would lose the race and retry. Instead each request hands a closure (a [`Mutation`])
+//! to one writer task, which
+//!
+//! 1. takes every mutation that is queued (up to [`MAX_BATCH`]),
+//! 2. reads the keys they declared, plus both range keys, at one revision,
+//! 3. runs the mutations one after the other against a view ([`Txn`]) that shows the writes of the
+//!    earlier ones and holds the decoded allocators (cached between batches by the range keys'
+//!    `mod_revision`, so the bitmaps are decoded only when another writer changed them),
+//! 4. commits the writes of all of them, and the new bitmaps, in **one** backend transaction whose
+//!    compares are the `mod_revision`s of every key read. On the embedded backend that is one redb
+//!    write transaction and one fsync for the whole batch (group commit). On a lost race (only
+//!    possible when several API servers share etcd) the batch is read again and re-run.
+//!
+//! A mutation that fails leaves nothing behind: its writes and its allocator changes are made on a
+//! working copy that is dropped. So a rejected request, a lost race or a crash (nothing is
+//! acknowledged before the commit is durable) never leaks or doubles a port or an IP.
+
+use std::any::Any;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+
+use base64::Engine;
+use nodeport_alloc::{PortRange, Snapshot, ip, port};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot};
+use tracing::Instrument;
+
+use crate::error::ApiError;
+use crate::storage::{self, Backend, Batch, Commit, Compare, KeyValue, Op, Revision};
+
+/// Most mutations committed in one batch.
+pub const MAX_BATCH: usize = 256;
+/// How often a batch is re-run after losing a race before the requests fail.
+const MAX_CONFLICT_RETRIES: usize = 8;
+
+/// The NodePort and ClusterIP allocators as one batch (or one mutation) sees them.
+#[derive(Debug, Clone)]
+pub struct Allocators {
+    /// NodePorts (`--service-node-port-range`).
+    pub ports: port::Allocator,
+    /// ClusterIPs (`--service-cluster-ip-range`).
+    pub ips: ip::Allocator,
+}
+
+/// The ranges the allocators cover.
+#[derive(Debug, Clone)]
+pub struct Ranges {
+    /// `--service-node-port-range`.
+    pub node_ports: PortRange,
+    /// `--service-cluster-ip-range`.
+    pub cluster_ips: ipnet::IpNet,
+}
+
+impl Ranges {
+    /// Empty allocators over these ranges.
+    pub fn empty(&self) -> Result<Allocators, ApiError> {
+        Ok(Allocators {
+            ports: port::Allocator::new(self.node_ports),
+            ips: ip::Allocator::new(self.cluster_ips).map_err(ApiError::internal)?,
+        })
+    }
+}
+
+/// Kubernetes' `RangeAllocation`, the stored form of a bitmap.
+#[derive(Debug, Serialize, Deserialize)]
+struct RangeAllocation {
+    kind: String,
+    #[serde(rename = "apiVersion")]
+    api_version: String,
+    metadata: serde_json::Value,
+    range: String,
+    /// Base64, as Go's `[]byte` in JSON.
+    data: String,
+}
+
+/// Encodes a bitmap snapshot as a `RangeAllocation` JSON document.
+pub fn encode_range(snapshot: &Snapshot) -> Arc<[u8]> {
+    let doc = RangeAllocation {
+        kind: "RangeAllocation".into(),
+        api_version: "v1".into(),
+        metadata: serde_json::json!({"creationTimestamp": null}),
+        range: snapshot.range.clone(),
+        data: base64::engine::general_purpose::STANDARD.encode(&snapshot.data),
+    };
+    serde_json::to_vec(&doc).expect("range serializes").into()
+}
+
+/// Decodes a stored `RangeAllocation`.
+pub fn decode_range(value: &[u8]) -> Result<Snapshot, String> {
+    let doc: RangeAllocation =
+        serde_json::from_slice(value).map_err(|e| format!("not a RangeAllocation: {e}"))?;
+    let data = base64::engine::general_purpose::STANDARD
+        .decode(doc.data.as_bytes())
+        .map_err(|e| format!("bad bitmap: {e}"))?;
+    Ok(Snapshot {
+        range: doc.range,
+        data,
+    })
+}
+
+/// A key as a mutation sees it.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    /// The value.
+    pub value: Arc<[u8]>,
+    /// Its `mod_revision`, or 0 if an earlier mutation of the same batch wrote it.
+    pub mod_revision: Revision,
+}
+
+/// The view a mutation runs against: the keys it declared, the writes of the mutations before it
+/// in the batch, and the allocators.
+pub struct Txn<'a> {
+    base: &'a HashMap<String, KeyValue>,
+    batch_writes: &'a HashMap<String, Option<Arc<[u8]>>>,
+    batch_allocators: &'a Option<Allocators>,
+    writes: Vec<Op>,
+    allocators: Option<Allocators>,
+    allocators_replaced: bool,
+    dry_run: bool,
+}
+
+impl Txn<'_> {
+    /// Reads a key. The key must be one the mutation declared.
+    pub fn get(&self, key: &str) -> Option<Entry> {
+        if let Some(op) = self.writes.iter().rev().find(|op| op.key() == key) {
+            return match op {
+                Op::Put { value, .. } => Some(Entry {
+                    value: value.clone(),
+                    mod_revision: 0,
+                }),
+                Op::Delete { .. } => None,
+            };
+        }
+        if let Some(write) = self.batch_writes.get(key) {
+            return write.as_ref().map(|value| Entry {
+                value: value.clone(),
+                mod_revision: 0,
+            });
+        }
+        self.base.get(key).map(|kv| Entry {
+            value: kv.value.clone(),
+            mod_revision: kv.mod_revision,
+        })
+    }
+
+    /// Writes a key.
+    pub fn put(&mut self, key: String, value: Arc<[u8]>) {
+        self.writes.push(Op::Put { key, value });
+    }
+
+    /// Deletes a key.
+    pub fn delete(&mut self, key: String) {
+        self.writes.push(Op::Delete { key });
+    }
+
+    /// The allocators, as changed by this mutation so far. Changes are kept only if the mutation
+    /// succeeds and is not a dry run.
+    pub fn allocators(&mut self) -> Result<&mut Allocators, ApiError> {
+        if self.allocators.is_none() {
+            let current = self.batch_allocators.as_ref().ok_or_else(|| {
+                ApiError::internal(
+                    "cannot allocate resources of type servicenodeportallocations at this time",
+                )
+            })?;
+            self.allocators = Some(current.clone());
+        }
+        Ok(self.allocators.as_mut().expect("set above"))
+    }
+
+    /// Replaces the allocators (bootstrap and repair only).
+    pub fn replace_allocators(&mut self, allocators: Allocators) {
+        self.allocators = Some(allocators);
+        self.allocators_replaced = true;
+    }
+
+    /// Whether the stored bitmaps exist yet.
+    pub fn allocators_initialized(&self) -> bool {
+        self.batch_allocators.is_some()
+    }
+
+    /// Marks the mutation a dry run: it runs to the end, but nothing it wrote or allocated is kept.
+    pub fn set_dry_run(&mut self) {
+        self.dry_run = true;
+    }
+}
+
+type BoxedMutation =
+    Box<dyn FnMut(&mut Txn<'_>) -> Result<Box<dyn Any + Send>, ApiError> + Send + 'static>;
+
+struct Job {
+    keys: Vec<String>,
+    run: BoxedMutation,
+    reply: oneshot::Sender<Result<Done<Box<dyn Any + Send>>, ApiError>>,
+}
+
+/// The result of a committed mutation.
+#[derive(Debug)]
+pub struct Done<T> {
+    /// What the mutation returned.
+    pub value: T,
+    /// The revision its writes were committed at; `None` if it wrote nothing.
+    pub revision: Option<Revision>,
+}
+
+/// Handle to the writer task and the backend. Cheap to clone.
+#[derive(Clone)]
+pub struct Store {
+    backend: Arc<dyn Backend>,
+    jobs: mpsc::Sender<Job>,
+    prefix: Arc<str>,
+}
+
+impl Store {
+    /// Starts the writer task over `backend`.
+    pub fn start(backend: Arc<dyn Backend>, prefix: &str, ranges: Ranges) -> Self {
+        let (jobs, rx) = mpsc::channel(4 * MAX_BATCH);
+        let writer = Writer {
+            backend: backend.clone(),
+            node_port_key: storage::keys::node_port_range(prefix),
+            ip_key: storage::keys::service_ip_range(prefix),
+            ranges,
+            cache: None,
+        };
+        tokio::spawn(
+            writer
+                .run(rx)
+                .instrument(tracing::info_span!("writer", backend = backend.name())),
+        );
+        Store {
+            backend,
+            jobs,
+            prefix: prefix.into(),
+        }
+    }
+
+    /// The backend, for reads and watches.
+    pub fn backend(&self) -> &Arc<dyn Backend> {
+        &self.backend
+    }
+
+    /// The key prefix (`--etcd-prefix`).
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// Runs `f` in the writer against the declared `keys` and commits what it wrote.
+    ///
+    /// `f` may run more than once (when a batch loses a race with another API server), so it must
+    /// not have side effects outside the [`Txn`].
+    pub async fn mutate<T, F>(&self, keys: Vec<String>, mut f: F) -> Result<Done<T>, ApiError>
+    where
+        T: Send + 'static,
+        F: FnMut(&mut Txn<'_>) -> Result<T, ApiError> + Send + 'static,
+    {
+        let (reply, rx) = oneshot::channel();
+        let job = Job {
+            keys,
+            run: Box::new(move |txn| f(txn).map(|v| Box::new(v) as Box<dyn Any + Send>)),
+            reply,
+        };
+        self.jobs
+            .send(job)
+            .await
+            .map_err(|_| ApiError::unavailable("the storage writer has stopped"))?;
+        let done = rx
+            .await
+            .map_err(|_| ApiError::unavailable("the storage writer has stopped"))??;
+        Ok(Done {
+            value: *done.value.downcast::<T>().expect("mutation output type"),
+            revision: done.revision,
+        })
+    }
+}
+
+struct Writer {
+    backend: Arc<dyn Backend>,
+    node_port_key: String,
+    ip_key: String,
+    ranges: Ranges,
+    /// The allocators as of the range keys' mod revisions.
+    cache: Option<(Option<Revision>, Option<Revision>, Allocators)>,
+}
+
+struct Outcome {
+    result: Result<Box<dyn Any + Send>, ApiError>,
+    group: usize,
+}
+
+impl Writer {
+    async fn run(mut self, mut rx: mpsc::Receiver<Job>) {
+        while let Some(first) = rx.recv().await {
+            let mut jobs = vec![first];
+            while jobs.len() < MAX_BATCH {
+                match rx.try_recv() {
+                    Ok(job) => jobs.push(job),
+                    Err(_) => break,
+                }
+            }
+            self.run_batch(jobs).await;
+        }
+    }
+
+    async fn run_batch(&mut self, mut jobs: Vec<Job>) {
+        for _attempt in 0..MAX_CONFLICT_RETRIES {
+            match self.try_batch(&mut jobs).await {
+                Ok(Some((outcomes, revisions))) => {
+                    for (job, outcome) in jobs.into_iter().zip(outcomes) {
+                        let result = outcome.result.map(|value| Done {
+                            value,
+                            revision: revisions.get(outcome.group).copied().filter(|r| *r != 0),
+                        });
+                        let _ = job.reply.send(result);
+                    }
+                    return;
+                }
+                Ok(None) => {
+                    tracing::debug!(jobs = jobs.len(), "batch lost a race; re-running it");
+                    self.cache = None;
+                }
+                Err(err) => {
+                    tracing::error!(error = %crate::report(&err), "commit failed");
+                    let api = ApiError::from(err);
+                    for job in jobs {
+                        let _ = job.reply.send(Err(api.clone()));
+                    }
+                    self.cache = None;
+                    return;
+                }
+            }
+        }
+        for job in jobs {
+            let _ = job.reply.send(Err(ApiError::internal(
+                "storage kept changing under the write; giving up after retries",
+            )));
+        }
+    }
+
+    /// Runs the batch once. `Ok(None)` when the commit lost a race.
+    async fn try_batch(
+        &mut self,
+        jobs: &mut [Job],
+    ) -> Result<Option<(Vec<Outcome>, Vec<Revision>)>, storage::Error> {
+        let mut keys: BTreeSet<String> = jobs.iter().flat_map(|j| j.keys.iter().cloned()).collect();
+        keys.insert(self.node_port_key.clone());
+        keys.insert(self.ip_key.clone());
+        let keys: Vec<String> = keys.into_iter().collect();
+        let fetched = self.backend.get_many(keys.clone()).await?;
+        let compares: Vec<Compare> = keys
+            .iter()
+            .map(|key| Compare {
+                key: key.clone(),
+                mod_revision: fetched.kvs.get(key).map(|kv| kv.mod_revision),
+            })
+            .collect();
+
+        let mut allocators = self.load_allocators(&fetched.kvs);
+        let mut batch_writes: HashMap<String, Option<Arc<[u8]>>> = HashMap::new();
+        let mut groups: Vec<Vec<Op>> = Vec::with_capacity(jobs.len());
+        let mut outcomes = Vec::with_capacity(jobs.len());
+        let mut allocators_dirty = false;
+        for job in jobs.iter_mut() {
+            let mut txn = Txn {
+                base: &fetched.kvs,
+                batch_writes: &batch_writes,
+                batch_allocators: &allocators,
+                writes: Vec::new(),
+                allocators: None,
+                allocators_replaced: false,
+                dry_run: false,
+            };
+            let result = (job.run)(&mut txn);
+            let Txn {
+                writes,
+                allocators: working,
+                allocators_replaced,
+                dry_run,
+                ..
+            } = txn;
+            let group = groups.len();
+            if result.is_ok() && !dry_run {
+                for op in &writes {
+                    match op {
+                        Op::Put { key, value } => {
+                            batch_writes.insert(key.clone(), Some(value.clone()));
+                        }
+                        Op::Delete { key } => {
+                            batch_writes.insert(key.clone(), None);
+                        }
+                    }
+                }
+                if let Some(working) = working {
+                    // Bootstrap replaces the allocators; every other mutation changed a clone.
+                    let _ = allocators_replaced;
+                    allocators_dirty = true;
+                    allocators = Some(working);
+                }
+                groups.push(writes);
+            } else {
+                groups.push(Vec::new());
+            }
+            outcomes.push(Outcome { result, group });
+        }
+
+        if allocators_dirty && let Some(allocs) = &allocators {
+            // The bitmaps go with the last request that wrote anything (they are not watched).
+            let target = groups
+                .iter()
+                .rposition(|g| !g.is_empty())
+                .unwrap_or_else(|| {
+                    groups.push(Vec::new());
+                    groups.len() - 1
+                });
+            groups[target].push(Op::Put {
+                key: self.node_port_key.clone(),
+                value: encode_range(&allocs.ports.snapshot()),
+            });
+            groups[target].push(Op::Put {
+                key: self.ip_key.clone(),
+                value: encode_range(&allocs.ips.snapshot()),
+            });
+        }
+
+        match self.backend.commit(Batch { compares, groups }).await? {
+            Commit::Conflict => Ok(None),
+            Commit::Committed { revisions, .. } => {
+                if let Some(allocs) = allocators {
+                    if allocators_dirty {
+                        let rev = revisions.iter().copied().filter(|r| *r != 0).max();
+                        self.cache = Some((rev, rev, allocs));
+                    } else {
+                        let np = fetched
+                            .kvs
+                            .get(&self.node_port_key)
+                            .map(|kv| kv.mod_revision);
+                        let ip = fetched.kvs.get(&self.ip_key).map(|kv| kv.mod_revision);
+                        self.cache = Some((np, ip, allocs));
+                    }
+                }
+                Ok(Some((outcomes, revisions)))
+            }
+        }
+    }
+
+    /// The allocators for the fetched range keys: the cached ones if the keys did not change.
+    fn load_allocators(&mut self, kvs: &HashMap<String, KeyValue>) -> Option<Allocators> {
+        let np = kvs.get(&self.node_port_key);
+        let ip = kvs.get(&self.ip_key);
+        let (np, ip) = (np?, ip?);
+        if let Some((np_rev, ip_rev, cached)) = &self.cache
+            && *np_rev == Some(np.mod_revision)
+            && *ip_rev == Some(ip.mod_revision)
+        {
+            return Some(cached.clone());
+        }
+        match self.decode_allocators(np, ip) {
+            Ok(allocs) => Some(allocs),
+            Err(err) => {
+                tracing::error!(error = %err, "stored allocation bitmaps cannot be loaded");
+                None
+            }
+        }
+    }
+
+    fn decode_allocators(&self, np: &KeyValue, ip: &KeyValue) -> Result<Allocators, String> {
+        let mut allocs = self.ranges.empty().map_err(|e| e.to_string())?;
+        let snap = decode_range(&np.value)?;
+        allocs
+            .ports
+            .restore(&snap.range, &snap.data)
+            .map_err(|e| format!("{}: {e}", np.key))?;
+        let snap = decode_range(&ip.value)?;
+        allocs
+            .ips
+            .restore(&snap.range, &snap.data)
+            .map_err(|e| format!("{}: {e}", ip.key))?;
+        Ok(allocs)
+    }
+}
