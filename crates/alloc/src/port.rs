@@ -85,8 +85,8 @@ pub struct Allocator {
 }
 
 impl Allocator {
-    /// An empty allocator over `range`, its random scan seeded from OS entropy as
-    /// kube-apiserver seeds its own per process.
+    /// An empty allocator over `range`, its random scan seeded from OS entropy
+    /// (kube-apiserver seeds each allocator from the clock, `time.Now().UnixNano()`).
     pub fn new(range: PortRange) -> Self {
         Self::with_rng(range, rand::make_rng())
     }
