@@ -1,6 +1,7 @@
 //! The `nodeport` binary: argument parsing and wiring only.
 
 mod cmd;
+mod lab;
 
 use std::process::ExitCode;
 

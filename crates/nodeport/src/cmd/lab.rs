@@ -1,10 +1,105 @@
-//! `nodeport lab`: not built yet.
+//! `nodeport lab`, and the two hidden subcommands the lab starts inside its namespaces
+//! (`nodeport pod-server`, `nodeport relay`): they are processes of their own so that
+//! `nodeport lab --keep` can leave them running.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+
+use crate::lab::{self, Config, ProxyMode, interrupt::Interrupt};
 
 /// Flags of `nodeport lab`.
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+#[command(
+    after_help = "Needs root, `ip` (iproute2), `kubectl`, and `nft` (nftables) or \
+                        `iptables`/`iptables-restore` for the iptables mode. Everything is created \
+                        in network namespaces named nplab-<id>-*, with files in \
+                        /run/nodeport/lab/<id>."
+)]
+pub struct Args {
+    /// Dataplane of every node's proxy, passed to `nodeport proxy --proxy-mode`.
+    #[arg(long, value_enum, default_value_t = ProxyMode::Nftables)]
+    proxy_mode: ProxyMode,
+    /// Leave the lab running at the end and print how to enter it, point kubectl at it and
+    /// remove it. Kept also when the verdict fails; never after a setup error or a signal.
+    #[arg(long)]
+    keep: bool,
+    /// Remove the lab with this id (one left running by --keep, or by a killed run) and exit.
+    #[arg(long, value_name = "ID", conflicts_with_all = ["keep", "proxy_mode"])]
+    down: Option<String>,
+}
 
-/// Runs `nodeport lab`.
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("`nodeport lab` is not built yet")
+/// Runs `nodeport lab`: exit status 0 when every node IP answered, 1 when not or when the lab
+/// could not be built, 128+N after signal N.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    if let Some(id) = args.down {
+        return lab::down(&id);
+    }
+    let interrupt = Interrupt::install(|signal| {
+        eprintln!(
+            "nodeport lab: {signal} again, exiting without finishing the teardown; remove what \
+             is left with `nodeport lab --down <id>` (the id is on the first line)"
+        );
+        std::process::exit(130);
+    })?;
+    let config = Config {
+        proxy_mode: args.proxy_mode,
+        keep: args.keep,
+        ..Config::default()
+    };
+    match lab::run(&config, &interrupt) {
+        Ok(verdict) if verdict.passed() => Ok(()),
+        Ok(_) => anyhow::bail!("not every node IP answered on the NodePort (see the verdict)"),
+        Err(err) => {
+            if let Some(signal) = err.downcast_ref::<lab::interrupt::Interrupted>() {
+                // The lab has been torn down by now (its guards ran when `run` returned).
+                eprintln!("nodeport lab: {signal}; everything the lab created is removed");
+                std::process::exit(128 + signal.number);
+            }
+            if let Some(missing) = err.downcast_ref::<lab::preflight::Missing>() {
+                eprintln!("nodeport lab: {missing}");
+                std::process::exit(1);
+            }
+            Err(err.context("the lab failed; everything it created is removed"))
+        }
+    }
+}
+
+/// Flags of the hidden `nodeport pod-server`: one "pod" of the lab's deployment.
+#[derive(Debug, clap::Args)]
+pub struct PodServerArgs {
+    /// The pod's name, reported in every answer (`X-Pod-Name`).
+    #[arg(long)]
+    name: String,
+    /// The HTTP port.
+    #[arg(long, default_value_t = 80)]
+    http: u16,
+    /// A UDP echo port, if any.
+    #[arg(long)]
+    udp: Option<u16>,
+}
+
+/// Serves like nginx's welcome page until killed (see `nodeport_testbed::server`).
+pub fn run_pod_server(args: PodServerArgs) -> anyhow::Result<()> {
+    let mut config = nodeport_testbed::server::ServerConfig::http(&args.name, args.http);
+    config.bind = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
+    config.udp_port = args.udp;
+    let server = nodeport_testbed::server::Server::start(config)?;
+    tracing::info!(pod = %args.name, http = args.http, "pod server listening");
+    server.wait()
+}
+
+/// Flags of the hidden `nodeport relay`: the lab's plain TCP relay to the API server.
+#[derive(Debug, clap::Args)]
+pub struct RelayArgs {
+    /// Address to accept connections on.
+    #[arg(long)]
+    listen: SocketAddr,
+    /// Address to relay each connection to.
+    #[arg(long)]
+    connect: SocketAddr,
+}
+
+/// Relays until killed (see [`crate::lab::relay`]).
+pub fn run_relay(args: RelayArgs) -> anyhow::Result<()> {
+    lab::relay::run(args.listen, args.connect)
+        .map_err(|err| anyhow::anyhow!(err).context(format!("relay on {}", args.listen)))
 }

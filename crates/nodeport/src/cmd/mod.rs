@@ -33,6 +33,12 @@ pub enum Command {
     Lab(lab::Args),
     /// Single node: API server and proxy in one process.
     Up(up::Args),
+    /// A pod of the lab's deployment: an HTTP server answering like nginx's welcome page.
+    #[command(hide = true)]
+    PodServer(lab::PodServerArgs),
+    /// The lab's TCP relay to its API server.
+    #[command(hide = true)]
+    Relay(lab::RelayArgs),
 }
 
 /// Runs one subcommand to completion.
@@ -43,5 +49,7 @@ pub fn run(command: Command) -> anyhow::Result<()> {
         Command::Render(args) => render::run(args),
         Command::Lab(args) => lab::run(args),
         Command::Up(args) => up::run(args),
+        Command::PodServer(args) => lab::run_pod_server(args),
+        Command::Relay(args) => lab::run_relay(args),
     }
 }
