@@ -1,10 +1,214 @@
-//! Kubernetes-compatible API server with NodePort and ClusterIP allocation.
+//! Kubernetes-compatible API server where NodePorts and ClusterIPs are allocated as a Service is
+//! saved.
+//!
+//! Layers, bottom up:
+//! - [`storage`]: a revisioned key-value contract (etcd v3's) and the embedded redb backend;
+//! - [`store`]: the single writer that runs every mutation against the latest state and commits
+//!   batches of them, with the allocation bitmaps, in one transaction (group commit);
+//! - [`registry`]: kube-apiserver's generic store for Services, Endpoints, EndpointSlices, Nodes and
+//!   Namespaces, with the Service rules (defaulting, allocation, validation) in [`registry::service`];
+//! - [`rest`]: the HTTP API (`router`), discovery, Table output, watch, patch;
+//! - [`ranges`]: `GET /ranges` (NodePort and ClusterIP occupancy per band) and `/metrics`.
+//!
+//! Differences from kube-apiserver, on purpose:
+//! - allocation and the Service write are one transaction, so there is no repair loop to free
+//!   leaked ports and no window in which a crash leaks one;
+//! - a duplicate nodePort inside one update is a 422 `Duplicate value` rather than a 500;
+//! - a `dryRun=All` create shows the port and address that would really be allocated instead of
+//!   kube-apiserver's placeholders (32769..., the network address);
+//! - deleting a namespace removes its Services, Endpoints and EndpointSlices at once (no
+//!   `Terminating` phase); server-side apply is answered with 415.
 
 pub mod error;
+pub mod ranges;
 pub mod registry;
 pub mod resource;
+pub mod rest;
 pub mod storage;
 pub mod store;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use ipnet::IpNet;
+
+pub use ipnet;
+pub use nodeport_alloc::PortRange;
+pub use rest::{AppState, router};
+
+use crate::registry::Registry;
+use crate::registry::service::ServiceRanges;
+use crate::storage::redb::RedbBackend;
+use crate::store::{Ranges, Store};
+
+/// Configuration of the API server. CLI flags are parsed in the binary.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// `--bind-address`: default `127.0.0.1` (plain HTTP is only served on loopback).
+    pub bind_address: std::net::IpAddr,
+    /// `--port`: default 6443, kube-apiserver's secure port.
+    pub port: u16,
+    /// `--service-node-port-range`: default `30000-32767`.
+    pub node_port_range: PortRange,
+    /// `--service-cluster-ip-range`: default `10.96.0.0/16` (kubeadm's is `10.96.0.0/12`; a /16
+    /// keeps the ClusterIP bitmap at 8 KiB per write).
+    pub cluster_ip_range: IpNet,
+    /// `--data-dir`: where the embedded store keeps its file; default `./nodeport-data`.
+    pub data_dir: PathBuf,
+    /// `--etcd-prefix`: key prefix, default `/registry`.
+    pub prefix: String,
+    /// REST settings.
+    pub rest: rest::Config,
+    /// Embedded store settings.
+    pub storage: storage::redb::Config,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            bind_address: std::net::IpAddr::from([127, 0, 0, 1]),
+            port: 6443,
+            node_port_range: PortRange::default(),
+            cluster_ip_range: "10.96.0.0/16".parse().expect("valid CIDR"),
+            data_dir: PathBuf::from("./nodeport-data"),
+            prefix: storage::keys::DEFAULT_PREFIX.to_owned(),
+            rest: rest::Config::default(),
+            storage: storage::redb::Config::default(),
+        }
+    }
+}
+
+/// Why the server could not start or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The data directory could not be created.
+    #[error("cannot create the data directory {path}")]
+    DataDir {
+        /// The directory.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The embedded store could not be opened.
+    #[error("cannot open the embedded store {path}")]
+    OpenStore {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: storage::Error,
+    },
+    /// The first-start objects or the bitmaps could not be written.
+    #[error("bootstrap failed")]
+    Bootstrap(#[source] error::ApiError),
+    /// The ClusterIP range is unusable.
+    #[error("invalid --service-cluster-ip-range")]
+    ClusterIpRange(#[source] nodeport_alloc::ip::Error),
+    /// The listening socket could not be bound.
+    #[error("cannot listen on {address}")]
+    Bind {
+        /// The address.
+        address: SocketAddr,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The HTTP server failed.
+    #[error("HTTP server failed")]
+    Serve(#[source] std::io::Error),
+}
+
+/// The name of the embedded store's file inside `--data-dir`.
+pub const DATA_FILE: &str = "nodeport.redb";
+
+fn service_ranges(config: &Config) -> Result<ServiceRanges, Error> {
+    nodeport_alloc::ip::Allocator::new(config.cluster_ip_range).map_err(Error::ClusterIpRange)?;
+    Ok(ServiceRanges {
+        node_ports: config.node_port_range,
+        cluster_ips: config.cluster_ip_range,
+    })
+}
+
+async fn state_over(backend: RedbBackend, config: &Config) -> Result<AppState, Error> {
+    let ranges = service_ranges(config)?;
+    let store = Store::start(
+        Arc::new(backend),
+        &config.prefix,
+        Ranges {
+            node_ports: ranges.node_ports,
+            cluster_ips: ranges.cluster_ips,
+        },
+    );
+    let registry = Registry::new(store, ranges);
+    registry.bootstrap().await.map_err(Error::Bootstrap)?;
+    match registry.verify().await {
+        Ok(v) if v.is_consistent() => {
+            tracing::info!(
+                services = v.services,
+                "allocation bitmaps match the stored Services"
+            );
+        }
+        Ok(v) => tracing::error!(?v, "allocation bitmaps differ from the stored Services"),
+        Err(err) => tracing::error!(error = %err, "allocation check failed"),
+    }
+    Ok(AppState {
+        registry,
+        config: Arc::new(config.rest.clone()),
+    })
+}
+
+/// Opens the embedded store in `config.data_dir` and bootstraps it.
+pub async fn open(config: &Config) -> Result<AppState, Error> {
+    std::fs::create_dir_all(&config.data_dir).map_err(|source| Error::DataDir {
+        path: config.data_dir.clone(),
+        source,
+    })?;
+    let path = config.data_dir.join(DATA_FILE);
+    let backend = open_redb(&path, config)?;
+    state_over(backend, config).await
+}
+
+fn open_redb(path: &Path, config: &Config) -> Result<RedbBackend, Error> {
+    let path_buf = path.to_path_buf();
+    let backend =
+        RedbBackend::open(path, config.storage.clone()).map_err(|source| Error::OpenStore {
+            path: path_buf,
+            source,
+        })?;
+    Ok(backend)
+}
+
+/// A server state over an in-memory store (tests, benchmarks).
+pub async fn in_memory(config: &Config) -> Result<AppState, Error> {
+    let backend =
+        RedbBackend::in_memory(config.storage.clone()).map_err(|source| Error::OpenStore {
+            path: PathBuf::from(":memory:"),
+            source,
+        })?;
+    state_over(backend, config).await
+}
+
+/// Serves the API on `listener` until `shutdown` completes.
+pub async fn serve(
+    state: AppState,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(Error::Serve)
+}
+
+/// Binds `config.bind_address:config.port`.
+pub async fn bind(config: &Config) -> Result<tokio::net::TcpListener, Error> {
+    let address = SocketAddr::new(config.bind_address, config.port);
+    tokio::net::TcpListener::bind(address)
+        .await
+        .map_err(|source| Error::Bind { address, source })
+}
 
 /// Formats an error with its chain of causes, for logs.
 pub fn report(err: &(dyn std::error::Error + 'static)) -> String {

@@ -1,10 +1,150 @@
-//! `nodeport apiserver`: not built yet.
+//! `nodeport apiserver`: the Kubernetes-compatible API server (flags named as kube-apiserver's).
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use nodeport_apiserver::{Config, PortRange, ipnet::IpNet};
+
+use super::UsageError;
 
 /// Flags of `nodeport apiserver`.
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Address to serve on. Plain HTTP is served on loopback only.
+    #[arg(long, default_value = "127.0.0.1")]
+    bind_address: String,
+    /// Port to serve on.
+    #[arg(long, default_value_t = 6443)]
+    port: u16,
+    /// NodePort range, "N-M" (inclusive), "N+offset" or "N".
+    #[arg(long, default_value = "30000-32767")]
+    service_node_port_range: String,
+    /// CIDR ClusterIPs are allocated from.
+    #[arg(long, default_value = "10.96.0.0/16")]
+    service_cluster_ip_range: String,
+    /// Directory of the embedded store.
+    #[arg(long, default_value = "./nodeport-data")]
+    data_dir: PathBuf,
+    /// etcd endpoints (comma-separated); not available in this build.
+    #[arg(long)]
+    etcd_servers: Option<String>,
+    /// Key prefix in the store.
+    #[arg(long, default_value = "/registry")]
+    etcd_prefix: String,
+    /// TLS certificate, required with a non-loopback --bind-address.
+    #[arg(long)]
+    tls_cert_file: Option<PathBuf>,
+    /// TLS private key, required with a non-loopback --bind-address.
+    #[arg(long)]
+    tls_private_key_file: Option<PathBuf>,
+    /// Bearer tokens (kube-apiserver's CSV format), required with a non-loopback --bind-address.
+    #[arg(long)]
+    token_auth_file: Option<PathBuf>,
+}
 
-/// Runs `nodeport apiserver`.
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("`nodeport apiserver` is not built yet")
+fn usage(message: impl Into<String>) -> anyhow::Error {
+    UsageError(message.into()).into()
+}
+
+/// Turns the flags into a [`Config`], or a one-line usage error.
+fn config(args: &Args) -> anyhow::Result<Config> {
+    let bind_address: IpAddr = args.bind_address.parse().map_err(|_| {
+        usage(format!(
+            "--bind-address {:?} is not an IP address",
+            args.bind_address
+        ))
+    })?;
+    if !bind_address.is_loopback() {
+        let missing: Vec<&str> = [
+            ("--tls-cert-file", args.tls_cert_file.is_none()),
+            (
+                "--tls-private-key-file",
+                args.tls_private_key_file.is_none(),
+            ),
+            ("--token-auth-file", args.token_auth_file.is_none()),
+        ]
+        .into_iter()
+        .filter(|(_, missing)| *missing)
+        .map(|(flag, _)| flag)
+        .collect();
+        if !missing.is_empty() {
+            return Err(usage(format!(
+                "--bind-address {bind_address} is not a loopback address: serving beyond loopback requires {}",
+                missing.join(", ")
+            )));
+        }
+        return Err(usage(format!(
+            "--bind-address {bind_address}: TLS serving and token authentication are not implemented in this build; bind a loopback address"
+        )));
+    }
+    if args.etcd_servers.is_some() {
+        return Err(usage(
+            "--etcd-servers: the etcd backend is not implemented in this build; use --data-dir",
+        ));
+    }
+    let node_port_range = PortRange::parse(&args.service_node_port_range)
+        .map_err(|e| usage(format!("--service-node-port-range: {e}")))?;
+    let cluster_ip_range: IpNet = args.service_cluster_ip_range.parse().map_err(|_| {
+        usage(format!(
+            "--service-cluster-ip-range {:?} is not a CIDR",
+            args.service_cluster_ip_range
+        ))
+    })?;
+    if let Err(e) = nodeport_alloc::ip::Allocator::new(cluster_ip_range) {
+        return Err(usage(format!("--service-cluster-ip-range: {e}")));
+    }
+    if !args.etcd_prefix.starts_with('/') || args.etcd_prefix.ends_with('/') {
+        return Err(usage(format!(
+            "--etcd-prefix {:?} must start with '/' and not end with one",
+            args.etcd_prefix
+        )));
+    }
+    let mut config = Config {
+        bind_address,
+        port: args.port,
+        node_port_range,
+        cluster_ip_range: cluster_ip_range.trunc(),
+        data_dir: args.data_dir.clone(),
+        prefix: args.etcd_prefix.clone(),
+        ..Config::default()
+    };
+    config.rest.server_address = format!("{}:{}", bind_address, args.port);
+    Ok(config)
+}
+
+/// Runs `nodeport apiserver` until SIGTERM or SIGINT.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let config = config(&args)?;
+    let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    runtime.block_on(async move {
+        let listener = nodeport_apiserver::bind(&config).await?;
+        let state = nodeport_apiserver::open(&config).await?;
+        tracing::info!(
+            address = %listener.local_addr()?,
+            node_ports = %config.node_port_range,
+            cluster_ips = %config.cluster_ip_range,
+            data_dir = %config.data_dir.display(),
+            "serving the Kubernetes API"
+        );
+        nodeport_apiserver::serve(state, listener, shutdown_signal()).await?;
+        tracing::info!("stopped");
+        anyhow::Ok(())
+    })
+}
+
+async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(err) => {
+            tracing::warn!(error = %err, "cannot watch SIGTERM; only SIGINT stops the server");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("shutting down");
 }

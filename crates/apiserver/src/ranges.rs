@@ -1,0 +1,119 @@
+//! Range occupancy: `GET /ranges` (JSON, works with `kubectl get --raw /ranges`) and `/metrics`.
+//!
+//! `/ranges` shows, for the NodePort range and the ClusterIP range, the size and the used and
+//! free counts of the whole range and of each band (static: the lower band kept for hand-picked
+//! values; dynamic: where automatic picks go first), read from the stored bitmaps:
+//!
+//! ```json
+//! {"nodePorts": {"range": "30000-32767", "size": 2768, "used": 2, "free": 2766,
+//!                "static": {"first": "30000", "last": "30085", "size": 86, "used": 1, "free": 85},
+//!                "dynamic": {"first": "30086", "last": "32767", "size": 2682, "used": 1, "free": 2681}},
+//!  "clusterIPs": {"range": "10.96.0.0/16", ...}}
+//! ```
+//!
+//! `/metrics` exports kube-apiserver's allocator gauges under their names
+//! (`kube_apiserver_nodeport_allocator_allocated_ports`, `..._available_ports`,
+//! `kube_apiserver_clusterip_allocator_allocated_ips`, `..._available_ips` with label `cidr`), plus
+//! per-band gauges (`nodeport_allocator_band_used_ports{band="static|dynamic"}`).
+
+use nodeport_alloc::{Band, Occupancy, ip, port};
+use serde_json::{Value, json};
+
+use crate::error::ApiError;
+use crate::registry::Registry;
+use crate::storage::keys;
+use crate::store::decode_range;
+
+fn band(b: &Band) -> Value {
+    json!({"first": b.first, "last": b.last, "size": b.size, "used": b.used, "free": b.free})
+}
+
+fn occupancy(range: String, o: &Occupancy) -> Value {
+    json!({
+        "range": range,
+        "size": o.size(),
+        "used": o.used(),
+        "free": o.free(),
+        "static": band(&o.static_band),
+        "dynamic": band(&o.dynamic_band),
+    })
+}
+
+async fn load(registry: &Registry) -> Result<(port::Allocator, ip::Allocator), ApiError> {
+    let prefix = registry.store().prefix();
+    let np_key = keys::node_port_range(prefix);
+    let ip_key = keys::service_ip_range(prefix);
+    let fetched = registry
+        .store()
+        .backend()
+        .get_many(vec![np_key.clone(), ip_key.clone()])
+        .await?;
+    let ranges = registry.ranges();
+    let mut ports = port::Allocator::new(ranges.node_ports);
+    let mut ips = ip::Allocator::new(ranges.cluster_ips).map_err(ApiError::internal)?;
+    if let Some(kv) = fetched.kvs.get(&np_key) {
+        let snap = decode_range(&kv.value).map_err(ApiError::internal)?;
+        ports
+            .restore(&snap.range, &snap.data)
+            .map_err(ApiError::internal)?;
+    }
+    if let Some(kv) = fetched.kvs.get(&ip_key) {
+        let snap = decode_range(&kv.value).map_err(ApiError::internal)?;
+        ips.restore(&snap.range, &snap.data)
+            .map_err(ApiError::internal)?;
+    }
+    Ok((ports, ips))
+}
+
+/// The `/ranges` document.
+pub async fn report(registry: &Registry) -> Result<Value, ApiError> {
+    let (ports, ips) = load(registry).await?;
+    Ok(json!({
+        "nodePorts": occupancy(ports.range().to_string(), &ports.occupancy()),
+        "clusterIPs": occupancy(ips.cidr().to_string(), &ips.occupancy()),
+    }))
+}
+
+/// The `/metrics` text (Prometheus exposition format).
+pub async fn metrics(registry: &Registry) -> Result<String, ApiError> {
+    let (ports, ips) = load(registry).await?;
+    let po = ports.occupancy();
+    let io = ips.occupancy();
+    let cidr = ips.cidr();
+    let mut out = String::new();
+    let mut gauge = |name: &str, help: &str, samples: &[(String, usize)]| {
+        out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} gauge\n"));
+        for (labels, value) in samples {
+            out.push_str(&format!("{name}{labels} {value}\n"));
+        }
+    };
+    gauge(
+        "kube_apiserver_nodeport_allocator_allocated_ports",
+        "Gauge measuring the number of allocated NodePorts for Services",
+        &[(String::new(), po.used())],
+    );
+    gauge(
+        "kube_apiserver_nodeport_allocator_available_ports",
+        "Gauge measuring the number of available NodePorts for Services",
+        &[(String::new(), po.free())],
+    );
+    gauge(
+        "nodeport_allocator_band_used_ports",
+        "NodePorts allocated in each band of the range",
+        &[
+            ("{band=\"static\"}".into(), po.static_band.used),
+            ("{band=\"dynamic\"}".into(), po.dynamic_band.used),
+        ],
+    );
+    gauge(
+        "kube_apiserver_clusterip_allocator_allocated_ips",
+        "Gauge measuring the number of allocated IPs for Services",
+        &[(format!("{{cidr=\"{cidr}\"}}"), io.used())],
+    );
+    gauge(
+        "kube_apiserver_clusterip_allocator_available_ips",
+        "Gauge measuring the number of available IPs for Services",
+        &[(format!("{{cidr=\"{cidr}\"}}"), io.free())],
+    );
+    Ok(out)
+}

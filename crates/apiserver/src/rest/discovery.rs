@@ -1,0 +1,224 @@
+//! Discovery (`/api`, `/apis`, `/api/v1`, ...), `/version`, and the OpenAPI v3 documents kubectl
+//! reads before it sends `fieldValidation=Strict`.
+//!
+//! kubectl 1.32 asks for aggregated discovery first; answering plain `application/json` makes it
+//! fall back to the legacy documents served here. Its `--validate=strict` default reads
+//! `/openapi/v3` and the group-version document to learn whether the server supports the
+//! `fieldValidation` query parameter for the kind it sends (the POST/PUT/PATCH operations carry
+//! `x-kubernetes-group-version-kind` and a `fieldValidation` parameter); without that it would
+//! fetch OpenAPI v2 for client-side validation. The documents below are minimal: operations with
+//! those markers, and schemas that only say "object".
+
+use serde_json::{Value, json};
+
+use crate::resource::Kind;
+
+fn verbs(kind: Kind) -> Vec<&'static str> {
+    let mut v = vec!["create", "delete"];
+    if kind != Kind::Namespace {
+        v.push("deletecollection");
+    }
+    v.extend(["get", "list", "patch", "update", "watch"]);
+    v
+}
+
+/// `/api`.
+pub fn api_versions(server_address: &str) -> Value {
+    json!({
+        "kind": "APIVersions",
+        "versions": ["v1"],
+        "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": server_address}],
+    })
+}
+
+fn discovery_group() -> Value {
+    json!({
+        "name": "discovery.k8s.io",
+        "versions": [{"groupVersion": "discovery.k8s.io/v1", "version": "v1"}],
+        "preferredVersion": {"groupVersion": "discovery.k8s.io/v1", "version": "v1"},
+    })
+}
+
+/// `/apis`.
+pub fn api_group_list() -> Value {
+    json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": [discovery_group()]})
+}
+
+/// `/apis/<group>`.
+pub fn api_group(group: &str) -> Option<Value> {
+    (group == "discovery.k8s.io").then(|| {
+        let mut g = discovery_group();
+        g["kind"] = json!("APIGroup");
+        g["apiVersion"] = json!("v1");
+        g
+    })
+}
+
+/// `/api/v1` or `/apis/<group>/<version>`.
+pub fn api_resource_list(group: &str, version: &str) -> Option<Value> {
+    let kinds: Vec<Kind> = Kind::ALL
+        .into_iter()
+        .filter(|k| k.group() == group && k.version() == version)
+        .collect();
+    if kinds.is_empty() {
+        return None;
+    }
+    let mut resources = Vec::new();
+    for kind in kinds {
+        let mut r = json!({
+            "name": kind.resource(),
+            "singularName": kind.singular(),
+            "namespaced": kind.namespaced(),
+            "kind": kind.kind(),
+            "verbs": verbs(kind),
+        });
+        if !kind.short_names().is_empty() {
+            r["shortNames"] = json!(kind.short_names());
+        }
+        if !kind.categories().is_empty() {
+            r["categories"] = json!(kind.categories());
+        }
+        resources.push(r);
+        if kind.has_status() {
+            resources.push(json!({
+                "name": format!("{}/status", kind.resource()),
+                "singularName": "",
+                "namespaced": kind.namespaced(),
+                "kind": kind.kind(),
+                "verbs": ["get", "patch", "update"],
+            }));
+        }
+    }
+    let group_version = if group.is_empty() {
+        version.to_owned()
+    } else {
+        format!("{group}/{version}")
+    };
+    Some(json!({
+        "kind": "APIResourceList",
+        "apiVersion": "v1",
+        "groupVersion": group_version,
+        "resources": resources,
+    }))
+}
+
+/// `/version`.
+pub fn version() -> Value {
+    json!({
+        "major": "1",
+        "minor": "34",
+        "gitVersion": concat!("v1.34.0-nodeport.", env!("CARGO_PKG_VERSION")),
+        "gitCommit": "",
+        "gitTreeState": "clean",
+        "buildDate": "",
+        "goVersion": "rust",
+        "compiler": "rustc",
+        "platform": format!("{}/{}", std::env::consts::OS, std::env::consts::ARCH),
+    })
+}
+
+/// The group-version paths of `/openapi/v3`.
+fn openapi_paths() -> [(&'static str, &'static str, &'static str); 2] {
+    [
+        ("api/v1", "", "v1"),
+        ("apis/discovery.k8s.io/v1", "discovery.k8s.io", "v1"),
+    ]
+}
+
+/// `/openapi/v3`: the index of group-version documents.
+pub fn openapi_v3_root() -> Value {
+    let mut paths = serde_json::Map::new();
+    for (path, _, _) in openapi_paths() {
+        paths.insert(
+            path.to_owned(),
+            json!({"serverRelativeURL": format!("/openapi/v3/{path}?hash={}", hash_of(path))}),
+        );
+    }
+    json!({ "paths": paths })
+}
+
+fn hash_of(path: &str) -> String {
+    // Stable per build: kubectl caches documents by this hash.
+    let mut h: u64 = 0xcbf29ce484222325;
+    for b in path.bytes().chain(env!("CARGO_PKG_VERSION").bytes()) {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    format!("{h:016X}")
+}
+
+/// `/openapi/v3/<path>`: operations for each kind with the markers kubectl looks for.
+pub fn openapi_v3_document(path: &str) -> Option<Value> {
+    let (_, group, version) = openapi_paths().into_iter().find(|(p, _, _)| *p == path)?;
+    let mut paths = serde_json::Map::new();
+    let mut schemas = serde_json::Map::new();
+    let field_validation = json!({
+        "name": "fieldValidation",
+        "in": "query",
+        "description": "fieldValidation instructs the server on how to handle objects in the request (POST/PUT/PATCH) containing unknown or duplicate fields.",
+        "schema": {"type": "string", "uniqueItems": true},
+    });
+    for kind in Kind::ALL.into_iter().filter(|k| k.group() == group) {
+        let gvk = json!({"group": group, "version": version, "kind": kind.kind()});
+        let schema_name = if group.is_empty() {
+            format!("io.k8s.api.core.v1.{}", kind.kind())
+        } else {
+            format!("io.k8s.api.discovery.v1.{}", kind.kind())
+        };
+        schemas.insert(
+            schema_name.clone(),
+            json!({
+                "type": "object",
+                "x-kubernetes-group-version-kind": [gvk],
+            }),
+        );
+        let reference = json!({"$ref": format!("#/components/schemas/{schema_name}")});
+        let body = json!({"content": {"*/*": {"schema": reference}}, "required": true});
+        let op = |verb: &str| {
+            json!({
+                "operationId": format!("{verb}{}", kind.kind()),
+                "parameters": [field_validation],
+                "requestBody": body,
+                "responses": {"200": {"description": "OK", "content": {"application/json": {"schema": reference}}}},
+                "x-kubernetes-action": verb,
+                "x-kubernetes-group-version-kind": gvk,
+            })
+        };
+        let base = if group.is_empty() {
+            format!("/api/{version}")
+        } else {
+            format!("/apis/{group}/{version}")
+        };
+        let (collection, item) = if kind.namespaced() {
+            (
+                format!("{base}/namespaces/{{namespace}}/{}", kind.resource()),
+                format!(
+                    "{base}/namespaces/{{namespace}}/{}/{{name}}",
+                    kind.resource()
+                ),
+            )
+        } else {
+            (
+                format!("{base}/{}", kind.resource()),
+                format!("{base}/{}/{{name}}", kind.resource()),
+            )
+        };
+        paths.insert(collection, json!({"post": op("post")}));
+        paths.insert(
+            item.clone(),
+            json!({"put": op("put"), "patch": op("patch")}),
+        );
+        if kind.has_status() {
+            paths.insert(
+                format!("{item}/status"),
+                json!({"put": op("put"), "patch": op("patch")}),
+            );
+        }
+    }
+    Some(json!({
+        "openapi": "3.0.0",
+        "info": {"title": "Kubernetes", "version": "v1.34.0"},
+        "paths": paths,
+        "components": {"schemas": schemas},
+    }))
+}

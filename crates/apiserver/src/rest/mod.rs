@@ -1,0 +1,605 @@
+//! The REST layer: Kubernetes' URL scheme, verbs, content negotiation and error rendering.
+//!
+//! Resource paths are parsed by hand (`/api/v1/namespaces/{ns}/services/{name}/status`, ...) in
+//! one fallback handler, because the scheme is more regular than a router table can say (a
+//! namespace's own subresources share the shape of a namespaced collection).
+
+pub mod discovery;
+pub mod table;
+pub mod watch;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use serde_json::{Value, json};
+
+use crate::error::ApiError;
+use crate::ranges;
+use crate::registry::selector::{FieldSelector, LabelSelector};
+use crate::registry::{
+    FieldValidation, ListOptions, PatchType, Preconditions, Registry, WriteOptions,
+};
+use crate::resource::Kind;
+
+/// Largest request body accepted (kube-apiserver's `MaxRequestBodyBytes`, 3 MiB).
+pub const MAX_BODY_BYTES: usize = 3 * 1024 * 1024;
+
+/// Settings of the REST layer.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// How often a watch with `allowWatchBookmarks=true` gets a BOOKMARK. Default 60 s, about
+    /// kube-apiserver's rhythm (it sends one a minute, and before a watch times out).
+    pub bookmark_interval: Duration,
+    /// Longest watch when the client gives no `timeoutSeconds`. Default 30 minutes
+    /// (kube-apiserver picks between `--min-request-timeout` and twice that, 30-60 minutes).
+    pub watch_timeout: Duration,
+    /// The address clients reach this server at, for `/api`'s `serverAddressByClientCIDRs`.
+    pub server_address: String,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            bookmark_interval: Duration::from_secs(60),
+            watch_timeout: Duration::from_secs(30 * 60),
+            server_address: "127.0.0.1:6443".into(),
+        }
+    }
+}
+
+/// What the handlers share.
+#[derive(Clone)]
+pub struct AppState {
+    /// The registry.
+    pub registry: Registry,
+    /// REST settings.
+    pub config: Arc<Config>,
+}
+
+/// The whole HTTP API.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route(
+            "/version",
+            get(|| async { json_response(StatusCode::OK, &discovery::version()) }),
+        )
+        .route("/healthz", get(health))
+        .route("/livez", get(health))
+        .route("/readyz", get(health))
+        .route("/api", get(api_versions))
+        .route(
+            "/apis",
+            get(|| async { json_response(StatusCode::OK, &discovery::api_group_list()) }),
+        )
+        .route(
+            "/openapi/v3",
+            get(|| async { json_response(StatusCode::OK, &discovery::openapi_v3_root()) }),
+        )
+        .route("/openapi/v3/{*path}", get(openapi_document))
+        .route("/ranges", get(ranges_handler))
+        .route("/metrics", get(metrics_handler))
+        .fallback(resource_handler)
+        .with_state(state)
+}
+
+async fn health() -> &'static str {
+    "ok"
+}
+
+async fn api_versions(State(state): State<AppState>) -> Response {
+    json_response(
+        StatusCode::OK,
+        &discovery::api_versions(&state.config.server_address),
+    )
+}
+
+async fn openapi_document(axum::extract::Path(path): axum::extract::Path<String>) -> Response {
+    match discovery::openapi_v3_document(&path) {
+        Some(doc) => json_response(StatusCode::OK, &doc),
+        None => ApiError::no_route().into_response(),
+    }
+}
+
+async fn ranges_handler(State(state): State<AppState>) -> Response {
+    match ranges::report(&state.registry).await {
+        Ok(report) => json_response(StatusCode::OK, &report),
+        Err(err) => err.into_response(),
+    }
+}
+
+async fn metrics_handler(State(state): State<AppState>) -> Response {
+    match ranges::metrics(&state.registry).await {
+        Ok(text) => (
+            StatusCode::OK,
+            [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+            text,
+        )
+            .into_response(),
+        Err(err) => err.into_response(),
+    }
+}
+
+/// A JSON response.
+pub fn json_response(status: StatusCode, value: &Value) -> Response {
+    let body = serde_json::to_vec(value).expect("JSON values serialize");
+    (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+/// What a resource path names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Target {
+    kind: Kind,
+    namespace: Option<String>,
+    name: Option<String>,
+    subresource: Option<String>,
+}
+
+/// Parses `/api/v1/...` and `/apis/<group>/<version>/...`.
+fn parse_path(path: &str) -> Result<Option<Target>, ApiError> {
+    let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let (group, version, rest) = match segments.as_slice() {
+        ["api", version, rest @ ..] => ("", *version, rest),
+        ["apis", group, version, rest @ ..] => (*group, *version, rest),
+        _ => return Ok(None),
+    };
+    let kind_of = |resource: &str| Kind::from_path(group, version, resource);
+    let target = match rest {
+        [resource] => kind_of(resource).map(|kind| Target {
+            kind,
+            namespace: None,
+            name: None,
+            subresource: None,
+        }),
+        ["namespaces", ns, sub @ ("status" | "finalize")] if group.is_empty() => Some(Target {
+            kind: Kind::Namespace,
+            namespace: None,
+            name: Some((*ns).to_owned()),
+            subresource: Some((*sub).to_owned()),
+        }),
+        ["namespaces", ns, resource, more @ ..]
+            if kind_of(resource).is_some_and(Kind::namespaced) =>
+        {
+            let kind = kind_of(resource).expect("checked");
+            match more {
+                [] => Some(Target {
+                    kind,
+                    namespace: Some((*ns).to_owned()),
+                    name: None,
+                    subresource: None,
+                }),
+                [name] => Some(Target {
+                    kind,
+                    namespace: Some((*ns).to_owned()),
+                    name: Some((*name).to_owned()),
+                    subresource: None,
+                }),
+                [name, sub] => Some(Target {
+                    kind,
+                    namespace: Some((*ns).to_owned()),
+                    name: Some((*name).to_owned()),
+                    subresource: Some((*sub).to_owned()),
+                }),
+                _ => None,
+            }
+        }
+        [resource, name] => kind_of(resource)
+            .filter(|k| !k.namespaced())
+            .map(|kind| Target {
+                kind,
+                namespace: None,
+                name: Some((*name).to_owned()),
+                subresource: None,
+            }),
+        [resource, name, sub] => kind_of(resource)
+            .filter(|k| !k.namespaced())
+            .map(|kind| Target {
+                kind,
+                namespace: None,
+                name: Some((*name).to_owned()),
+                subresource: Some((*sub).to_owned()),
+            }),
+        _ => None,
+    };
+    if let Some(t) = &target
+        && let Some(sub) = t.subresource.as_deref()
+        && !(sub == "status" && t.kind.has_status())
+    {
+        return Ok(None);
+    }
+    Ok(target)
+}
+
+type Query = HashMap<String, String>;
+
+fn parse_query(raw: Option<&str>) -> Query {
+    raw.map(|q| form_urlencoded::parse(q.as_bytes()).into_owned().collect())
+        .unwrap_or_default()
+}
+
+fn flag(query: &Query, key: &str) -> bool {
+    matches!(query.get(key).map(String::as_str), Some("true" | "1"))
+}
+
+fn write_options(query: &Query) -> Result<WriteOptions, ApiError> {
+    let dry_run = match query.get("dryRun").map(String::as_str) {
+        None | Some("") => false,
+        Some("All") => true,
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "Invalid dryRun value: {other:?}: supported values: \"All\""
+            )));
+        }
+    };
+    Ok(WriteOptions {
+        dry_run,
+        field_validation: FieldValidation::parse(
+            query
+                .get("fieldValidation")
+                .map(String::as_str)
+                .unwrap_or(""),
+        )?,
+    })
+}
+
+fn list_options(kind: Kind, query: &Query) -> Result<ListOptions, ApiError> {
+    let labels =
+        LabelSelector::parse(query.get("labelSelector").map(String::as_str).unwrap_or(""))?;
+    let fields = FieldSelector::parse(
+        kind,
+        query.get("fieldSelector").map(String::as_str).unwrap_or(""),
+    )?;
+    let limit = match query.get("limit").map(String::as_str) {
+        None | Some("") => 0,
+        Some(l) => l
+            .parse::<i64>()
+            .map_err(|_| ApiError::bad_request(format!("invalid limit: {l:?}")))?
+            .max(0) as usize,
+    };
+    let exact_revision = match (
+        query.get("resourceVersionMatch").map(String::as_str),
+        query.get("resourceVersion").map(String::as_str),
+    ) {
+        (Some("Exact"), Some(rv)) => Some(parse_revision(rv)?),
+        _ => None,
+    };
+    Ok(ListOptions {
+        labels,
+        fields,
+        limit,
+        continue_token: query.get("continue").cloned(),
+        exact_revision,
+    })
+}
+
+/// Parses a `resourceVersion` query value.
+pub fn parse_revision(rv: &str) -> Result<i64, ApiError> {
+    rv.parse::<i64>()
+        .map_err(|_| ApiError::bad_request(format!("invalid resource version: {rv:?}")))
+}
+
+fn content_type(headers: &HeaderMap) -> String {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| {
+            v.split(';')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_ascii_lowercase()
+        })
+        .unwrap_or_default()
+}
+
+async fn read_body(body: Body) -> Result<Bytes, ApiError> {
+    axum::body::to_bytes(body, MAX_BODY_BYTES)
+        .await
+        .map_err(|err| {
+            let mut source: Option<&(dyn std::error::Error + 'static)> = Some(&err);
+            while let Some(e) = source {
+                if e.is::<http_body_util::LengthLimitError>() {
+                    return ApiError::too_large(MAX_BODY_BYTES);
+                }
+                source = e.source();
+            }
+            ApiError::bad_request(format!("failed to read the request body: {err}"))
+        })
+}
+
+/// Decodes a JSON or YAML request body.
+fn decode_body(content_type: &str, bytes: &[u8]) -> Result<Value, ApiError> {
+    match content_type {
+        "application/yaml" | "application/x-yaml" | "text/yaml" => {
+            yaml_serde::from_slice::<Value>(bytes).map_err(|e| {
+                ApiError::bad_request(format!("error converting YAML to JSON: yaml: {e}"))
+            })
+        }
+        "" | "application/json" | "*/*" => serde_json::from_slice(bytes).map_err(|e| {
+            ApiError::bad_request(format!("couldn't get version/kind; json parse error: {e}"))
+        }),
+        other => Err(ApiError::unsupported_media_type(format!(
+            "the body of the request was in an unknown format - accepted media types include: application/json, application/yaml ({other:?} was sent)"
+        ))),
+    }
+}
+
+fn patch_type(content_type: &str) -> Result<PatchType, ApiError> {
+    match content_type {
+        "application/json-patch+json" => Ok(PatchType::Json),
+        "application/merge-patch+json" => Ok(PatchType::Merge),
+        "application/strategic-merge-patch+json" => Ok(PatchType::StrategicMerge),
+        other => Err(ApiError::unsupported_media_type(format!(
+            "the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/strategic-merge-patch+json ({other:?} was sent; server-side apply is not supported, use client-side `kubectl apply`)"
+        ))),
+    }
+}
+
+fn with_warnings(mut response: Response, warnings: &[String]) -> Response {
+    for w in warnings {
+        let text = format!("299 - {}", serde_json::to_string(w).unwrap_or_default());
+        if let Ok(v) = HeaderValue::from_str(&text) {
+            response.headers_mut().append("Warning", v);
+        }
+    }
+    response
+}
+
+/// Strips `kind`/`apiVersion` from list items, as kube-apiserver's typed lists do.
+fn list_item(mut item: Value) -> Value {
+    if let Value::Object(m) = &mut item {
+        m.remove("kind");
+        m.remove("apiVersion");
+    }
+    item
+}
+
+async fn resource_handler(State(state): State<AppState>, request: Request) -> Response {
+    match handle(&state, request).await {
+        Ok(response) => response,
+        Err(err) => err.into_response(),
+    }
+}
+
+async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError> {
+    let (parts, body) = request.into_parts();
+    let path = parts.uri.path().to_owned();
+    let query = parse_query(parts.uri.query());
+    let accept = parts
+        .headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
+
+    // Discovery documents live under the same prefixes as resources.
+    if parts.method == Method::GET {
+        let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+        let doc = match segments.as_slice() {
+            ["api", "v1"] => discovery::api_resource_list("", "v1"),
+            ["apis", group] => discovery::api_group(group),
+            ["apis", group, version] => discovery::api_resource_list(group, version),
+            _ => None,
+        };
+        if let Some(doc) = doc {
+            return Ok(json_response(StatusCode::OK, &doc));
+        }
+    }
+
+    let Some(target) = parse_path(&path)? else {
+        return Err(ApiError::no_route());
+    };
+    let registry = &state.registry;
+    let kind = target.kind;
+    let ns = target.namespace.as_deref();
+    let ct = content_type(&parts.headers);
+    let include_object = query
+        .get("includeObject")
+        .cloned()
+        .unwrap_or_else(|| "Metadata".into());
+
+    match (&parts.method, target.name.as_deref()) {
+        (&Method::GET, None) => {
+            let options = list_options(kind, &query)?;
+            if flag(&query, "watch") {
+                return watch::serve(
+                    state.clone(),
+                    kind,
+                    target.namespace.clone(),
+                    options,
+                    &query,
+                    &accept,
+                )
+                .await;
+            }
+            let list = registry.list(kind, ns, &options).await?;
+            let rv = list.revision.to_string();
+            if table::wants_table(&accept) {
+                return Ok(json_response(
+                    StatusCode::OK,
+                    &table::table(
+                        kind,
+                        &list.items,
+                        &rv,
+                        list.continue_token.as_deref(),
+                        &include_object,
+                    ),
+                ));
+            }
+            let mut metadata = json!({"resourceVersion": rv});
+            if let Some(token) = &list.continue_token {
+                metadata["continue"] = json!(token);
+            }
+            if let Some(remaining) = list.remaining {
+                metadata["remainingItemCount"] = json!(remaining);
+            }
+            let items: Vec<Value> = list.items.into_iter().map(list_item).collect();
+            Ok(json_response(
+                StatusCode::OK,
+                &json!({
+                    "kind": kind.list_kind(),
+                    "apiVersion": kind.api_version(),
+                    "metadata": metadata,
+                    "items": items,
+                }),
+            ))
+        }
+        (&Method::POST, None) => {
+            if kind.namespaced() && ns.is_none() {
+                return Err(ApiError::method_not_supported(kind.subject(), "create"));
+            }
+            let options = write_options(&query)?;
+            let body = decode_body(&ct, &read_body(body).await?)?;
+            let written = registry.create(kind, ns, body, options).await?;
+            Ok(with_warnings(
+                object_response(StatusCode::CREATED, kind, written.object, &accept),
+                &written.warnings,
+            ))
+        }
+        (&Method::DELETE, None) => {
+            let options = write_options(&query)?;
+            let list = list_options(kind, &query)?;
+            let deleted = registry.delete_collection(kind, ns, &list, options).await?;
+            let items: Vec<Value> = deleted.into_iter().map(list_item).collect();
+            Ok(json_response(
+                StatusCode::OK,
+                &json!({
+                    "kind": kind.list_kind(),
+                    "apiVersion": kind.api_version(),
+                    "metadata": {},
+                    "items": items,
+                }),
+            ))
+        }
+        (&Method::GET, Some(name)) => {
+            let object = registry.get(kind, ns, name).await?;
+            Ok(object_response(StatusCode::OK, kind, object, &accept))
+        }
+        (&Method::PUT, Some(name)) => {
+            let options = write_options(&query)?;
+            let body = decode_body(&ct, &read_body(body).await?)?;
+            let status_only = target.subresource.is_some();
+            let written = registry
+                .update(kind, ns, name, status_only, body, options)
+                .await?;
+            let code = if written.created {
+                StatusCode::CREATED
+            } else {
+                StatusCode::OK
+            };
+            Ok(with_warnings(
+                object_response(code, kind, written.object, &accept),
+                &written.warnings,
+            ))
+        }
+        (&Method::PATCH, Some(name)) => {
+            let options = write_options(&query)?;
+            let patch_type = patch_type(&ct)?;
+            let bytes = read_body(body).await?;
+            let patch: Value = serde_json::from_slice(&bytes)
+                .map_err(|e| ApiError::bad_request(format!("error decoding patch: {e}")))?;
+            let status_only = target.subresource.is_some();
+            let written = registry
+                .patch(kind, ns, name, status_only, patch_type, patch, options)
+                .await?;
+            Ok(with_warnings(
+                object_response(StatusCode::OK, kind, written.object, &accept),
+                &written.warnings,
+            ))
+        }
+        (&Method::DELETE, Some(name)) if target.subresource.is_none() => {
+            let mut options = write_options(&query)?;
+            let bytes = read_body(body).await?;
+            let mut preconditions = Preconditions::default();
+            if !bytes.is_empty() {
+                let delete_options: Value = serde_json::from_slice(&bytes).map_err(|e| {
+                    ApiError::bad_request(format!("couldn't decode DeleteOptions: {e}"))
+                })?;
+                preconditions.uid = delete_options
+                    .pointer("/preconditions/uid")
+                    .and_then(Value::as_str)
+                    .map(str::to_owned);
+                preconditions.resource_version = delete_options
+                    .pointer("/preconditions/resourceVersion")
+                    .and_then(Value::as_str)
+                    .map(str::to_owned);
+                if delete_options
+                    .get("dryRun")
+                    .and_then(Value::as_array)
+                    .is_some_and(|v| v.iter().any(|d| d == "All"))
+                {
+                    options.dry_run = true;
+                }
+            }
+            let deleted = registry
+                .delete(kind, ns, name, preconditions, options)
+                .await?;
+            // Services and Namespaces return the deleted object; the generic store a Status.
+            if matches!(kind, Kind::Service | Kind::Namespace) {
+                Ok(object_response(StatusCode::OK, kind, deleted, &accept))
+            } else {
+                Ok(json_response(
+                    StatusCode::OK,
+                    &crate::registry::success_status(kind, &deleted),
+                ))
+            }
+        }
+        (method, _) => Err(ApiError::method_not_supported(
+            kind.subject(),
+            &method.as_str().to_ascii_lowercase(),
+        )),
+    }
+}
+
+fn object_response(code: StatusCode, kind: Kind, object: Value, accept: &str) -> Response {
+    if table::wants_table(accept) {
+        let rv = object
+            .pointer("/metadata/resourceVersion")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_owned();
+        return json_response(code, &table::table(kind, &[object], &rv, None, "Metadata"));
+    }
+    json_response(code, &object)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_map_to_resources_and_subresources() {
+        let t = parse_path("/api/v1/namespaces/default/services/web/status")
+            .unwrap()
+            .unwrap();
+        assert_eq!(t.kind, Kind::Service);
+        assert_eq!(t.namespace.as_deref(), Some("default"));
+        assert_eq!(t.subresource.as_deref(), Some("status"));
+        let t = parse_path("/api/v1/namespaces/default").unwrap().unwrap();
+        assert_eq!(t.kind, Kind::Namespace);
+        assert_eq!(t.name.as_deref(), Some("default"));
+        let t = parse_path("/api/v1/namespaces/kube-system/status")
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (t.kind, t.name.as_deref()),
+            (Kind::Namespace, Some("kube-system"))
+        );
+        let t = parse_path("/apis/discovery.k8s.io/v1/endpointslices")
+            .unwrap()
+            .unwrap();
+        assert_eq!((t.kind, t.namespace), (Kind::EndpointSlice, None));
+        assert!(parse_path("/api/v1/pods").unwrap().is_none());
+        assert!(
+            parse_path("/api/v1/namespaces/default/endpoints/x/status")
+                .unwrap()
+                .is_none()
+        );
+    }
+}
