@@ -1,1 +1,25 @@
-//! Node proxy: informers, change tracking, desired state and kernel backends (work in progress).
+//! Node proxy: what kube-proxy does, in Rust.
+//!
+//! The pipeline runs one way, from objects to kernel rules:
+//!
+//! 1. [`watch`] runs kube-rs watchers on Services, EndpointSlices and this node's Node and
+//!    converts each object at once into the compact [`model`] ([`convert`]).
+//! 2. [`tracker::ChangeTracker`]s keep the latest value per object and what changed since
+//!    the last sync, dropping changes that cancel out.
+//! 3. [`desired`] computes, purely, every service port's categorized endpoints per family,
+//!    the NodePort addresses ([`nodeaddr`]) and the service CIDRs.
+//! 4. A backend renders that state (purely) and applies it in one transaction:
+//!    [`nftables`] today.
+//! 5. [`sync`] rate-limits syncs, retries failures and runs periodic full resyncs;
+//!    [`health`] and [`metrics`] report on it; [`conntrack`] cleans UDP flows whose endpoint
+//!    went away.
+
+pub mod config;
+pub mod convert;
+pub mod desired;
+pub mod model;
+pub mod names;
+pub mod nftables;
+pub mod nodeaddr;
+pub mod objects;
+pub mod tracker;

@@ -1,0 +1,349 @@
+//! Conversion of Kubernetes objects into the compact [`crate::model`], the moment they arrive.
+//!
+//! The rules mirror kube-proxy's `newBaseServiceInfo`, `ShouldSkipService` and the
+//! EndpointSlice cache: what kube-proxy ignores is dropped here, so everything downstream can
+//! assume well-formed input.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use ipnet::IpNet;
+use k8s_openapi::api::core::v1 as core;
+use k8s_openapi::api::discovery::v1 as discovery;
+use k8s_openapi::api::networking::v1 as networking;
+
+use crate::model::{
+    Endpoint, EndpointPort, EndpointSlice, IpFamily, Node, Protocol, Service, ServiceCidr,
+    ServiceName, ServicePort, ServicePortName,
+};
+
+/// Label that ties an EndpointSlice to its Service.
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+
+/// Default `sessionAffinityConfig.clientIP.timeoutSeconds` (3 hours), as the API server
+/// defaults it.
+pub const DEFAULT_AFFINITY_SECONDS: u32 = 10_800;
+
+/// Namespace and name of an object (`default` namespace when unset).
+pub fn object_key(
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+) -> ServiceName {
+    ServiceName::new(
+        meta.namespace.as_deref().unwrap_or("default"),
+        meta.name.as_deref().unwrap_or(""),
+    )
+}
+
+fn parse_ips<'a>(values: impl IntoIterator<Item = &'a String>) -> Vec<IpAddr> {
+    values
+        .into_iter()
+        .filter_map(|s| s.trim().parse().ok())
+        .collect()
+}
+
+/// Parses a CIDR or a bare IP (taken as a host route), as kube-proxy does for source ranges.
+pub fn parse_cidr(s: &str) -> Option<IpNet> {
+    let s = s.trim();
+    s.parse::<IpNet>()
+        .ok()
+        .map(|n| n.trunc())
+        .or_else(|| s.parse::<IpAddr>().ok().map(IpNet::from))
+}
+
+/// Converts a Service. `None` when kube-proxy would skip it entirely: `type: ExternalName`,
+/// or no ClusterIP (unset, empty or `None`, i.e. headless).
+pub fn service(svc: &core::Service) -> Option<(ServiceName, Service)> {
+    let key = object_key(&svc.metadata);
+    let spec = svc.spec.as_ref()?;
+    if spec.type_.as_deref() == Some("ExternalName") {
+        return None;
+    }
+    let primary = spec.cluster_ip.as_deref().unwrap_or("");
+    if primary.is_empty() || primary == "None" {
+        return None;
+    }
+    let mut cluster_ips = match &spec.cluster_ips {
+        Some(ips) if !ips.is_empty() => parse_ips(ips),
+        _ => parse_ips([&primary.to_string()]),
+    };
+    // At most one ClusterIP per family, the first one.
+    let mut seen = Vec::new();
+    cluster_ips.retain(|ip| {
+        let family = IpFamily::of(*ip);
+        let first = !seen.contains(&family);
+        seen.push(family);
+        first
+    });
+    let external_ips = spec
+        .external_ips
+        .as_ref()
+        .map(parse_ips)
+        .unwrap_or_default();
+    // kube-proxy excludes `ipMode: Proxy` ingress points (LoadBalancerIPMode, GA in 1.32):
+    // the load balancer itself proxies, so the node must not short-circuit the VIP.
+    let load_balancer_ips: Vec<IpAddr> = svc
+        .status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.as_ref())
+        .map(|ingress| {
+            ingress
+                .iter()
+                .filter(|i| i.ip_mode.as_deref() != Some("Proxy"))
+                .filter_map(|i| i.ip.as_deref()?.trim().parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    let load_balancer_source_ranges: Vec<IpNet> = spec
+        .load_balancer_source_ranges
+        .as_ref()
+        .map(|r| r.iter().filter_map(|s| parse_cidr(s)).collect())
+        .unwrap_or_default();
+    let session_affinity_seconds =
+        (spec.session_affinity.as_deref() == Some("ClientIP")).then(|| {
+            spec.session_affinity_config
+                .as_ref()
+                .and_then(|c| c.client_ip.as_ref())
+                .and_then(|c| c.timeout_seconds)
+                .and_then(|t| u32::try_from(t).ok())
+                .filter(|t| *t > 0)
+                .unwrap_or(DEFAULT_AFFINITY_SECONDS)
+        });
+    let internal_policy_local = spec.internal_traffic_policy.as_deref() == Some("Local");
+    let etp_local = spec.external_traffic_policy.as_deref() == Some("Local");
+    let health_check_node_port = spec
+        .health_check_node_port
+        .and_then(|p| u16::try_from(p).ok())
+        .filter(|p| *p != 0 && etp_local);
+
+    let mut ports = Vec::new();
+    for p in spec.ports.iter().flatten() {
+        let Some(protocol) = Protocol::parse(p.protocol.as_deref().unwrap_or("TCP")) else {
+            continue;
+        };
+        let Ok(port) = u16::try_from(p.port) else {
+            continue;
+        };
+        let node_port = p
+            .node_port
+            .and_then(|n| u16::try_from(n).ok())
+            .filter(|n| *n != 0);
+        let mut sp = ServicePort {
+            name: ServicePortName::new(
+                &key.namespace,
+                &key.name,
+                p.name.as_deref().unwrap_or(""),
+                protocol,
+            ),
+            cluster_ips: cluster_ips.clone(),
+            port,
+            node_port,
+            external_ips: external_ips.clone(),
+            load_balancer_ips: load_balancer_ips.clone(),
+            load_balancer_source_ranges: load_balancer_source_ranges.clone(),
+            external_policy_local: false,
+            internal_policy_local,
+            session_affinity_seconds,
+            health_check_node_port,
+        };
+        // kube-proxy's ExternalPolicyLocal: only meaningful for an externally reachable port.
+        sp.external_policy_local = etp_local && sp.externally_accessible();
+        ports.push(Arc::new(sp));
+    }
+    Some((key, Service { ports }))
+}
+
+/// Converts an EndpointSlice. `None` for FQDN slices and slices without a
+/// `kubernetes.io/service-name` label, which kube-proxy ignores.
+pub fn endpoint_slice(slice: &discovery::EndpointSlice) -> Option<(ServiceName, EndpointSlice)> {
+    let key = object_key(&slice.metadata);
+    let service_name = slice.metadata.labels.as_ref()?.get(SERVICE_NAME_LABEL)?;
+    let family = match slice.address_type.as_str() {
+        "IPv4" => IpFamily::V4,
+        "IPv6" => IpFamily::V6,
+        _ => return None,
+    };
+    let ports = slice
+        .ports
+        .iter()
+        .flatten()
+        .filter_map(|p| {
+            Some(EndpointPort {
+                name: p.name.as_deref().unwrap_or("").into(),
+                port: u16::try_from(p.port?).ok()?,
+                protocol: Protocol::parse(p.protocol.as_deref().unwrap_or("TCP"))?,
+            })
+        })
+        .collect();
+    let endpoints = slice
+        .endpoints
+        .iter()
+        .filter_map(|e| {
+            let ip: IpAddr = e.addresses.first()?.trim().parse().ok()?;
+            if IpFamily::of(ip) != family {
+                return None;
+            }
+            let conditions = e.conditions.as_ref();
+            let ready = conditions.and_then(|c| c.ready).unwrap_or(true);
+            let serving = conditions.and_then(|c| c.serving).unwrap_or(ready);
+            let terminating = conditions.and_then(|c| c.terminating).unwrap_or(false);
+            let hints = e.hints.as_ref();
+            Some(Endpoint {
+                ip,
+                ready,
+                serving,
+                terminating,
+                node_name: e.node_name.as_deref().map(Arc::from),
+                zone: e.zone.as_deref().map(Arc::from),
+                zone_hints: hints
+                    .and_then(|h| h.for_zones.as_ref())
+                    .map(|z| z.iter().map(|z| Arc::from(z.name.as_str())).collect())
+                    .unwrap_or_default(),
+                node_hints: hints
+                    .and_then(|h| h.for_nodes.as_ref())
+                    .map(|n| n.iter().map(|n| Arc::from(n.name.as_str())).collect())
+                    .unwrap_or_default(),
+            })
+        })
+        .collect();
+    Some((
+        key.clone(),
+        EndpointSlice {
+            service: ServiceName::new(&key.namespace, service_name),
+            family,
+            ports,
+            endpoints,
+        },
+    ))
+}
+
+/// Converts a Node: addresses in kube-proxy's preference order (InternalIP, then ExternalIP).
+pub fn node(node: &core::Node) -> Node {
+    let addresses = node
+        .status
+        .as_ref()
+        .and_then(|s| s.addresses.as_ref())
+        .map(|addrs| {
+            let pick = |kind: &str| {
+                addrs
+                    .iter()
+                    .filter(move |a| a.type_ == kind)
+                    .filter_map(|a| a.address.trim().parse::<IpAddr>().ok())
+                    .collect::<Vec<_>>()
+            };
+            let mut all = pick("InternalIP");
+            all.extend(pick("ExternalIP"));
+            all
+        })
+        .unwrap_or_default();
+    let to_be_deleted = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|t| t.iter().any(|t| t.key == "ToBeDeletedByClusterAutoscaler"));
+    Node {
+        name: node.metadata.name.clone().unwrap_or_default(),
+        addresses,
+        zone: node
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get("topology.kubernetes.io/zone"))
+            .cloned(),
+        deleting: node.metadata.deletion_timestamp.is_some(),
+        to_be_deleted,
+    }
+}
+
+/// Converts a ServiceCIDR.
+pub fn service_cidr(cidr: &networking::ServiceCIDR) -> (String, ServiceCidr) {
+    let cidrs = cidr
+        .spec
+        .as_ref()
+        .and_then(|s| s.cidrs.as_ref())
+        .map(|c| c.iter().filter_map(|s| parse_cidr(s)).collect())
+        .unwrap_or_default();
+    (
+        cidr.metadata.name.clone().unwrap_or_default(),
+        ServiceCidr { cidrs },
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn svc(yaml: &str) -> core::Service {
+        yaml_serde::from_str(yaml).unwrap()
+    }
+
+    #[test]
+    fn headless_and_external_name_services_are_skipped_as_kube_proxy_does() {
+        let headless =
+            svc("metadata: {name: a, namespace: ns}\nspec: {clusterIP: None, ports: [{port: 80}]}");
+        let external = svc(
+            "metadata: {name: b, namespace: ns}\nspec: {type: ExternalName, externalName: x.example}",
+        );
+        assert!(service(&headless).is_none());
+        assert!(service(&external).is_none());
+    }
+
+    #[test]
+    fn service_ports_carry_policies_and_affinity_defaults() {
+        let s = svc(r#"
+metadata: {name: web, namespace: default}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.10
+  clusterIPs: [10.96.0.10, "fd00::10"]
+  externalTrafficPolicy: Local
+  healthCheckNodePort: 32000
+  sessionAffinity: ClientIP
+  ports: [{name: http, port: 80, nodePort: 30080}, {name: dns, port: 53, protocol: UDP}]
+status: {loadBalancer: {ingress: [{ip: 203.0.113.9}, {ip: 203.0.113.10, ipMode: Proxy}]}}
+"#);
+        let (key, s) = service(&s).unwrap();
+        assert_eq!(key.to_string(), "default/web");
+        let http = &s.ports[0];
+        assert_eq!(http.name.to_string(), "default/web:http");
+        assert_eq!(
+            http.cluster_ip(IpFamily::V6),
+            Some("fd00::10".parse().unwrap())
+        );
+        assert_eq!(http.node_port, Some(30080));
+        assert!(http.external_policy_local);
+        assert_eq!(
+            http.session_affinity_seconds,
+            Some(DEFAULT_AFFINITY_SECONDS)
+        );
+        assert_eq!(
+            http.load_balancer_ips,
+            vec!["203.0.113.9".parse::<IpAddr>().unwrap()]
+        );
+        assert_eq!(s.ports[1].name.protocol, Protocol::Udp);
+        // Externally reachable through the load balancer IP, so eTP=Local applies here too.
+        assert!(s.ports[1].external_policy_local);
+    }
+
+    #[test]
+    fn endpoint_conditions_default_as_the_api_documents() {
+        let slice: discovery::EndpointSlice = yaml_serde::from_str(
+            r#"
+metadata: {name: web-abc, namespace: default, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{port: 8080}]
+endpoints:
+- addresses: [10.0.0.1]
+- addresses: [10.0.0.2]
+  conditions: {ready: false, terminating: true}
+  nodeName: n1
+"#,
+        )
+        .unwrap();
+        let (_, s) = endpoint_slice(&slice).unwrap();
+        assert_eq!(s.service.to_string(), "default/web");
+        assert_eq!(s.ports[0].protocol, Protocol::Tcp);
+        assert!(s.endpoints[0].ready && s.endpoints[0].serving && !s.endpoints[0].terminating);
+        assert!(!s.endpoints[1].ready && !s.endpoints[1].serving && s.endpoints[1].terminating);
+    }
+}

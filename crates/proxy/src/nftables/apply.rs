@@ -1,0 +1,1040 @@
+//! Applying a ruleset: the kernel behind one trait, and the applier that turns "desired
+//! ruleset" into the smallest transaction that gets the kernel there.
+//!
+//! * [`Kernel`]: applies one atomic transaction, lists what a table holds. [`NftCommand`]
+//!   pipes the transaction to `nft -f -` as kube-proxy's knftables does (program and
+//!   leading arguments configurable, e.g. `ip netns exec <ns> nft`); [`FakeKernel`] keeps
+//!   the table in memory with the kernel's rules for what may fail, for unit tests.
+//! * [`Applier`]: remembers what it applied (a content hash per chain, the owners of each map
+//!   element) so that a partial sync rewrites only changed chains and touches only changed
+//!   elements; a full sync rewrites every chain and refills every map in one transaction,
+//!   which corrects any drift; stale chains are flushed in the main transaction and deleted
+//!   in a second one once nothing references them (kube-proxy's `staleChains`).
+
+use std::collections::hash_map::DefaultHasher;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::hash::{Hash, Hasher};
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::names::is_affinity_set;
+use super::render::{render_base, render_service};
+use super::ruleset::{
+    BaseHook, Chain, ElemKey, Element, Expr, Op, Rule, Ruleset, ServiceObjects, Set, Table,
+    Transaction, Verdict,
+};
+use crate::config::NodeConfig;
+use crate::desired::{DesiredState, FamilyState};
+use crate::model::{IpFamily, ServicePortName};
+
+/// A kernel failure.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    /// The `nft` program could not be run.
+    #[error("could not run `{program}`")]
+    Spawn {
+        /// The program.
+        program: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// `nft` rejected the transaction (nothing was changed).
+    #[error("`{program}` failed ({status}): {stderr}")]
+    Rejected {
+        /// The program.
+        program: String,
+        /// Exit status.
+        status: std::process::ExitStatus,
+        /// What it printed.
+        stderr: String,
+    },
+    /// `nft -j` printed something that is not its JSON.
+    #[error("could not parse the output of `{program}`")]
+    BadListing {
+        /// The program.
+        program: String,
+        /// Parse error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The fake kernel refused an operation, as the real one would.
+    #[error("{0}")]
+    Fake(String),
+}
+
+/// What a table holds now, by name.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Existing {
+    /// Chain names.
+    pub chains: BTreeSet<String>,
+    /// Set names (`false`) and map names (`true`).
+    pub sets: BTreeMap<String, bool>,
+}
+
+/// The one place the kernel is touched.
+pub trait Kernel: Send {
+    /// Applies `tx` atomically: all of it or nothing.
+    fn apply(&mut self, tx: &Transaction) -> Result<(), KernelError>;
+
+    /// Lists the `kube-proxy` table of `family` (`None`: no such table).
+    fn list(&mut self, family: IpFamily) -> Result<Option<Existing>, KernelError>;
+}
+
+/// The `nft` command line: the program and the arguments that come before nft's own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NftCommand {
+    /// Program, `nft` by default.
+    pub program: String,
+    /// Leading arguments (e.g. `["netns", "exec", "ns1", "nft"]` with program `ip`).
+    pub args: Vec<String>,
+}
+
+impl Default for NftCommand {
+    fn default() -> Self {
+        NftCommand {
+            program: "nft".to_string(),
+            args: Vec::new(),
+        }
+    }
+}
+
+impl NftCommand {
+    /// Parses a command line such as `ip netns exec ns1 nft` (split on whitespace).
+    pub fn parse(line: &str) -> Option<Self> {
+        let mut words = line.split_whitespace().map(str::to_string);
+        let program = words.next()?;
+        Some(NftCommand {
+            program,
+            args: words.collect(),
+        })
+    }
+
+    fn command(&self) -> Command {
+        let mut c = Command::new(&self.program);
+        c.args(&self.args);
+        c
+    }
+
+    fn describe(&self) -> String {
+        std::iter::once(self.program.as_str())
+            .chain(self.args.iter().map(String::as_str))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    /// Runs nft with `args`, feeding `input` on stdin; returns stdout.
+    pub fn run(&self, args: &[&str], input: Option<&str>) -> Result<String, KernelError> {
+        let program = self.describe();
+        let mut child = self
+            .command()
+            .args(args)
+            .stdin(if input.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|source| KernelError::Spawn {
+                program: program.clone(),
+                source,
+            })?;
+        if let Some(input) = input {
+            let mut stdin = child.stdin.take().expect("piped stdin");
+            // A write error means nft exited early; its status and stderr say why.
+            let _ = stdin.write_all(input.as_bytes());
+        }
+        let out = child
+            .wait_with_output()
+            .map_err(|source| KernelError::Spawn {
+                program: program.clone(),
+                source,
+            })?;
+        if !out.status.success() {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            // Keep the message short: nft echoes the failing line and a caret line.
+            let stderr: String = stderr.lines().take(6).collect::<Vec<_>>().join(" | ");
+            return Err(KernelError::Rejected {
+                program,
+                status: out.status,
+                stderr,
+            });
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+}
+
+impl Kernel for NftCommand {
+    fn apply(&mut self, tx: &Transaction) -> Result<(), KernelError> {
+        if tx.is_empty() {
+            return Ok(());
+        }
+        self.run(&["-f", "-"], Some(&tx.to_nft())).map(|_| ())
+    }
+
+    fn list(&mut self, family: IpFamily) -> Result<Option<Existing>, KernelError> {
+        let fam = super::ruleset::nft_family(family);
+        let tables = self.run(&["-j", "list", "tables", fam], None)?;
+        if !tables.contains("\"kube-proxy\"") {
+            return Ok(None);
+        }
+        let mut existing = Existing::default();
+        for what in ["chains", "sets", "maps"] {
+            let text = self.run(&["-j", "-t", "list", what, fam], None)?;
+            let json: serde_json::Value =
+                serde_json::from_str(&text).map_err(|source| KernelError::BadListing {
+                    program: self.describe(),
+                    source,
+                })?;
+            for item in json["nftables"].as_array().into_iter().flatten() {
+                for (kind, obj) in item.as_object().into_iter().flatten() {
+                    if obj["table"] != super::ruleset::TABLE {
+                        continue;
+                    }
+                    let Some(name) = obj["name"].as_str() else {
+                        continue;
+                    };
+                    match kind.as_str() {
+                        "chain" => {
+                            existing.chains.insert(name.to_string());
+                        }
+                        "set" => {
+                            existing.sets.insert(name.to_string(), false);
+                        }
+                        "map" => {
+                            existing.sets.insert(name.to_string(), true);
+                        }
+                        _ => {}
+                    }
+                }
+            }
+        }
+        Ok(Some(existing))
+    }
+}
+
+/// What the fake kernel holds of one table.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FakeTable {
+    /// Chains with their hook and rules.
+    pub chains: BTreeMap<String, (Option<BaseHook>, Vec<Rule>)>,
+    /// Sets and maps with their elements.
+    pub sets: BTreeMap<String, (Set, BTreeMap<ElemKey, Element>)>,
+}
+
+/// An in-memory kernel that enforces what the real one would refuse (missing objects,
+/// deleting referenced or non-empty chains, changing an element's value with `add`), applies
+/// transactions atomically, and can be told to fail.
+#[derive(Debug, Clone, Default)]
+pub struct FakeKernel {
+    /// The tables by family.
+    pub tables: BTreeMap<IpFamily, FakeTable>,
+    /// Fail this many coming transactions.
+    pub fail_next: usize,
+    /// Every transaction applied successfully, in order.
+    pub history: Vec<Transaction>,
+}
+
+fn refs_of_rule(rule: &Rule) -> Vec<&str> {
+    let mut out = Vec::new();
+    for e in &rule.exprs {
+        match e {
+            Expr::Verdict(Verdict::Jump(c) | Verdict::Goto(c)) => out.push(c.as_str()),
+            Expr::NumgenVmap(ts) => out.extend(ts.iter().map(String::as_str)),
+            _ => {}
+        }
+    }
+    out
+}
+
+fn sets_of_rule(rule: &Rule) -> Vec<&str> {
+    let mut out = Vec::new();
+    for e in &rule.exprs {
+        match e {
+            Expr::Daddr {
+                value: super::ruleset::AddrMatch::Set(s),
+                ..
+            }
+            | Expr::Saddr {
+                value: super::ruleset::AddrMatch::Set(s),
+                ..
+            }
+            | Expr::UpdateSaddr(s)
+            | Expr::VerdictMap { map: s, .. } => out.push(s.as_str()),
+            _ => {}
+        }
+    }
+    out
+}
+
+impl FakeTable {
+    fn chain_referenced(&self, name: &str) -> bool {
+        self.chains
+            .values()
+            .flat_map(|(_, rules)| rules.iter())
+            .any(|r| refs_of_rule(r).contains(&name))
+            || self
+                .sets
+                .values()
+                .flat_map(|(_, els)| els.values())
+                .any(|e| matches!(&e.value, Some(Verdict::Jump(c) | Verdict::Goto(c)) if c == name))
+    }
+
+    fn set_referenced(&self, name: &str) -> bool {
+        self.chains
+            .values()
+            .flat_map(|(_, rules)| rules.iter())
+            .any(|r| sets_of_rule(r).contains(&name))
+    }
+
+    fn apply(&mut self, op: &Op) -> Result<(), String> {
+        match op {
+            Op::AddTable | Op::DeleteTable => Ok(()),
+            Op::AddChain(name, hook) => {
+                self.chains
+                    .entry(name.clone())
+                    .or_insert_with(|| (hook.clone(), Vec::new()));
+                Ok(())
+            }
+            Op::FlushChain(name) => {
+                let c = self
+                    .chains
+                    .get_mut(name)
+                    .ok_or(format!("flush chain {name}: no such chain"))?;
+                c.1.clear();
+                Ok(())
+            }
+            Op::DeleteChain(name) => {
+                let c = self
+                    .chains
+                    .get(name)
+                    .ok_or(format!("delete chain {name}: no such chain"))?;
+                if !c.1.is_empty() {
+                    return Err(format!("delete chain {name}: chain is not empty"));
+                }
+                if self.chain_referenced(name) {
+                    return Err(format!("delete chain {name}: device or resource busy"));
+                }
+                self.chains.remove(name);
+                Ok(())
+            }
+            Op::AddRule(chain, rule) => {
+                for target in refs_of_rule(rule) {
+                    if !self.chains.contains_key(target) {
+                        return Err(format!("add rule {chain}: no such chain {target}"));
+                    }
+                }
+                for set in sets_of_rule(rule) {
+                    if !self.sets.contains_key(set) {
+                        return Err(format!("add rule {chain}: no such set {set}"));
+                    }
+                }
+                let c = self
+                    .chains
+                    .get_mut(chain)
+                    .ok_or(format!("add rule {chain}: no such chain"))?;
+                c.1.push(rule.clone());
+                Ok(())
+            }
+            Op::AddSet(set) => {
+                let entry = self
+                    .sets
+                    .entry(set.name.clone())
+                    .or_insert_with(|| (set.clone(), BTreeMap::new()));
+                entry.0.timeout = set.timeout;
+                Ok(())
+            }
+            Op::FlushSet(name, _) => {
+                let s = self
+                    .sets
+                    .get_mut(name)
+                    .ok_or(format!("flush set {name}: no such set"))?;
+                s.1.clear();
+                Ok(())
+            }
+            Op::DeleteSet(name, _) => {
+                if !self.sets.contains_key(name) {
+                    return Err(format!("delete set {name}: no such set"));
+                }
+                if self.set_referenced(name) {
+                    return Err(format!("delete set {name}: device or resource busy"));
+                }
+                self.sets.remove(name);
+                Ok(())
+            }
+            Op::AddElement(e) => {
+                if let Some(Verdict::Jump(c) | Verdict::Goto(c)) = &e.value
+                    && !self.chains.contains_key(c)
+                {
+                    return Err(format!("add element {}: no such chain {c}", e.set));
+                }
+                let s = self
+                    .sets
+                    .get_mut(e.set)
+                    .ok_or(format!("add element {}: no such set", e.set))?;
+                match s.1.get(&e.key) {
+                    Some(old) if old.value != e.value => {
+                        Err(format!("add element {} {}: file exists", e.set, e.key))
+                    }
+                    Some(_) => Ok(()),
+                    None => {
+                        s.1.insert(e.key, e.clone());
+                        Ok(())
+                    }
+                }
+            }
+            Op::DeleteElement(set, key) => {
+                let s = self
+                    .sets
+                    .get_mut(*set)
+                    .ok_or(format!("delete element {set}: no such set"))?;
+                s.1.remove(key)
+                    .map(|_| ())
+                    .ok_or(format!("delete element {set} {key}: no such element"))
+            }
+        }
+    }
+
+    /// The table as a [`Table`] (everything under base objects), for the tracer.
+    pub fn to_table(&self, family: IpFamily) -> Table {
+        let mut base = super::ruleset::BaseObjects::default();
+        for (name, (hook, rules)) in &self.chains {
+            base.chains.push(Chain {
+                name: name.clone(),
+                base: hook.clone(),
+                rules: rules.clone(),
+            });
+        }
+        for (set, els) in self.sets.values() {
+            base.sets.push(set.clone());
+            base.elements.extend(els.values().cloned());
+        }
+        Table {
+            family,
+            base,
+            services: BTreeMap::new(),
+        }
+    }
+}
+
+impl FakeKernel {
+    /// The kernel's current state as a ruleset, for the tracer.
+    pub fn ruleset(&self) -> Ruleset {
+        Ruleset {
+            tables: self.tables.iter().map(|(f, t)| t.to_table(*f)).collect(),
+        }
+    }
+}
+
+impl Kernel for FakeKernel {
+    fn apply(&mut self, tx: &Transaction) -> Result<(), KernelError> {
+        if self.fail_next > 0 {
+            self.fail_next -= 1;
+            return Err(KernelError::Fake("injected failure".to_string()));
+        }
+        let mut next = self.tables.clone();
+        for (family, op) in &tx.ops {
+            if matches!(op, Op::DeleteTable) {
+                next.remove(family);
+                continue;
+            }
+            if !matches!(op, Op::AddTable) && !next.contains_key(family) {
+                return Err(KernelError::Fake(format!("{op:?}: no such table")));
+            }
+            let table = next.entry(*family).or_default();
+            table.apply(op).map_err(KernelError::Fake)?;
+        }
+        self.tables = next;
+        self.history.push(tx.clone());
+        Ok(())
+    }
+
+    fn list(&mut self, family: IpFamily) -> Result<Option<Existing>, KernelError> {
+        Ok(self.tables.get(&family).map(|t| Existing {
+            chains: t.chains.keys().cloned().collect(),
+            sets: t
+                .sets
+                .iter()
+                .map(|(n, (s, _))| (n.clone(), s.verdict_map))
+                .collect(),
+        }))
+    }
+}
+
+/// Who contributes an element: the static objects first, then service ports in order. When
+/// two claim the same key the first wins (two Services claiming one external IP and port).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+enum Owner {
+    Base,
+    Service(ServicePortName),
+}
+
+/// What was applied for one owner.
+#[derive(Debug, Clone, Default)]
+struct Unit {
+    /// Chain name → (hook, content hash).
+    chains: BTreeMap<String, (Option<BaseHook>, u64)>,
+    /// Set name → content hash of its spec.
+    sets: BTreeMap<String, u64>,
+    /// Element keys contributed.
+    elements: Vec<(&'static str, ElemKey)>,
+}
+
+type ElemValue = (Option<Verdict>, Option<String>);
+
+/// A planned sync: the transaction, the applied state it leads to (full syncs), and the
+/// chains it leaves stale.
+type Planned = (
+    Transaction,
+    Vec<(IpFamily, AppliedTable)>,
+    Vec<(IpFamily, String)>,
+);
+
+/// What was applied to one table.
+#[derive(Debug, Default)]
+struct AppliedTable {
+    units: HashMap<Owner, Unit>,
+    /// Every element key with its contributors' values; the first owner's value is the one
+    /// in the kernel.
+    elements: HashMap<(&'static str, ElemKey), BTreeMap<Owner, ElemValue>>,
+    /// Which sets are verdict maps (for `flush map`).
+    set_is_map: HashMap<String, bool>,
+}
+
+fn hash_of<T: Hash>(t: &T) -> u64 {
+    let mut h = DefaultHasher::new();
+    t.hash(&mut h);
+    h.finish()
+}
+
+/// What one sync did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SyncReport {
+    /// A full sync (every chain rewritten, maps refilled).
+    pub full: bool,
+    /// Operations in the main transaction.
+    pub ops: usize,
+    /// Stale chains deleted in the clean-up transaction.
+    pub deleted_chains: usize,
+    /// The clean-up transaction failed; its chains are retried next sync.
+    pub cleanup_failed: bool,
+}
+
+/// A failed sync.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The main transaction was refused; the kernel still has the previous rules.
+    #[error("nftables transaction failed")]
+    RulesetApplyFailed(#[source] KernelError),
+    /// Listing the existing table (start-up take-over) failed.
+    #[error("listing the existing kube-proxy table failed")]
+    ListFailed(#[source] KernelError),
+}
+
+/// Keeps the kernel's `kube-proxy` tables equal to the desired ruleset.
+pub struct Applier<K: Kernel> {
+    kernel: K,
+    tables: BTreeMap<IpFamily, AppliedTable>,
+    /// Full sync needed (start, after a failure).
+    need_full: bool,
+    /// Base chains are re-created once after start, in case an older kube-proxy left them
+    /// with other hooks or priorities (kube-proxy's `!flushed`).
+    recreated_base: bool,
+    /// Chains flushed and waiting to be deleted.
+    stale: BTreeMap<(IpFamily, String), Instant>,
+    /// What we remember may differ from the kernel (a failed sync): list it again.
+    relist: bool,
+}
+
+impl<K: Kernel> Applier<K> {
+    /// An applier that will take over whatever the kernel holds at its first sync.
+    pub fn new(kernel: K) -> Self {
+        Applier {
+            kernel,
+            tables: BTreeMap::new(),
+            need_full: true,
+            recreated_base: false,
+            stale: BTreeMap::new(),
+            relist: true,
+        }
+    }
+
+    /// The kernel.
+    pub fn kernel(&self) -> &K {
+        &self.kernel
+    }
+
+    /// The kernel, mutably (tests inject faults).
+    pub fn kernel_mut(&mut self) -> &mut K {
+        &mut self.kernel
+    }
+
+    /// Whether the next sync will be full.
+    pub fn needs_full_sync(&self) -> bool {
+        self.need_full
+    }
+
+    /// Forces the next sync to be full (the periodic resync).
+    pub fn request_full_sync(&mut self) {
+        self.need_full = true;
+    }
+
+    /// Chains flushed and not yet deleted.
+    pub fn stale_chains(&self) -> usize {
+        self.stale.len()
+    }
+
+    /// Syncs the kernel to `desired`. `changed`: the service ports that changed since the last
+    /// sync (a partial sync), or `None` for a full sync. A partial sync is turned into a full
+    /// one when one is needed.
+    pub fn sync(
+        &mut self,
+        desired: &DesiredState,
+        config: &NodeConfig,
+        changed: Option<&BTreeSet<ServicePortName>>,
+    ) -> Result<SyncReport, Error> {
+        let full = self.need_full || changed.is_none();
+        let mut report = SyncReport {
+            full,
+            ..Default::default()
+        };
+        report.deleted_chains = self.cleanup(&mut report);
+
+        let result = if full {
+            self.full_sync(desired, config)
+        } else {
+            self.partial_sync(desired, config, changed.expect("partial sync has changes"))
+        };
+        match result {
+            Ok((tx, next_tables, stale)) => {
+                report.ops = tx.len();
+                if let Err(e) = self.kernel.apply(&tx) {
+                    self.need_full = true;
+                    self.relist = true;
+                    return Err(Error::RulesetApplyFailed(e));
+                }
+                for (f, t) in next_tables {
+                    self.tables.insert(f, t);
+                }
+                let now = Instant::now();
+                for s in stale {
+                    self.stale.entry(s).or_insert(now);
+                }
+                if full {
+                    self.need_full = false;
+                    self.recreated_base = true;
+                    self.relist = false;
+                }
+                // Delete what became unreferenced right away; a kernel older than 6.2 may
+                // still see references and refuse, then the next sync retries.
+                report.deleted_chains += self.cleanup(&mut report);
+                Ok(report)
+            }
+            Err(e) => {
+                self.need_full = true;
+                self.relist = true;
+                Err(e)
+            }
+        }
+    }
+
+    /// Deletes flushed stale chains in their own transaction.
+    fn cleanup(&mut self, report: &mut SyncReport) -> usize {
+        if self.stale.is_empty() {
+            return 0;
+        }
+        let mut tx = Transaction::default();
+        for (family, name) in self.stale.keys() {
+            tx.push(*family, Op::DeleteChain(name.clone()));
+        }
+        match self.kernel.apply(&tx) {
+            Ok(()) => {
+                let n = self.stale.len();
+                self.stale.clear();
+                n
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "deleting stale chains failed; retrying later");
+                report.cleanup_failed = true;
+                0
+            }
+        }
+    }
+
+    fn full_sync(&mut self, desired: &DesiredState, config: &NodeConfig) -> Result<Planned, Error> {
+        let mut tx = Transaction::default();
+        let mut tables = Vec::new();
+        let mut stale = Vec::new();
+        let first = !self.recreated_base;
+        for family in IpFamily::ALL {
+            let Some(state) = desired.family(family) else {
+                // A family no longer wanted: remove its table (knftables' cleanup).
+                if self
+                    .kernel
+                    .list(family)
+                    .map_err(Error::ListFailed)?
+                    .is_some()
+                {
+                    tx.push(family, Op::DeleteTable);
+                }
+                continue;
+            };
+            // What is there now: on the first sync this is the take-over of a table left by
+            // an earlier run (or kube-proxy); later it catches objects someone else added.
+            let existing = if first || self.relist || !self.tables.contains_key(&family) {
+                self.kernel
+                    .list(family)
+                    .map_err(Error::ListFailed)?
+                    .unwrap_or_default()
+            } else {
+                let t = &self.tables[&family];
+                Existing {
+                    chains: t
+                        .units
+                        .values()
+                        .flat_map(|u| u.chains.keys().cloned())
+                        .collect(),
+                    sets: t.set_is_map.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+                }
+            };
+            let (applied, family_stale) = full_table(&mut tx, state, config, &existing, first);
+            stale.extend(family_stale.into_iter().map(|c| (family, c)));
+            tables.push((family, applied));
+        }
+        Ok((tx, tables, stale))
+    }
+
+    fn partial_sync(
+        &mut self,
+        desired: &DesiredState,
+        config: &NodeConfig,
+        changed: &BTreeSet<ServicePortName>,
+    ) -> Result<Planned, Error> {
+        if desired
+            .families
+            .iter()
+            .any(|f| !self.tables.contains_key(&f.family))
+        {
+            // A family without a full sync behind it (cannot happen after one succeeded).
+            return self.full_sync(desired, config);
+        }
+        let mut tx = Transaction::default();
+        let mut stale = Vec::new();
+        for state in &desired.families {
+            let family = state.family;
+            let applied = self.tables.get_mut(&family).expect("checked above");
+            let mut plan = Plan::default();
+            let base = render_base(state, config);
+            plan.unit(applied, Owner::Base, Some(objects_of_base(&base)), false);
+            for name in changed {
+                let objs = state
+                    .services
+                    .get(name)
+                    .map(|svc| render_service(svc, state, config));
+                plan.unit(applied, Owner::Service(name.clone()), objs, false);
+            }
+            stale.extend(plan.stale.iter().map(|c| (family, c.clone())));
+            plan.write(&mut tx, family);
+        }
+        Ok((tx, Vec::new(), stale))
+    }
+}
+
+/// The static objects viewed as a unit.
+fn objects_of_base(base: &super::ruleset::BaseObjects) -> ServiceObjects {
+    ServiceObjects {
+        chains: base.chains.clone(),
+        sets: base.sets.clone(),
+        elements: base.elements.clone(),
+    }
+}
+
+/// Transaction pieces collected per phase, so that, whatever the owners, objects are created
+/// before they are referenced and unreferenced before they are deleted.
+#[derive(Default)]
+struct Plan {
+    add_sets: Vec<Set>,
+    add_chains: Vec<(String, Option<BaseHook>)>,
+    flush_chains: Vec<String>,
+    delete_sets: Vec<(String, bool)>,
+    rules: Vec<(String, Rule)>,
+    delete_elements: Vec<(&'static str, ElemKey)>,
+    add_elements: Vec<Element>,
+    stale: Vec<String>,
+}
+
+impl Plan {
+    /// Plans the change of one owner's objects from what `applied` remembers to `objs`
+    /// (`None`: the owner is gone), updating `applied`. `rewrite`: rewrite every chain even if
+    /// unchanged (full sync).
+    fn unit(
+        &mut self,
+        applied: &mut AppliedTable,
+        owner: Owner,
+        objs: Option<ServiceObjects>,
+        rewrite: bool,
+    ) {
+        let old = applied.units.remove(&owner).unwrap_or_default();
+        let objs = objs.unwrap_or_default();
+        let mut unit = Unit::default();
+
+        // Sets: new ones are added; ones whose spec changed are re-created, which needs
+        // every chain of this owner rewritten (they may reference it).
+        let mut respec = false;
+        for set in &objs.sets {
+            let h = hash_of(set);
+            match old.sets.get(&set.name) {
+                Some(oh) if *oh == h => {}
+                Some(_) => {
+                    respec = true;
+                    self.delete_sets.push((set.name.clone(), set.verdict_map));
+                    self.add_sets.push(set.clone());
+                }
+                None => self.add_sets.push(set.clone()),
+            }
+            applied.set_is_map.insert(set.name.clone(), set.verdict_map);
+            unit.sets.insert(set.name.clone(), h);
+        }
+        // Chains.
+        for chain in &objs.chains {
+            let h = hash_of(&chain.rules);
+            let same = old
+                .chains
+                .get(&chain.name)
+                .is_some_and(|(hook, oh)| *oh == h && *hook == chain.base);
+            if !same || rewrite || respec {
+                if !old.chains.contains_key(&chain.name) || rewrite {
+                    self.add_chains
+                        .push((chain.name.clone(), chain.base.clone()));
+                }
+                self.flush_chains.push(chain.name.clone());
+                for rule in &chain.rules {
+                    self.rules.push((chain.name.clone(), rule.clone()));
+                }
+            }
+            unit.chains
+                .insert(chain.name.clone(), (chain.base.clone(), h));
+        }
+        for name in old.chains.keys() {
+            if !unit.chains.contains_key(name) {
+                self.flush_chains.push(name.clone());
+                self.stale.push(name.clone());
+            }
+        }
+        for (name, _) in old.sets.iter() {
+            if !unit.sets.contains_key(name) {
+                let is_map = applied.set_is_map.remove(name).unwrap_or(false);
+                self.delete_sets.push((name.clone(), is_map));
+            }
+        }
+        // Elements: withdraw the old contributions, add the new ones, and emit kernel changes
+        // only where the winning value changes.
+        let mut touched: BTreeSet<(&'static str, ElemKey)> = BTreeSet::new();
+        let before: HashMap<(&'static str, ElemKey), Option<ElemValue>> = old
+            .elements
+            .iter()
+            .chain(
+                objs.elements
+                    .iter()
+                    .map(|e| (e.set, e.key))
+                    .collect::<Vec<_>>()
+                    .iter(),
+            )
+            .map(|k| (*k, winner(applied, k)))
+            .collect();
+        for k in &old.elements {
+            if let Some(owners) = applied.elements.get_mut(k) {
+                owners.remove(&owner);
+                if owners.is_empty() {
+                    applied.elements.remove(k);
+                }
+            }
+            touched.insert(*k);
+        }
+        for e in &objs.elements {
+            let k = (e.set, e.key);
+            applied
+                .elements
+                .entry(k)
+                .or_default()
+                .entry(owner.clone())
+                .or_insert((e.value.clone(), e.comment.clone()));
+            unit.elements.push(k);
+            touched.insert(k);
+        }
+        for k in touched {
+            let was = before.get(&k).cloned().flatten();
+            let now = winner(applied, &k);
+            if was == now && !rewrite {
+                continue;
+            }
+            if rewrite {
+                // Full sync: the maps were flushed; add every winner once.
+                continue;
+            }
+            if was.is_some() {
+                self.delete_elements.push(k);
+            }
+            if let Some((value, comment)) = now {
+                self.add_elements.push(Element {
+                    set: k.0,
+                    key: k.1,
+                    value,
+                    comment,
+                });
+            }
+        }
+        applied.units.insert(owner, unit);
+    }
+
+    fn write(&self, tx: &mut Transaction, family: IpFamily) {
+        for s in &self.add_sets {
+            if !self.delete_sets.iter().any(|(n, _)| *n == s.name) {
+                tx.push(family, Op::AddSet(s.clone()));
+            }
+        }
+        for (name, hook) in &self.add_chains {
+            tx.push(family, Op::AddChain(name.clone(), hook.clone()));
+        }
+        for name in &self.flush_chains {
+            tx.push(family, Op::FlushChain(name.clone()));
+        }
+        for (name, is_map) in &self.delete_sets {
+            tx.push(family, Op::DeleteSet(name.clone(), *is_map));
+        }
+        for s in &self.add_sets {
+            if self.delete_sets.iter().any(|(n, _)| *n == s.name) {
+                tx.push(family, Op::AddSet(s.clone()));
+            }
+        }
+        for (chain, rule) in &self.rules {
+            tx.push(family, Op::AddRule(chain.clone(), rule.clone()));
+        }
+        for (set, key) in &self.delete_elements {
+            // A deleted (or re-created) set took its elements with it.
+            if !self.delete_sets.iter().any(|(n, _)| n == set) {
+                tx.push(family, Op::DeleteElement(set, *key));
+            }
+        }
+        for e in &self.add_elements {
+            tx.push(family, Op::AddElement(e.clone()));
+        }
+    }
+}
+
+fn winner(applied: &AppliedTable, k: &(&'static str, ElemKey)) -> Option<ElemValue> {
+    applied
+        .elements
+        .get(k)
+        .and_then(|o| o.values().next().cloned())
+}
+
+/// Plans a full rewrite of one table; returns what is then applied and the stale chains.
+fn full_table(
+    tx: &mut Transaction,
+    state: &FamilyState,
+    config: &NodeConfig,
+    existing: &Existing,
+    recreate_base: bool,
+) -> (AppliedTable, Vec<String>) {
+    let family = state.family;
+    let mut applied = AppliedTable::default();
+    let mut plan = Plan::default();
+    let base = render_base(state, config);
+    plan.unit(
+        &mut applied,
+        Owner::Base,
+        Some(objects_of_base(&base)),
+        true,
+    );
+    for (name, svc) in &state.services {
+        plan.unit(
+            &mut applied,
+            Owner::Service(name.clone()),
+            Some(render_service(svc, state, config)),
+            true,
+        );
+    }
+    let wanted_chains: BTreeSet<&str> = applied
+        .units
+        .values()
+        .flat_map(|u| u.chains.keys().map(String::as_str))
+        .collect();
+    let stale: Vec<String> = existing
+        .chains
+        .iter()
+        .filter(|c| !wanted_chains.contains(c.as_str()))
+        .cloned()
+        .collect();
+
+    tx.push(family, Op::AddTable);
+    for s in &plan.add_sets {
+        tx.push(family, Op::AddSet(s.clone()));
+    }
+    if recreate_base {
+        // Re-create base chains so that hooks and priorities are ours even if an older
+        // version left them otherwise; in one transaction, so no packet sees them missing.
+        for chain in &base.chains {
+            if chain.base.is_some() && existing.chains.contains(&chain.name) {
+                tx.push(family, Op::FlushChain(chain.name.clone()));
+                tx.push(family, Op::DeleteChain(chain.name.clone()));
+            }
+        }
+    }
+    for (name, hook) in &plan.add_chains {
+        tx.push(family, Op::AddChain(name.clone(), hook.clone()));
+    }
+    for name in &plan.flush_chains {
+        tx.push(family, Op::FlushChain(name.clone()));
+    }
+    for name in &stale {
+        tx.push(family, Op::FlushChain(name.clone()));
+    }
+    // Stale sets (not affinity sets still in use: those are per endpoint and go with their
+    // chains, so an unwanted one is unreferenced once the stale chains are flushed).
+    let wanted_sets: BTreeSet<&str> = plan.add_sets.iter().map(|s| s.name.as_str()).collect();
+    let mut stale_sets = Vec::new();
+    for (name, is_map) in &existing.sets {
+        if !wanted_sets.contains(name.as_str()) {
+            stale_sets.push((name.clone(), *is_map));
+        }
+    }
+    for (name, is_map) in &stale_sets {
+        // A stale map may hold elements that point at chains; flush it before anything.
+        tx.push(family, Op::FlushSet(name.clone(), *is_map));
+    }
+    for (chain, rule) in &plan.rules {
+        tx.push(family, Op::AddRule(chain.clone(), rule.clone()));
+    }
+    // Refill every shared set and map (affinity sets keep their dynamic content).
+    for s in &plan.add_sets {
+        if !is_affinity_set(&s.name) && existing.sets.contains_key(&s.name) {
+            tx.push(family, Op::FlushSet(s.name.clone(), s.verdict_map));
+        }
+    }
+    for (name, is_map) in &stale_sets {
+        tx.push(family, Op::DeleteSet(name.clone(), *is_map));
+    }
+    let mut keys: Vec<_> = applied.elements.keys().copied().collect();
+    keys.sort();
+    for k in keys {
+        if let Some((value, comment)) = winner(&applied, &k) {
+            tx.push(
+                family,
+                Op::AddElement(Element {
+                    set: k.0,
+                    key: k.1,
+                    value,
+                    comment,
+                }),
+            );
+        }
+    }
+    (applied, stale)
+}
+
+/// Time after which a stale chain is surely unreferenced on old kernels (kube-proxy waits 1 s).
+pub const STALE_CHAIN_GRACE: Duration = Duration::from_secs(1);

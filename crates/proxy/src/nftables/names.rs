@@ -1,0 +1,117 @@
+//! Names of nftables objects, exactly as kube-proxy names them.
+//!
+//! Static objects have fixed names (kube-proxy's constants in `pkg/proxy/nftables`); per
+//! service port objects are a prefix plus the hashed base of [`crate::names`]. The longest
+//! prefix, `endpoint-`/`affinity-`/`external-`/`firewall-`, fits in the 16 characters
+//! kube-proxy budgets, so every name stays within nftables' 256 characters.
+
+use std::net::IpAddr;
+
+use crate::model::ServicePortName;
+use crate::names::{nft_endpoint_base, nft_service_port_base};
+
+/// Base chain: LoadBalancerSourceRanges, before DNAT (`prerouting`, `dstnat - 10`).
+pub const FILTER_PREROUTING_PRE_DNAT: &str = "filter-prerouting-pre-dnat";
+/// Base chain: LoadBalancerSourceRanges for locally generated traffic (`output`, -110).
+pub const FILTER_OUTPUT_PRE_DNAT: &str = "filter-output-pre-dnat";
+/// Base chain: no-endpoint checks for traffic to this host (`input`, `filter`).
+pub const FILTER_INPUT: &str = "filter-input";
+/// Base chain: no-endpoint and ClusterIP checks for routed traffic (`forward`, `filter`).
+pub const FILTER_FORWARD: &str = "filter-forward";
+/// Base chain: no-endpoint and ClusterIP checks for local traffic (`output`, `filter`).
+pub const FILTER_OUTPUT: &str = "filter-output";
+/// Base chain: DNAT of arriving traffic (`prerouting`, `dstnat`).
+pub const NAT_PREROUTING: &str = "nat-prerouting";
+/// Base chain: DNAT of locally generated traffic (`output`, `dstnat`).
+pub const NAT_OUTPUT: &str = "nat-output";
+/// Base chain: masquerade (`postrouting`, `srcnat`).
+pub const NAT_POSTROUTING: &str = "nat-postrouting";
+
+/// Dispatch to the service chains through `service-ips` and `service-nodeports`.
+pub const SERVICES: &str = "services";
+/// Masquerades marked packets.
+pub const MASQUERADING: &str = "masquerading";
+/// Sets the masquerade mark.
+pub const MARK_FOR_MASQUERADE: &str = "mark-for-masquerade";
+/// Rejects traffic to ClusterIP ports no Service serves, drops unallocated ClusterIPs.
+pub const CLUSTER_IPS_CHECK: &str = "cluster-ips-check";
+/// Looks up `no-endpoint-services`.
+pub const SERVICE_ENDPOINTS_CHECK: &str = "service-endpoints-check";
+/// Looks up `no-endpoint-nodeports`.
+pub const NODEPORT_ENDPOINTS_CHECK: &str = "nodeport-endpoints-check";
+/// Looks up `firewall-ips`.
+pub const FIREWALL_CHECK: &str = "firewall-check";
+/// `reject`, the target of no-endpoint verdicts.
+pub const REJECT_CHAIN: &str = "reject-chain";
+
+/// Set: every active ClusterIP.
+pub const CLUSTER_IPS: &str = "cluster-ips";
+/// Set: this node's NodePort addresses.
+pub const NODEPORT_IPS: &str = "nodeport-ips";
+/// Map: `addr . proto . port` of ClusterIPs, external IPs and load-balancer IPs → service chain.
+pub const SERVICE_IPS: &str = "service-ips";
+/// Map: `proto . port` of NodePorts → external chain.
+pub const SERVICE_NODEPORTS: &str = "service-nodeports";
+/// Map: services without endpoints → drop or reject.
+pub const NO_ENDPOINT_SERVICES: &str = "no-endpoint-services";
+/// Map: NodePorts without endpoints → drop or reject.
+pub const NO_ENDPOINT_NODEPORTS: &str = "no-endpoint-nodeports";
+/// Map: load-balancer IPs with source ranges → firewall chain.
+pub const FIREWALL_IPS: &str = "firewall-ips";
+
+/// The chain names of one service port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceChainNames {
+    /// `service-<H>`: Cluster traffic policy.
+    pub cluster: String,
+    /// `local-<H>`: Local traffic policy.
+    pub local: String,
+    /// `external-<H>`: external traffic entry.
+    pub external: String,
+    /// `firewall-<H>`: LoadBalancerSourceRanges.
+    pub firewall: String,
+}
+
+impl ServiceChainNames {
+    /// The names for `port`.
+    pub fn new(port: &ServicePortName) -> Self {
+        let base = nft_service_port_base(port);
+        ServiceChainNames {
+            cluster: format!("service-{base}"),
+            local: format!("local-{base}"),
+            external: format!("external-{base}"),
+            firewall: format!("firewall-{base}"),
+        }
+    }
+}
+
+/// `endpoint-<H>` and `affinity-<H>` of one endpoint of a service port.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndpointNames {
+    /// The DNAT chain.
+    pub chain: String,
+    /// The session affinity set.
+    pub affinity: String,
+}
+
+impl EndpointNames {
+    /// The names for an endpoint of `port`.
+    pub fn new(port: &ServicePortName, ip: IpAddr, target_port: u16) -> Self {
+        let base = nft_endpoint_base(port, ip, target_port);
+        EndpointNames {
+            chain: format!("endpoint-{base}"),
+            affinity: format!("affinity-{base}"),
+        }
+    }
+}
+
+/// kube-proxy's `isServiceChainName`: per service chains are those with a `/` in the name;
+/// any such chain in the table that the desired ruleset lacks is stale.
+pub fn is_service_chain(name: &str) -> bool {
+    name.contains('/')
+}
+
+/// kube-proxy's `isAffinitySetName`.
+pub fn is_affinity_set(name: &str) -> bool {
+    name.starts_with("affinity-")
+}
