@@ -1,0 +1,939 @@
+//! Router tests without a socket (`tower::ServiceExt::oneshot`): every verb and every error the
+//! issue lists, with kube-apiserver's codes, reasons and messages.
+
+use axum::body::Body;
+use http::{Method, Request, StatusCode};
+use http_body_util::BodyExt;
+use nodeport_apiserver::{AppState, Config, PortRange};
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+async fn server() -> AppState {
+    server_with(Config::default()).await
+}
+
+async fn server_with(config: Config) -> AppState {
+    nodeport_apiserver::in_memory(&config)
+        .await
+        .expect("server state")
+}
+
+struct Reply {
+    status: StatusCode,
+    body: Value,
+    warnings: Vec<String>,
+}
+
+async fn call(
+    state: &AppState,
+    method: Method,
+    uri: &str,
+    content_type: &str,
+    body: Vec<u8>,
+) -> Reply {
+    let mut req = Request::builder().method(method).uri(uri);
+    if !content_type.is_empty() {
+        req = req.header("content-type", content_type);
+    }
+    let response = nodeport_apiserver::router(state.clone())
+        .oneshot(req.body(Body::from(body)).unwrap())
+        .await
+        .unwrap();
+    let status = response.status();
+    let warnings = response
+        .headers()
+        .get_all("warning")
+        .iter()
+        .map(|v| v.to_str().unwrap().to_owned())
+        .collect();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    let body = serde_json::from_slice(&bytes)
+        .unwrap_or(Value::String(String::from_utf8_lossy(&bytes).into()));
+    Reply {
+        status,
+        body,
+        warnings,
+    }
+}
+
+async fn get(state: &AppState, uri: &str) -> Reply {
+    call(state, Method::GET, uri, "", vec![]).await
+}
+
+async fn post(state: &AppState, uri: &str, body: Value) -> Reply {
+    call(
+        state,
+        Method::POST,
+        uri,
+        "application/json",
+        serde_json::to_vec(&body).unwrap(),
+    )
+    .await
+}
+
+async fn put(state: &AppState, uri: &str, body: Value) -> Reply {
+    call(
+        state,
+        Method::PUT,
+        uri,
+        "application/json",
+        serde_json::to_vec(&body).unwrap(),
+    )
+    .await
+}
+
+async fn patch(state: &AppState, uri: &str, content_type: &str, body: Value) -> Reply {
+    call(
+        state,
+        Method::PATCH,
+        uri,
+        content_type,
+        serde_json::to_vec(&body).unwrap(),
+    )
+    .await
+}
+
+async fn delete(state: &AppState, uri: &str) -> Reply {
+    call(state, Method::DELETE, uri, "", vec![]).await
+}
+
+const SERVICES: &str = "/api/v1/namespaces/default/services";
+
+fn service(name: &str, spec: Value) -> Value {
+    json!({"apiVersion":"v1","kind":"Service","metadata":{"name":name},"spec":spec})
+}
+
+fn node_port_svc(name: &str, node_port: Option<u16>) -> Value {
+    let mut port = json!({"name":"api","port":9000,"protocol":"TCP","targetPort":9000});
+    if let Some(np) = node_port {
+        port["nodePort"] = json!(np);
+    }
+    service(
+        name,
+        json!({"type":"NodePort","selector":{"app":name},"ports":[port]}),
+    )
+}
+
+fn node_port_of(v: &Value) -> u16 {
+    v["spec"]["ports"][0]["nodePort"]
+        .as_u64()
+        .expect("nodePort") as u16
+}
+
+async fn verify_consistent(state: &AppState) {
+    let v = state.registry.verify().await.unwrap();
+    assert!(v.is_consistent(), "bitmaps differ from Services: {v:?}");
+}
+
+#[tokio::test]
+async fn discovery_documents_describe_the_served_resources() {
+    let s = server().await;
+    let api = get(&s, "/api").await;
+    assert_eq!(api.body["versions"], json!(["v1"]));
+    let v1 = get(&s, "/api/v1").await;
+    let names: Vec<&str> = v1.body["resources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["name"].as_str().unwrap())
+        .collect();
+    for n in [
+        "services",
+        "services/status",
+        "endpoints",
+        "nodes",
+        "namespaces",
+    ] {
+        assert!(names.contains(&n), "{n} missing from {names:?}");
+    }
+    let groups = get(&s, "/apis").await;
+    assert_eq!(groups.body["groups"][0]["name"], "discovery.k8s.io");
+    let slices = get(&s, "/apis/discovery.k8s.io/v1").await;
+    assert_eq!(slices.body["resources"][0]["name"], "endpointslices");
+    assert_eq!(get(&s, "/version").await.body["major"], "1");
+    for p in ["/healthz", "/livez", "/readyz"] {
+        assert_eq!(get(&s, p).await.status, StatusCode::OK);
+    }
+    let root = get(&s, "/openapi/v3").await;
+    assert!(root.body["paths"]["api/v1"]["serverRelativeURL"].is_string());
+}
+
+#[tokio::test]
+async fn system_namespaces_and_the_kubernetes_service_exist_from_the_first_start() {
+    let s = server().await;
+    for ns in ["default", "kube-system", "kube-public"] {
+        let r = get(&s, &format!("/api/v1/namespaces/{ns}")).await;
+        assert_eq!(r.status, StatusCode::OK);
+        assert_eq!(r.body["status"]["phase"], "Active");
+    }
+    let k = get(&s, &format!("{SERVICES}/kubernetes")).await;
+    assert_eq!(k.body["spec"]["clusterIP"], "10.96.0.1");
+    assert_eq!(
+        k.body["spec"]["ports"],
+        json!([{"name":"https","port":443,"protocol":"TCP","targetPort":6443}])
+    );
+    verify_consistent(&s).await;
+}
+
+#[tokio::test]
+async fn create_defaults_and_allocates_like_kube_apiserver() {
+    let s = server().await;
+    let r = post(
+        &s,
+        SERVICES,
+        service("web", json!({"type":"NodePort","ports":[{"port":80}]})),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    let spec = &r.body["spec"];
+    assert_eq!(spec["ports"][0]["protocol"], "TCP");
+    assert_eq!(spec["ports"][0]["targetPort"], 80);
+    assert_eq!(spec["sessionAffinity"], "None");
+    assert_eq!(spec["externalTrafficPolicy"], "Cluster");
+    assert_eq!(spec["internalTrafficPolicy"], "Cluster");
+    assert_eq!(spec["ipFamilies"], json!(["IPv4"]));
+    assert_eq!(spec["ipFamilyPolicy"], "SingleStack");
+    assert_eq!(spec["clusterIPs"], json!([spec["clusterIP"].clone()]));
+    let np = node_port_of(&r.body);
+    assert!(
+        (30086..=32767).contains(&np),
+        "dynamic pick {np} outside the dynamic band"
+    );
+    assert!(
+        r.body["metadata"]["resourceVersion"]
+            .as_str()
+            .unwrap()
+            .parse::<i64>()
+            .unwrap()
+            > 0
+    );
+    assert!(r.body["metadata"]["uid"].is_string());
+    verify_consistent(&s).await;
+}
+
+#[tokio::test]
+async fn tcp_and_udp_entries_of_one_port_share_a_node_port_on_create() {
+    // kubernetes#85020: `533:30875/TCP,533:30875/UDP`.
+    let s = server().await;
+    let r = post(
+        &s,
+        SERVICES,
+        service(
+            "dns",
+            json!({"type":"NodePort","ports":[
+        {"name":"tcp","port":53,"protocol":"TCP"},{"name":"udp","port":53,"protocol":"UDP"}]}),
+        ),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    assert_eq!(
+        r.body["spec"]["ports"][0]["nodePort"],
+        r.body["spec"]["ports"][1]["nodePort"]
+    );
+    let r = post(&s, SERVICES, service("multi", json!({"type":"NodePort","ports":[
+        {"name":"a","port":80,"nodePort":30400},{"name":"b","port":53,"protocol":"UDP","nodePort":30400}]}))).await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        r.body["message"],
+        "Service \"multi\" is invalid: spec.ports[1].nodePort: Invalid value: 30400: provided port is already allocated"
+    );
+    verify_consistent(&s).await;
+}
+
+#[tokio::test]
+async fn minio_collision_gives_kube_apiservers_exact_invalid_status() {
+    let s = server().await;
+    let r = post(&s, SERVICES, node_port_svc("minio", Some(30009))).await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    let r = post(&s, SERVICES, node_port_svc("minio2", Some(30009))).await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        r.body,
+        json!({"kind":"Status","apiVersion":"v1","metadata":{},"status":"Failure",
+        "message":"Service \"minio2\" is invalid: spec.ports[0].nodePort: Invalid value: 30009: provided port is already allocated",
+        "reason":"Invalid",
+        "details":{"name":"minio2","kind":"Service","causes":[{"reason":"FieldValueInvalid",
+            "message":"Invalid value: 30009: provided port is already allocated","field":"spec.ports[0].nodePort"}]},
+        "code":422})
+    );
+    // The rejected create left nothing behind: not its ClusterIP, not a port.
+    verify_consistent(&s).await;
+}
+
+#[tokio::test]
+async fn out_of_range_node_port_is_reported_with_the_range() {
+    let s = server().await;
+    let r = post(&s, SERVICES, node_port_svc("low", Some(80))).await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        r.body["message"],
+        "Service \"low\" is invalid: spec.ports[0].nodePort: Invalid value: 80: provided port is not in the valid range. The range of valid ports is 30000-32767"
+    );
+}
+
+#[tokio::test]
+async fn validation_errors_use_kubernetes_field_paths_and_texts() {
+    let s = server().await;
+    let cases = [
+        (
+            json!({"ports":[{"port":0,"targetPort":80}]}),
+            "spec.ports[0].port: Invalid value: 0: must be between 1 and 65535, inclusive",
+        ),
+        (
+            json!({"ports":[{"port":80,"protocol":"HTTP"}]}),
+            "spec.ports[0].protocol: Unsupported value: \"HTTP\": supported values: \"SCTP\", \"TCP\", \"UDP\"",
+        ),
+        (
+            json!({"ports":[{"port":80,"nodePort":30001}]}),
+            "spec.ports[0].nodePort: Forbidden: may not be used when `type` is 'ClusterIP'",
+        ),
+        (
+            json!({"ports":[{"port":80},{"port":81}]}),
+            "[spec.ports[0].name: Required value, spec.ports[1].name: Required value]",
+        ),
+        (
+            json!({"ports":[{"name":"a","port":80},{"name":"a","port":81}]}),
+            "spec.ports[1].name: Duplicate value: \"a\"",
+        ),
+        (
+            json!({"type":"Foo","ports":[{"port":80}]}),
+            "spec.type: Unsupported value: \"Foo\": supported values: \"ClusterIP\", \"ExternalName\", \"LoadBalancer\", \"NodePort\"",
+        ),
+        (json!({}), "spec.ports: Required value"),
+    ];
+    for (i, (spec, want)) in cases.into_iter().enumerate() {
+        let name = format!("bad{i}");
+        let r = post(&s, SERVICES, service(&name, spec)).await;
+        assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
+        assert_eq!(r.body["reason"], "Invalid");
+        assert_eq!(
+            r.body["message"],
+            format!("Service \"{name}\" is invalid: {want}")
+        );
+    }
+    verify_consistent(&s).await;
+}
+
+#[tokio::test]
+async fn exhausted_range_is_a_500_internal_error() {
+    let s = server_with(Config {
+        node_port_range: PortRange::parse("30000-30001").unwrap(),
+        ..Config::default()
+    })
+    .await;
+    for name in ["a", "b"] {
+        assert_eq!(
+            post(&s, SERVICES, node_port_svc(name, None)).await.status,
+            StatusCode::CREATED
+        );
+    }
+    let r = post(&s, SERVICES, node_port_svc("c", None)).await;
+    assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(r.body["reason"], "InternalError");
+    assert_eq!(
+        r.body["message"],
+        "Internal error occurred: failed to allocate a nodePort: range is full"
+    );
+    // Deleting a Service frees its port for the next create.
+    assert_eq!(
+        delete(&s, &format!("{SERVICES}/a")).await.status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        post(&s, SERVICES, node_port_svc("c", None)).await.status,
+        StatusCode::CREATED
+    );
+    verify_consistent(&s).await;
+}
+
+#[tokio::test]
+async fn missing_namespace_and_object_are_404_and_duplicates_409() {
+    let s = server().await;
+    let r = post(
+        &s,
+        "/api/v1/namespaces/nope/services",
+        service("a", json!({"ports":[{"port":80}]})),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert_eq!(r.body["message"], "namespaces \"nope\" not found");
+    let r = get(&s, &format!("{SERVICES}/missing")).await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert_eq!(r.body["message"], "services \"missing\" not found");
+    assert_eq!(
+        r.body["details"],
+        json!({"name":"missing","kind":"services"})
+    );
+    let r = get(
+        &s,
+        "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices/x",
+    )
+    .await;
+    assert_eq!(
+        r.body["message"],
+        "endpointslices.discovery.k8s.io \"x\" not found"
+    );
+    post(&s, SERVICES, service("a", json!({"ports":[{"port":80}]}))).await;
+    let r = post(&s, SERVICES, service("a", json!({"ports":[{"port":80}]}))).await;
+    assert_eq!(r.status, StatusCode::CONFLICT);
+    assert_eq!(r.body["reason"], "AlreadyExists");
+    assert_eq!(r.body["message"], "services \"a\" already exists");
+    verify_consistent(&s).await;
+}
+
+#[tokio::test]
+async fn stale_resource_version_on_update_is_a_409_conflict() {
+    let s = server().await;
+    let created = post(&s, SERVICES, service("a", json!({"ports":[{"port":80}]})))
+        .await
+        .body;
+    let mut first = created.clone();
+    first["metadata"]["labels"] = json!({"v":"1"});
+    let r = put(&s, &format!("{SERVICES}/a"), first).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let mut stale = created;
+    stale["metadata"]["labels"] = json!({"v":"2"});
+    let r = put(&s, &format!("{SERVICES}/a"), stale).await;
+    assert_eq!(r.status, StatusCode::CONFLICT);
+    assert_eq!(r.body["reason"], "Conflict");
+    assert_eq!(
+        r.body["message"],
+        "Operation cannot be fulfilled on services \"a\": the object has been modified; please apply your changes to the latest version and try again"
+    );
+}
+
+#[tokio::test]
+async fn update_changes_node_port_and_type_with_allocation_diff() {
+    let s = server().await;
+    let created = post(&s, SERVICES, node_port_svc("a", None)).await.body;
+    let old_np = node_port_of(&created);
+    // nodePort is mutable: the new one is allocated, the old one freed.
+    let mut changed = created.clone();
+    changed["spec"]["ports"][0]["nodePort"] = json!(30050);
+    let r = put(&s, &format!("{SERVICES}/a"), changed).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(node_port_of(&r.body), 30050);
+    let r2 = post(&s, SERVICES, node_port_svc("b", Some(old_np))).await;
+    assert_eq!(
+        r2.status,
+        StatusCode::CREATED,
+        "old port was not freed: {}",
+        r2.body
+    );
+    // NodePort -> ClusterIP as kubectl edit sends it (nodePort still in the body) frees the port.
+    let mut to_cluster_ip = r.body.clone();
+    to_cluster_ip["spec"]["type"] = json!("ClusterIP");
+    let r = put(&s, &format!("{SERVICES}/a"), to_cluster_ip).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert!(r.body["spec"]["ports"][0].get("nodePort").is_none());
+    assert!(r.body["spec"].get("externalTrafficPolicy").is_none());
+    verify_consistent(&s).await;
+    // ClusterIP -> ExternalName frees the ClusterIP; back to NodePort allocates both again.
+    let mut ext = r.body.clone();
+    ext["spec"]["type"] = json!("ExternalName");
+    ext["spec"]["externalName"] = json!("example.com");
+    let r = put(&s, &format!("{SERVICES}/a"), ext).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert!(r.body["spec"].get("clusterIP").is_none());
+    verify_consistent(&s).await;
+    let mut back = r.body.clone();
+    back["spec"]["type"] = json!("NodePort");
+    back["spec"].as_object_mut().unwrap().remove("externalName");
+    let r = put(&s, &format!("{SERVICES}/a"), back).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert!(r.body["spec"]["clusterIP"].is_string());
+    assert!(node_port_of(&r.body) >= 30000);
+    verify_consistent(&s).await;
+}
+
+#[tokio::test]
+async fn cluster_ip_may_not_change_once_set() {
+    let s = server().await;
+    let created = post(&s, SERVICES, service("a", json!({"ports":[{"port":80}]})))
+        .await
+        .body;
+    let mut changed = created;
+    changed["spec"]["clusterIP"] = json!("10.96.0.20");
+    changed["spec"]["clusterIPs"] = json!(["10.96.0.20"]);
+    let r = put(&s, &format!("{SERVICES}/a"), changed).await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        r.body["message"],
+        "Service \"a\" is invalid: spec.clusterIPs[0]: Invalid value: []string{\"10.96.0.20\"}: may not change once set"
+    );
+    verify_consistent(&s).await;
+}
+
+#[tokio::test]
+async fn load_balancer_local_gets_a_health_check_node_port_and_allocation_can_be_disabled() {
+    let s = server().await;
+    let r = post(
+        &s,
+        SERVICES,
+        service(
+            "lb",
+            json!({"type":"LoadBalancer","externalTrafficPolicy":"Local","ports":[{"port":80}]}),
+        ),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    assert!(r.body["spec"]["healthCheckNodePort"].as_u64().unwrap() >= 30000);
+    assert_eq!(r.body["spec"]["allocateLoadBalancerNodePorts"], true);
+    let mut changed = r.body.clone();
+    changed["spec"]["healthCheckNodePort"] = json!(30077);
+    let r2 = put(&s, &format!("{SERVICES}/lb"), changed).await;
+    assert_eq!(r2.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        r2.body["message"],
+        "Service \"lb\" is invalid: spec.healthCheckNodePort: Forbidden: field is immutable"
+    );
+    let r = post(&s, SERVICES, service("lb2", json!({"type":"LoadBalancer","allocateLoadBalancerNodePorts":false,"ports":[{"port":80}]}))).await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    assert!(r.body["spec"]["ports"][0].get("nodePort").is_none());
+    let r = post(
+        &s,
+        SERVICES,
+        service(
+            "headless",
+            json!({"clusterIP":"None","ports":[{"port":80}]}),
+        ),
+    )
+    .await;
+    assert_eq!(r.body["spec"]["clusterIPs"], json!(["None"]));
+    verify_consistent(&s).await;
+}
+
+#[tokio::test]
+async fn dry_run_create_allocates_nothing_and_stores_nothing() {
+    let s = server().await;
+    let r = post(
+        &s,
+        &format!("{SERVICES}?dryRun=All"),
+        node_port_svc("dry", Some(30009)),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    assert_eq!(
+        get(&s, &format!("{SERVICES}/dry")).await.status,
+        StatusCode::NOT_FOUND
+    );
+    assert_eq!(
+        post(&s, SERVICES, node_port_svc("real", Some(30009)))
+            .await
+            .status,
+        StatusCode::CREATED
+    );
+    verify_consistent(&s).await;
+}
+
+#[tokio::test]
+async fn generate_name_creates_a_unique_name() {
+    let s = server().await;
+    let body = json!({"apiVersion":"v1","kind":"Service","metadata":{"generateName":"web-"},"spec":{"ports":[{"port":80}]}});
+    let a = post(&s, SERVICES, body.clone()).await.body;
+    let b = post(&s, SERVICES, body).await.body;
+    let (a, b) = (
+        a["metadata"]["name"].as_str().unwrap(),
+        b["metadata"]["name"].as_str().unwrap(),
+    );
+    assert!(a.starts_with("web-") && a.len() == 9);
+    assert_ne!(a, b);
+}
+
+#[tokio::test]
+async fn malformed_bodies_are_400_with_the_parser_position_and_large_ones_413() {
+    let s = server().await;
+    let r = call(
+        &s,
+        Method::POST,
+        SERVICES,
+        "application/json",
+        b"{\"kind\": ".to_vec(),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert!(
+        r.body["message"]
+            .as_str()
+            .unwrap()
+            .contains("line 1 column"),
+        "{}",
+        r.body
+    );
+    let r = call(
+        &s,
+        Method::POST,
+        SERVICES,
+        "application/yaml",
+        b"kind: Service\n  bad: [".to_vec(),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert!(
+        r.body["message"].as_str().unwrap().contains("line"),
+        "{}",
+        r.body
+    );
+    let big = vec![b' '; 3 * 1024 * 1024 + 1];
+    let r = call(&s, Method::POST, SERVICES, "application/json", big).await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(r.body["reason"], "RequestEntityTooLarge");
+}
+
+#[tokio::test]
+async fn yaml_bodies_are_accepted() {
+    let s = server().await;
+    let yaml =
+        b"apiVersion: v1\nkind: Service\nmetadata:\n  name: y\nspec:\n  ports:\n  - port: 80\n";
+    let r = call(
+        &s,
+        Method::POST,
+        SERVICES,
+        "application/yaml",
+        yaml.to_vec(),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+}
+
+#[tokio::test]
+async fn unknown_fields_follow_field_validation() {
+    let s = server().await;
+    let body = service("u", json!({"foo":1,"ports":[{"port":80}]}));
+    let r = post(
+        &s,
+        &format!("{SERVICES}?fieldValidation=Strict"),
+        body.clone(),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        r.body["message"],
+        "strict decoding error: unknown field \"spec.foo\""
+    );
+    let r = post(
+        &s,
+        &format!("{SERVICES}?fieldValidation=Warn"),
+        body.clone(),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    assert_eq!(r.warnings, vec!["299 - \"unknown field \\\"spec.foo\\\"\""]);
+    let r = post(
+        &s,
+        &format!("{SERVICES}?fieldValidation=Ignore"),
+        service("u2", json!({"foo":1,"ports":[{"port":80}]})),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    assert!(r.warnings.is_empty());
+}
+
+#[tokio::test]
+async fn list_filters_by_labels_and_fields_and_pages_with_continue() {
+    let s = server().await;
+    for i in 0..5 {
+        let mut svc = service(&format!("s{i}"), json!({"ports":[{"port":80}]}));
+        svc["metadata"]["labels"] = json!({"tier": if i % 2 == 0 { "fe" } else { "be" }});
+        post(&s, SERVICES, svc).await;
+    }
+    let r = get(&s, &format!("{SERVICES}?labelSelector=tier%3Dfe")).await;
+    assert_eq!(r.body["kind"], "ServiceList");
+    assert_eq!(r.body["items"].as_array().unwrap().len(), 3);
+    let r = get(&s, &format!("{SERVICES}?fieldSelector=metadata.name%3Ds3")).await;
+    assert_eq!(r.body["items"].as_array().unwrap().len(), 1);
+    let r = get(
+        &s,
+        "/api/v1/services?fieldSelector=metadata.namespace%3Ddefault",
+    )
+    .await;
+    assert_eq!(
+        r.body["items"].as_array().unwrap().len(),
+        6,
+        "5 + kubernetes"
+    );
+    let mut names = Vec::new();
+    let mut uri = format!("{SERVICES}?limit=2");
+    loop {
+        let page = get(&s, &uri).await.body;
+        names.extend(
+            page["items"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|i| i["metadata"]["name"].as_str().unwrap().to_owned()),
+        );
+        match page["metadata"]["continue"].as_str() {
+            Some(token) => uri = format!("{SERVICES}?limit=2&continue={token}"),
+            None => break,
+        }
+    }
+    assert_eq!(names, ["kubernetes", "s0", "s1", "s2", "s3", "s4"]);
+    let r = get(&s, &format!("{SERVICES}?fieldSelector=spec.foo%3Dbar")).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn table_output_has_kubectls_columns() {
+    let s = server().await;
+    post(&s, SERVICES, node_port_svc("web", Some(30510))).await;
+    let req = Request::get(format!("{SERVICES}/web"))
+        .header(
+            "accept",
+            "application/json;as=Table;v=v1;g=meta.k8s.io,application/json",
+        )
+        .body(Body::empty())
+        .unwrap();
+    let response = nodeport_apiserver::router(s.clone())
+        .oneshot(req)
+        .await
+        .unwrap();
+    let body: Value =
+        serde_json::from_slice(&response.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    assert_eq!(body["kind"], "Table");
+    let columns: Vec<&str> = body["columnDefinitions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        &columns[..6],
+        [
+            "Name",
+            "Type",
+            "Cluster-IP",
+            "External-IP",
+            "Port(s)",
+            "Age"
+        ]
+    );
+    assert_eq!(body["rows"][0]["cells"][4], "9000:30510/TCP");
+}
+
+#[tokio::test]
+async fn patches_json_merge_and_strategic_apply() {
+    let s = server().await;
+    let created = post(
+        &s,
+        SERVICES,
+        service(
+            "p",
+            json!({"type":"NodePort","ports":[{"name":"http","port":80}]}),
+        ),
+    )
+    .await
+    .body;
+    let np = node_port_of(&created);
+    let uri = format!("{SERVICES}/p");
+    let r = patch(
+        &s,
+        &uri,
+        "application/merge-patch+json",
+        json!({"metadata":{"labels":{"a":"b"}}}),
+    )
+    .await;
+    assert_eq!(r.body["metadata"]["labels"], json!({"a":"b"}));
+    let r = patch(
+        &s,
+        &uri,
+        "application/json-patch+json",
+        json!([{"op":"add","path":"/metadata/labels/c","value":"d"}]),
+    )
+    .await;
+    assert_eq!(r.body["metadata"]["labels"], json!({"a":"b","c":"d"}));
+    // Strategic merge adds 80/UDP next to 80/TCP (Test_ServiceSetPortWithPatch).
+    let r = patch(
+        &s,
+        &uri,
+        "application/strategic-merge-patch+json",
+        json!({"spec":{
+        "$setElementOrder/ports":[{"port":80},{"port":80}],
+        "ports":[{"name":"dns","port":80,"protocol":"UDP"}]}}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let ports = r.body["spec"]["ports"].as_array().unwrap();
+    assert_eq!(ports.len(), 2);
+    assert_eq!(ports[0]["nodePort"], np);
+    assert!(ports[1]["nodePort"].as_u64().unwrap() >= 30000);
+    let r = patch(&s, &uri, "application/apply-patch+yaml", json!({})).await;
+    assert_eq!(r.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    verify_consistent(&s).await;
+}
+
+#[tokio::test]
+async fn status_subresource_changes_only_status() {
+    let s = server().await;
+    let created = post(
+        &s,
+        SERVICES,
+        service("lb", json!({"type":"LoadBalancer","ports":[{"port":80}]})),
+    )
+    .await
+    .body;
+    let mut body = created.clone();
+    body["status"] = json!({"loadBalancer":{"ingress":[{"ip":"192.0.2.10"}]}});
+    body["spec"]["type"] = json!("ClusterIP");
+    let r = put(&s, &format!("{SERVICES}/lb/status"), body).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(
+        r.body["status"]["loadBalancer"]["ingress"][0]["ip"],
+        "192.0.2.10"
+    );
+    assert_eq!(r.body["spec"]["type"], "LoadBalancer");
+    // And a plain update does not change status.
+    let mut plain = r.body.clone();
+    plain["status"] = json!({});
+    let r = put(&s, &format!("{SERVICES}/lb"), plain).await;
+    assert_eq!(
+        r.body["status"]["loadBalancer"]["ingress"][0]["ip"],
+        "192.0.2.10"
+    );
+}
+
+#[tokio::test]
+async fn delete_honours_preconditions_and_returns_the_service() {
+    let s = server().await;
+    let created = post(&s, SERVICES, node_port_svc("d", None)).await.body;
+    let uri = format!("{SERVICES}/d");
+    let r = call(
+        &s,
+        Method::DELETE,
+        &uri,
+        "application/json",
+        serde_json::to_vec(&json!({"preconditions":{"uid":"wrong"}})).unwrap(),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CONFLICT);
+    assert!(
+        r.body["message"]
+            .as_str()
+            .unwrap()
+            .contains("Precondition failed: UID in precondition: wrong")
+    );
+    let r = call(
+        &s,
+        Method::DELETE,
+        &uri,
+        "application/json",
+        serde_json::to_vec(&json!({"preconditions":{"uid":created["metadata"]["uid"]}})).unwrap(),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.body["kind"], "Service");
+    assert_eq!(delete(&s, &uri).await.status, StatusCode::NOT_FOUND);
+    verify_consistent(&s).await;
+}
+
+#[tokio::test]
+async fn deletecollection_removes_what_the_selector_matches() {
+    // "should delete a collection of services" (conformance, v1.23).
+    let s = server().await;
+    for (name, label) in [("a", "x"), ("b", "x"), ("c", "y")] {
+        let mut svc = node_port_svc(name, None);
+        svc["metadata"]["labels"] = json!({"set": label});
+        post(&s, SERVICES, svc).await;
+    }
+    let r = delete(&s, &format!("{SERVICES}?labelSelector=set%3Dx")).await;
+    assert_eq!(r.body["items"].as_array().unwrap().len(), 2);
+    let left = get(&s, &format!("{SERVICES}?labelSelector=set")).await;
+    assert_eq!(left.body["items"].as_array().unwrap().len(), 1);
+    verify_consistent(&s).await;
+}
+
+#[tokio::test]
+async fn other_kinds_create_list_and_delete() {
+    let s = server().await;
+    let r = post(
+        &s,
+        "/api/v1/nodes",
+        json!({"apiVersion":"v1","kind":"Node","metadata":{"name":"worker"}}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    let r = get(&s, "/api/v1/nodes?fieldSelector=metadata.name%3Dworker").await;
+    assert_eq!(r.body["items"].as_array().unwrap().len(), 1);
+    let r = post(
+        &s,
+        "/api/v1/namespaces/default/endpoints",
+        json!({"apiVersion":"v1","kind":"Endpoints","metadata":{"name":"web"},
+        "subsets":[{"addresses":[{"ip":"10.244.1.6"}],"ports":[{"port":80}]}]}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    let r = post(&s, "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices", json!({"apiVersion":"discovery.k8s.io/v1","kind":"EndpointSlice",
+        "metadata":{"name":"web-abc","labels":{"kubernetes.io/service-name":"web"}},"addressType":"IPv4",
+        "endpoints":[{"addresses":["10.244.1.6"]}],"ports":[{"port":80,"protocol":"TCP"}]})).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    let r = post(
+        &s,
+        "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices",
+        json!({"apiVersion":"discovery.k8s.io/v1","kind":"EndpointSlice",
+        "metadata":{"name":"bad"},"addressType":"IPv4","endpoints":[{"addresses":["not-an-ip"]}]}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY);
+    let r = post(
+        &s,
+        "/api/v1/namespaces",
+        json!({"apiVersion":"v1","kind":"Namespace","metadata":{"name":"team"}}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    post(
+        &s,
+        "/api/v1/namespaces/team/services",
+        node_port_svc("t", None),
+    )
+    .await;
+    let r = delete(&s, "/api/v1/namespaces/team").await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(
+        get(&s, "/api/v1/namespaces/team/services/t").await.status,
+        StatusCode::NOT_FOUND
+    );
+    let r = delete(&s, "/api/v1/namespaces/default").await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    let r = delete(&s, "/api/v1/namespaces/default/endpoints/web").await;
+    assert_eq!(r.body["status"], "Success");
+    verify_consistent(&s).await;
+}
+
+#[tokio::test]
+async fn ranges_endpoint_reports_use_per_band() {
+    let s = server().await;
+    post(&s, SERVICES, node_port_svc("minio", Some(30009))).await;
+    post(&s, SERVICES, node_port_svc("dyn", None)).await;
+    let r = get(&s, "/ranges").await;
+    let np = &r.body["nodePorts"];
+    assert_eq!(np["range"], "30000-32767");
+    assert_eq!(np["static"]["used"], 1);
+    assert_eq!(np["static"]["last"], "30085");
+    assert_eq!(np["dynamic"]["used"], 1);
+    assert_eq!(r.body["clusterIPs"]["used"], 3);
+    let m = get(&s, "/metrics").await;
+    assert!(
+        m.body
+            .as_str()
+            .unwrap()
+            .contains("kube_apiserver_nodeport_allocator_allocated_ports 2")
+    );
+}
+
+#[tokio::test]
+async fn unknown_paths_and_verbs_get_status_errors() {
+    let s = server().await;
+    let r = get(&s, "/api/v1/pods").await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND);
+    assert_eq!(r.body["kind"], "Status");
+    let r = call(
+        &s,
+        Method::PUT,
+        SERVICES,
+        "application/json",
+        b"{}".to_vec(),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
+}
