@@ -1,0 +1,230 @@
+//! Real kubectl (the machine's, v1.32) against `nodeport apiserver` on a free loopback port,
+//! with default flags (`--validate=strict`, client-side apply).
+
+mod apiserver_support;
+
+use std::io::{BufRead, BufReader};
+use std::process::Stdio;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use apiserver_support::{Server, kubectl_available, text};
+
+const WEB: &str = "apiVersion: v1
+kind: Service
+metadata:
+  name: web
+  labels: {app: web}
+spec:
+  type: NodePort
+  selector: {app: web}
+  ports:
+  - port: 80
+";
+
+fn ok(server: &Server, args: &[&str]) -> String {
+    let out = server.kubectl(args);
+    let (stdout, stderr) = text(&out);
+    assert!(
+        out.status.success(),
+        "kubectl {args:?} failed:\n{stdout}\n{stderr}"
+    );
+    stdout
+}
+
+#[test]
+fn kubectl_create_get_apply_patch_edit_replace_delete_and_watch_work() {
+    if !kubectl_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"), &[]);
+    let file = dir.path().join("web.yaml");
+    std::fs::write(&file, WEB).unwrap();
+    let file = file.to_str().unwrap();
+
+    // A watcher from the start: it must see ADDED, MODIFIED and DELETED.
+    let mut watch = server
+        .kubectl_command(&["get", "svc", "-w", "--output-watch-events"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let (lines_tx, lines_rx) = mpsc::channel();
+    let stdout = watch.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = lines_tx.send(line);
+        }
+    });
+
+    assert_eq!(
+        ok(&server, &["create", "-f", file]).trim(),
+        "service/web created"
+    );
+    let table = ok(&server, &["get", "svc"]);
+    assert!(table.starts_with("NAME"), "{table}");
+    let row = table
+        .lines()
+        .find(|l| l.starts_with("web "))
+        .expect("web row");
+    assert!(
+        row.contains("NodePort") && row.contains("80:3") && row.contains("/TCP"),
+        "{row}"
+    );
+    let yaml = ok(&server, &["get", "svc", "web", "-o", "yaml"]);
+    assert!(
+        yaml.contains("nodePort: 3") && yaml.contains("clusterIP: 10.96."),
+        "{yaml}"
+    );
+
+    // apply twice: the second is unchanged.
+    let applied = dir.path().join("api.yaml");
+    std::fs::write(&applied, WEB.replace("name: web", "name: api")).unwrap();
+    let applied = applied.to_str().unwrap();
+    assert_eq!(
+        ok(&server, &["apply", "-f", applied]).trim(),
+        "service/api created"
+    );
+    assert_eq!(
+        ok(&server, &["apply", "-f", applied]).trim(),
+        "service/api unchanged"
+    );
+
+    assert_eq!(
+        ok(
+            &server,
+            &[
+                "patch",
+                "svc",
+                "web",
+                "-p",
+                r#"{"metadata":{"labels":{"patched":"yes"}}}"#
+            ]
+        )
+        .trim(),
+        "service/web patched"
+    );
+    let editor = dir.path().join("editor.sh");
+    std::fs::write(
+        &editor,
+        "#!/bin/sh\nsed -i 's/^  type: NodePort$/  type: ClusterIP/' \"$1\"\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&editor, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let edited = server
+        .kubectl_command(&["edit", "svc", "api"])
+        .env("KUBE_EDITOR", &editor)
+        .output()
+        .unwrap();
+    assert!(edited.status.success(), "{:?}", text(&edited));
+    let row = ok(&server, &["get", "svc", "api", "--no-headers"]);
+    assert!(row.contains("ClusterIP") && row.contains("80/TCP"), "{row}");
+
+    let json = ok(&server, &["get", "svc", "web", "-o", "json"]);
+    let replaced = dir.path().join("replace.json");
+    std::fs::write(
+        &replaced,
+        json.replace("\"app\": \"web\"", "\"app\": \"web2\""),
+    )
+    .unwrap();
+    assert_eq!(
+        ok(&server, &["replace", "-f", replaced.to_str().unwrap()]).trim(),
+        "service/web replaced"
+    );
+    assert!(ok(&server, &["get", "svc", "web", "-o", "yaml"]).contains("app: web2"));
+    let described = ok(&server, &["describe", "svc", "web"]);
+    assert!(described.contains("NodePort:"), "{described}");
+
+    assert_eq!(
+        ok(&server, &["delete", "svc", "web"]).trim(),
+        "service \"web\" deleted"
+    );
+
+    let mut seen = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !(seen
+        .iter()
+        .any(|l: &String| l.starts_with("DELETED") && l.contains("web")))
+    {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match lines_rx.recv_timeout(left) {
+            Ok(line) => seen.push(line),
+            Err(_) => break,
+        }
+    }
+    let _ = watch.kill();
+    let _ = watch.wait();
+    for event in ["ADDED", "MODIFIED", "DELETED"] {
+        assert!(
+            seen.iter()
+                .any(|l| l.starts_with(event) && l.contains("web")),
+            "no {event} in {seen:#?}"
+        );
+    }
+}
+
+#[test]
+fn kubectl_minio_scenario_of_the_static_band() {
+    // Reference 002 (Kubernetes 1.27 blog): minio asks for 30009 in the static band.
+    if !kubectl_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"), &[]);
+    let minio = |name: &str| {
+        format!(
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: {name}\nspec:\n  ports:\n  - name: api\n    nodePort: 30009\n    port: 9000\n    protocol: TCP\n    targetPort: 9000\n  selector:\n    app: minio\n  type: NodePort\n"
+        )
+    };
+    let path = dir.path().join("minio.yaml");
+    std::fs::write(&path, minio("minio")).unwrap();
+    assert_eq!(
+        ok(&server, &["create", "-f", path.to_str().unwrap()]).trim(),
+        "service/minio created"
+    );
+
+    std::fs::write(&path, minio("minio2")).unwrap();
+    let out = server.kubectl(&["create", "-f", path.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert_eq!(
+        text(&out).1.trim(),
+        "The Service \"minio2\" is invalid: spec.ports[0].nodePort: Invalid value: 30009: provided port is already allocated"
+    );
+
+    // Dynamic picks stay out of the static band 30000-30085 while the dynamic band has room.
+    let many: String = (0..40)
+        .map(|i| format!("---\napiVersion: v1\nkind: Service\nmetadata:\n  name: dyn{i}\nspec:\n  type: NodePort\n  ports:\n  - port: 80\n"))
+        .collect();
+    let many_path = dir.path().join("many.yaml");
+    std::fs::write(&many_path, many).unwrap();
+    ok(&server, &["create", "-f", many_path.to_str().unwrap()]);
+    let ports = ok(
+        &server,
+        &[
+            "get",
+            "svc",
+            "-o",
+            "jsonpath={range .items[*]}{.spec.ports[0].nodePort}{\"\\n\"}{end}",
+        ],
+    );
+    let dynamic: Vec<u16> = ports
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .filter(|p| *p != 30009)
+        .collect();
+    assert_eq!(dynamic.len(), 40, "{ports}");
+    assert!(
+        dynamic.iter().all(|p| (30086..=32767).contains(p)),
+        "{dynamic:?}"
+    );
+
+    // Deleting minio frees 30009 for the next create.
+    ok(&server, &["delete", "svc", "minio"]);
+    assert_eq!(
+        ok(&server, &["create", "-f", path.to_str().unwrap()]).trim(),
+        "service/minio2 created"
+    );
+    let ranges = ok(&server, &["get", "--raw", "/ranges"]);
+    assert!(ranges.contains("\"range\":\"30000-32767\""), "{ranges}");
+}
