@@ -23,3 +23,6 @@ pub mod nftables;
 pub mod nodeaddr;
 pub mod objects;
 pub mod tracker;
+
+/// Re-exported so the binary parses CIDRs with the same type.
+pub use ipnet;

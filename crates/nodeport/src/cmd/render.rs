@@ -1,10 +1,148 @@
-//! `nodeport render`: not built yet.
+//! `nodeport render`: prints the ruleset the proxy would program for a file of objects,
+//! touching neither the kernel nor any server.
+
+use std::io::Read;
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use nodeport_proxy::config::NodeConfig;
+use nodeport_proxy::desired::{self, NodeView, StateConfig};
+use nodeport_proxy::ipnet::IpNet;
+use nodeport_proxy::model::IpFamily;
+use nodeport_proxy::nftables;
+use nodeport_proxy::nodeaddr::{NodeFacts, NodePortAddresses};
+use nodeport_proxy::objects;
+
+use super::UsageError;
 
 /// Flags of `nodeport render`.
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Dataplane to render for: nftables (iptables and ipvs are not built yet).
+    #[arg(long, default_value = "nftables")]
+    proxy_mode: String,
+    /// Multi-document YAML of Services, EndpointSlices, ServiceCIDRs and optionally a Node
+    /// ("-" reads standard input).
+    #[arg(short = 'f', long = "filename")]
+    file: PathBuf,
+    /// This node's name: endpoints with this nodeName are local (default: the Node in the
+    /// file, if any).
+    #[arg(long)]
+    node_name: Option<String>,
+    /// This node's IPs (repeatable); the first of each family is that family's node IP
+    /// (default: the Node's addresses in the file).
+    #[arg(long = "node-ip")]
+    node_ips: Vec<String>,
+    /// Pod CIDRs (comma-separated), for masquerading off-cluster ClusterIP traffic.
+    #[arg(long)]
+    cluster_cidr: Option<String>,
+    /// Which node IPs accept NodePorts: "primary" or a comma-separated list of CIDRs.
+    #[arg(long, default_value = "primary")]
+    nodeport_addresses: String,
+    /// Masquerade all traffic sent to ClusterIPs.
+    #[arg(long)]
+    masquerade_all: bool,
+    /// Mark bit used to tag packets to masquerade.
+    #[arg(long, default_value_t = 14)]
+    masquerade_bit: u8,
+}
+
+fn usage(message: impl Into<String>) -> anyhow::Error {
+    UsageError(message.into()).into()
+}
+
+/// Parses `--cluster-cidr` (shared with `nodeport proxy`).
+pub fn parse_cluster_cidrs(value: &str) -> anyhow::Result<Vec<IpNet>> {
+    value
+        .split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(|s| {
+            s.trim().parse::<IpNet>().map(|n| n.trunc()).map_err(|_| {
+                usage(format!(
+                    "invalid value {s:?} for --cluster-cidr: not a CIDR"
+                ))
+            })
+        })
+        .collect()
+}
 
 /// Runs `nodeport render`.
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("`nodeport render` is not built yet")
+pub fn run(args: Args) -> anyhow::Result<()> {
+    if args.proxy_mode != "nftables" {
+        return Err(match args.proxy_mode.as_str() {
+            "iptables" | "ipvs" => {
+                anyhow::anyhow!("--proxy-mode {} is not built yet", args.proxy_mode)
+            }
+            other => usage(format!(
+                "invalid value {other:?} for --proxy-mode: must be nftables, iptables or ipvs"
+            )),
+        });
+    }
+    if args.masquerade_bit > 31 {
+        return Err(usage(
+            "invalid value for --masquerade-bit: must be within 0-31",
+        ));
+    }
+    let nodeport_addresses: NodePortAddresses = args
+        .nodeport_addresses
+        .parse()
+        .map_err(|e| usage(format!("{e}")))?;
+    let cluster_cidrs = match &args.cluster_cidr {
+        Some(v) => parse_cluster_cidrs(v)?,
+        None => Vec::new(),
+    };
+    let mut node_ips = Vec::new();
+    for ip in &args.node_ips {
+        let ip: IpAddr = ip.parse().map_err(|_| {
+            usage(format!(
+                "invalid value {ip:?} for --node-ip: not an IP address"
+            ))
+        })?;
+        node_ips.push(ip);
+    }
+
+    let text = if args.file.as_os_str() == "-" {
+        let mut s = String::new();
+        std::io::stdin()
+            .read_to_string(&mut s)
+            .context("reading standard input")?;
+        s
+    } else {
+        std::fs::read_to_string(&args.file)
+            .with_context(|| format!("reading {}", args.file.display()))?
+    };
+    let loaded =
+        objects::load(&text).with_context(|| format!("parsing {}", args.file.display()))?;
+    for w in &loaded.warnings {
+        eprintln!("warning: {w}");
+    }
+    let node = loaded.node.clone().unwrap_or_default();
+    let node_name = args.node_name.clone().unwrap_or_else(|| node.name.clone());
+    if node_ips.is_empty() {
+        node_ips = node.addresses.clone();
+    }
+    // Without interfaces to look at, the node's IPs are its local addresses.
+    let facts = NodeFacts {
+        node_ips: node_ips.clone(),
+        local_ips: node_ips,
+    };
+    let state_config = StateConfig {
+        families: IpFamily::ALL.to_vec(),
+        nodeport_addresses,
+    };
+    let view = NodeView {
+        name: &node_name,
+        zone: node.zone.as_deref(),
+    };
+    let desired = desired::build(&loaded.cluster, view, &facts, &state_config);
+    let config = NodeConfig {
+        masquerade_bit: args.masquerade_bit,
+        masquerade_all: args.masquerade_all,
+        cluster_cidrs,
+        ..NodeConfig::default()
+    };
+    let ruleset = nftables::render(&desired, &config);
+    print!("{}", nftables::ruleset::create_all(&ruleset).to_nft());
+    Ok(())
 }
