@@ -1,10 +1,322 @@
-//! `nodeport up`: not built yet.
+//! `nodeport up`: a single-node cluster's networking in one command. The API server on the
+//! embedded store, this host registered as a Node (as its kubelet would), and a proxy for this
+//! host, so that `kubectl --server http://127.0.0.1:6443 create -f svc.yaml` is all it takes
+//! before traffic to a NodePort flows.
+//!
+//! Logs go to stderr. SIGTERM or SIGINT stops the proxy, then the API server, and leaves the
+//! rules in the kernel, as a kube-proxy restart expects: the next start takes them over.
 
-/// Flags of `nodeport up`.
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use k8s_openapi::api::core::v1::{Node, NodeAddress, NodeSpec, NodeStatus};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use nodeport_apiserver::{Config as ApiConfig, PortRange, ipnet::IpNet};
+
+use super::UsageError;
+use crate::lab::ProxyMode;
+
+/// How long the proxy gets to exit after SIGTERM before it is killed.
+const PROXY_STOP_GRACE: Duration = Duration::from_secs(10);
+
+/// Flags of `nodeport up`: the API server's and the proxy's, named as theirs are.
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Loopback address the API server serves plain HTTP on.
+    #[arg(long, default_value = "127.0.0.1")]
+    bind_address: IpAddr,
+    /// Port the API server serves on.
+    #[arg(long, default_value_t = 6443)]
+    port: u16,
+    /// Directory of the embedded store.
+    #[arg(long, default_value = "./nodeport-data")]
+    data_dir: PathBuf,
+    /// NodePort range, "N-M" (inclusive), "N+offset" or "N".
+    #[arg(long, default_value = "30000-32767")]
+    service_node_port_range: String,
+    /// CIDR ClusterIPs are allocated from.
+    #[arg(long, default_value = "10.96.0.0/16")]
+    service_cluster_ip_range: IpNet,
+    /// The proxy's dataplane.
+    #[arg(long, value_enum, default_value_t = ProxyMode::Nftables)]
+    proxy_mode: ProxyMode,
+    /// This node's name, for its Node object and its proxy [default: the host name].
+    #[arg(long)]
+    hostname_override: Option<String>,
+    /// This node's IP, registered as its InternalIP (the proxy's `primary` NodePort address)
+    /// [default: the address of the interface with the default route, else the first
+    /// non-loopback IPv4 address].
+    #[arg(long)]
+    node_ip: Option<IpAddr>,
+    /// Which node IPs accept NodePorts: CIDRs or `primary` (passed to the proxy).
+    #[arg(long)]
+    nodeport_addresses: Option<String>,
+    /// The pod network, for the proxy's local-traffic detection (passed to the proxy).
+    #[arg(long)]
+    cluster_cidr: Option<String>,
+    /// Masquerade all traffic to ClusterIPs (passed to the proxy).
+    #[arg(long)]
+    masquerade_all: bool,
+    /// The proxy's health endpoint.
+    #[arg(long, default_value = "0.0.0.0:10256")]
+    healthz_bind_address: String,
+    /// The proxy's metrics endpoint.
+    #[arg(long, default_value = "127.0.0.1:10249")]
+    metrics_bind_address: String,
+}
 
-/// Runs `nodeport up`.
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("`nodeport up` is not built yet")
+fn usage(message: impl Into<String>) -> anyhow::Error {
+    UsageError(message.into()).into()
+}
+
+fn api_config(args: &Args) -> anyhow::Result<ApiConfig> {
+    if !args.bind_address.is_loopback() {
+        return Err(usage(format!(
+            "--bind-address {}: `nodeport up` serves plain HTTP on loopback only; use 127.0.0.1 \
+             (or run `nodeport apiserver` with TLS flags)",
+            args.bind_address
+        )));
+    }
+    let node_port_range = PortRange::parse(&args.service_node_port_range)
+        .map_err(|e| usage(format!("--service-node-port-range: {e}")))?;
+    if let Err(e) = nodeport_alloc::ip::Allocator::new(args.service_cluster_ip_range) {
+        return Err(usage(format!("--service-cluster-ip-range: {e}")));
+    }
+    let mut config = ApiConfig {
+        bind_address: args.bind_address,
+        port: args.port,
+        node_port_range,
+        cluster_ip_range: args.service_cluster_ip_range.trunc(),
+        data_dir: args.data_dir.clone(),
+        ..ApiConfig::default()
+    };
+    config.rest.server_address = format!("{}:{}", args.bind_address, args.port);
+    Ok(config)
+}
+
+/// Runs `nodeport up` until SIGTERM or SIGINT.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let config = api_config(&args)?;
+    let node_name = match &args.hostname_override {
+        Some(name) => name.clone(),
+        None => std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .context("read the host name")?
+            .trim()
+            .to_lowercase(),
+    };
+    let node_ip = match args.node_ip {
+        Some(ip) => ip,
+        None => detect_node_ip().ok_or_else(|| {
+            usage("cannot find this node's IP (no non-loopback IPv4 address); pass --node-ip")
+        })?,
+    };
+    let runtime = tokio::runtime::Runtime::new().context("start the async runtime")?;
+    runtime.block_on(async move {
+        let listener = nodeport_apiserver::bind(&config).await?;
+        let state = nodeport_apiserver::open(&config).await?;
+        let server_url = format!("http://{}:{}", config.bind_address, config.port);
+        tracing::info!(
+            address = %listener.local_addr()?,
+            data_dir = %config.data_dir.display(),
+            "serving the Kubernetes API"
+        );
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(nodeport_apiserver::serve(state, listener, async move {
+            let _ = stop_rx.await;
+        }));
+
+        register_node(&server_url, &node_name, node_ip).await?;
+        let mut proxy = start_proxy(&args, &server_url, &node_name)?;
+        tracing::info!(node = %node_name, %node_ip, mode = args.proxy_mode.as_str(), "proxy started");
+
+        let exited = wait_for_signal_or_exit(&mut proxy).await?;
+        if let Some(status) = exited {
+            let _ = stop_tx.send(());
+            let _ = server.await;
+            bail!("the proxy exited ({status}); stopping");
+        }
+        tracing::info!("stopping the proxy (its rules stay in place)");
+        stop_child(&mut proxy, PROXY_STOP_GRACE);
+        let _ = stop_tx.send(());
+        server.await.context("API server task")??;
+        tracing::info!("stopped");
+        anyhow::Ok(())
+    })
+}
+
+/// Creates (or updates) this host's Node object, as its kubelet would register it: the proxy
+/// reads its node IPs (the `primary` NodePort addresses) from it.
+async fn register_node(server: &str, name: &str, ip: IpAddr) -> anyhow::Result<()> {
+    use kube::api::{Api, Patch, PatchParams, PostParams};
+    let config = kube::Config::new(server.parse().context("API server URL")?);
+    let client = kube::Client::try_from(config).context("API client")?;
+    let nodes: Api<Node> = Api::all(client);
+    let status = NodeStatus {
+        addresses: Some(vec![
+            NodeAddress {
+                type_: "InternalIP".into(),
+                address: ip.to_string(),
+            },
+            NodeAddress {
+                type_: "Hostname".into(),
+                address: name.into(),
+            },
+        ]),
+        ..Default::default()
+    };
+    let node = Node {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            labels: Some(
+                [("kubernetes.io/hostname".to_owned(), name.to_owned())]
+                    .into_iter()
+                    .collect(),
+            ),
+            ..Default::default()
+        },
+        spec: Some(NodeSpec::default()),
+        status: Some(status.clone()),
+    };
+    match nodes.create(&PostParams::default(), &node).await {
+        Ok(_) => {}
+        Err(kube::Error::Api(status_err)) if status_err.code == 409 => {}
+        Err(err) => return Err(err).context(format!("register node {name}")),
+    }
+    // On a restart the Node exists with the addresses of the last run: bring them up to date.
+    let patch = serde_json::json!({ "status": { "addresses": status.addresses } });
+    nodes
+        .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .with_context(|| format!("update the addresses of node {name}"))?;
+    tracing::info!(node = %name, %ip, "node registered");
+    Ok(())
+}
+
+/// Starts this binary's `nodeport proxy` for this node against the API server, logging to
+/// our stderr.
+fn start_proxy(args: &Args, server: &str, node: &str) -> anyhow::Result<Child> {
+    let exe = std::env::current_exe().context("find the nodeport executable")?;
+    let mut cmd = Command::new(exe);
+    cmd.args(["proxy", "--master", server, "--hostname-override", node])
+        .args(["--proxy-mode", args.proxy_mode.as_str()])
+        .args(["--healthz-bind-address", &args.healthz_bind_address])
+        .args(["--metrics-bind-address", &args.metrics_bind_address]);
+    if let Some(addresses) = &args.nodeport_addresses {
+        cmd.args(["--nodeport-addresses", addresses]);
+    }
+    if let Some(cidr) = &args.cluster_cidr {
+        cmd.args(["--cluster-cidr", cidr]);
+    }
+    if args.masquerade_all {
+        cmd.arg("--masquerade-all");
+    }
+    // Its own process group: a Ctrl-C reaches `up`, which stops the proxy in order.
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    cmd.stdin(Stdio::null())
+        .spawn()
+        .context("start nodeport proxy")
+}
+
+/// Waits for SIGTERM/SIGINT (`None`) or for the proxy to exit on its own (`Some(status)`).
+async fn wait_for_signal_or_exit(
+    proxy: &mut Child,
+) -> anyhow::Result<Option<std::process::ExitStatus>> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).context("watch SIGTERM")?;
+    let mut int = signal(SignalKind::interrupt()).context("watch SIGINT")?;
+    let mut poll = tokio::time::interval(Duration::from_millis(200));
+    loop {
+        tokio::select! {
+            _ = term.recv() => return Ok(None),
+            _ = int.recv() => return Ok(None),
+            _ = poll.tick() => {
+                if let Some(status) = proxy.try_wait().context("wait for the proxy")? {
+                    return Ok(Some(status));
+                }
+            }
+        }
+    }
+}
+
+/// SIGTERM, then SIGKILL after `grace`.
+fn stop_child(child: &mut Child, grace: Duration) {
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+    let deadline = std::time::Instant::now() + grace;
+    while std::time::Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// This node's IP as kubelet would pick it without `--node-ip`: the IPv4 address of the
+/// interface that carries the default route, else the first non-loopback IPv4 address.
+fn detect_node_ip() -> Option<IpAddr> {
+    let default_if = std::fs::read_to_string("/proc/net/route")
+        .ok()
+        .and_then(|routes| default_route_interface(&routes));
+    let addrs: Vec<(String, Ipv4Addr)> = nix::ifaddrs::getifaddrs()
+        .ok()?
+        .filter_map(|ifa| {
+            let addr = ifa.address?.as_sockaddr_in()?.ip();
+            (!addr.is_loopback()).then_some((ifa.interface_name, addr))
+        })
+        .collect();
+    default_if
+        .and_then(|name| addrs.iter().find(|(n, _)| *n == name))
+        .or_else(|| addrs.first())
+        .map(|(_, ip)| IpAddr::V4(*ip))
+}
+
+/// The interface of the IPv4 default route in `/proc/net/route` format.
+fn default_route_interface(routes: &str) -> Option<String> {
+    routes.lines().skip(1).find_map(|line| {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        (fields.len() > 7 && fields[1] == "00000000" && fields[7] == "00000000")
+            .then(|| fields[0].to_owned())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_route_interface_is_read_from_proc_net_route() {
+        let routes = "Iface\tDestination\tGateway \tFlags\tRefCnt\tUse\tMetric\tMask\t\tMTU\tWindow\tIRTT\n\
+                      eth1\t0002000A\t00000000\t0001\t0\t0\t0\t00FFFFFF\t0\t0\t0\n\
+                      eth0\t00000000\t0102000A\t0003\t0\t0\t0\t00000000\t0\t0\t0\n";
+        assert_eq!(default_route_interface(routes).as_deref(), Some("eth0"));
+        assert_eq!(default_route_interface("Iface\tDestination\n"), None);
+    }
+
+    #[test]
+    fn a_non_loopback_bind_address_is_a_usage_error_naming_the_flag() {
+        use clap::Parser;
+        #[derive(Debug, clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: Args,
+        }
+        let cli = Cli::parse_from(["up", "--bind-address", "192.0.2.10"]);
+        let err = api_config(&cli.args).unwrap_err();
+        assert!(err.downcast_ref::<UsageError>().is_some());
+        assert!(
+            err.to_string().starts_with("--bind-address 192.0.2.10:"),
+            "{err}"
+        );
+        let cli = Cli::parse_from(["up", "--service-node-port-range", "40000-30000"]);
+        let err = api_config(&cli.args).unwrap_err();
+        assert!(
+            err.to_string().starts_with("--service-node-port-range:"),
+            "{err}"
+        );
+    }
 }
