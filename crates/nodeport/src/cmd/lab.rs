@@ -49,11 +49,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Ok(verdict) if verdict.passed() => Ok(()),
         Ok(_) => anyhow::bail!("not every node IP answered on the NodePort (see the verdict)"),
         Err(err) => {
-            if let Some(signal) = err.downcast_ref::<lab::interrupt::Interrupted>() {
-                // The lab has been torn down by now (its guards ran when `run` returned).
-                eprintln!("nodeport lab: {signal}; everything the lab created is removed");
-                std::process::exit(128 + signal.number);
-            }
+            // A Ctrl-C at a terminal also reaches a command the lab was running (kubectl, ip),
+            // which then fails: the signal, not that failure, is what happened.
+            let signal = match err.downcast::<lab::interrupt::Interrupted>() {
+                Ok(signal) => Err(signal),
+                Err(err) => interrupt.check().map(|()| err),
+            };
+            let err = match signal {
+                Ok(err) => err,
+                Err(signal) => {
+                    // The lab has been torn down by now (its guards ran when `run` returned).
+                    eprintln!("nodeport lab: {signal}; everything the lab created is removed");
+                    std::process::exit(128 + signal.number);
+                }
+            };
             if let Some(missing) = err.downcast_ref::<lab::preflight::Missing>() {
                 eprintln!("nodeport lab: {missing}");
                 std::process::exit(1);
