@@ -234,7 +234,7 @@ pub struct ApiError {
     code: u16,
     reason: &'static str,
     message: String,
-    details: Option<Details>,
+    details: Option<Box<Details>>,
 }
 
 impl ApiError {
@@ -248,12 +248,12 @@ impl ApiError {
     }
 
     fn with_subject(mut self, subject: Subject, name: &str) -> Self {
-        self.details = Some(Details {
+        self.details = Some(Box::new(Details {
             name: (!name.is_empty()).then(|| name.to_owned()),
             group: (!subject.group.is_empty()).then(|| subject.group.to_owned()),
             kind: Some(subject.resource.to_owned()),
             ..Details::default()
-        });
+        }));
         self
     }
 
@@ -289,7 +289,7 @@ impl ApiError {
             "NotFound",
             "the server could not find the requested resource",
         );
-        e.details = Some(Details::default());
+        e.details = Some(Box::default());
         e
     }
 
@@ -338,7 +338,7 @@ impl ApiError {
             "Invalid",
             format!("{} {name:?} is invalid: {joined}", subject.kind),
         );
-        e.details = Some(Details {
+        e.details = Some(Box::new(Details {
             name: Some(name.to_owned()),
             group: (!subject.group.is_empty()).then(|| subject.group.to_owned()),
             kind: Some(subject.kind.to_owned()),
@@ -351,7 +351,7 @@ impl ApiError {
                 })
                 .collect(),
             ..Details::default()
-        });
+        }));
         e
     }
 
@@ -424,23 +424,23 @@ impl ApiError {
             "InternalError",
             format!("Internal error occurred: {raw}"),
         );
-        e.details = Some(Details {
+        e.details = Some(Box::new(Details {
             causes: vec![Cause {
                 message: Some(raw),
                 ..Cause::default()
             }],
             ..Details::default()
-        });
+        }));
         e
     }
 
     /// 503 `ServiceUnavailable`.
     pub fn unavailable(message: impl Into<String>) -> Self {
         let mut e = Self::new(503, "ServiceUnavailable", message);
-        e.details = Some(Details {
+        e.details = Some(Box::new(Details {
             retry_after_seconds: Some(1),
             ..Details::default()
-        });
+        }));
         e
     }
 
