@@ -58,3 +58,196 @@ impl NodeConfig {
             .find(|c| IpFamily::of_net(c) == family)
     }
 }
+
+/// A `KubeProxyConfiguration` file (`--config`), the fields `nodeport proxy` understands.
+/// Both the v1alpha1 per-mode fields (`nftables.syncPeriod`, ...) and the newer top-level
+/// ones are read; unknown fields are ignored.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct KubeProxyConfiguration {
+    /// `kubeproxy.config.k8s.io/v1alpha1`.
+    pub api_version: Option<String>,
+    /// `KubeProxyConfiguration`.
+    pub kind: Option<String>,
+    /// `clientConnection.kubeconfig`.
+    pub client_connection: Option<ClientConnection>,
+    /// `hostnameOverride`.
+    pub hostname_override: Option<String>,
+    /// `mode`.
+    pub mode: Option<String>,
+    /// `nodePortAddresses`.
+    pub node_port_addresses: Option<Vec<String>>,
+    /// `clusterCIDR` (comma-separated).
+    #[serde(rename = "clusterCIDR")]
+    pub cluster_cidr: Option<String>,
+    /// `healthzBindAddress`.
+    pub healthz_bind_address: Option<String>,
+    /// `metricsBindAddress`.
+    pub metrics_bind_address: Option<String>,
+    /// `syncPeriod` (newer top-level field).
+    pub sync_period: Option<String>,
+    /// `minSyncPeriod` (newer top-level field).
+    pub min_sync_period: Option<String>,
+    /// `nftables` section.
+    pub nftables: Option<ModeSection>,
+    /// `iptables` section (read for `masqueradeAll`/`masqueradeBit` as kube-proxy does).
+    pub iptables: Option<ModeSection>,
+}
+
+/// `clientConnection`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClientConnection {
+    /// Path of the kubeconfig file.
+    pub kubeconfig: Option<String>,
+}
+
+/// A per-mode section (`nftables:` / `iptables:`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ModeSection {
+    /// `masqueradeAll`.
+    pub masquerade_all: Option<bool>,
+    /// `masqueradeBit`.
+    pub masquerade_bit: Option<u8>,
+    /// `syncPeriod`.
+    pub sync_period: Option<String>,
+    /// `minSyncPeriod`.
+    pub min_sync_period: Option<String>,
+}
+
+/// A bad configuration file.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Not YAML of the expected shape.
+    #[error("invalid KubeProxyConfiguration")]
+    Yaml(#[source] yaml_serde::Error),
+    /// Another kind of object.
+    #[error("kind {0:?} is not KubeProxyConfiguration")]
+    WrongKind(String),
+}
+
+impl KubeProxyConfiguration {
+    /// Parses the file's text.
+    pub fn parse(text: &str) -> Result<Self, Error> {
+        let c: KubeProxyConfiguration = yaml_serde::from_str(text).map_err(Error::Yaml)?;
+        match c.kind.as_deref() {
+            None | Some("KubeProxyConfiguration") => Ok(c),
+            Some(other) => Err(Error::WrongKind(other.to_string())),
+        }
+    }
+
+    /// `masqueradeAll`, from the nftables section, else the iptables one.
+    pub fn masquerade_all(&self) -> Option<bool> {
+        self.nftables
+            .as_ref()
+            .and_then(|s| s.masquerade_all)
+            .or_else(|| self.iptables.as_ref().and_then(|s| s.masquerade_all))
+    }
+
+    /// `masqueradeBit`.
+    pub fn masquerade_bit(&self) -> Option<u8> {
+        self.nftables
+            .as_ref()
+            .and_then(|s| s.masquerade_bit)
+            .or_else(|| self.iptables.as_ref().and_then(|s| s.masquerade_bit))
+    }
+
+    /// `syncPeriod`: top-level, else the nftables section's.
+    pub fn sync_period(&self) -> Option<&str> {
+        self.sync_period.as_deref().or_else(|| {
+            self.nftables
+                .as_ref()
+                .and_then(|s| s.sync_period.as_deref())
+        })
+    }
+
+    /// `minSyncPeriod`: top-level, else the nftables section's.
+    pub fn min_sync_period(&self) -> Option<&str> {
+        self.min_sync_period.as_deref().or_else(|| {
+            self.nftables
+                .as_ref()
+                .and_then(|s| s.min_sync_period.as_deref())
+        })
+    }
+}
+
+/// Parses a Go duration (`30s`, `1m0s`, `500ms`, `1h30m`, `1.5s`).
+pub fn parse_go_duration(s: &str) -> Option<std::time::Duration> {
+    let s = s.trim();
+    if s == "0" {
+        return Some(std::time::Duration::ZERO);
+    }
+    let mut total = 0f64;
+    let mut rest = s;
+    if rest.is_empty() {
+        return None;
+    }
+    while !rest.is_empty() {
+        let num_len = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
+        if num_len == 0 {
+            return None;
+        }
+        let value: f64 = rest[..num_len].parse().ok()?;
+        rest = &rest[num_len..];
+        let unit_len = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let scale = match &rest[..unit_len] {
+            "ns" => 1e-9,
+            "us" | "µs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            _ => return None,
+        };
+        total += value * scale;
+        rest = &rest[unit_len..];
+    }
+    Some(std::time::Duration::from_secs_f64(total))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn go_durations_parse_as_kube_proxy_writes_them() {
+        use std::time::Duration;
+        assert_eq!(parse_go_duration("30s"), Some(Duration::from_secs(30)));
+        assert_eq!(parse_go_duration("1m0s"), Some(Duration::from_secs(60)));
+        assert_eq!(parse_go_duration("500ms"), Some(Duration::from_millis(500)));
+        assert_eq!(parse_go_duration("1h30m"), Some(Duration::from_secs(5400)));
+        assert_eq!(parse_go_duration("10"), None);
+        assert_eq!(parse_go_duration("abc"), None);
+    }
+
+    #[test]
+    fn kube_proxy_configuration_files_are_read() {
+        let c = KubeProxyConfiguration::parse(
+            r#"
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+mode: nftables
+clusterCIDR: 10.244.0.0/16
+nodePortAddresses: [192.0.2.0/24]
+healthzBindAddress: 0.0.0.0:10256
+clientConnection: {kubeconfig: /etc/kube/proxy.conf}
+nftables: {masqueradeAll: true, syncPeriod: 1m0s, minSyncPeriod: 2s}
+conntrack: {maxPerCore: 32768}
+"#,
+        )
+        .unwrap();
+        assert_eq!(c.cluster_cidr.as_deref(), Some("10.244.0.0/16"));
+        assert_eq!(c.masquerade_all(), Some(true));
+        assert_eq!(c.sync_period(), Some("1m0s"));
+        assert_eq!(
+            c.client_connection.unwrap().kubeconfig.as_deref(),
+            Some("/etc/kube/proxy.conf")
+        );
+        assert!(KubeProxyConfiguration::parse("kind: Pod").is_err());
+    }
+}

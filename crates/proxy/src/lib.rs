@@ -14,15 +14,30 @@
 //!    [`health`] and [`metrics`] report on it; [`conntrack`] cleans UDP flows whose endpoint
 //!    went away.
 
+pub mod addrs;
+pub mod agent;
 pub mod config;
+pub mod conntrack;
 pub mod convert;
 pub mod desired;
+pub mod health;
+pub mod metrics;
 pub mod model;
 pub mod names;
 pub mod nftables;
 pub mod nodeaddr;
 pub mod objects;
 pub mod tracker;
+pub mod watch;
 
 /// Re-exported so the binary parses CIDRs with the same type.
 pub use ipnet;
+
+/// Re-exported so the binary builds its client with the same kube-rs.
+pub use kube;
+
+/// This host's name, lower-cased, as kube-proxy uses it when `--hostname-override` is unset.
+pub fn nix_hostname() -> std::io::Result<String> {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname")?;
+    Ok(name.trim().to_lowercase())
+}

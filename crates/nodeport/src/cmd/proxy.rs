@@ -1,10 +1,260 @@
-//! `nodeport proxy`: not built yet.
+//! `nodeport proxy`: the node agent (kube-proxy's flags and `--config` file).
 
-/// Flags of `nodeport proxy`.
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use nodeport_proxy::agent::{self, ProxyConfig};
+use nodeport_proxy::config::{KubeProxyConfiguration, NodeConfig, parse_go_duration};
+use nodeport_proxy::kube;
+use nodeport_proxy::nodeaddr::NodePortAddresses;
+
+use super::UsageError;
+
+/// Flags of `nodeport proxy`, named as kube-proxy names them. A flag given on the command
+/// line wins over the same field of the `--config` file.
 #[derive(Debug, clap::Args)]
-pub struct Args {}
+pub struct Args {
+    /// Path to a kubeconfig file with the API server's address and credentials.
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+    /// Address of the API server (overrides the kubeconfig's).
+    #[arg(long)]
+    master: Option<String>,
+    /// Name of this node (default: the hostname).
+    #[arg(long)]
+    hostname_override: Option<String>,
+    /// Dataplane: nftables (default), iptables or ipvs.
+    #[arg(long)]
+    proxy_mode: Option<String>,
+    /// Which node IPs accept NodePorts: "primary" (default; the Node object's IPs) or a
+    /// comma-separated list of CIDRs.
+    #[arg(long)]
+    nodeport_addresses: Option<String>,
+    /// Pod CIDRs (comma-separated): traffic to ClusterIPs from outside them is masqueraded.
+    #[arg(long)]
+    cluster_cidr: Option<String>,
+    /// Masquerade all traffic sent to ClusterIPs.
+    #[arg(long)]
+    masquerade_all: bool,
+    /// Mark bit used to tag packets to masquerade (default 14).
+    #[arg(long)]
+    masquerade_bit: Option<u8>,
+    /// Address and port of /healthz and /livez (default 0.0.0.0:10256; "" disables).
+    #[arg(long)]
+    healthz_bind_address: Option<String>,
+    /// Address and port of /metrics (default 127.0.0.1:10249; "" disables).
+    #[arg(long)]
+    metrics_bind_address: Option<String>,
+    /// Periodic resync interval, a Go duration (default 30s).
+    #[arg(long)]
+    sync_period: Option<String>,
+    /// Minimum interval between syncs, a Go duration (default 1s).
+    #[arg(long)]
+    min_sync_period: Option<String>,
+    /// A KubeProxyConfiguration file.
+    #[arg(long)]
+    config: Option<PathBuf>,
+}
 
-/// Runs `nodeport proxy`.
-pub fn run(_args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("`nodeport proxy` is not built yet")
+fn usage(message: impl Into<String>) -> anyhow::Error {
+    UsageError(message.into()).into()
+}
+
+fn bind_address(flag: &str, value: &str, default_port: u16) -> anyhow::Result<Option<SocketAddr>> {
+    if value.is_empty() {
+        return Ok(None);
+    }
+    if let Ok(addr) = value.parse::<SocketAddr>() {
+        return Ok(Some(addr));
+    }
+    if let Ok(ip) = value.parse::<IpAddr>() {
+        return Ok(Some(SocketAddr::new(ip, default_port)));
+    }
+    Err(usage(format!(
+        "invalid value {value:?} for {flag}: must be IP:port or IP"
+    )))
+}
+
+fn duration(flag: &str, value: &str) -> anyhow::Result<Duration> {
+    parse_go_duration(value).ok_or_else(|| {
+        usage(format!(
+            "invalid value {value:?} for {flag}: not a duration (e.g. 30s, 1m0s)"
+        ))
+    })
+}
+
+/// Turns flags and file into the proxy's configuration (and the client's source).
+fn configure(args: &Args) -> anyhow::Result<(ProxyConfig, Option<PathBuf>)> {
+    let file = match &args.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                usage(format!(
+                    "invalid value for --config: reading {}: {e}",
+                    path.display()
+                ))
+            })?;
+            KubeProxyConfiguration::parse(&text).map_err(|e| {
+                usage(format!(
+                    "invalid value for --config: {}: {e}: {}",
+                    path.display(),
+                    source_text(&e)
+                ))
+            })?
+        }
+        None => KubeProxyConfiguration::default(),
+    };
+    let mode = args
+        .proxy_mode
+        .clone()
+        .or(file.mode.clone())
+        .unwrap_or_else(|| "nftables".into());
+    match mode.as_str() {
+        "nftables" | "" => {}
+        "iptables" | "ipvs" => anyhow::bail!("--proxy-mode {mode} is not built yet; use nftables"),
+        other => {
+            return Err(usage(format!(
+                "invalid value {other:?} for --proxy-mode: must be nftables, iptables or ipvs"
+            )));
+        }
+    }
+    let nodeport_addresses = match (&args.nodeport_addresses, &file.node_port_addresses) {
+        (Some(v), _) => v
+            .parse::<NodePortAddresses>()
+            .map_err(|e| usage(e.to_string()))?,
+        (None, Some(list)) if !list.is_empty() => {
+            let whole = list.join(",");
+            NodePortAddresses::from_entries(list.iter().map(String::as_str), &whole)
+                .map_err(|e| usage(e.to_string()))?
+        }
+        _ => NodePortAddresses::default(),
+    };
+    let cluster_cidrs = match args.cluster_cidr.as_ref().or(file.cluster_cidr.as_ref()) {
+        Some(v) => super::render::parse_cluster_cidrs(v)?,
+        None => Vec::new(),
+    };
+    let masquerade_bit = args.masquerade_bit.or(file.masquerade_bit()).unwrap_or(14);
+    if masquerade_bit > 31 {
+        return Err(usage(format!(
+            "invalid value {masquerade_bit} for --masquerade-bit: must be within 0-31"
+        )));
+    }
+    let node_name = match args
+        .hostname_override
+        .clone()
+        .or(file.hostname_override.clone())
+    {
+        Some(n) if !n.trim().is_empty() => n.trim().to_lowercase(),
+        _ => nodeport_proxy::nix_hostname()
+            .context("reading the hostname (set --hostname-override)")?,
+    };
+    let defaults = ProxyConfig::default();
+    let healthz = match args
+        .healthz_bind_address
+        .as_ref()
+        .or(file.healthz_bind_address.as_ref())
+    {
+        Some(v) => bind_address("--healthz-bind-address", v, 10256)?,
+        None => defaults.healthz_bind_address,
+    };
+    let metrics = match args
+        .metrics_bind_address
+        .as_ref()
+        .or(file.metrics_bind_address.as_ref())
+    {
+        Some(v) => bind_address("--metrics-bind-address", v, 10249)?,
+        None => defaults.metrics_bind_address,
+    };
+    let sync_period = match args.sync_period.as_deref().or(file.sync_period()) {
+        Some(v) => duration("--sync-period", v)?,
+        None => defaults.sync_period,
+    };
+    let min_sync_period = match args.min_sync_period.as_deref().or(file.min_sync_period()) {
+        Some(v) => duration("--min-sync-period", v)?,
+        None => defaults.min_sync_period,
+    };
+    if sync_period.is_zero() {
+        return Err(usage(
+            "invalid value for --sync-period: must be greater than 0",
+        ));
+    }
+    let kubeconfig = args.kubeconfig.clone().or_else(|| {
+        file.client_connection
+            .as_ref()
+            .and_then(|c| c.kubeconfig.clone())
+            .map(PathBuf::from)
+    });
+    let config = ProxyConfig {
+        node_name,
+        node: NodeConfig {
+            masquerade_bit,
+            masquerade_all: args.masquerade_all || file.masquerade_all().unwrap_or(false),
+            cluster_cidrs,
+            ..NodeConfig::default()
+        },
+        nodeport_addresses,
+        healthz_bind_address: healthz,
+        metrics_bind_address: metrics,
+        sync_period,
+        min_sync_period,
+        full_sync_period: sync_period,
+        ..defaults
+    };
+    Ok((config, kubeconfig))
+}
+
+fn source_text(e: &dyn std::error::Error) -> String {
+    e.source().map(|s| s.to_string()).unwrap_or_default()
+}
+
+async fn client(kubeconfig: Option<PathBuf>, master: Option<&str>) -> anyhow::Result<kube::Client> {
+    let mut config = match (&kubeconfig, master) {
+        (Some(path), _) => {
+            let kc = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+                .await
+                .with_context(|| format!("loading kubeconfig {}", path.display()))?
+        }
+        (None, Some(url)) => kube::Config::new(
+            url.parse()
+                .map_err(|_| usage(format!("invalid value {url:?} for --master: not a URL")))?,
+        ),
+        (None, None) => kube::Config::infer()
+            .await
+            .context("finding the API server (give --kubeconfig or --master)")?,
+    };
+    if let (Some(_), Some(url)) = (&kubeconfig, master) {
+        config.cluster_url = url
+            .parse()
+            .map_err(|_| usage(format!("invalid value {url:?} for --master: not a URL")))?;
+    }
+    kube::Client::try_from(config).context("building the API client")
+}
+
+/// Runs `nodeport proxy` until SIGTERM or SIGINT.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let (config, kubeconfig) = configure(&args)?;
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let client = client(kubeconfig, args.master.as_deref()).await?;
+        tracing::info!(
+            node = %config.node_name,
+            nodeport_addresses = %config.nodeport_addresses,
+            "starting nftables proxy"
+        );
+        let shutdown = async {
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .expect("installing a SIGTERM handler");
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        };
+        agent::run(client, config, shutdown)
+            .await
+            .map_err(anyhow::Error::from)
+    })
 }

@@ -82,6 +82,16 @@ pub trait Kernel: Send {
     fn list(&mut self, family: IpFamily) -> Result<Option<Existing>, KernelError>;
 }
 
+impl Kernel for Box<dyn Kernel> {
+    fn apply(&mut self, tx: &Transaction) -> Result<(), KernelError> {
+        (**self).apply(tx)
+    }
+
+    fn list(&mut self, family: IpFamily) -> Result<Option<Existing>, KernelError> {
+        (**self).list(family)
+    }
+}
+
 /// The `nft` command line: the program and the arguments that come before nft's own.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NftCommand {

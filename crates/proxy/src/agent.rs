@@ -1,0 +1,746 @@
+//! The running proxy: watchers, the rate-limited sync loop, node addresses, health and
+//! metrics servers, conntrack clean-up, wired together.
+
+use std::collections::BTreeSet;
+use std::future::Future;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use k8s_openapi::api::core::v1 as core;
+use k8s_openapi::api::discovery::v1 as discovery;
+use k8s_openapi::api::networking::v1 as networking;
+use kube::runtime::watcher;
+use tokio::sync::Notify;
+
+use crate::config::NodeConfig;
+use crate::convert;
+use crate::desired::{self, DesiredState, NodeView, StateConfig};
+use crate::health::{HealthCheck, ProxyHealth, ServiceHealthServers};
+use crate::metrics::{Metrics, family_label};
+use crate::model::{IpFamily, Node, ServiceName};
+use crate::nftables::apply::{Applier, Kernel, NftCommand};
+use crate::nodeaddr::{NodeFacts, NodePortAddresses, Selection};
+use crate::objects::Cluster;
+use crate::watch::{self, Sink};
+
+/// A proxy failure that stops it.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A health or metrics address could not be bound.
+    #[error("binding {what} on {addr}")]
+    Bind {
+        /// Which server.
+        what: &'static str,
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Everything `nodeport proxy` is configured with (kube-proxy's flag names in the docs).
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    /// `--hostname-override`: this node's name.
+    pub node_name: String,
+    /// Rendering configuration (`--masquerade-all`, `--cluster-cidr`, ...).
+    pub node: NodeConfig,
+    /// `--nodeport-addresses` (default `primary`).
+    pub nodeport_addresses: NodePortAddresses,
+    /// Families to program (both by default, kube-proxy's dual-stack proxier).
+    pub families: Vec<IpFamily>,
+    /// `--healthz-bind-address` (default `0.0.0.0:10256`); `None` disables it.
+    pub healthz_bind_address: Option<SocketAddr>,
+    /// `--metrics-bind-address` (default `127.0.0.1:10249`); `None` disables it.
+    pub metrics_bind_address: Option<SocketAddr>,
+    /// `--sync-period` (default 30 s): periodic resync; `/healthz` fails after twice this.
+    pub sync_period: Duration,
+    /// `--min-sync-period` (default 1 s): at most one sync per this interval.
+    pub min_sync_period: Duration,
+    /// Every how often a periodic sync is a full one (rewriting every chain, which corrects
+    /// drift); default: every periodic sync.
+    pub full_sync_period: Duration,
+    /// How often the node's interface addresses are dumped (default 1 s).
+    pub address_poll_interval: Duration,
+    /// The `nft` command.
+    pub nft: NftCommand,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        ProxyConfig {
+            node_name: String::new(),
+            node: NodeConfig::default(),
+            nodeport_addresses: NodePortAddresses::default(),
+            families: IpFamily::ALL.to_vec(),
+            // kube-proxy's defaults (pkg/proxy/apis/config/v1alpha1/defaults.go).
+            healthz_bind_address: Some(SocketAddr::from(([0, 0, 0, 0], 10256))),
+            metrics_bind_address: Some(SocketAddr::from(([127, 0, 0, 1], 10249))),
+            sync_period: Duration::from_secs(30),
+            min_sync_period: Duration::from_secs(1),
+            full_sync_period: Duration::from_secs(30),
+            address_poll_interval: Duration::from_secs(1),
+            nft: NftCommand::default(),
+        }
+    }
+}
+
+/// Watch results waiting for the sync loop.
+#[derive(Default)]
+struct Inputs {
+    cluster: Cluster,
+    node: Option<Node>,
+    local_ips: Vec<IpAddr>,
+    /// Node object or addresses changed.
+    node_changed: bool,
+    services_synced: bool,
+    slices_synced: bool,
+    node_synced: bool,
+    /// When the pending endpoint changes were triggered (network programming latency).
+    trigger_times: Vec<SystemTime>,
+}
+
+/// State shared by the watchers and the sync loop.
+struct Shared {
+    inputs: Mutex<Inputs>,
+    notify: Notify,
+    health: Arc<ProxyHealth>,
+    metrics: Arc<Metrics>,
+    families: Vec<IpFamily>,
+}
+
+impl Shared {
+    fn request_sync(&self) {
+        self.health.queued_update();
+        let now = unix_now();
+        for f in &self.families {
+            self.metrics
+                .last_queued_timestamp
+                .get_or_create(&family_label(*f))
+                .set(now);
+        }
+        self.notify.notify_one();
+    }
+}
+
+fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs_f64()
+}
+
+struct Services(Arc<Shared>);
+struct Slices(Arc<Shared>);
+struct Cidrs(Arc<Shared>);
+struct NodeSink(Arc<Shared>, String);
+
+impl Sink<core::Service> for Services {
+    type Key = ServiceName;
+    fn apply(&self, obj: &core::Service, deleted: bool) -> Option<ServiceName> {
+        let key = convert::object_key(&obj.metadata);
+        let value = if deleted {
+            None
+        } else {
+            convert::service(obj).map(|(_, v)| v)
+        };
+        let changed = self
+            .0
+            .inputs
+            .lock()
+            .expect("inputs")
+            .cluster
+            .update_service(key.clone(), value);
+        if changed {
+            self.0.request_sync();
+        }
+        Some(key)
+    }
+    fn remove(&self, keys: Vec<ServiceName>) {
+        let mut i = self.0.inputs.lock().expect("inputs");
+        for k in keys {
+            i.cluster.update_service(k, None);
+        }
+        drop(i);
+        self.0.request_sync();
+    }
+    fn keys(&self) -> Vec<ServiceName> {
+        self.0
+            .inputs
+            .lock()
+            .expect("inputs")
+            .cluster
+            .services
+            .keys()
+            .cloned()
+            .collect()
+    }
+    fn synced(&self) {
+        self.0.inputs.lock().expect("inputs").services_synced = true;
+        self.0.request_sync();
+    }
+}
+
+impl Sink<discovery::EndpointSlice> for Slices {
+    type Key = ServiceName;
+    fn apply(&self, obj: &discovery::EndpointSlice, deleted: bool) -> Option<ServiceName> {
+        let key = convert::object_key(&obj.metadata);
+        let value = if deleted {
+            None
+        } else {
+            convert::endpoint_slice(obj).map(|(_, v)| v)
+        };
+        let mut i = self.0.inputs.lock().expect("inputs");
+        let changed = i.cluster.update_slice(key.clone(), value);
+        if changed {
+            let t = watch::trigger_time(&obj.metadata).unwrap_or_else(SystemTime::now);
+            i.trigger_times.push(t);
+            drop(i);
+            self.0.request_sync();
+        }
+        Some(key)
+    }
+    fn remove(&self, keys: Vec<ServiceName>) {
+        let mut i = self.0.inputs.lock().expect("inputs");
+        for k in keys {
+            i.cluster.update_slice(k, None);
+        }
+        drop(i);
+        self.0.request_sync();
+    }
+    fn keys(&self) -> Vec<ServiceName> {
+        self.0
+            .inputs
+            .lock()
+            .expect("inputs")
+            .cluster
+            .slices
+            .keys()
+            .cloned()
+            .collect()
+    }
+    fn synced(&self) {
+        self.0.inputs.lock().expect("inputs").slices_synced = true;
+        self.0.request_sync();
+    }
+}
+
+impl Sink<networking::ServiceCIDR> for Cidrs {
+    type Key = String;
+    fn apply(&self, obj: &networking::ServiceCIDR, deleted: bool) -> Option<String> {
+        let (name, value) = convert::service_cidr(obj);
+        let changed = self
+            .0
+            .inputs
+            .lock()
+            .expect("inputs")
+            .cluster
+            .update_service_cidr(name.clone(), (!deleted).then_some(value));
+        if changed {
+            self.0.request_sync();
+        }
+        Some(name)
+    }
+    fn remove(&self, keys: Vec<String>) {
+        let mut i = self.0.inputs.lock().expect("inputs");
+        for k in keys {
+            i.cluster.update_service_cidr(k, None);
+        }
+        drop(i);
+        self.0.request_sync();
+    }
+    fn keys(&self) -> Vec<String> {
+        self.0
+            .inputs
+            .lock()
+            .expect("inputs")
+            .cluster
+            .service_cidrs
+            .keys()
+            .cloned()
+            .collect()
+    }
+    fn synced(&self) {}
+}
+
+impl Sink<core::Node> for NodeSink {
+    type Key = String;
+    fn apply(&self, obj: &core::Node, deleted: bool) -> Option<String> {
+        let node = (!deleted).then(|| convert::node(obj));
+        if node.as_ref().is_some_and(|n| n.name != self.1) {
+            return None;
+        }
+        let mut i = self.0.inputs.lock().expect("inputs");
+        if i.node != node {
+            i.node = node.clone();
+            i.node_changed = true;
+            drop(i);
+            self.0.health.set_node(node);
+            self.0.request_sync();
+        }
+        Some(self.1.clone())
+    }
+    fn remove(&self, _keys: Vec<String>) {
+        let mut i = self.0.inputs.lock().expect("inputs");
+        i.node = None;
+        i.node_changed = true;
+        drop(i);
+        self.0.health.set_node(None);
+        self.0.request_sync();
+    }
+    fn keys(&self) -> Vec<String> {
+        let i = self.0.inputs.lock().expect("inputs");
+        i.node.iter().map(|n| n.name.clone()).collect()
+    }
+    fn synced(&self) {
+        self.0.inputs.lock().expect("inputs").node_synced = true;
+        self.0.request_sync();
+    }
+}
+
+/// What the sync engine keeps between syncs.
+struct Engine {
+    applier: Applier<Box<dyn Kernel>>,
+    desired: Option<DesiredState>,
+    config: ProxyConfig,
+}
+
+/// What one sync hands back to the async side.
+struct Outcome {
+    full: bool,
+    cleanup_failed: bool,
+    checks: Vec<HealthCheck>,
+    health_addresses: Vec<IpAddr>,
+    /// Family states to clean conntrack for (UDP endpoint changes).
+    conntrack: Vec<desired::FamilyState>,
+    trigger_times: Vec<SystemTime>,
+    no_local: Vec<(IpFamily, i64, i64)>,
+}
+
+impl Engine {
+    /// One sync: take the changes, update the desired state, apply. Runs on a blocking
+    /// thread (it may wait for `nft`).
+    fn sync(
+        &mut self,
+        shared: &Shared,
+        full: bool,
+    ) -> Result<Outcome, crate::nftables::apply::Error> {
+        let (changed_ports, conntrack_needed, trigger_times, full) = {
+            let mut i = shared.inputs.lock().expect("inputs");
+            let changes = i.cluster.take_changes();
+            shared
+                .metrics
+                .service_changes_total
+                .inc_by(changes.service_changes as u64);
+            shared
+                .metrics
+                .endpoint_changes_total
+                .inc_by(changes.endpoint_changes as u64);
+            let node = i.node.clone().unwrap_or_else(|| Node {
+                name: self.config.node_name.clone(),
+                ..Default::default()
+            });
+            let facts = NodeFacts {
+                node_ips: node.addresses.clone(),
+                local_ips: i.local_ips.clone(),
+            };
+            let state_config = StateConfig {
+                families: self.config.families.clone(),
+                nodeport_addresses: self.config.nodeport_addresses.clone(),
+            };
+            let view = NodeView {
+                name: &self.config.node_name,
+                zone: node.zone.as_deref(),
+            };
+            let mut full = full;
+            let changed_ports = match self.desired.as_mut() {
+                Some(d) if !full => {
+                    if i.node_changed || changes.service_cidrs {
+                        // Zones and addresses may change categorization: recompute all.
+                        let fresh = desired::build(&i.cluster, view, &facts, &state_config);
+                        let ports: BTreeSet<_> = fresh
+                            .families
+                            .iter()
+                            .chain(d.families.iter())
+                            .flat_map(|f| f.services.keys().cloned())
+                            .collect();
+                        *d = fresh;
+                        ports
+                    } else {
+                        d.refresh_node(&i.cluster, &facts, &state_config);
+                        d.refresh_services(&i.cluster, view, &changes.services)
+                    }
+                }
+                _ => {
+                    self.desired = Some(desired::build(&i.cluster, view, &facts, &state_config));
+                    full = true;
+                    BTreeSet::new()
+                }
+            };
+            i.node_changed = false;
+            let trigger_times = std::mem::take(&mut i.trigger_times);
+            (
+                changed_ports,
+                changes.udp_endpoints_changed,
+                trigger_times,
+                full,
+            )
+        };
+        let desired = self.desired.as_ref().expect("computed above");
+        let report = self.applier.sync(
+            desired,
+            &self.config.node,
+            (!full).then_some(&changed_ports),
+        )?;
+
+        let mut checks: Vec<HealthCheck> = Vec::new();
+        for fam in &desired.families {
+            for svc in fam.services.values() {
+                if let Some(port) = svc.port.health_check_node_port {
+                    let service = svc.name().service();
+                    match checks.iter_mut().find(|c| c.port == port) {
+                        Some(c) => c.local_endpoints = c.local_endpoints.max(svc.local_ready_ips),
+                        None => checks.push(HealthCheck {
+                            service,
+                            port,
+                            local_endpoints: svc.local_ready_ips,
+                        }),
+                    }
+                }
+            }
+        }
+        let health_addresses: Vec<IpAddr> = desired
+            .families
+            .iter()
+            .flat_map(|f| match &f.nodeport_ips {
+                Selection::MatchAll => Vec::new(),
+                Selection::Ips(ips) => ips.iter().copied().collect(),
+            })
+            .collect();
+        let no_local = desired
+            .families
+            .iter()
+            .map(|f| {
+                let internal = f
+                    .services
+                    .values()
+                    .filter(|s| s.port.internal_policy_local && s.local_endpoints.is_empty())
+                    .count();
+                let external = f
+                    .services
+                    .values()
+                    .filter(|s| s.port.external_policy_local && s.local_endpoints.is_empty())
+                    .count();
+                (f.family, internal as i64, external as i64)
+            })
+            .collect();
+        Ok(Outcome {
+            full: report.full,
+            cleanup_failed: report.cleanup_failed,
+            checks,
+            health_addresses,
+            conntrack: if conntrack_needed {
+                desired.families.clone()
+            } else {
+                Vec::new()
+            },
+            trigger_times,
+            no_local,
+        })
+    }
+}
+
+/// Runs the proxy until `shutdown` completes. Rules are left in place on exit, so that a
+/// restarted proxy takes them over without a gap in traffic.
+pub async fn run(
+    client: kube::Client,
+    config: ProxyConfig,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), Error> {
+    let kernel: Box<dyn Kernel> = Box::new(config.nft.clone());
+    run_with_kernel(client, config, kernel, shutdown).await
+}
+
+/// [`run`] with a given kernel.
+pub async fn run_with_kernel(
+    client: kube::Client,
+    config: ProxyConfig,
+    kernel: Box<dyn Kernel>,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<(), Error> {
+    let metrics = Arc::new(Metrics::new());
+    let health = Arc::new(ProxyHealth::new(&config.families, config.sync_period * 2));
+    let shared = Arc::new(Shared {
+        inputs: Mutex::new(Inputs::default()),
+        notify: Notify::new(),
+        health: health.clone(),
+        metrics: metrics.clone(),
+        families: config.families.clone(),
+    });
+    let mut tasks = tokio::task::JoinSet::new();
+
+    // Health and metrics answer on their own tasks, even during a long sync.
+    if let Some(addr) = config.healthz_bind_address {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| Error::Bind {
+                what: "--healthz-bind-address",
+                addr,
+                source,
+            })?;
+        let app = crate::health::router(health.clone(), metrics.clone());
+        tasks.spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+    }
+    if let Some(addr) = config.metrics_bind_address {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| Error::Bind {
+                what: "--metrics-bind-address",
+                addr,
+                source,
+            })?;
+        let app = crate::metrics::router(metrics.clone());
+        tasks.spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+    }
+
+    // Watchers.
+    let s = shared.clone();
+    let c = client.clone();
+    tasks.spawn(async move {
+        watch::run(
+            kube::Api::<core::Service>::all(c),
+            watcher::Config::default(),
+            Arc::new(Services(s)),
+            "services",
+        )
+        .await
+    });
+    let s = shared.clone();
+    let c = client.clone();
+    tasks.spawn(async move {
+        watch::run(
+            kube::Api::<discovery::EndpointSlice>::all(c),
+            watcher::Config::default(),
+            Arc::new(Slices(s)),
+            "endpointslices",
+        )
+        .await
+    });
+    let s = shared.clone();
+    let c = client.clone();
+    let node_name = config.node_name.clone();
+    tasks.spawn(async move {
+        let cfg = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
+        watch::run(
+            kube::Api::<core::Node>::all(c),
+            cfg,
+            Arc::new(NodeSink(s, node_name)),
+            "node",
+        )
+        .await
+    });
+    // ServiceCIDRs are optional: an API server that does not serve them (404) leaves the
+    // unallocated-ClusterIP drop rule out, as kube-proxy does without ServiceCIDR data.
+    let s = shared.clone();
+    let c = client.clone();
+    tasks.spawn(async move {
+        let api = kube::Api::<networking::ServiceCIDR>::all(c);
+        match api.list(&kube::api::ListParams::default().limit(1)).await {
+            Ok(_) => {
+                watch::run(
+                    api,
+                    watcher::Config::default(),
+                    Arc::new(Cidrs(s)),
+                    "servicecidrs",
+                )
+                .await
+            }
+            Err(e) => tracing::info!(error = %e, "ServiceCIDRs not served; not watching them"),
+        }
+    });
+
+    // Node addresses.
+    let s = shared.clone();
+    let interval = config.address_poll_interval;
+    tasks.spawn(async move {
+        loop {
+            match crate::addrs::local_addresses().await {
+                Ok(ips) => {
+                    let mut i = s.inputs.lock().expect("inputs");
+                    if i.local_ips != ips {
+                        tracing::info!(addresses = ?ips, "node addresses changed");
+                        i.local_ips = ips;
+                        i.node_changed = true;
+                        drop(i);
+                        s.request_sync();
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "listing node addresses failed"),
+            }
+            tokio::time::sleep(interval).await;
+        }
+    });
+
+    let engine = Arc::new(Mutex::new(Engine {
+        applier: Applier::new(kernel),
+        desired: None,
+        config: config.clone(),
+    }));
+    let sync_loop = sync_loop(shared.clone(), engine, config);
+    tokio::select! {
+        () = sync_loop => {}
+        () = shutdown => tracing::info!("shutting down; rules stay in place"),
+    }
+    tasks.abort_all();
+    Ok(())
+}
+
+async fn sync_loop(shared: Arc<Shared>, engine: Arc<Mutex<Engine>>, config: ProxyConfig) {
+    let mut health_servers = ServiceHealthServers::new(shared.health.clone());
+    let mut last_start: Option<Instant> = None;
+    let mut next_periodic = tokio::time::Instant::now() + config.sync_period;
+    let mut next_full = Instant::now() + config.full_sync_period;
+    let mut retry_at: Option<tokio::time::Instant> = None;
+    let mut backoff = config.min_sync_period.max(Duration::from_millis(500));
+    loop {
+        let mut periodic = false;
+        tokio::select! {
+            () = shared.notify.notified() => {}
+            () = tokio::time::sleep_until(next_periodic) => periodic = true,
+            () = async {
+                match retry_at {
+                    Some(t) => tokio::time::sleep_until(t).await,
+                    None => std::future::pending().await,
+                }
+            } => retry_at = None,
+        }
+        {
+            let i = shared.inputs.lock().expect("inputs");
+            if !(i.services_synced && i.slices_synced && i.node_synced) {
+                continue;
+            }
+        }
+        // Rate limit: at most one sync per --min-sync-period.
+        if let Some(t) = last_start {
+            let earliest = t + config.min_sync_period;
+            if Instant::now() < earliest {
+                tokio::time::sleep_until(tokio::time::Instant::from_std(earliest)).await;
+            }
+        }
+        last_start = Some(Instant::now());
+        if periodic {
+            next_periodic = tokio::time::Instant::now() + config.sync_period;
+        }
+        let full = periodic && Instant::now() >= next_full;
+        if full {
+            next_full = Instant::now() + config.full_sync_period;
+        }
+        let started = Instant::now();
+        let (e, s) = (engine.clone(), shared.clone());
+        let result =
+            tokio::task::spawn_blocking(move || e.lock().expect("engine").sync(&s, full)).await;
+        let elapsed = started.elapsed().as_secs_f64();
+        let metrics = &shared.metrics;
+        match result {
+            Ok(Ok(outcome)) => {
+                backoff = config.min_sync_period.max(Duration::from_millis(500));
+                shared.health.updated();
+                let now = unix_now();
+                for f in &config.families {
+                    let l = family_label(*f);
+                    metrics.sync_duration.get_or_create(&l).observe(elapsed);
+                    if outcome.full {
+                        metrics
+                            .sync_full_duration
+                            .get_or_create(&l)
+                            .observe(elapsed);
+                    } else {
+                        metrics
+                            .sync_partial_duration
+                            .get_or_create(&l)
+                            .observe(elapsed);
+                    }
+                    metrics.last_sync_timestamp.get_or_create(&l).set(now);
+                    for t in &outcome.trigger_times {
+                        let d = SystemTime::now().duration_since(*t).unwrap_or_default();
+                        metrics
+                            .network_programming
+                            .get_or_create(&l)
+                            .observe(d.as_secs_f64());
+                    }
+                }
+                for (f, internal, external) in &outcome.no_local {
+                    let mut l = family_label(*f);
+                    l.push(("traffic_policy".into(), "internal".into()));
+                    metrics.no_local_endpoints.get_or_create(&l).set(*internal);
+                    let mut l = family_label(*f);
+                    l.push(("traffic_policy".into(), "external".into()));
+                    metrics.no_local_endpoints.get_or_create(&l).set(*external);
+                }
+                if outcome.cleanup_failed {
+                    for f in &config.families {
+                        metrics
+                            .nftables_cleanup_failures
+                            .get_or_create(&family_label(*f))
+                            .inc();
+                    }
+                    retry_at = Some(
+                        tokio::time::Instant::now() + crate::nftables::apply::STALE_CHAIN_GRACE,
+                    );
+                }
+                health_servers.sync(&outcome.checks, &outcome.health_addresses);
+                if !outcome.conntrack.is_empty() {
+                    let m = shared.metrics.clone();
+                    let states = outcome.conntrack;
+                    let _ = tokio::task::spawn_blocking(move || {
+                        for state in &states {
+                            let t = Instant::now();
+                            match crate::conntrack::clean_family(state) {
+                                Ok(n) => {
+                                    let l = family_label(state.family);
+                                    m.conntrack_duration
+                                        .get_or_create(&l)
+                                        .observe(t.elapsed().as_secs_f64());
+                                    m.conntrack_deleted.get_or_create(&l).inc_by(n as u64);
+                                    if n > 0 {
+                                        tracing::info!(
+                                            family = state.family.as_str(),
+                                            deleted = n,
+                                            "cleaned stale UDP conntrack entries"
+                                        );
+                                    }
+                                }
+                                Err(e) => tracing::warn!(error = %e, "conntrack clean-up failed"),
+                            }
+                        }
+                    })
+                    .await;
+                }
+                tracing::debug!(full = outcome.full, seconds = elapsed, "synced");
+            }
+            Ok(Err(e)) => {
+                for f in &config.families {
+                    metrics
+                        .nftables_sync_failures
+                        .get_or_create(&family_label(*f))
+                        .inc();
+                }
+                tracing::error!(error = %e, source = ?std::error::Error::source(&e), retry_in = ?backoff, "sync failed; previous rules stay in place");
+                retry_at = Some(tokio::time::Instant::now() + backoff);
+                backoff = (backoff * 2).min(config.sync_period);
+            }
+            Err(join) => {
+                tracing::error!(error = %join, "sync task panicked");
+                retry_at = Some(tokio::time::Instant::now() + backoff);
+            }
+        }
+        let pending = shared.inputs.lock().expect("inputs").cluster.pending();
+        metrics.service_changes_pending.set(pending as i64);
+    }
+}

@@ -1,0 +1,390 @@
+//! Health: the proxy's own `/healthz` and `/livez` (kube-proxy's `proxy_health.go`) and one
+//! HTTP server per `externalTrafficPolicy: Local` Service on its `healthCheckNodePort`
+//! (`service_health.go`), with kube-proxy's bodies byte for byte.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use axum::body::Body;
+use axum::http::{Response, StatusCode};
+
+use crate::metrics::Metrics;
+use crate::model::{IpFamily, Node, ServiceName};
+
+/// Sync bookkeeping per family, as kube-proxy's `ProxyHealthServer` keeps it.
+#[derive(Debug, Clone, Default)]
+struct FamilyHealth {
+    last_updated: Option<SystemTime>,
+    oldest_pending: Option<SystemTime>,
+}
+
+/// Whether the proxy keeps its rules up to date.
+#[derive(Debug)]
+pub struct ProxyHealth {
+    families: Mutex<BTreeMap<IpFamily, FamilyHealth>>,
+    node: Mutex<Option<Node>>,
+    /// `2 × --sync-period`: a pending update older than this makes the proxy unhealthy.
+    timeout: Duration,
+}
+
+impl ProxyHealth {
+    /// Health for the given families; unhealthy once an update waits longer than `timeout`.
+    pub fn new(families: &[IpFamily], timeout: Duration) -> Self {
+        ProxyHealth {
+            families: Mutex::new(
+                families
+                    .iter()
+                    .map(|f| (*f, FamilyHealth::default()))
+                    .collect(),
+            ),
+            node: Mutex::new(None),
+            timeout,
+        }
+    }
+
+    /// A sync was requested (kube-proxy's `QueuedUpdate`): starts the clock if not running.
+    pub fn queued_update(&self) {
+        let now = SystemTime::now();
+        for h in self.families.lock().expect("health lock").values_mut() {
+            h.oldest_pending.get_or_insert(now);
+        }
+    }
+
+    /// A sync succeeded (kube-proxy's `Updated`).
+    pub fn updated(&self) {
+        let now = SystemTime::now();
+        for h in self.families.lock().expect("health lock").values_mut() {
+            h.last_updated = Some(now);
+            h.oldest_pending = None;
+        }
+    }
+
+    /// Records the Node object, for `nodeEligible`.
+    pub fn set_node(&self, node: Option<Node>) {
+        *self.node.lock().expect("health lock") = node;
+    }
+
+    /// Healthy: no family has an update pending for longer than the timeout.
+    pub fn healthy(&self) -> bool {
+        self.healthy_at(SystemTime::now())
+    }
+
+    fn healthy_at(&self, now: SystemTime) -> bool {
+        self.families
+            .lock()
+            .expect("health lock")
+            .values()
+            .all(|h| family_healthy(h, now, self.timeout))
+    }
+
+    fn node_eligible(&self) -> bool {
+        self.node
+            .lock()
+            .expect("health lock")
+            .as_ref()
+            .is_some_and(Node::eligible)
+    }
+
+    /// The JSON body kube-proxy sends (`json.Marshal(ProxyHealth)`).
+    fn body(&self, with_node: bool) -> (bool, String) {
+        let now = SystemTime::now();
+        let families = self.families.lock().expect("health lock").clone();
+        let mut healthy = families
+            .values()
+            .all(|h| family_healthy(h, now, self.timeout));
+        let eligible = self.node_eligible();
+        if with_node {
+            healthy &= eligible;
+        }
+        let last = families.values().filter_map(|h| h.last_updated).max();
+        // On success kube-proxy reports "now" as lastUpdated.
+        let last_updated = if healthy { Some(now) } else { last };
+        // Field order is Go's struct order (json.Marshal), which serde_json's map would sort.
+        let mut body = format!(
+            "{{\"lastUpdated\":{},\"currentTime\":{}",
+            time_json(last_updated),
+            time_json(Some(now))
+        );
+        if with_node {
+            body.push_str(&format!(",\"nodeEligible\":{eligible}"));
+        }
+        body.push_str(&format!(",\"healthy\":{healthy}"));
+        if !families.is_empty() {
+            let status: Vec<String> = families
+                .iter()
+                .map(|(f, h)| {
+                    format!(
+                        "\"{}\":{{\"lastUpdated\":{},\"healthy\":{}}}",
+                        f.as_str(),
+                        time_json(h.last_updated),
+                        family_healthy(h, now, self.timeout)
+                    )
+                })
+                .collect();
+            body.push_str(&format!(",\"status\":{{{}}}", status.join(",")));
+        }
+        body.push('}');
+        (healthy, body)
+    }
+}
+
+fn family_healthy(h: &FamilyHealth, now: SystemTime, timeout: Duration) -> bool {
+    match h.oldest_pending {
+        Some(t) => now.duration_since(t).unwrap_or_default() <= timeout,
+        None => true,
+    }
+}
+
+/// Go's zero `time.Time` marshals as `0001-01-01T00:00:00Z`.
+fn time_json(t: Option<SystemTime>) -> String {
+    match t.and_then(|t| jiff::Timestamp::try_from(t).ok()) {
+        Some(ts) => format!("\"{ts}\""),
+        None => "\"0001-01-01T00:00:00Z\"".to_string(),
+    }
+}
+
+fn json_response(
+    code: StatusCode,
+    body: String,
+    extra: Option<(&'static str, String)>,
+) -> Response<Body> {
+    let mut b = Response::builder()
+        .status(code)
+        .header("Content-Type", "application/json")
+        .header("X-Content-Type-Options", "nosniff");
+    if let Some((k, v)) = extra {
+        b = b.header(k, v);
+    }
+    b.body(Body::from(body)).expect("valid response")
+}
+
+/// `/healthz` and `/livez` on `--healthz-bind-address`.
+pub fn router(health: Arc<ProxyHealth>, metrics: Arc<Metrics>) -> axum::Router {
+    let handler = move |with_node: bool| {
+        let health = health.clone();
+        let metrics = metrics.clone();
+        move || {
+            let health = health.clone();
+            let metrics = metrics.clone();
+            async move {
+                let (ok, body) = health.body(with_node);
+                let code = if ok {
+                    StatusCode::OK
+                } else {
+                    StatusCode::SERVICE_UNAVAILABLE
+                };
+                let label = vec![("code".to_string(), code.as_u16().to_string())];
+                if with_node {
+                    metrics.healthz_total.get_or_create(&label).inc();
+                } else {
+                    metrics.livez_total.get_or_create(&label).inc();
+                }
+                json_response(code, body, None)
+            }
+        }
+    };
+    axum::Router::new()
+        .route("/healthz", axum::routing::get(handler(true)))
+        .route("/livez", axum::routing::get(handler(false)))
+}
+
+/// kube-proxy's service health body: `%q` for namespace and name, tab indentation, no
+/// trailing newline.
+pub fn service_health_body(service: &ServiceName, local_endpoints: usize, healthy: bool) -> String {
+    format!(
+        "{{\n\t\"service\": {{\n\t\t\"namespace\": {},\n\t\t\"name\": {}\n\t}},\n\t\"localEndpoints\": {local_endpoints},\n\t\"serviceProxyHealthy\": {healthy}\n}}",
+        go_quote(&service.namespace),
+        go_quote(&service.name)
+    )
+}
+
+/// Go's `%q` for the characters Kubernetes names can hold (DNS labels): plain quoting, with
+/// `"` and `\` escaped for anything else.
+fn go_quote(s: &str) -> String {
+    serde_json::Value::from(s).to_string()
+}
+
+/// One health-check node port to serve.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HealthCheck {
+    /// The Service.
+    pub service: ServiceName,
+    /// `spec.healthCheckNodePort`.
+    pub port: u16,
+    /// Ready, non-terminating local endpoint IPs.
+    pub local_endpoints: usize,
+}
+
+/// The per-Service health-check servers, started and stopped as Services come and go.
+pub struct ServiceHealthServers {
+    health: Arc<ProxyHealth>,
+    counts: Arc<Mutex<BTreeMap<u16, (ServiceName, usize)>>>,
+    servers: BTreeMap<(u16, Vec<IpAddr>), tokio::task::JoinHandle<()>>,
+}
+
+impl ServiceHealthServers {
+    /// No servers yet.
+    pub fn new(health: Arc<ProxyHealth>) -> Self {
+        ServiceHealthServers {
+            health,
+            counts: Arc::new(Mutex::new(BTreeMap::new())),
+            servers: BTreeMap::new(),
+        }
+    }
+
+    /// Ports currently served.
+    pub fn ports(&self) -> Vec<u16> {
+        self.servers.keys().map(|(p, _)| *p).collect()
+    }
+
+    /// Makes the servers match `checks`, listening on `addresses` (the NodePort addresses;
+    /// empty: every address). Must run inside a tokio runtime.
+    pub fn sync(&mut self, checks: &[HealthCheck], addresses: &[IpAddr]) {
+        {
+            let mut counts = self.counts.lock().expect("health lock");
+            counts.clear();
+            for c in checks {
+                counts.insert(c.port, (c.service.clone(), c.local_endpoints));
+            }
+        }
+        let wanted: BTreeMap<(u16, Vec<IpAddr>), ()> = checks
+            .iter()
+            .map(|c| ((c.port, addresses.to_vec()), ()))
+            .collect();
+        self.servers.retain(|key, handle| {
+            let keep = wanted.contains_key(key);
+            if !keep {
+                handle.abort();
+            }
+            keep
+        });
+        for (key, ()) in wanted {
+            if self.servers.contains_key(&key) {
+                continue;
+            }
+            let (port, addrs) = key.clone();
+            let binds: Vec<SocketAddr> = if addrs.is_empty() {
+                vec![SocketAddr::from(([0, 0, 0, 0], port))]
+            } else {
+                addrs.iter().map(|ip| SocketAddr::new(*ip, port)).collect()
+            };
+            let counts = self.counts.clone();
+            let health = self.health.clone();
+            let handle = tokio::spawn(async move {
+                let mut tasks = Vec::new();
+                for bind in binds {
+                    let listener = match tokio::net::TcpListener::bind(bind).await {
+                        Ok(l) => l,
+                        Err(e) => {
+                            // kube-proxy records a FailedToStartServiceHealthcheck event.
+                            tracing::warn!(%bind, error = %e, "failed to start service health check server");
+                            continue;
+                        }
+                    };
+                    let counts = counts.clone();
+                    let health = health.clone();
+                    let app = axum::Router::new().fallback(move || {
+                        let counts = counts.clone();
+                        let health = health.clone();
+                        async move {
+                            let entry = counts.lock().expect("health lock").get(&port).cloned();
+                            let Some((service, n)) = entry else {
+                                return Response::builder()
+                                    .status(StatusCode::NOT_FOUND)
+                                    .body(Body::empty())
+                                    .expect("valid response");
+                            };
+                            let healthy = health.healthy();
+                            let code = if n != 0 && healthy {
+                                StatusCode::OK
+                            } else {
+                                StatusCode::SERVICE_UNAVAILABLE
+                            };
+                            json_response(
+                                code,
+                                service_health_body(&service, n, healthy),
+                                Some(("X-Load-Balancing-Endpoint-Weight", n.to_string())),
+                            )
+                        }
+                    });
+                    tasks.push(tokio::spawn(async move {
+                        let _ = axum::serve(listener, app).await;
+                    }));
+                }
+                // Keep the listeners' tasks tied to this one: aborting it stops them.
+                let _guard = AbortOnDrop(tasks);
+                std::future::pending::<()>().await;
+            });
+            self.servers.insert(key, handle);
+        }
+    }
+}
+
+impl Drop for ServiceHealthServers {
+    fn drop(&mut self) {
+        for h in self.servers.values() {
+            h.abort();
+        }
+    }
+}
+
+struct AbortOnDrop(Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        for t in &self.0 {
+            t.abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn service_health_body_is_kube_proxys_to_the_byte() {
+        let body = service_health_body(&ServiceName::new("ns2", "svc2"), 1, true);
+        assert_eq!(
+            body,
+            "{\n\t\"service\": {\n\t\t\"namespace\": \"ns2\",\n\t\t\"name\": \"svc2\"\n\t},\n\t\"localEndpoints\": 1,\n\t\"serviceProxyHealthy\": true\n}"
+        );
+        // The nmap fingerprint of a real kube-proxy answer is 127 bytes long.
+        let nmap = service_health_body(&ServiceName::new("default", "wp-nginx-service"), 1, true);
+        assert_eq!(nmap.len(), 127);
+    }
+
+    #[test]
+    fn a_pending_update_older_than_the_timeout_is_unhealthy() {
+        let h = ProxyHealth::new(&[IpFamily::V4], Duration::from_secs(60));
+        assert!(h.healthy());
+        h.queued_update();
+        assert!(h.healthy());
+        assert!(!h.healthy_at(SystemTime::now() + Duration::from_secs(61)));
+        h.updated();
+        assert!(h.healthy_at(SystemTime::now() + Duration::from_secs(61)));
+    }
+
+    #[test]
+    fn healthz_needs_an_eligible_node_and_livez_does_not() {
+        let h = ProxyHealth::new(&[IpFamily::V4], Duration::from_secs(60));
+        let (ok, body) = h.body(true);
+        assert!(!ok, "{body}");
+        assert!(body.contains("\"nodeEligible\":false"), "{body}");
+        assert!(h.body(false).0);
+        h.set_node(Some(Node {
+            name: "n".into(),
+            ..Default::default()
+        }));
+        let (ok, body) = h.body(true);
+        assert!(ok, "{body}");
+        assert!(
+            body.contains(
+                "\"status\":{\"IPv4\":{\"lastUpdated\":\"0001-01-01T00:00:00Z\",\"healthy\":true}}"
+            ),
+            "{body}"
+        );
+    }
+}

@@ -1,0 +1,261 @@
+//! Prometheus metrics with kube-proxy's names (`pkg/proxy/metrics`), served on
+//! `--metrics-bind-address` at `/metrics`.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::{Family, MetricConstructor};
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+use crate::model::IpFamily;
+
+type Labels = Vec<(String, String)>;
+
+/// Histogram constructor with fixed buckets.
+#[derive(Clone)]
+pub struct Buckets(Arc<Vec<f64>>);
+
+impl MetricConstructor<Histogram> for Buckets {
+    fn new_metric(&self) -> Histogram {
+        Histogram::new(self.0.iter().copied())
+    }
+}
+
+/// kube-proxy's `network_programming_duration_seconds` buckets: 0.25 s, 0.5 s, 1-59 s by
+/// 1 s, 60-115 s by 5 s, 120-300 s by 30 s.
+fn programming_buckets() -> Vec<f64> {
+    let mut b = vec![0.25, 0.5];
+    b.extend((1..=59).map(f64::from));
+    b.extend((0..12).map(|i| 60.0 + 5.0 * f64::from(i)));
+    b.extend((0..7).map(|i| 120.0 + 30.0 * f64::from(i)));
+    b
+}
+
+/// Every metric the proxy exports.
+pub struct Metrics {
+    registry: Registry,
+    /// `kubeproxy_sync_proxy_rules_duration_seconds{ip_family}`.
+    pub sync_duration: Family<Labels, Histogram, Buckets>,
+    /// `kubeproxy_sync_full_proxy_rules_duration_seconds{ip_family}`.
+    pub sync_full_duration: Family<Labels, Histogram, Buckets>,
+    /// `kubeproxy_sync_partial_proxy_rules_duration_seconds{ip_family}`.
+    pub sync_partial_duration: Family<Labels, Histogram, Buckets>,
+    /// `kubeproxy_network_programming_duration_seconds{ip_family}`.
+    pub network_programming: Family<Labels, Histogram, Buckets>,
+    /// `kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family}`.
+    pub last_sync_timestamp: Family<Labels, Gauge<f64, AtomicU64>>,
+    /// `kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds{ip_family}`.
+    pub last_queued_timestamp: Family<Labels, Gauge<f64, AtomicU64>>,
+    /// `kubeproxy_sync_proxy_rules_endpoint_changes_pending`.
+    pub endpoint_changes_pending: Gauge,
+    /// `kubeproxy_sync_proxy_rules_endpoint_changes_total`.
+    pub endpoint_changes_total: Counter,
+    /// `kubeproxy_sync_proxy_rules_service_changes_pending`.
+    pub service_changes_pending: Gauge,
+    /// `kubeproxy_sync_proxy_rules_service_changes_total`.
+    pub service_changes_total: Counter,
+    /// `kubeproxy_sync_proxy_rules_no_local_endpoints_total{ip_family,traffic_policy}` (a
+    /// gauge in kube-proxy despite the name).
+    pub no_local_endpoints: Family<Labels, Gauge>,
+    /// `kubeproxy_sync_proxy_rules_nftables_sync_failures_total{ip_family}`.
+    pub nftables_sync_failures: Family<Labels, Counter>,
+    /// `kubeproxy_sync_proxy_rules_nftables_cleanup_failures_total{ip_family}`.
+    pub nftables_cleanup_failures: Family<Labels, Counter>,
+    /// `kubeproxy_conntrack_reconciler_sync_duration_seconds{ip_family}`.
+    pub conntrack_duration: Family<Labels, Histogram, Buckets>,
+    /// `kubeproxy_conntrack_reconciler_deleted_entries_total{ip_family}`.
+    pub conntrack_deleted: Family<Labels, Counter>,
+    /// `kubeproxy_proxy_healthz_total{code}`.
+    pub healthz_total: Family<Labels, Counter>,
+    /// `kubeproxy_proxy_livez_total{code}`.
+    pub livez_total: Family<Labels, Counter>,
+}
+
+/// The `ip_family` label.
+pub fn family_label(family: IpFamily) -> Labels {
+    vec![("ip_family".to_string(), family.as_str().to_string())]
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Registers every metric under the `kubeproxy` prefix.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("kubeproxy");
+        let sync_buckets = Buckets(Arc::new(exponential_buckets(0.001, 2.0, 15).collect()));
+        let hist =
+            |b: &Buckets| Family::<Labels, Histogram, Buckets>::new_with_constructor(b.clone());
+        let m = Metrics {
+            sync_duration: hist(&sync_buckets),
+            sync_full_duration: hist(&sync_buckets),
+            sync_partial_duration: hist(&sync_buckets),
+            network_programming: hist(&Buckets(Arc::new(programming_buckets()))),
+            last_sync_timestamp: Family::default(),
+            last_queued_timestamp: Family::default(),
+            endpoint_changes_pending: Gauge::default(),
+            endpoint_changes_total: Counter::default(),
+            service_changes_pending: Gauge::default(),
+            service_changes_total: Counter::default(),
+            no_local_endpoints: Family::default(),
+            nftables_sync_failures: Family::default(),
+            nftables_cleanup_failures: Family::default(),
+            conntrack_duration: hist(&sync_buckets),
+            conntrack_deleted: Family::default(),
+            healthz_total: Family::default(),
+            livez_total: Family::default(),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "sync_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds",
+            m.sync_duration.clone(),
+        );
+        registry.register(
+            "sync_full_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for full resyncs",
+            m.sync_full_duration.clone(),
+        );
+        registry.register(
+            "sync_partial_proxy_rules_duration_seconds",
+            "SyncProxyRules latency in seconds for partial resyncs",
+            m.sync_partial_duration.clone(),
+        );
+        registry.register(
+            "network_programming_duration_seconds",
+            "In Cluster Network Programming Latency in seconds",
+            m.network_programming.clone(),
+        );
+        registry.register(
+            "sync_proxy_rules_last_timestamp_seconds",
+            "The last time proxy rules were successfully synced",
+            m.last_sync_timestamp.clone(),
+        );
+        registry.register(
+            "sync_proxy_rules_last_queued_timestamp_seconds",
+            "The last time a sync of proxy rules was queued",
+            m.last_queued_timestamp.clone(),
+        );
+        registry.register(
+            "sync_proxy_rules_endpoint_changes_pending",
+            "Pending proxy rules Endpoint changes",
+            m.endpoint_changes_pending.clone(),
+        );
+        registry.register(
+            "sync_proxy_rules_endpoint_changes",
+            "Cumulative proxy rules Endpoint changes",
+            m.endpoint_changes_total.clone(),
+        );
+        registry.register(
+            "sync_proxy_rules_service_changes_pending",
+            "Pending proxy rules Service changes",
+            m.service_changes_pending.clone(),
+        );
+        registry.register(
+            "sync_proxy_rules_service_changes",
+            "Cumulative proxy rules Service changes",
+            m.service_changes_total.clone(),
+        );
+        registry.register(
+            "sync_proxy_rules_no_local_endpoints_total",
+            "Number of services with a Local traffic policy and no endpoints",
+            m.no_local_endpoints.clone(),
+        );
+        registry.register(
+            "sync_proxy_rules_nftables_sync_failures",
+            "Number of nftables sync failures",
+            m.nftables_sync_failures.clone(),
+        );
+        registry.register(
+            "sync_proxy_rules_nftables_cleanup_failures",
+            "Number of nftables stale chain cleanup failures",
+            m.nftables_cleanup_failures.clone(),
+        );
+        registry.register(
+            "conntrack_reconciler_sync_duration_seconds",
+            "ReconcileConntrackFlowsLatency latency in seconds",
+            m.conntrack_duration.clone(),
+        );
+        registry.register(
+            "conntrack_reconciler_deleted_entries",
+            "Cumulative conntrack flows deleted by conntrack reconciler",
+            m.conntrack_deleted.clone(),
+        );
+        registry.register(
+            "proxy_healthz",
+            "Cumulative proxy healthz HTTP status",
+            m.healthz_total.clone(),
+        );
+        registry.register(
+            "proxy_livez",
+            "Cumulative proxy livez HTTP status",
+            m.livez_total.clone(),
+        );
+        Metrics { registry, ..m }
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        out
+    }
+}
+
+/// The `/metrics` router.
+pub fn router(metrics: Arc<Metrics>) -> axum::Router {
+    axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let m = metrics.clone();
+            async move {
+                (
+                    [(
+                        http::header::CONTENT_TYPE,
+                        "text/plain; version=0.0.4; charset=utf-8",
+                    )],
+                    m.render(),
+                )
+            }
+        }),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metric_names_are_kube_proxys() {
+        let m = Metrics::new();
+        m.sync_duration
+            .get_or_create(&family_label(IpFamily::V4))
+            .observe(0.01);
+        m.nftables_sync_failures
+            .get_or_create(&family_label(IpFamily::V4))
+            .inc();
+        m.network_programming
+            .get_or_create(&family_label(IpFamily::V4))
+            .observe(1.5);
+        m.last_sync_timestamp
+            .get_or_create(&family_label(IpFamily::V4))
+            .set(1.0);
+        let text = m.render();
+        for name in [
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.001\",ip_family=\"IPv4\"}",
+            "kubeproxy_sync_proxy_rules_nftables_sync_failures_total{ip_family=\"IPv4\"} 1",
+            "kubeproxy_network_programming_duration_seconds_count{ip_family=\"IPv4\"} 1",
+            "kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family=\"IPv4\"} 1",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_total 0",
+        ] {
+            assert!(text.contains(name), "{name} missing from:\n{text}");
+        }
+    }
+}

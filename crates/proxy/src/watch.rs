@@ -1,0 +1,85 @@
+//! kube-rs watchers on Services, EndpointSlices, ServiceCIDRs and this node's Node.
+//!
+//! Each object is converted into the compact model the moment it arrives and the Kubernetes
+//! object is dropped (no reflector store of full objects). A watch restart (`Init` ..
+//! `InitDone`) is a relist: objects it does not list again are deleted. Nothing is synced
+//! before every required watcher has finished its first list (kube-proxy waits for
+//! `OnServiceSynced` and `OnEndpointSlicesSynced`).
+
+use std::collections::HashSet;
+use std::fmt::Debug;
+use std::hash::Hash;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use futures::StreamExt;
+use kube::Resource;
+use kube::runtime::{WatchStreamExt, watcher};
+use serde::de::DeserializeOwned;
+
+/// Annotation the EndpointSlice controller sets to the time of the change that triggered
+/// the slice update; kube-proxy measures network programming latency from it.
+pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+
+/// What a watcher feeds.
+pub trait Sink<K>: Send + Sync + 'static {
+    /// The key of a converted object.
+    type Key: Clone + Eq + Hash + Send + Debug;
+    /// Converts and records one object (`deleted`: remove it). Returns its key.
+    fn apply(&self, obj: &K, deleted: bool) -> Option<Self::Key>;
+    /// Removes objects by key (relist found them gone).
+    fn remove(&self, keys: Vec<Self::Key>);
+    /// Keys known now.
+    fn keys(&self) -> Vec<Self::Key>;
+    /// The first list (or a relist) is complete.
+    fn synced(&self);
+}
+
+/// Runs a watcher until the stream ends (never, in practice: it retries with backoff).
+pub async fn run<K, S>(api: kube::Api<K>, config: watcher::Config, sink: Arc<S>, what: &'static str)
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
+    S: Sink<K>,
+{
+    let mut stream = watcher(api, config).default_backoff().boxed();
+    let mut seen: Option<HashSet<S::Key>> = None;
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(watcher::Event::Init) => seen = Some(HashSet::new()),
+            Ok(watcher::Event::InitApply(obj)) => {
+                if let Some(k) = sink.apply(&obj, false)
+                    && let Some(s) = seen.as_mut()
+                {
+                    s.insert(k);
+                }
+            }
+            Ok(watcher::Event::InitDone) => {
+                if let Some(s) = seen.take() {
+                    let gone: Vec<S::Key> =
+                        sink.keys().into_iter().filter(|k| !s.contains(k)).collect();
+                    if !gone.is_empty() {
+                        sink.remove(gone);
+                    }
+                }
+                tracing::debug!(what, "initial list done");
+                sink.synced();
+            }
+            Ok(watcher::Event::Apply(obj)) => {
+                sink.apply(&obj, false);
+            }
+            Ok(watcher::Event::Delete(obj)) => {
+                sink.apply(&obj, true);
+            }
+            Err(e) => tracing::warn!(what, error = %e, "watch failed; retrying"),
+        }
+    }
+}
+
+/// The trigger time of an EndpointSlice change, if annotated.
+pub fn trigger_time(
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+) -> Option<SystemTime> {
+    let value = meta.annotations.as_ref()?.get(TRIGGER_TIME_ANNOTATION)?;
+    let ts: jiff::Timestamp = value.parse().ok()?;
+    Some(SystemTime::from(ts))
+}
