@@ -1,2 +1,226 @@
-//! Placeholder replaced by the benchmark.
-fn main() {}
+//! API server benchmark over real HTTP on loopback, with the on-disk store (every write fsynced):
+//! Service creates per second and latency with 1, 8 and 64 concurrent clients, a list of 10,000
+//! Services, and 100 watchers receiving every event.
+//!
+//! `cargo bench -p nodeport-apiserver --bench apiserver` (figures in docs/BENCHMARKS.md).
+//! Client and server share the machine's cores, as they would on one node.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use nodeport_apiserver::{Config, PortRange};
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+fn client() -> HttpClient {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+fn service(name: &str, node_port: bool) -> String {
+    let kind = if node_port { "NodePort" } else { "ClusterIP" };
+    format!(
+        r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"{name}","labels":{{"app":"bench"}}}},"spec":{{"type":"{kind}","selector":{{"app":"bench"}},"ports":[{{"port":80}}]}}}}"#
+    )
+}
+
+async fn request(
+    client: &HttpClient,
+    method: &str,
+    url: &str,
+    body: String,
+) -> (u16, Bytes) {
+    let req = hyper::Request::builder()
+        .method(method)
+        .uri(url)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .unwrap();
+    let resp = client.request(req).await.expect("request");
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await.expect("body").to_bytes();
+    (status, body)
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+/// Creates `total` Services in `namespace` from `clients` concurrent clients.
+async fn creates(base: &str, namespace: &str, prefix: &str, clients: usize, total: usize) -> (f64, Duration, Duration) {
+    let url = format!("{base}/api/v1/namespaces/{namespace}/services");
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..clients)
+        .map(|_| {
+            let (url, next, prefix) = (url.clone(), next.clone(), prefix.to_owned());
+            tokio::spawn(async move {
+                let http = client();
+                let mut latencies = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if i >= total {
+                        return latencies;
+                    }
+                    let t = Instant::now();
+                    let (status, body) = request(&http, "POST", &url, service(&format!("{prefix}-{i}"), true)).await;
+                    assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
+                    latencies.push(t.elapsed());
+                }
+            })
+        })
+        .collect();
+    let mut latencies = Vec::new();
+    for t in tasks {
+        latencies.extend(t.await.unwrap());
+    }
+    let elapsed = start.elapsed();
+    latencies.sort();
+    (
+        total as f64 / elapsed.as_secs_f64(),
+        percentile(&latencies, 0.5),
+        percentile(&latencies, 0.99),
+    )
+}
+
+async fn create_namespace(base: &str, name: &str) {
+    let (status, _) = request(
+        &client(),
+        "POST",
+        &format!("{base}/api/v1/namespaces"),
+        format!(r#"{{"apiVersion":"v1","kind":"Namespace","metadata":{{"name":"{name}"}}}}"#),
+    )
+    .await;
+    assert_eq!(status, 201);
+}
+
+#[tokio::main]
+async fn main() {
+    // `cargo bench` passes `--bench`; nothing else to parse.
+    let dir = tempfile::tempdir().unwrap();
+    let config = Config {
+        // Widened so 25,000 NodePort Services fit.
+        node_port_range: PortRange::parse("20000-59999").unwrap(),
+        data_dir: dir.path().to_path_buf(),
+        ..Config::default()
+    };
+    let state = nodeport_apiserver::open(&config).await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(nodeport_apiserver::serve(state, listener, std::future::pending()));
+
+    println!("## creates (NodePort Services, fsync per batch, on-disk redb)");
+    println!("| clients | creates | creates/s | p50 | p99 |");
+    println!("| --- | --- | --- | --- | --- |");
+    for (clients, total) in [(1, 500), (8, 4000), (64, 8000)] {
+        let ns = format!("c{clients}");
+        create_namespace(&base, &ns).await;
+        let (rate, p50, p99) = creates(&base, &ns, "svc", clients, total).await;
+        println!(
+            "| {clients} | {total} | {rate:.0} | {:.2} ms | {:.2} ms |",
+            p50.as_secs_f64() * 1e3,
+            p99.as_secs_f64() * 1e3
+        );
+    }
+
+    create_namespace(&base, "list").await;
+    creates(&base, "list", "l", 64, 10_000).await;
+    let http = client();
+    let mut times = Vec::new();
+    for _ in 0..5 {
+        let t = Instant::now();
+        let (status, body) = request(&http, "GET", &format!("{base}/api/v1/namespaces/list/services"), String::new()).await;
+        assert_eq!(status, 200);
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["items"].as_array().unwrap().len(), 10_000);
+        times.push(t.elapsed());
+    }
+    times.sort();
+    let mut paged = Vec::new();
+    for _ in 0..3 {
+        let t = Instant::now();
+        let mut url = format!("{base}/api/v1/namespaces/list/services?limit=500");
+        let mut count = 0;
+        loop {
+            let (_, body) = request(&http, "GET", &url, String::new()).await;
+            let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            count += v["items"].as_array().unwrap().len();
+            match v["metadata"]["continue"].as_str() {
+                Some(token) => url = format!("{base}/api/v1/namespaces/list/services?limit=500&continue={token}"),
+                None => break,
+            }
+        }
+        assert_eq!(count, 10_000);
+        paged.push(t.elapsed());
+    }
+    paged.sort();
+    println!();
+    println!("## list of 10,000 Services");
+    println!("| request | median |");
+    println!("| --- | --- |");
+    println!("| one LIST | {:.0} ms |", times[2].as_secs_f64() * 1e3);
+    println!("| pages of 500 (limit/continue) | {:.0} ms |", paged[1].as_secs_f64() * 1e3);
+
+    // 100 watchers, each must receive every ADDED event.
+    create_namespace(&base, "watch").await;
+    let (_, body) = request(&http, "GET", &format!("{base}/api/v1/namespaces/watch/services"), String::new()).await;
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let rv = v["metadata"]["resourceVersion"].as_str().unwrap().to_owned();
+    const WATCHERS: usize = 100;
+    const EVENTS: usize = 2000;
+    let mut watchers = Vec::new();
+    for _ in 0..WATCHERS {
+        let url = format!("{base}/api/v1/namespaces/watch/services?watch=true&resourceVersion={rv}");
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        watchers.push((
+            tokio::spawn(async move {
+                let http = client();
+                let req = hyper::Request::get(url).body(Full::new(Bytes::new())).unwrap();
+                let resp = http.request(req).await.unwrap();
+                let _ = ready_tx.send(());
+                let mut body = resp.into_body();
+                let mut seen = 0;
+                let mut carry = Vec::new();
+                while seen < EVENTS {
+                    let frame = body.frame().await.unwrap().unwrap();
+                    if let Ok(data) = frame.into_data() {
+                        carry.extend_from_slice(&data);
+                        while let Some(pos) = carry.iter().position(|b| *b == b'\n') {
+                            let line: Vec<u8> = carry.drain(..=pos).collect();
+                            if line.windows(7).any(|w| w == b"\"ADDED\"") {
+                                seen += 1;
+                            }
+                        }
+                    }
+                }
+                Instant::now()
+            }),
+            ready_rx,
+        ));
+    }
+    let mut handles = Vec::new();
+    for (handle, ready) in watchers {
+        ready.await.unwrap();
+        handles.push(handle);
+    }
+    let start = Instant::now();
+    let (rate, _, _) = creates(&base, "watch", "w", 8, EVENTS).await;
+    let writes_done = Instant::now();
+    let mut last = writes_done;
+    for h in handles {
+        last = last.max(h.await.unwrap());
+    }
+    let delivered = (WATCHERS * EVENTS) as f64 / (last - start).as_secs_f64();
+    println!();
+    println!("## 100 watchers, {EVENTS} creates (8 clients)");
+    println!("| creates/s while watched | events delivered/s (all watchers) | last watcher done after last write |");
+    println!("| --- | --- | --- |");
+    println!(
+        "| {rate:.0} | {delivered:.0} | {:.0} ms |",
+        (last - writes_done).as_secs_f64() * 1e3
+    );
+}
