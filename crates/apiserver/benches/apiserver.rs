@@ -28,12 +28,7 @@ fn service(name: &str, node_port: bool) -> String {
     )
 }
 
-async fn request(
-    client: &HttpClient,
-    method: &str,
-    url: &str,
-    body: String,
-) -> (u16, Bytes) {
+async fn request(client: &HttpClient, method: &str, url: &str, body: String) -> (u16, Bytes) {
     let req = hyper::Request::builder()
         .method(method)
         .uri(url)
@@ -51,7 +46,13 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 }
 
 /// Creates `total` Services in `namespace` from `clients` concurrent clients.
-async fn creates(base: &str, namespace: &str, prefix: &str, clients: usize, total: usize) -> (f64, Duration, Duration) {
+async fn creates(
+    base: &str,
+    namespace: &str,
+    prefix: &str,
+    clients: usize,
+    total: usize,
+) -> (f64, Duration, Duration) {
     let url = format!("{base}/api/v1/namespaces/{namespace}/services");
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let start = Instant::now();
@@ -67,7 +68,8 @@ async fn creates(base: &str, namespace: &str, prefix: &str, clients: usize, tota
                         return latencies;
                     }
                     let t = Instant::now();
-                    let (status, body) = request(&http, "POST", &url, service(&format!("{prefix}-{i}"), true)).await;
+                    let (status, body) =
+                        request(&http, "POST", &url, service(&format!("{prefix}-{i}"), true)).await;
                     assert_eq!(status, 201, "{}", String::from_utf8_lossy(&body));
                     latencies.push(t.elapsed());
                 }
@@ -111,7 +113,11 @@ async fn main() {
     let state = nodeport_apiserver::open(&config).await.unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(nodeport_apiserver::serve(state, listener, std::future::pending()));
+    tokio::spawn(nodeport_apiserver::serve(
+        state,
+        listener,
+        std::future::pending(),
+    ));
 
     println!("## creates (NodePort Services, fsync per batch, on-disk redb)");
     println!("| clients | creates | creates/s | p50 | p99 |");
@@ -133,7 +139,13 @@ async fn main() {
     let mut times = Vec::new();
     for _ in 0..5 {
         let t = Instant::now();
-        let (status, body) = request(&http, "GET", &format!("{base}/api/v1/namespaces/list/services"), String::new()).await;
+        let (status, body) = request(
+            &http,
+            "GET",
+            &format!("{base}/api/v1/namespaces/list/services"),
+            String::new(),
+        )
+        .await;
         assert_eq!(status, 200);
         let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(v["items"].as_array().unwrap().len(), 10_000);
@@ -150,7 +162,10 @@ async fn main() {
             let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
             count += v["items"].as_array().unwrap().len();
             match v["metadata"]["continue"].as_str() {
-                Some(token) => url = format!("{base}/api/v1/namespaces/list/services?limit=500&continue={token}"),
+                Some(token) => {
+                    url =
+                        format!("{base}/api/v1/namespaces/list/services?limit=500&continue={token}")
+                }
                 None => break,
             }
         }
@@ -163,23 +178,38 @@ async fn main() {
     println!("| request | median |");
     println!("| --- | --- |");
     println!("| one LIST | {:.0} ms |", times[2].as_secs_f64() * 1e3);
-    println!("| pages of 500 (limit/continue) | {:.0} ms |", paged[1].as_secs_f64() * 1e3);
+    println!(
+        "| pages of 500 (limit/continue) | {:.0} ms |",
+        paged[1].as_secs_f64() * 1e3
+    );
 
     // 100 watchers, each must receive every ADDED event.
     create_namespace(&base, "watch").await;
-    let (_, body) = request(&http, "GET", &format!("{base}/api/v1/namespaces/watch/services"), String::new()).await;
+    let (_, body) = request(
+        &http,
+        "GET",
+        &format!("{base}/api/v1/namespaces/watch/services"),
+        String::new(),
+    )
+    .await;
     let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
-    let rv = v["metadata"]["resourceVersion"].as_str().unwrap().to_owned();
+    let rv = v["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     const WATCHERS: usize = 100;
     const EVENTS: usize = 2000;
     let mut watchers = Vec::new();
     for _ in 0..WATCHERS {
-        let url = format!("{base}/api/v1/namespaces/watch/services?watch=true&resourceVersion={rv}");
+        let url =
+            format!("{base}/api/v1/namespaces/watch/services?watch=true&resourceVersion={rv}");
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
         watchers.push((
             tokio::spawn(async move {
                 let http = client();
-                let req = hyper::Request::get(url).body(Full::new(Bytes::new())).unwrap();
+                let req = hyper::Request::get(url)
+                    .body(Full::new(Bytes::new()))
+                    .unwrap();
                 let resp = http.request(req).await.unwrap();
                 let _ = ready_tx.send(());
                 let mut body = resp.into_body();
@@ -217,7 +247,9 @@ async fn main() {
     let delivered = (WATCHERS * EVENTS) as f64 / (last - start).as_secs_f64();
     println!();
     println!("## 100 watchers, {EVENTS} creates (8 clients)");
-    println!("| creates/s while watched | events delivered/s (all watchers) | last watcher done after last write |");
+    println!(
+        "| creates/s while watched | events delivered/s (all watchers) | last watcher done after last write |"
+    );
     println!("| --- | --- | --- |");
     println!(
         "| {rate:.0} | {delivered:.0} | {:.0} ms |",
