@@ -1016,14 +1016,23 @@ fn full_table(
         // A stale map may hold elements that point at chains; flush it before anything.
         tx.push(family, Op::FlushSet(name.clone(), *is_map));
     }
-    for (chain, rule) in &plan.rules {
-        tx.push(family, Op::AddRule(chain.clone(), rule.clone()));
-    }
-    // Refill every shared set and map (affinity sets keep their dynamic content).
+    // Every chain is flushed now, so no rule references a set: on the first sync, shared
+    // sets and maps an older version created are re-created with our definition (type,
+    // flags, comment); later they are only emptied. Either way they are refilled below;
+    // affinity sets keep their dynamic content.
     for s in &plan.add_sets {
-        if !is_affinity_set(&s.name) && existing.sets.contains_key(&s.name) {
+        if is_affinity_set(&s.name) || !existing.sets.contains_key(&s.name) {
+            continue;
+        }
+        if recreate_base {
+            tx.push(family, Op::DeleteSet(s.name.clone(), s.verdict_map));
+            tx.push(family, Op::AddSet(s.clone()));
+        } else {
             tx.push(family, Op::FlushSet(s.name.clone(), s.verdict_map));
         }
+    }
+    for (chain, rule) in &plan.rules {
+        tx.push(family, Op::AddRule(chain.clone(), rule.clone()));
     }
     for (name, is_map) in &stale_sets {
         tx.push(family, Op::DeleteSet(name.clone(), *is_map));

@@ -1,0 +1,349 @@
+//! The nftables applier against the real kernel, in a throwaway network namespace: every
+//! transaction it builds (first sync, partial syncs, take-over, drift repair) must be accepted
+//! by `nft` and leave the kernel holding exactly the rendered ruleset.
+
+use std::collections::BTreeSet;
+
+use nodeport_proxy::config::NodeConfig;
+use nodeport_proxy::desired::{self, DesiredState, NodeView, StateConfig};
+use nodeport_proxy::model::ServiceName;
+use nodeport_proxy::nftables::apply::{Applier, Kernel, NftCommand};
+use nodeport_proxy::nodeaddr::NodeFacts;
+use nodeport_proxy::objects::{self, Cluster};
+use nodeport_testbed::{Netns, require_privileged};
+
+fn nft_in(ns: &Netns) -> NftCommand {
+    NftCommand {
+        program: "ip".into(),
+        args: vec![
+            "netns".into(),
+            "exec".into(),
+            ns.name().into(),
+            "nft".into(),
+        ],
+    }
+}
+
+fn objects(endpoints: &[&str], affinity: bool) -> String {
+    let eps: Vec<String> = endpoints
+        .iter()
+        .map(|ip| format!("- {{addresses: [{ip}], nodeName: node-a}}"))
+        .collect();
+    let affinity = if affinity {
+        "  sessionAffinity: ClientIP\n"
+    } else {
+        ""
+    };
+    format!(
+        r#"
+apiVersion: v1
+kind: Service
+metadata: {{name: web, namespace: default}}
+spec:
+  type: LoadBalancer
+  clusterIP: 10.96.0.10
+  externalTrafficPolicy: Local
+  healthCheckNodePort: 32000
+  loadBalancerSourceRanges: [203.0.113.0/24]
+{affinity}  ports: [{{name: http, port: 80, targetPort: 8080, nodePort: 30080}}, {{name: dns, port: 53, protocol: UDP, nodePort: 30053}}]
+status: {{loadBalancer: {{ingress: [{{ip: 198.51.100.200}}]}}}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: web-1, namespace: default, labels: {{kubernetes.io/service-name: web}}}}
+addressType: IPv4
+ports: [{{name: http, port: 8080}}, {{name: dns, port: 5353, protocol: UDP}}]
+endpoints:
+{}
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: empty, namespace: other}}
+spec: {{type: NodePort, clusterIP: 10.96.0.11, ports: [{{port: 443, nodePort: 30443}}]}}
+---
+apiVersion: networking.k8s.io/v1
+kind: ServiceCIDR
+metadata: {{name: kubernetes}}
+spec: {{cidrs: [10.96.0.0/16]}}
+"#,
+        if eps.is_empty() {
+            "  []".to_string()
+        } else {
+            eps.join("\n")
+        }
+    )
+}
+
+/// Asserts two canonical listings are equal, printing only what differs.
+#[track_caller]
+fn assert_same(got: &[String], want: &[String], what: &str) {
+    let extra: Vec<&String> = got.iter().filter(|x| !want.contains(x)).collect();
+    let missing: Vec<&String> = want.iter().filter(|x| !got.contains(x)).collect();
+    assert!(
+        extra.is_empty() && missing.is_empty(),
+        "{what}: kernel has extra {extra:#?}\nand lacks {missing:#?}"
+    );
+}
+
+struct Setup {
+    cluster: Cluster,
+    facts: NodeFacts,
+    state: StateConfig,
+    config: NodeConfig,
+}
+
+impl Setup {
+    fn new(yaml: &str) -> Self {
+        Setup {
+            cluster: objects::load(yaml).unwrap().cluster,
+            facts: NodeFacts {
+                node_ips: vec![
+                    "192.0.2.10".parse().unwrap(),
+                    "2001:db8::10".parse().unwrap(),
+                ],
+                local_ips: vec![
+                    "192.0.2.10".parse().unwrap(),
+                    "2001:db8::10".parse().unwrap(),
+                ],
+            },
+            state: StateConfig::default(),
+            config: NodeConfig {
+                cluster_cidrs: vec!["10.244.0.0/16".parse().unwrap()],
+                ..Default::default()
+            },
+        }
+    }
+
+    fn desired(&self) -> DesiredState {
+        desired::build(
+            &self.cluster,
+            NodeView::named("node-a"),
+            &self.facts,
+            &self.state,
+        )
+    }
+
+    /// Replaces the slice of `web` and returns the service ports that changed.
+    fn set_endpoints(
+        &mut self,
+        d: &mut DesiredState,
+        endpoints: &[&str],
+        affinity: bool,
+    ) -> BTreeSet<nodeport_proxy::model::ServicePortName> {
+        let fresh = objects::load(&objects(endpoints, affinity))
+            .unwrap()
+            .cluster;
+        let key = ServiceName::new("default", "web-1");
+        self.cluster
+            .update_slice(key.clone(), fresh.slices.get(&key).cloned());
+        let svc = ServiceName::new("default", "web");
+        self.cluster
+            .update_service(svc.clone(), fresh.services.get(&svc).cloned());
+        let changes = self.cluster.take_changes();
+        d.refresh_services(&self.cluster, NodeView::named("node-a"), &changes.services)
+    }
+}
+
+/// The kernel's ruleset as nft reports it, canonical: `nft -j` objects without handles,
+/// element lists sorted, objects sorted (creation order and hash order are not content).
+fn listing(ns: &Netns) -> Vec<String> {
+    fn strip(v: &mut serde_json::Value) {
+        match v {
+            serde_json::Value::Object(map) => {
+                map.remove("handle");
+                for (k, x) in map.iter_mut() {
+                    strip(x);
+                    if k == "elem" {
+                        if let serde_json::Value::Array(items) = x {
+                            items.sort_by_key(|i| i.to_string());
+                        }
+                    }
+                }
+            }
+            serde_json::Value::Array(items) => items.iter_mut().for_each(strip),
+            _ => {}
+        }
+    }
+    let text = ns.run(&["nft", "-j", "list", "ruleset"]).unwrap();
+    let mut json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    strip(&mut json);
+    let mut out: Vec<String> = json["nftables"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|o| o.get("metainfo").is_none())
+        .map(|o| o.to_string())
+        .collect();
+    out.sort();
+    out
+}
+
+/// What `nft` prints for the rendered ruleset loaded into a fresh namespace.
+fn reference_listing(s: &Setup) -> Vec<String> {
+    let fresh = Netns::new("nftref").unwrap();
+    let tx = nodeport_proxy::nftables::ruleset::create_all(&nodeport_proxy::nftables::render(
+        &s.desired(),
+        &s.config,
+    ));
+    nft_in(&fresh).apply(&tx).expect("rendered ruleset loads");
+    listing(&fresh)
+}
+
+#[test]
+fn every_sync_the_applier_builds_is_accepted_by_the_kernel_and_matches_the_render() {
+    if !require_privileged(
+        "every_sync_the_applier_builds_is_accepted_by_the_kernel_and_matches_the_render",
+    ) {
+        return;
+    }
+    let ns = Netns::new("nftapply").unwrap();
+    let mut s = Setup::new(&objects(&["10.244.1.1", "10.244.1.2", "10.244.1.3"], false));
+    let mut d = s.desired();
+    let mut a = Applier::new(nft_in(&ns));
+    let r = a.sync(&d, &s.config, None).expect("first sync");
+    assert!(r.full);
+    assert_same(
+        &listing(&ns),
+        &reference_listing(&s),
+        "after the first sync",
+    );
+
+    // Partial: one endpoint gone, session affinity switched on (new sets), then all gone.
+    for (eps, affinity) in [
+        (vec!["10.244.1.1", "10.244.1.2"], false),
+        (vec!["10.244.1.1", "10.244.1.2"], true),
+        (vec!["10.244.1.2", "10.244.1.9"], true),
+        (vec![], true),
+        (vec!["10.244.1.4"], false),
+    ] {
+        let changed = s.set_endpoints(&mut d, &eps, affinity);
+        let r = a.sync(&d, &s.config, Some(&changed)).unwrap_or_else(|e| {
+            panic!(
+                "partial sync to {eps:?}: {e}: {:?}",
+                std::error::Error::source(&e)
+            )
+        });
+        assert!(!r.full);
+        assert!(!r.cleanup_failed);
+        assert_same(
+            &listing(&ns),
+            &reference_listing(&s),
+            &format!("after partial sync to {eps:?} affinity={affinity}"),
+        );
+    }
+}
+
+#[test]
+fn start_up_takes_over_a_kube_proxy_table_and_repairs_drift_without_recreating_it() {
+    if !require_privileged(
+        "start_up_takes_over_a_kube_proxy_table_and_repairs_drift_without_recreating_it",
+    ) {
+        return;
+    }
+    let ns = Netns::new("nfttakeover").unwrap();
+    // A table as kube-proxy 1.30 left it (reference 003's layout: older base chains, an
+    // inline vmap, a chain for a Service that no longer exists).
+    ns.run_with_stdin(
+        &["nft", "-f", "-"],
+        br#"
+table ip kube-proxy {
+    comment "rules for kube-proxy"
+    set cluster-ips { type ipv4_addr ; elements = { 10.96.0.99 } ; }
+    map service-ips { type ipv4_addr . inet_proto . inet_service : verdict ; }
+    chain firewall-check {
+    }
+    chain cluster-ips-check {
+        ip daddr @cluster-ips reject
+    }
+    chain filter-prerouting {
+        type filter hook prerouting priority dstnat - 10; policy accept;
+        ct state new jump firewall-check
+    }
+    chain filter-output-post-dnat {
+        type filter hook output priority -90; policy accept;
+        ct state new jump cluster-ips-check
+    }
+    chain mark-for-masquerade {
+        meta mark set meta mark | 0x00004000
+    }
+    chain endpoint-AAAAAAAA-old/gone/tcp/__10.244.9.9/80 {
+        ip saddr 10.244.9.9 jump mark-for-masquerade
+        meta l4proto tcp dnat to 10.244.9.9:80
+    }
+    chain service-AAAAAAAA-old/gone/tcp/ {
+        numgen random mod 1 vmap { 0 : goto endpoint-AAAAAAAA-old/gone/tcp/__10.244.9.9/80 }
+    }
+}
+"#,
+    )
+    .unwrap();
+    ns.run_with_stdin(&["nft", "-f", "-"], b"add element ip kube-proxy service-ips { 10.96.0.99 . tcp . 80 : goto service-AAAAAAAA-old/gone/tcp/ }\n").unwrap();
+    let table_handle = |ns: &Netns| -> serde_json::Value {
+        let text = ns.run(&["nft", "-j", "list", "tables", "ip"]).unwrap();
+        let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+        json["nftables"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find_map(|o| o.get("table").map(|t| t["handle"].clone()))
+            .unwrap()
+    };
+    let handle_before = table_handle(&ns);
+
+    let s = Setup::new(&objects(&["10.244.1.1"], false));
+    let d = s.desired();
+    let mut a = Applier::new(nft_in(&ns));
+    let r = a
+        .sync(&d, &s.config, Some(&BTreeSet::new()))
+        .expect("take-over sync");
+    assert!(r.full);
+    assert_eq!(
+        r.deleted_chains, 4,
+        "old service/endpoint chains and old base chains"
+    );
+    assert_same(&listing(&ns), &reference_listing(&s), "after take-over");
+    assert_eq!(
+        table_handle(&ns),
+        handle_before,
+        "the table was never deleted"
+    );
+
+    // Someone deletes a rule by hand; the next full resync puts it back.
+    ns.run(&["nft", "flush", "chain", "ip", "kube-proxy", "services"])
+        .unwrap();
+    assert_ne!(listing(&ns), reference_listing(&s));
+    a.request_full_sync();
+    a.sync(&d, &s.config, Some(&BTreeSet::new())).unwrap();
+    assert_same(&listing(&ns), &reference_listing(&s), "after the repair");
+}
+
+#[test]
+fn a_transaction_the_kernel_refuses_changes_nothing() {
+    if !require_privileged("a_transaction_the_kernel_refuses_changes_nothing") {
+        return;
+    }
+    let ns = Netns::new("nftrefuse").unwrap();
+    let s = Setup::new(&objects(&["10.244.1.1"], false));
+    let mut a = Applier::new(nft_in(&ns));
+    a.sync(&s.desired(), &s.config, None).unwrap();
+    let before = listing(&ns);
+    let mut tx = nodeport_proxy::nftables::ruleset::Transaction::default();
+    tx.push(
+        nodeport_proxy::model::IpFamily::V4,
+        nodeport_proxy::nftables::ruleset::Op::FlushChain("services".into()),
+    );
+    tx.push(
+        nodeport_proxy::model::IpFamily::V4,
+        nodeport_proxy::nftables::ruleset::Op::DeleteChain("no-such-chain".into()),
+    );
+    let err = nft_in(&ns).apply(&tx).unwrap_err();
+    assert!(
+        err.to_string().contains("No such file or directory"),
+        "{err}"
+    );
+    assert_eq!(
+        listing(&ns),
+        before,
+        "the flush in the failed transaction did not happen"
+    );
+}
