@@ -153,10 +153,10 @@ fn listing(ns: &Netns) -> Vec<String> {
                 map.remove("handle");
                 for (k, x) in map.iter_mut() {
                     strip(x);
-                    if k == "elem" {
-                        if let serde_json::Value::Array(items) = x {
-                            items.sort_by_key(|i| i.to_string());
-                        }
+                    if k == "elem"
+                        && let serde_json::Value::Array(items) = x
+                    {
+                        items.sort_by_key(|i| i.to_string());
                     }
                 }
             }
