@@ -89,6 +89,8 @@ const REACH_TIMEOUT: Duration = Duration::from_secs(45);
 const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long processes get to exit on SIGTERM at teardown before SIGKILL.
 const STOP_GRACE: Duration = Duration::from_secs(2);
+/// The title of the page the pods serve, as nginx's default site has it.
+const WELCOME: &str = "Welcome to nginx!";
 /// The steps, for the `[n/N]` progress prefix.
 const STEPS: usize = 9;
 
@@ -103,7 +105,7 @@ pub fn run(config: &Config, interrupt: &Interrupt) -> anyhow::Result<Verdict> {
     let verdict = lab.build_and_check(interrupt)?;
     println!("{verdict}");
     if config.keep {
-        lab.keep()?;
+        lab.keep(verdict.node_port)?;
     } else {
         println!("removing lab {} ...", lab.plan.id);
     }
@@ -495,7 +497,11 @@ impl Lab {
             let reach = loop {
                 interrupt.check()?;
                 match probe::http_get(client, None, to, "/", ATTEMPT_TIMEOUT) {
-                    Ok(answer) if answer.status == 200 && !answer.pod.is_empty() => {
+                    Ok(answer)
+                        if answer.status == 200
+                            && !answer.pod.is_empty()
+                            && answer.body.contains(WELCOME) =>
+                    {
                         break Reach::Answered {
                             pod: answer.pod,
                             seen_client: answer.client,
@@ -503,7 +509,10 @@ impl Lab {
                     }
                     Ok(answer) if Instant::now() >= deadline => {
                         break Reach::Failed {
-                            why: format!("answered HTTP {} without a pod name", answer.status),
+                            why: format!(
+                                "answered HTTP {} without a pod's welcome page (pod {:?})",
+                                answer.status, answer.pod
+                            ),
                         };
                     }
                     Err(err) if Instant::now() >= deadline => {
@@ -529,8 +538,8 @@ impl Lab {
                         .map(|p| format!(" ({} on {})", p.ip, self.plan.nodes[p.node].name))
                         .unwrap_or_default();
                     println!(
-                        "  {} {to} -> \"Welcome to nginx!\" from pod {pod}{at}, which saw the \
-                         client as {seen_client}",
+                        "  {} {to} -> \"{WELCOME}\" from pod {pod}{at}, which saw the client \
+                         as {seen_client}",
                         node.name
                     );
                 }
@@ -616,7 +625,7 @@ impl Lab {
 
     /// Leaves the lab running: namespaces and processes outlive this process; writes the
     /// helper scripts and prints how to use and remove the lab.
-    fn keep(&mut self) -> anyhow::Result<()> {
+    fn keep(&mut self, node_port: u16) -> anyhow::Result<()> {
         self.kept = true;
         let mut namespaces: Vec<String> = std::mem::take(&mut self.pods)
             .into_iter()
@@ -668,25 +677,26 @@ impl Lab {
         let id = &self.plan.id;
         println!("\nlab {id} is left running (--keep). As root:");
         println!("  enter a node, a pod or the client:");
-        for node in &self.plan.nodes {
-            println!(
-                "    ip netns exec {} bash        # {} {}",
-                self.plan.netns(&node.name),
-                node.name,
-                node.ip
-            );
+        let mut entries: Vec<(String, String)> = self
+            .plan
+            .nodes
+            .iter()
+            .map(|n| {
+                (
+                    self.plan.netns(&n.name),
+                    format!("node {} {}", n.name, n.ip),
+                )
+            })
+            .collect();
+        entries.extend(self.plan.pods.iter().map(|p| {
+            let node = &self.plan.nodes[p.node].name;
+            (self.plan.netns(&p.name), format!("pod {} on {node}", p.ip))
+        }));
+        entries.push((self.plan.netns("client"), format!("client {CLIENT_IP}")));
+        let width = entries.iter().map(|(ns, _)| ns.len()).max().unwrap_or(0);
+        for (ns, what) in entries {
+            println!("    ip netns exec {ns:width$} bash    # {what}");
         }
-        for pod in &self.plan.pods {
-            println!(
-                "    ip netns exec {} bash        # pod {}",
-                self.plan.netns(&pod.name),
-                pod.ip
-            );
-        }
-        println!(
-            "    ip netns exec {} bash        # client {CLIENT_IP}",
-            self.plan.netns("client")
-        );
         println!(
             "  kubectl (the API server listens on 127.0.0.1:{API_PORT} in the control plane):"
         );
@@ -696,20 +706,10 @@ impl Lab {
             self.dir.join("kubeconfig").display()
         );
         println!("  curl a NodePort from the client:");
-        let port = self
-            .kubectl(&[
-                "get",
-                "svc",
-                plan::APP,
-                "-o",
-                "jsonpath={.spec.ports[0].nodePort}",
-            ])
-            .unwrap_or_default();
         println!(
-            "    ip netns exec {} curl -s {}:{}",
+            "    ip netns exec {} curl -s {}:{node_port}",
             self.plan.netns("client"),
             self.plan.nodes[1].ip,
-            port.trim()
         );
         println!(
             "  logs: {}/   processes: {}",
