@@ -98,6 +98,8 @@ struct Inputs {
     services_synced: bool,
     slices_synced: bool,
     node_synced: bool,
+    /// The first interface address dump is done (NodePort addresses depend on it).
+    addrs_synced: bool,
     /// When the pending endpoint changes were triggered (network programming latency).
     trigger_times: Vec<SystemTime>,
 }
@@ -573,7 +575,13 @@ pub async fn run_with_kernel(
             match crate::addrs::local_addresses().await {
                 Ok(ips) => {
                     let mut i = s.inputs.lock().expect("inputs");
-                    if i.local_ips != ips {
+                    if !i.addrs_synced {
+                        i.addrs_synced = true;
+                        i.local_ips = ips;
+                        i.node_changed = true;
+                        drop(i);
+                        s.request_sync();
+                    } else if i.local_ips != ips {
                         tracing::info!(addresses = ?ips, "node addresses changed");
                         i.local_ips = ips;
                         i.node_changed = true;
@@ -622,7 +630,9 @@ async fn sync_loop(shared: Arc<Shared>, engine: Arc<Mutex<Engine>>, config: Prox
         }
         {
             let i = shared.inputs.lock().expect("inputs");
-            if !(i.services_synced && i.slices_synced && i.node_synced) {
+            // Nothing reaches the kernel before every input is known: a first sync with a
+            // partial view would remove rules a restarted proxy should keep.
+            if !(i.services_synced && i.slices_synced && i.node_synced && i.addrs_synced) {
                 continue;
             }
         }

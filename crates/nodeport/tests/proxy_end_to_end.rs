@@ -1,0 +1,336 @@
+//! `nodeport proxy` end to end on a real kernel: our API server, kubectl, kube-rs watchers,
+//! nftables in a node namespace, pods in their own namespaces, a client outside.
+//! Each test builds its own namespaces (see `proxy_support`) and fails loudly without root.
+
+mod proxy_support;
+
+use std::collections::BTreeSet;
+use std::net::UdpSocket;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use nodeport_testbed::require_tools;
+use proxy_support::*;
+
+fn privileged(test: &str) -> bool {
+    require_tools(test, &["nft", "kubectl", "curl"])
+}
+
+const T: Duration = Duration::from_secs(2);
+
+#[test]
+fn nodeport_reaches_all_three_pods_and_is_refused_once_endpoints_are_gone() {
+    if !privileged("nodeport_reaches_all_three_pods_and_is_refused_once_endpoints_are_gone") {
+        return;
+    }
+    let c = Cluster::start(&[]);
+    c.apply(&service_yaml("web", 30080, "", &[1, 2, 3]))
+        .unwrap();
+    let to = format!("{NODE_IP}:30080");
+    eventually(&c.client, &to, "the NodePort answers", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+    let mut seen = BTreeSet::new();
+    for _ in 0..60 {
+        match get(&c.client, &to, T) {
+            Reply::Pod { pod, client } => {
+                // eTP=Cluster: masqueraded to the node's address towards the pod.
+                assert!(client.starts_with("10.244."), "client seen as {client}");
+                seen.insert(pod);
+            }
+            other => panic!("request failed: {other:?}"),
+        }
+        if seen.len() == 3 {
+            break;
+        }
+    }
+    assert_eq!(
+        seen,
+        BTreeSet::from(["pod1".into(), "pod2".into(), "pod3".into()])
+    );
+
+    // Health and metrics answer with kube-proxy's names.
+    let (code, body) = c.node_http("127.0.0.1:10256", "/healthz").unwrap();
+    assert_eq!(code, 200, "{body}");
+    assert!(body.contains("\"nodeEligible\":true"), "{body}");
+    let (_, metrics) = c.node_http("127.0.0.1:10249", "/metrics").unwrap();
+    assert!(
+        metrics.contains("kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family=\"IPv4\"}"),
+        "{metrics}"
+    );
+
+    c.apply(&service_yaml("web", 30080, "", &[])).unwrap();
+    eventually(&c.client, &to, "a Service without endpoints refuses", |r| {
+        *r == Reply::Refused
+    });
+}
+
+#[test]
+fn etp_local_drops_without_a_local_endpoint_and_keeps_the_client_ip_with_one() {
+    if !privileged("etp_local_drops_without_a_local_endpoint_and_keeps_the_client_ip_with_one") {
+        return;
+    }
+    let c = Cluster::start(&[]);
+    let local = "  externalTrafficPolicy: Local";
+    c.apply(&service_yaml("web", 30081, local, &[2])).unwrap();
+    let to = format!("{NODE_IP}:30081");
+    eventually(&c.client, &to, "no local endpoint: dropped", |r| {
+        *r == Reply::Timeout
+    });
+    c.apply(&service_yaml("web", 30081, local, &[1, 2]))
+        .unwrap();
+    let reply = eventually(&c.client, &to, "the local pod answers", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+    for _ in 0..10 {
+        match get(&c.client, &to, T) {
+            Reply::Pod { pod, .. } => {
+                assert_eq!(pod, "pod1", "only the local pod, never the remote one")
+            }
+            other => panic!("request failed: {other:?}"),
+        }
+    }
+    let Reply::Pod { pod, client } = reply else {
+        unreachable!()
+    };
+    assert_eq!(pod, "pod1");
+    assert!(
+        client.starts_with(&format!("{CLIENT_IP}:")),
+        "client IP preserved, saw {client}"
+    );
+}
+
+#[test]
+fn itp_local_clusterip_reaches_only_the_local_pod() {
+    if !privileged("itp_local_clusterip_reaches_only_the_local_pod") {
+        return;
+    }
+    let c = Cluster::start(&[]);
+    c.apply(&service_yaml(
+        "web",
+        30082,
+        "  internalTrafficPolicy: Local",
+        &[1, 2, 3],
+    ))
+    .unwrap();
+    let to = format!("{}:80", c.cluster_ip("web"));
+    let from = &c.pods[2];
+    eventually(from, &to, "the ClusterIP answers", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+    for _ in 0..15 {
+        match get(from, &to, T) {
+            Reply::Pod { pod, .. } => assert_eq!(pod, "pod1"),
+            other => panic!("request failed: {other:?}"),
+        }
+    }
+    // External traffic is unaffected by the internal policy.
+    let mut seen = BTreeSet::new();
+    for _ in 0..40 {
+        if let Reply::Pod { pod, .. } = get(&c.client, &format!("{NODE_IP}:30082"), T) {
+            seen.insert(pod);
+        }
+    }
+    assert!(seen.len() > 1, "{seen:?}");
+}
+
+#[test]
+fn session_affinity_sends_a_client_to_one_pod() {
+    if !privileged("session_affinity_sends_a_client_to_one_pod") {
+        return;
+    }
+    let c = Cluster::start(&[]);
+    c.apply(&service_yaml(
+        "web",
+        30083,
+        "  sessionAffinity: ClientIP",
+        &[1, 2, 3],
+    ))
+    .unwrap();
+    let to = format!("{NODE_IP}:30083");
+    let first = eventually(&c.client, &to, "the NodePort answers", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+    let Reply::Pod { pod: first, .. } = first else {
+        unreachable!()
+    };
+    for _ in 0..15 {
+        match get(&c.client, &to, T) {
+            Reply::Pod { pod, .. } => assert_eq!(pod, first, "affinity broken"),
+            other => panic!("request failed: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn nodeport_addresses_limit_which_node_ip_answers() {
+    if !privileged("nodeport_addresses_limit_which_node_ip_answers") {
+        return;
+    }
+    let c = Cluster::start(&["--nodeport-addresses", "198.51.100.0/24"]);
+    c.apply(&service_yaml("web", 30084, "", &[1])).unwrap();
+    eventually(
+        &c.client,
+        &format!("{NODE_IP2}:30084"),
+        "the selected address answers",
+        |r| matches!(r, Reply::Pod { .. }),
+    );
+    // The other address has nothing listening on the port: refused by the node itself.
+    assert_eq!(
+        get(&c.client, &format!("{NODE_IP}:30084"), T),
+        Reply::Refused
+    );
+}
+
+#[test]
+fn load_balancer_source_ranges_admit_only_listed_clients() {
+    if !privileged("load_balancer_source_ranges_admit_only_listed_clients") {
+        return;
+    }
+    let c = Cluster::start(&[]);
+    let yaml = service_yaml(
+        "lb",
+        30085,
+        &format!("  loadBalancerSourceRanges: [{CLIENT_IP}/32]"),
+        &[1, 2, 3],
+    )
+    .replace("type: NodePort", "type: LoadBalancer");
+    c.apply(&yaml).unwrap();
+    c.kubectl(&[
+        "patch",
+        "svc",
+        "lb",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        r#"{"status":{"loadBalancer":{"ingress":[{"ip":"192.0.2.200"}]}}}"#,
+    ])
+    .unwrap();
+    eventually(
+        &c.client,
+        "192.0.2.200:80",
+        "a listed client reaches the VIP",
+        |r| matches!(r, Reply::Pod { .. }),
+    );
+    assert_eq!(
+        get(&c.client2, "192.0.2.200:80", T),
+        Reply::Timeout,
+        "an unlisted client is dropped"
+    );
+    // NodePorts are not subject to source ranges.
+    assert!(matches!(
+        get(&c.client2, &format!("{NODE_IP}:30085"), T),
+        Reply::Pod { .. }
+    ));
+}
+
+/// One UDP query from a fixed source port (the same conntrack entry every time).
+fn udp_from_fixed_port(c: &Cluster, to: &str) -> Option<String> {
+    let to: std::net::SocketAddr = to.parse().unwrap();
+    c.client
+        .enter(|| {
+            let s = UdpSocket::bind(format!("{CLIENT_IP}:40053")).unwrap();
+            s.set_read_timeout(Some(Duration::from_millis(700)))
+                .unwrap();
+            s.send_to(b"q", to).unwrap();
+            let mut buf = [0u8; 512];
+            s.recv_from(&mut buf)
+                .ok()
+                .map(|(n, _)| String::from_utf8_lossy(&buf[..n]).into_owned())
+        })
+        .unwrap()
+}
+
+#[test]
+fn udp_conntrack_entries_to_a_removed_endpoint_are_cleaned() {
+    if !privileged("udp_conntrack_entries_to_a_removed_endpoint_are_cleaned") {
+        return;
+    }
+    let c = Cluster::start(&[]);
+    c.apply(&service_yaml("dns", 30086, "", &[1])).unwrap();
+    let to = format!("{NODE_IP}:30186");
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        if let Some(a) = udp_from_fixed_port(&c, &to) {
+            assert!(a.starts_with("pod1 "), "{a}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "UDP NodePort never answered"
+        );
+    }
+    // pod1 keeps running; only its endpoint goes. Without the clean-up the existing flow
+    // would still be DNATed to pod1 and answered by it.
+    c.apply(&service_yaml("dns", 30086, "", &[2])).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let a = udp_from_fixed_port(&c, &to);
+        if a.as_deref().is_some_and(|a| a.starts_with("pod2 ")) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the flow stayed on the old endpoint: {a:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn proxy_killed_and_restarted_during_a_stream_of_requests_fails_none() {
+    if !privileged("proxy_killed_and_restarted_during_a_stream_of_requests_fails_none") {
+        return;
+    }
+    let mut c = Cluster::start(&[]);
+    c.apply(&service_yaml("web", 30087, "", &[1, 2, 3]))
+        .unwrap();
+    let to = format!("{NODE_IP}:30087");
+    eventually(&c.client, &to, "the NodePort answers", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ok, failed) = (
+        Arc::new(AtomicUsize::new(0)),
+        Arc::new(Mutex::new(Vec::new())),
+    );
+    let client_name = c.client.name().to_string();
+    let stream = {
+        let (stop, ok, failed, to) = (stop.clone(), ok.clone(), failed.clone(), to.clone());
+        std::thread::spawn(move || {
+            let client = nodeport_testbed::Netns::adopt(&client_name);
+            while !stop.load(Ordering::Relaxed) {
+                match get(&client, &to, T) {
+                    Reply::Pod { .. } => ok.fetch_add(1, Ordering::Relaxed),
+                    other => {
+                        failed.lock().unwrap().push(other);
+                        0
+                    }
+                };
+            }
+            // Not ours to delete: the cluster's guard owns the namespace.
+            let _ = client.persist();
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    c.proxy.as_mut().unwrap().kill();
+    std::thread::sleep(Duration::from_millis(500));
+    c.start_proxy();
+    std::thread::sleep(Duration::from_millis(1500));
+    stop.store(true, Ordering::Relaxed);
+    stream.join().unwrap();
+    let failed = failed.lock().unwrap();
+    assert!(
+        failed.is_empty(),
+        "{} failed requests: {failed:?}",
+        failed.len()
+    );
+    assert!(
+        ok.load(Ordering::Relaxed) > 20,
+        "too few requests to mean anything"
+    );
+}
+
+use std::sync::Mutex;

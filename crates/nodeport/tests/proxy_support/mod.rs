@@ -1,0 +1,291 @@
+//! Shared topology of the `proxy_*` end-to-end tests: a client and a second client on a LAN
+//! with the node, a second LAN reaching the node's second address, three pod namespaces
+//! routed through the node, our API server and `nodeport proxy` running inside the node's
+//! namespace, objects created with the real kubectl.
+//!
+//! ```text
+//!  client 192.0.2.100 ─┐ lan1                      ┌─ pod1 10.244.1.2 (nodeName node-a)
+//!  client2 192.0.2.101 ┼──── eth0 192.0.2.10  node ─┼─ pod2 10.244.2.2 (nodeName node-b)
+//!  client 198.51.100.100 ─── eth1 198.51.100.10     └─ pod3 10.244.3.2 (nodeName node-c)
+//!                      lan2      apiserver 127.0.0.1:6443, proxy (healthz 127.0.0.1:10256)
+//! ```
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use nodeport_testbed::server::{Server, ServerConfig};
+use nodeport_testbed::{ChildGuard, Lan, Netns, veth};
+
+/// The node's address on lan1 (its Node object's InternalIP).
+pub const NODE_IP: &str = "192.0.2.10";
+/// The node's address on lan2.
+pub const NODE_IP2: &str = "198.51.100.10";
+/// The client's address on lan1.
+pub const CLIENT_IP: &str = "192.0.2.100";
+/// The second client's address.
+pub const CLIENT2_IP: &str = "192.0.2.101";
+const API: &str = "http://127.0.0.1:6443";
+
+/// One node with everything around it; all namespaces and processes go away on drop.
+pub struct Cluster {
+    pub client: Netns,
+    pub client2: Netns,
+    pub node: Netns,
+    pub pods: Vec<Netns>,
+    servers: Vec<Server>,
+    apiserver: Option<ChildGuard>,
+    pub proxy: Option<ChildGuard>,
+    proxy_args: Vec<String>,
+    _lans: (Lan, Lan),
+    _data: tempfile::TempDir,
+}
+
+fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("timed out after {timeout:?} waiting until {what}");
+}
+
+impl Cluster {
+    /// Builds the topology, starts the API server, registers Node `node-a` and starts the
+    /// proxy with `proxy_args` added to the defaults.
+    pub fn start(proxy_args: &[&str]) -> Cluster {
+        let lan1 = Lan::new("lan1").unwrap();
+        let lan2 = Lan::new("lan2").unwrap();
+        let node = Netns::new("node").unwrap();
+        let client = Netns::new("client").unwrap();
+        let client2 = Netns::new("client2").unwrap();
+        lan1.attach(&node, "eth0", &format!("{NODE_IP}/24"))
+            .unwrap();
+        lan2.attach(&node, "eth1", &format!("{NODE_IP2}/24"))
+            .unwrap();
+        lan1.attach(&client, "eth0", &format!("{CLIENT_IP}/24"))
+            .unwrap();
+        lan2.attach(&client, "eth1", "198.51.100.100/24").unwrap();
+        lan1.attach(&client2, "eth0", &format!("{CLIENT2_IP}/24"))
+            .unwrap();
+        node.sysctl("net.ipv4.ip_forward", "1").unwrap();
+        for c in [&client, &client2] {
+            // The load-balancer VIP of the source-range test is routed to the node.
+            c.run(&["ip", "route", "add", "192.0.2.200/32", "via", NODE_IP])
+                .unwrap();
+        }
+        let mut pods = Vec::new();
+        let mut servers = Vec::new();
+        for i in 1..=3 {
+            let pod = Netns::new(&format!("pod{i}")).unwrap();
+            veth(&node, &format!("vpod{i}"), &pod, "eth0").unwrap();
+            node.add_addr(&format!("vpod{i}"), &format!("10.244.{i}.1/24"))
+                .unwrap();
+            pod.add_addr("eth0", &format!("10.244.{i}.2/24")).unwrap();
+            pod.run(&[
+                "ip",
+                "route",
+                "add",
+                "default",
+                "via",
+                &format!("10.244.{i}.1"),
+            ])
+            .unwrap();
+            servers.push(
+                Server::start_in(
+                    &pod,
+                    ServerConfig::http(&format!("pod{i}"), 8080).with_udp(5353),
+                )
+                .unwrap(),
+            );
+            pods.push(pod);
+        }
+        let data = tempfile::tempdir().unwrap();
+        let apiserver = node
+            .spawn(
+                node.command(env!("CARGO_BIN_EXE_nodeport"))
+                    .args(["apiserver", "--port", "6443", "--data-dir"])
+                    .arg(data.path().join("store"))
+                    .env("NODEPORT_LOG", "warn"),
+            )
+            .unwrap();
+        let mut cluster = Cluster {
+            client,
+            client2,
+            node,
+            pods,
+            servers,
+            apiserver: Some(apiserver),
+            proxy: None,
+            proxy_args: proxy_args.iter().map(|s| s.to_string()).collect(),
+            _lans: (lan1, lan2),
+            _data: data,
+        };
+        wait_until("the API server is ready", Duration::from_secs(20), || {
+            cluster.kubectl(&["get", "--raw", "/readyz"]).is_ok()
+        });
+        cluster
+            .apply(&format!(
+                "apiVersion: v1\nkind: Node\nmetadata: {{name: node-a}}\nstatus: {{addresses: [{{type: InternalIP, address: {NODE_IP}}}]}}\n"
+            ))
+            .unwrap();
+        cluster.start_proxy();
+        cluster
+    }
+
+    /// Starts (or restarts) the proxy and waits until it reports healthy.
+    pub fn start_proxy(&mut self) {
+        let mut cmd = self.node.command(env!("CARGO_BIN_EXE_nodeport"));
+        cmd.args([
+            "proxy",
+            "--master",
+            API,
+            "--hostname-override",
+            "node-a",
+            "--cluster-cidr",
+            "10.244.0.0/16",
+            "--healthz-bind-address",
+            "127.0.0.1:10256",
+            "--metrics-bind-address",
+            "127.0.0.1:10249",
+        ])
+        .args(&self.proxy_args)
+        .env("NODEPORT_LOG", "warn");
+        self.proxy = Some(self.node.spawn(&mut cmd).unwrap());
+        wait_until("the proxy is healthy", Duration::from_secs(20), || {
+            self.node_http("127.0.0.1:10256", "/healthz")
+                .is_some_and(|(code, _)| code == 200)
+        });
+    }
+
+    /// kubectl against our API server, from inside the node namespace.
+    pub fn kubectl(&self, args: &[&str]) -> Result<String, String> {
+        let mut full = vec!["kubectl", "--server", API];
+        full.extend_from_slice(args);
+        self.node.run(&full).map_err(|e| e.to_string())
+    }
+
+    /// `kubectl apply -f -`.
+    pub fn apply(&self, yaml: &str) -> Result<String, String> {
+        self.node
+            .run_with_stdin(
+                &["kubectl", "--server", API, "apply", "-f", "-"],
+                yaml.as_bytes(),
+            )
+            .map_err(|e| e.to_string())
+    }
+
+    /// An HTTP GET inside the node namespace (health, metrics); (status, body).
+    pub fn node_http(&self, addr: &str, path: &str) -> Option<(u16, String)> {
+        let out = self
+            .node
+            .run(&[
+                "curl",
+                "-s",
+                "-m",
+                "2",
+                "-o",
+                "-",
+                "-w",
+                "\n%{http_code}",
+                &format!("http://{addr}{path}"),
+            ])
+            .ok()?;
+        let (body, code) = out.rsplit_once('\n')?;
+        Some((code.trim().parse().ok()?, body.to_string()))
+    }
+
+    /// The ClusterIP of a Service.
+    pub fn cluster_ip(&self, name: &str) -> String {
+        self.kubectl(&["get", "svc", name, "-o", "jsonpath={.spec.clusterIP}"])
+            .unwrap()
+    }
+}
+
+/// What a request from a client namespace came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    /// Answered by this pod, which saw this client address.
+    Pod { pod: String, client: String },
+    /// Connection refused (a reject, or nothing listening).
+    Refused,
+    /// No answer in time (a drop).
+    Timeout,
+    /// Anything else.
+    Other(String),
+}
+
+/// `GET /` from `ns` to `to`, classified.
+pub fn get(ns: &Netns, to: &str, timeout: Duration) -> Reply {
+    let to: SocketAddr = to.parse().unwrap();
+    match nodeport_testbed::probe::http_get(ns, None, to, "/", timeout) {
+        Ok(a) => Reply::Pod {
+            pod: a.pod,
+            client: a.client,
+        },
+        Err(nodeport_testbed::Error::Io { source, what }) => match source.kind() {
+            std::io::ErrorKind::ConnectionRefused => Reply::Refused,
+            std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => Reply::Timeout,
+            _ => Reply::Other(format!("{what}: {source}")),
+        },
+        Err(e) => Reply::Other(e.to_string()),
+    }
+}
+
+/// Polls `get` until `want` holds (the proxy syncs at most once a second).
+pub fn eventually(ns: &Netns, to: &str, what: &str, mut want: impl FnMut(&Reply) -> bool) -> Reply {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut last = Reply::Other("never tried".into());
+    while Instant::now() < deadline {
+        last = get(ns, to, Duration::from_millis(700));
+        if want(&last) {
+            return last;
+        }
+        std::thread::sleep(Duration::from_millis(150));
+    }
+    panic!("{what}: last reply {last:?}");
+}
+
+/// A NodePort Service plus its EndpointSlice; `endpoints` are pod numbers (1-3) with their
+/// node names (pod1 on node-a, this node; pod2 on node-b; pod3 on node-c).
+pub fn service_yaml(name: &str, node_port: u16, spec_extra: &str, endpoints: &[u8]) -> String {
+    let eps: Vec<String> = endpoints
+        .iter()
+        .map(|i| {
+            let node = ["node-a", "node-b", "node-c"][usize::from(*i) - 1];
+            format!("- {{addresses: [10.244.{i}.2], nodeName: {node}}}")
+        })
+        .collect();
+    let eps = if eps.is_empty() {
+        "  []".to_string()
+    } else {
+        eps.join("\n")
+    };
+    // The UDP port's NodePort is the TCP one + 100 (kube-apiserver allows one number for
+    // both protocols; ours does not yet, which does not matter here).
+    let udp_node_port = node_port + 100;
+    format!(
+        r#"apiVersion: v1
+kind: Service
+metadata: {{name: {name}, namespace: default}}
+spec:
+  type: NodePort
+  selector: {{app: {name}}}
+  ports:
+  - {{name: http, port: 80, targetPort: 8080, nodePort: {node_port}}}
+  - {{name: dns, port: 53, targetPort: 5353, protocol: UDP, nodePort: {udp_node_port}}}
+{spec_extra}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: {name}-1, namespace: default, labels: {{kubernetes.io/service-name: {name}}}}}
+addressType: IPv4
+ports: [{{name: http, port: 8080}}, {{name: dns, port: 5353, protocol: UDP}}]
+endpoints:
+{eps}
+"#
+    )
+}
