@@ -1,26 +1,25 @@
-//! `nodeport up`: a single-node cluster's networking in one command. The API server on the
-//! embedded store, this host registered as a Node (as its kubelet would), and a proxy for this
-//! host, so that `kubectl --server http://127.0.0.1:6443 create -f svc.yaml` is all it takes
-//! before traffic to a NodePort flows.
+//! `nodeport up`: a single-node cluster's networking in one process. The API server on the
+//! embedded store, this host registered as a Node (as its kubelet would), and the proxy for this
+//! host, all three as library calls on one tokio runtime, so that
+//! `kubectl --server http://127.0.0.1:6443 create -f svc.yaml` is all it takes before traffic to
+//! a NodePort flows.
 //!
 //! Logs go to stderr. SIGTERM or SIGINT stops the proxy, then the API server, and leaves the
 //! rules in the kernel, as a kube-proxy restart expects: the next start takes them over.
 
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::Duration;
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use k8s_openapi::api::core::v1::{Node, NodeAddress, NodeSpec, NodeStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use nodeport_apiserver::{Config as ApiConfig, PortRange, ipnet::IpNet};
+use nodeport_proxy::agent::{self, ProxyConfig};
+use nodeport_proxy::config::NodeConfig;
+use nodeport_proxy::nodeaddr::NodePortAddresses;
 
 use super::UsageError;
 use crate::lab::ProxyMode;
-
-/// How long the proxy gets to exit after SIGTERM before it is killed.
-const PROXY_STOP_GRACE: Duration = Duration::from_secs(10);
 
 /// Flags of `nodeport up`: the API server's and the proxy's, named as theirs are.
 #[derive(Debug, clap::Args)]
@@ -51,21 +50,22 @@ pub struct Args {
     /// non-loopback IPv4 address].
     #[arg(long)]
     node_ip: Option<IpAddr>,
-    /// Which node IPs accept NodePorts: CIDRs or `primary` (passed to the proxy).
-    #[arg(long)]
-    nodeport_addresses: Option<String>,
-    /// The pod network, for the proxy's local-traffic detection (passed to the proxy).
-    #[arg(long)]
-    cluster_cidr: Option<String>,
-    /// Masquerade all traffic to ClusterIPs (passed to the proxy).
+    /// Which node IPs accept NodePorts: `primary` (this node's registered IP) or a
+    /// comma-separated list of CIDRs.
+    #[arg(long, default_value = "primary")]
+    nodeport_addresses: String,
+    /// Pod CIDRs (comma-separated): traffic to ClusterIPs from outside them is masqueraded.
+    #[arg(long, value_delimiter = ',')]
+    cluster_cidr: Vec<IpNet>,
+    /// Masquerade all traffic sent to ClusterIPs.
     #[arg(long)]
     masquerade_all: bool,
-    /// The proxy's health endpoint.
+    /// The proxy's health endpoint (`/healthz`, `/livez`).
     #[arg(long, default_value = "0.0.0.0:10256")]
-    healthz_bind_address: String,
+    healthz_bind_address: SocketAddr,
     /// The proxy's metrics endpoint.
     #[arg(long, default_value = "127.0.0.1:10249")]
-    metrics_bind_address: String,
+    metrics_bind_address: SocketAddr,
 }
 
 fn usage(message: impl Into<String>) -> anyhow::Error {
@@ -97,6 +97,31 @@ fn api_config(args: &Args) -> anyhow::Result<ApiConfig> {
     Ok(config)
 }
 
+fn proxy_config(args: &Args, node_name: &str) -> anyhow::Result<ProxyConfig> {
+    if args.proxy_mode != ProxyMode::Nftables {
+        return Err(usage(format!(
+            "--proxy-mode {}: not built yet; use nftables",
+            args.proxy_mode.as_str()
+        )));
+    }
+    let nodeport_addresses: NodePortAddresses = args
+        .nodeport_addresses
+        .parse()
+        .map_err(|e| usage(format!("{e}")))?;
+    Ok(ProxyConfig {
+        node_name: node_name.to_owned(),
+        node: NodeConfig {
+            masquerade_all: args.masquerade_all,
+            cluster_cidrs: args.cluster_cidr.iter().map(IpNet::trunc).collect(),
+            ..NodeConfig::default()
+        },
+        nodeport_addresses,
+        healthz_bind_address: Some(args.healthz_bind_address),
+        metrics_bind_address: Some(args.metrics_bind_address),
+        ..ProxyConfig::default()
+    })
+}
+
 /// Runs `nodeport up` until SIGTERM or SIGINT.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let config = api_config(&args)?;
@@ -113,6 +138,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             usage("cannot find this node's IP (no non-loopback IPv4 address); pass --node-ip")
         })?,
     };
+    let proxy_config = proxy_config(&args, &node_name)?;
     let runtime = tokio::runtime::Runtime::new().context("start the async runtime")?;
     runtime.block_on(async move {
         let listener = nodeport_apiserver::bind(&config).await?;
@@ -128,18 +154,33 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             let _ = stop_rx.await;
         }));
 
-        register_node(&server_url, &node_name, node_ip).await?;
-        let mut proxy = start_proxy(&args, &server_url, &node_name)?;
+        let client = client(&server_url)?;
+        register_node(client.clone(), &node_name, node_ip).await?;
+        let (proxy_stop_tx, proxy_stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let mut proxy = tokio::spawn(agent::run(client, proxy_config, async move {
+            let _ = proxy_stop_rx.await;
+        }));
         tracing::info!(node = %node_name, %node_ip, mode = args.proxy_mode.as_str(), "proxy started");
 
-        let exited = wait_for_signal_or_exit(&mut proxy).await?;
-        if let Some(status) = exited {
+        let proxy_ended = tokio::select! {
+            signal = shutdown_signal() => {
+                signal?;
+                None
+            }
+            ended = &mut proxy => Some(ended),
+        };
+        if let Some(ended) = proxy_ended {
             let _ = stop_tx.send(());
             let _ = server.await;
-            bail!("the proxy exited ({status}); stopping");
+            return match ended {
+                Ok(Ok(())) => Err(anyhow::anyhow!("the proxy stopped by itself")),
+                Ok(Err(err)) => Err(anyhow::Error::new(err).context("the proxy failed")),
+                Err(join) => Err(anyhow::Error::new(join).context("the proxy task")),
+            };
         }
         tracing::info!("stopping the proxy (its rules stay in place)");
-        stop_child(&mut proxy, PROXY_STOP_GRACE);
+        let _ = proxy_stop_tx.send(());
+        proxy.await.context("proxy task")?.context("proxy")?;
         let _ = stop_tx.send(());
         server.await.context("API server task")??;
         tracing::info!("stopped");
@@ -147,12 +188,28 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     })
 }
 
+/// A client of our own API server.
+fn client(server: &str) -> anyhow::Result<kube::Client> {
+    let config = kube::Config::new(server.parse().context("API server URL")?);
+    kube::Client::try_from(config).context("API client")
+}
+
+/// Resolves on the first SIGTERM or SIGINT.
+async fn shutdown_signal() -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).context("watch SIGTERM")?;
+    let mut int = signal(SignalKind::interrupt()).context("watch SIGINT")?;
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+        _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+    }
+    Ok(())
+}
+
 /// Creates (or updates) this host's Node object, as its kubelet would register it: the proxy
 /// reads its node IPs (the `primary` NodePort addresses) from it.
-async fn register_node(server: &str, name: &str, ip: IpAddr) -> anyhow::Result<()> {
+async fn register_node(client: kube::Client, name: &str, ip: IpAddr) -> anyhow::Result<()> {
     use kube::api::{Api, Patch, PatchParams, PostParams};
-    let config = kube::Config::new(server.parse().context("API server URL")?);
-    let client = kube::Client::try_from(config).context("API client")?;
     let nodes: Api<Node> = Api::all(client);
     let status = NodeStatus {
         addresses: Some(vec![
@@ -193,67 +250,6 @@ async fn register_node(server: &str, name: &str, ip: IpAddr) -> anyhow::Result<(
         .with_context(|| format!("update the addresses of node {name}"))?;
     tracing::info!(node = %name, %ip, "node registered");
     Ok(())
-}
-
-/// Starts this binary's `nodeport proxy` for this node against the API server, logging to
-/// our stderr.
-fn start_proxy(args: &Args, server: &str, node: &str) -> anyhow::Result<Child> {
-    let exe = std::env::current_exe().context("find the nodeport executable")?;
-    let mut cmd = Command::new(exe);
-    cmd.args(["proxy", "--master", server, "--hostname-override", node])
-        .args(["--proxy-mode", args.proxy_mode.as_str()])
-        .args(["--healthz-bind-address", &args.healthz_bind_address])
-        .args(["--metrics-bind-address", &args.metrics_bind_address]);
-    if let Some(addresses) = &args.nodeport_addresses {
-        cmd.args(["--nodeport-addresses", addresses]);
-    }
-    if let Some(cidr) = &args.cluster_cidr {
-        cmd.args(["--cluster-cidr", cidr]);
-    }
-    if args.masquerade_all {
-        cmd.arg("--masquerade-all");
-    }
-    // Its own process group: a Ctrl-C reaches `up`, which stops the proxy in order.
-    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-    cmd.stdin(Stdio::null())
-        .spawn()
-        .context("start nodeport proxy")
-}
-
-/// Waits for SIGTERM/SIGINT (`None`) or for the proxy to exit on its own (`Some(status)`).
-async fn wait_for_signal_or_exit(
-    proxy: &mut Child,
-) -> anyhow::Result<Option<std::process::ExitStatus>> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).context("watch SIGTERM")?;
-    let mut int = signal(SignalKind::interrupt()).context("watch SIGINT")?;
-    let mut poll = tokio::time::interval(Duration::from_millis(200));
-    loop {
-        tokio::select! {
-            _ = term.recv() => return Ok(None),
-            _ = int.recv() => return Ok(None),
-            _ = poll.tick() => {
-                if let Some(status) = proxy.try_wait().context("wait for the proxy")? {
-                    return Ok(Some(status));
-                }
-            }
-        }
-    }
-}
-
-/// SIGTERM, then SIGKILL after `grace`.
-fn stop_child(child: &mut Child, grace: Duration) {
-    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
-    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-    let deadline = std::time::Instant::now() + grace;
-    while std::time::Instant::now() < deadline {
-        if let Ok(Some(_)) = child.try_wait() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let _ = child.kill();
-    let _ = child.wait();
 }
 
 /// This node's IP as kubelet would pick it without `--node-ip`: the IPv4 address of the
