@@ -83,7 +83,9 @@ impl Default for Config {
 
 /// How long the API server may take to answer `/readyz` (it opens its store first).
 const API_READY_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long the NodePort may take to answer on a node: the proxies' first list and sync.
+/// How long a proxy may take to program its first rules.
+const PROXY_SYNC_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the NodePort may take to answer on a node once the objects exist.
 const REACH_TIMEOUT: Duration = Duration::from_secs(45);
 /// One HTTP attempt from the client.
 const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(2);
@@ -258,6 +260,7 @@ impl Lab {
             mode.as_str()
         ));
         self.start_proxies(mode)?;
+        self.wait_proxies(mode, interrupt)?;
         interrupt.check()?;
 
         self.progress("kubectl expose deployment web --port=80 --type=NodePort");
@@ -426,8 +429,49 @@ impl Lab {
             self.processes
                 .start(&self.plan.id, &self.nodes[i], &name, &args, &log)?;
         }
-        std::thread::sleep(Duration::from_millis(300));
-        self.check_processes()
+        Ok(())
+    }
+
+    /// Waits until every node's proxy has programmed its table (its first sync, which comes
+    /// after its first list of Services, EndpointSlices and its Node).
+    fn wait_proxies(&mut self, mode: ProxyMode, interrupt: &Interrupt) -> anyhow::Result<()> {
+        let start = Instant::now();
+        let probe: &[&str] = match mode {
+            ProxyMode::Nftables => &["nft", "list", "table", "ip", "kube-proxy"],
+            ProxyMode::Iptables | ProxyMode::Ipvs => {
+                &["iptables", "-t", "nat", "-S", "KUBE-SERVICES"]
+            }
+        };
+        for i in 0..self.plan.nodes.len() {
+            loop {
+                interrupt.check()?;
+                self.check_processes()?;
+                if self.nodes[i].run(probe).is_ok() {
+                    println!(
+                        "  {}: first sync done after {:.1}s ({} exists)",
+                        self.plan.nodes[i].name,
+                        start.elapsed().as_secs_f64(),
+                        match mode {
+                            ProxyMode::Nftables => "table ip kube-proxy",
+                            _ => "chain KUBE-SERVICES",
+                        }
+                    );
+                    break;
+                }
+                if start.elapsed() > PROXY_SYNC_TIMEOUT {
+                    let log = self.dir.log(&format!("proxy-{}", self.plan.nodes[i].name));
+                    bail!(
+                        "the proxy on {} programmed nothing in {}s; last lines of {}:\n{}",
+                        self.plan.nodes[i].name,
+                        PROXY_SYNC_TIMEOUT.as_secs(),
+                        log.display(),
+                        processes::tail(&log, 20)
+                    );
+                }
+                interrupt.sleep(Duration::from_millis(100))?;
+            }
+        }
+        Ok(())
     }
 
     /// `kubectl <args>` inside the control-plane namespace; returns stdout.
