@@ -208,6 +208,42 @@ fn lab_interrupted_by_sigint_in_the_middle_removes_everything_and_exits_130() {
 }
 
 #[test]
+fn lab_killed_with_sigkill_is_swept_by_the_next_lab() {
+    if !require_tools("lab_killed_with_sigkill", &["nft", "kubectl"]) {
+        return;
+    }
+    let mut child = Command::new(NODEPORT)
+        .arg("lab")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut seen = String::new();
+    while !seen.contains("\n[3/9]") {
+        let mut line = String::new();
+        assert!(
+            stdout.read_line(&mut line).unwrap() > 0,
+            "lab ended:\n{seen}"
+        );
+        seen.push_str(&line);
+    }
+    let id = lab_id(&seen);
+    child.kill().unwrap(); // SIGKILL: no handler, no guard runs
+    child.wait().unwrap();
+    assert!(!namespaces_of(&id).is_empty(), "{seen}");
+    // The next lab (this one, or one another test started meanwhile) removes it first thing.
+    let out = lab(&[]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert_nothing_left(&id, &pod_veths(&seen));
+}
+
+#[test]
 fn lab_kept_with_keep_serves_after_the_command_ends_and_down_removes_it() {
     if !require_tools("lab_kept_with_keep", &["nft", "kubectl", "curl"]) {
         return;
