@@ -57,6 +57,15 @@ impl ProxyMode {
             Self::Ipvs => "ipvs",
         }
     }
+
+    /// The mode recorded in a lab's state file ([`ProxyMode::as_str`]).
+    fn from_state(text: &str) -> Self {
+        match text {
+            "iptables" => Self::Iptables,
+            "ipvs" => Self::Ipvs,
+            _ => Self::Nftables,
+        }
+    }
 }
 
 /// What a lab run does.
@@ -213,11 +222,7 @@ impl Lab {
     }
 
     fn build_and_check(&mut self, interrupt: &Interrupt) -> anyhow::Result<Verdict> {
-        let mode = match self.state.proxy_mode.as_str() {
-            "iptables" => ProxyMode::Iptables,
-            "ipvs" => ProxyMode::Ipvs,
-            _ => ProxyMode::Nftables,
-        };
+        let mode = ProxyMode::from_state(&self.state.proxy_mode);
         let nodes_text: Vec<String> = self
             .plan
             .nodes
@@ -755,6 +760,13 @@ impl Lab {
             self.plan.netns("client"),
             self.plan.nodes[1].ip,
         );
+        let last = self.plan.nodes.last().expect("the lab has nodes");
+        let rules = match ProxyMode::from_state(&self.state.proxy_mode) {
+            ProxyMode::Nftables => "nft list table ip kube-proxy",
+            ProxyMode::Iptables | ProxyMode::Ipvs => "iptables -t nat -nvL KUBE-NODEPORTS",
+        };
+        println!("  the rules of {}:", last.name);
+        println!("    ip netns exec {} {rules}", self.plan.netns(&last.name));
         println!(
             "  logs: {}/   processes: {}",
             self.dir.join("logs").display(),
