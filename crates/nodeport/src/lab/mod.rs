@@ -176,13 +176,26 @@ impl Lab {
     /// Picks an unused id, creates the lab directory and records the state, before any
     /// namespace exists (so a crash at any later point leaves something to sweep by).
     fn create(config: &Config) -> anyhow::Result<Self> {
+        // An id is free when neither its directory nor any of its namespaces exists.
+        let mut last_error = None;
         let (id, dir) = (0..10)
             .find_map(|_| {
                 let id = plan::new_id();
-                let taken = !state::namespaces_of(&id).is_empty();
-                (!taken).then(|| LabDir::create(&id).ok().map(|dir| (id, dir)))?
+                if !state::namespaces_of(&id).is_empty() {
+                    return None;
+                }
+                LabDir::create(&id)
+                    .map_err(|err| last_error = Some(err))
+                    .ok()
+                    .map(|dir| (id, dir))
             })
-            .with_context(|| format!("create a lab directory under {}", state::LABS_DIR))?;
+            .ok_or_else(|| {
+                let what = format!("create a lab directory under {}", state::LABS_DIR);
+                match last_error {
+                    Some(err) => anyhow::Error::new(err).context(what),
+                    None => anyhow::anyhow!("{what}: no free lab id"),
+                }
+            })?;
         let plan = Plan::new(&id, config.replicas);
         let state = State {
             id: id.clone(),
