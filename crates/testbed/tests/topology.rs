@@ -91,3 +91,37 @@ fn a_spawned_process_is_killed_when_its_guard_drops() {
     // Reaped by the guard, so the PID is gone at once.
     assert!(!std::path::Path::new(&format!("/proc/{pid}")).exists());
 }
+
+#[test]
+fn a_persisted_namespace_outlives_its_guard_until_adopted_and_dropped() {
+    if !require_privileged("a_persisted_namespace_outlives_its_guard") {
+        return;
+    }
+    let name = format!("nptest-{}-persist", std::process::id());
+    let lan = Lan::with_fabric(Netns::create(&format!("{name}-lan")).unwrap()).unwrap();
+    let ns = Netns::create(&name).unwrap();
+    lan.attach(&ns, "eth0", "192.0.2.1/24").unwrap();
+    let mut cmd = ns.command("sleep");
+    cmd.arg("300");
+    let pid = ns.spawn(&mut cmd).unwrap().detach();
+    let fabric = lan.into_fabric().persist();
+    assert_eq!(ns.persist(), name);
+    // Guards gone: namespace, link and process are still there.
+    assert!(namespaces().split(' ').any(|n| n == name));
+    let adopted = Netns::adopt(&name);
+    assert!(adopted.run(&["ip", "link", "show", "eth0"]).is_ok());
+    assert!(std::path::Path::new(&format!("/proc/{pid}")).exists());
+    drop(adopted);
+    drop(Netns::adopt(&fabric));
+    let left = namespaces();
+    assert!(!left.split(' ').any(|n| n == name || n == fabric), "{left}");
+    // Killed by the drop; its zombie (this process is the parent) is reaped here.
+    let status = nix::sys::wait::waitpid(nix::unistd::Pid::from_raw(pid as i32), None).unwrap();
+    assert!(
+        matches!(
+            status,
+            nix::sys::wait::WaitStatus::Signaled(_, nix::sys::signal::Signal::SIGKILL, _)
+        ),
+        "{status:?}"
+    );
+}
