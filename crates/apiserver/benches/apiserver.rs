@@ -41,6 +41,22 @@ async fn request(client: &HttpClient, method: &str, url: &str, body: String) -> 
     (status, body)
 }
 
+/// The writer's counters from `/metrics`: (batches, mutations, commit seconds).
+async fn writer_counters(base: &str) -> (f64, f64, f64) {
+    let (_, body) = request(&client(), "GET", &format!("{base}/metrics"), String::new()).await;
+    let text = String::from_utf8_lossy(&body);
+    let read = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (
+        read("nodeport_apiserver_storage_batches_total "),
+        read("nodeport_apiserver_storage_mutations_total "),
+        read("nodeport_apiserver_storage_commit_seconds_total "),
+    )
+}
+
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
@@ -102,7 +118,13 @@ async fn create_namespace(base: &str, name: &str) {
 
 #[tokio::main]
 async fn main() {
-    // `cargo bench` passes `--bench`; nothing else to parse.
+    // `cargo bench` passes `--bench`; any other argument picks sections by name
+    // (`creates`, `list`, `watch`), e.g. `cargo bench ... -- watch`.
+    let picked: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
+    let run = |section: &str| picked.is_empty() || picked.iter().any(|p| p == section);
     let dir = tempfile::tempdir().unwrap();
     let config = Config {
         // Widened so 25,000 NodePort Services fit.
@@ -119,70 +141,85 @@ async fn main() {
         std::future::pending(),
     ));
 
-    println!("## creates (NodePort Services, fsync per batch, on-disk redb)");
-    println!("| clients | creates | creates/s | p50 | p99 |");
-    println!("| --- | --- | --- | --- | --- |");
-    for (clients, total) in [(1, 500), (8, 4000), (64, 8000)] {
-        let ns = format!("c{clients}");
-        create_namespace(&base, &ns).await;
-        let (rate, p50, p99) = creates(&base, &ns, "svc", clients, total).await;
+    if run("creates") {
+        println!("## creates (NodePort Services, fsync per batch, on-disk redb)");
         println!(
-            "| {clients} | {total} | {rate:.0} | {:.2} ms | {:.2} ms |",
-            p50.as_secs_f64() * 1e3,
-            p99.as_secs_f64() * 1e3
+            "| clients | creates | creates/s | p50 | p99 | requests per commit | commit time |"
+        );
+        println!("| --- | --- | --- | --- | --- | --- | --- |");
+        for (clients, total) in [(1, 500), (8, 4000), (64, 8000)] {
+            let ns = format!("c{clients}");
+            create_namespace(&base, &ns).await;
+            let before = writer_counters(&base).await;
+            let (rate, p50, p99) = creates(&base, &ns, "svc", clients, total).await;
+            let after = writer_counters(&base).await;
+            let batches = after.0 - before.0;
+            println!(
+                "| {clients} | {total} | {rate:.0} | {:.2} ms | {:.2} ms | {:.1} | {:.2} ms |",
+                p50.as_secs_f64() * 1e3,
+                p99.as_secs_f64() * 1e3,
+                (after.1 - before.1) / batches,
+                (after.2 - before.2) / batches * 1e3,
+            );
+        }
+    }
+
+    let http = client();
+    if run("list") {
+        create_namespace(&base, "list").await;
+        creates(&base, "list", "l", 64, 10_000).await;
+        let mut times = Vec::new();
+        for _ in 0..5 {
+            let t = Instant::now();
+            let (status, body) = request(
+                &http,
+                "GET",
+                &format!("{base}/api/v1/namespaces/list/services"),
+                String::new(),
+            )
+            .await;
+            assert_eq!(status, 200);
+            let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(v["items"].as_array().unwrap().len(), 10_000);
+            times.push(t.elapsed());
+        }
+        times.sort();
+        let mut paged = Vec::new();
+        for _ in 0..3 {
+            let t = Instant::now();
+            let mut url = format!("{base}/api/v1/namespaces/list/services?limit=500");
+            let mut count = 0;
+            loop {
+                let (_, body) = request(&http, "GET", &url, String::new()).await;
+                let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                count += v["items"].as_array().unwrap().len();
+                match v["metadata"]["continue"].as_str() {
+                    Some(token) => {
+                        url = format!(
+                            "{base}/api/v1/namespaces/list/services?limit=500&continue={token}"
+                        )
+                    }
+                    None => break,
+                }
+            }
+            assert_eq!(count, 10_000);
+            paged.push(t.elapsed());
+        }
+        paged.sort();
+        println!();
+        println!("## list of 10,000 Services");
+        println!("| request | median |");
+        println!("| --- | --- |");
+        println!("| one LIST | {:.0} ms |", times[2].as_secs_f64() * 1e3);
+        println!(
+            "| pages of 500 (limit/continue) | {:.0} ms |",
+            paged[1].as_secs_f64() * 1e3
         );
     }
 
-    create_namespace(&base, "list").await;
-    creates(&base, "list", "l", 64, 10_000).await;
-    let http = client();
-    let mut times = Vec::new();
-    for _ in 0..5 {
-        let t = Instant::now();
-        let (status, body) = request(
-            &http,
-            "GET",
-            &format!("{base}/api/v1/namespaces/list/services"),
-            String::new(),
-        )
-        .await;
-        assert_eq!(status, 200);
-        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
-        assert_eq!(v["items"].as_array().unwrap().len(), 10_000);
-        times.push(t.elapsed());
+    if !run("watch") {
+        return;
     }
-    times.sort();
-    let mut paged = Vec::new();
-    for _ in 0..3 {
-        let t = Instant::now();
-        let mut url = format!("{base}/api/v1/namespaces/list/services?limit=500");
-        let mut count = 0;
-        loop {
-            let (_, body) = request(&http, "GET", &url, String::new()).await;
-            let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
-            count += v["items"].as_array().unwrap().len();
-            match v["metadata"]["continue"].as_str() {
-                Some(token) => {
-                    url =
-                        format!("{base}/api/v1/namespaces/list/services?limit=500&continue={token}")
-                }
-                None => break,
-            }
-        }
-        assert_eq!(count, 10_000);
-        paged.push(t.elapsed());
-    }
-    paged.sort();
-    println!();
-    println!("## list of 10,000 Services");
-    println!("| request | median |");
-    println!("| --- | --- |");
-    println!("| one LIST | {:.0} ms |", times[2].as_secs_f64() * 1e3);
-    println!(
-        "| pages of 500 (limit/continue) | {:.0} ms |",
-        paged[1].as_secs_f64() * 1e3
-    );
-
     // 100 watchers, each must receive every ADDED event.
     create_namespace(&base, "watch").await;
     let (_, body) = request(
@@ -238,7 +275,9 @@ async fn main() {
         handles.push(handle);
     }
     let start = Instant::now();
+    let before = writer_counters(&base).await;
     let (rate, _, _) = creates(&base, "watch", "w", 8, EVENTS).await;
+    let after = writer_counters(&base).await;
     let writes_done = Instant::now();
     let mut last = writes_done;
     for h in handles {
@@ -248,11 +287,14 @@ async fn main() {
     println!();
     println!("## 100 watchers, {EVENTS} creates (8 clients)");
     println!(
-        "| creates/s while watched | events delivered/s (all watchers) | last watcher done after last write |"
+        "| creates/s while watched | events delivered/s (all watchers) | last watcher done after last write | requests per commit | commit time |"
     );
-    println!("| --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- |");
+    let batches = after.0 - before.0;
     println!(
-        "| {rate:.0} | {delivered:.0} | {:.0} ms |",
-        (last - writes_done).as_secs_f64() * 1e3
+        "| {rate:.0} | {delivered:.0} | {:.0} ms | {:.1} | {:.2} ms |",
+        (last - writes_done).as_secs_f64() * 1e3,
+        (after.1 - before.1) / batches,
+        (after.2 - before.2) / batches * 1e3,
     );
 }

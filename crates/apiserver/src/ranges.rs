@@ -115,5 +115,32 @@ pub async fn metrics(registry: &Registry) -> Result<String, ApiError> {
         "Gauge measuring the number of available IPs for Services",
         &[(format!("{{cidr=\"{cidr}\"}}"), io.free())],
     );
+    let stats = registry.store().stats();
+    let mut counter = |name: &str, help: &str, value: String| {
+        out.push_str(&format!(
+            "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}\n"
+        ));
+    };
+    let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    counter(
+        "nodeport_apiserver_storage_batches_total",
+        "Storage transactions the writer committed (group commit: one per batch of requests)",
+        load(&stats.batches).to_string(),
+    );
+    counter(
+        "nodeport_apiserver_storage_mutations_total",
+        "Write requests run in committed batches",
+        load(&stats.mutations).to_string(),
+    );
+    counter(
+        "nodeport_apiserver_storage_conflicts_total",
+        "Batches that lost a compare-and-swap race with another writer and were re-run",
+        load(&stats.conflicts).to_string(),
+    );
+    counter(
+        "nodeport_apiserver_storage_commit_seconds_total",
+        "Time spent committing batches to storage",
+        format!("{:.6}", load(&stats.commit_nanos) as f64 / 1e9),
+    );
     Ok(out)
 }

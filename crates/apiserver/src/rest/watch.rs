@@ -16,7 +16,7 @@ use std::convert::Infallible;
 
 use axum::body::{Body, Bytes};
 use axum::response::Response;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use http::{StatusCode, header};
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
@@ -36,25 +36,37 @@ struct Encoder {
 
 impl Encoder {
     fn line(&self, event_type: &str, object: &Value) -> Bytes {
-        let object = if self.table && event_type != "ERROR" && event_type != "BOOKMARK" {
+        if self.table && event_type != "ERROR" && event_type != "BOOKMARK" {
             let rv = object
                 .pointer("/metadata/resourceVersion")
                 .and_then(Value::as_str)
                 .unwrap_or("");
-            table::table(
+            let table = table::table(
                 self.kind,
                 std::slice::from_ref(object),
                 rv,
                 None,
                 "Metadata",
-            )
+            );
+            encode_line(event_type, &table)
         } else {
-            object.clone()
-        };
-        let mut line = serde_json::to_vec(&json!({"type": event_type, "object": object}))
-            .expect("events serialize");
-        line.push(b'\n');
-        Bytes::from(line)
+            encode_line(event_type, object)
+        }
+    }
+
+    /// The line for a storage event: shared by every watcher of the event unless this one wants
+    /// a Table.
+    fn event_line(&self, shared: &Shared, change: Change) -> Bytes {
+        let object = shared
+            .current
+            .as_ref()
+            .expect("translated events have an object");
+        if self.table {
+            return self.line(change.event_type(), object);
+        }
+        shared.lines[change as usize]
+            .get_or_init(|| encode_line(change.event_type(), object))
+            .clone()
     }
 
     fn bookmark(&self, revision: i64, initial_end: bool) -> Bytes {
@@ -68,6 +80,17 @@ impl Encoder {
             &json!({"kind": self.kind.kind(), "apiVersion": self.kind.api_version(), "metadata": metadata}),
         )
     }
+}
+
+/// `{"type":"<event_type>","object":<object>}` and a newline, without copying the object.
+fn encode_line(event_type: &str, object: &Value) -> Bytes {
+    let mut line = Vec::with_capacity(1024);
+    line.extend_from_slice(b"{\"type\":\"");
+    line.extend_from_slice(event_type.as_bytes());
+    line.extend_from_slice(b"\",\"object\":");
+    serde_json::to_writer(&mut line, object).expect("events serialize");
+    line.extend_from_slice(b"}\n");
+    Bytes::from(line)
 }
 
 fn with_type(kind: Kind, mut object: Value) -> Value {
@@ -166,30 +189,44 @@ pub async fn serve(
                     }
                 }
                 item = stream.next() => {
-                    let line = match item {
-                        None => return,
-                        Some(Err(err @ storage::Error::WatcherLagged { .. })) => {
-                            let status = ApiError::expired(err.to_string()).to_status();
-                            let _ = tx.send(Ok(encoder.line("ERROR", &status))).await;
-                            return;
-                        }
-                        Some(Err(err)) => {
-                            let _ = tx.send(Ok(encoder.line("ERROR", &ApiError::from(err).to_status()))).await;
-                            return;
-                        }
-                        Some(Ok(WatchItem::Progress(rev))) => {
-                            delivered = delivered.max(rev);
-                            continue;
-                        }
-                        Some(Ok(WatchItem::Event(event))) => {
-                            delivered = delivered.max(event.kv.mod_revision);
-                            match translate(kind, &options, &event) {
-                                Some((event_type, object)) => encoder.line(event_type, &object),
-                                None => continue,
+                    // Everything the stream has ready goes out as one chunk: one wake-up of the
+                    // connection and one write for a whole committed batch.
+                    let mut chunk = Vec::new();
+                    let mut item = item;
+                    let mut end = false;
+                    loop {
+                        match item {
+                            None => end = true,
+                            Some(Err(err)) => {
+                                let status = match err {
+                                    storage::Error::WatcherLagged { .. } => {
+                                        ApiError::expired(err.to_string())
+                                    }
+                                    other => ApiError::from(other),
+                                };
+                                chunk.extend_from_slice(&encoder.line("ERROR", &status.to_status()));
+                                end = true;
+                            }
+                            Some(Ok(WatchItem::Progress(rev))) => delivered = delivered.max(rev),
+                            Some(Ok(WatchItem::Event(event))) => {
+                                delivered = delivered.max(event.kv.mod_revision);
+                                if let Some(line) = event_line(&encoder, &options, &event) {
+                                    chunk.extend_from_slice(&line);
+                                }
                             }
                         }
-                    };
-                    if tx.send(Ok(line)).await.is_err() {
+                        if end {
+                            break;
+                        }
+                        match stream.next().now_or_never() {
+                            Some(next) => item = next,
+                            None => break,
+                        }
+                    }
+                    if !chunk.is_empty() && tx.send(Ok(Bytes::from(chunk))).await.is_err() {
+                        return;
+                    }
+                    if end {
                         return;
                     }
                 }
@@ -206,33 +243,75 @@ pub async fn serve(
         .expect("valid response"))
 }
 
-/// The Kubernetes event for a storage event, after selectors; `None` if the watcher does not see it.
-fn translate(
+/// The line one watcher sends for a storage event, if its selectors let it see the event.
+fn event_line(encoder: &Encoder, options: &ListOptions, event: &storage::Event) -> Option<Bytes> {
+    let kind = encoder.kind;
+    let shared = event.memo.get_or_init(|| Shared::new(kind, event));
+    if shared.kind != kind {
+        // Not expected (one prefix holds one kind), but stay correct.
+        let own = Shared::new(kind, event);
+        return translate(options, event, &own).map(|change| encoder.event_line(&own, change));
+    }
+    translate(options, event, &shared).map(|change| encoder.event_line(&shared, change))
+}
+
+/// The kind of Kubernetes watch event a storage event becomes for one watcher.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Change {
+    Added = 0,
+    Modified = 1,
+    Deleted = 2,
+}
+
+impl Change {
+    fn event_type(self) -> &'static str {
+        match self {
+            Change::Added => "ADDED",
+            Change::Modified => "MODIFIED",
+            Change::Deleted => "DELETED",
+        }
+    }
+}
+
+/// What every watcher of one storage event shares (kept in the event's [`storage::Memo`]): the
+/// object decoded once, with its `kind`, `apiVersion` and `resourceVersion`, the object before
+/// the change for selector checks, and each line once it has been encoded.
+struct Shared {
     kind: Kind,
-    options: &ListOptions,
-    event: &storage::Event,
-) -> Option<(&'static str, Value)> {
-    let decode = |kv: &storage::KeyValue| {
-        registry::decode_stored(&kv.value, kv.mod_revision)
-            .ok()
-            .map(|v| with_type(kind, v))
-    };
-    let current = decode(&event.kv)?;
-    let previous_matched = event
-        .prev
-        .as_ref()
-        .and_then(decode)
-        .map(|prev| matches(options, &prev));
+    current: Option<Value>,
+    prev: Option<Value>,
+    lines: [std::sync::OnceLock<Bytes>; 3],
+}
+
+impl Shared {
+    fn new(kind: Kind, event: &storage::Event) -> Self {
+        let decode = |kv: &storage::KeyValue, revision| {
+            registry::decode_stored(&kv.value, revision)
+                .ok()
+                .map(|v| with_type(kind, v))
+        };
+        Shared {
+            kind,
+            current: decode(&event.kv, event.kv.mod_revision),
+            prev: event.prev.as_ref().and_then(|prev| decode(prev, 0)),
+            lines: Default::default(),
+        }
+    }
+}
+
+/// The Kubernetes event a storage event is for one watcher, after its selectors; `None` if the
+/// watcher does not see it.
+fn translate(options: &ListOptions, event: &storage::Event, shared: &Shared) -> Option<Change> {
+    let current = shared.current.as_ref()?;
+    let previous_matched = shared.prev.as_ref().map(|prev| matches(options, prev));
     match event.kind {
-        EventKind::Delete => previous_matched
-            .unwrap_or(false)
-            .then_some(("DELETED", current)),
+        EventKind::Delete => previous_matched.unwrap_or(false).then_some(Change::Deleted),
         EventKind::Put => {
-            let now = matches(options, &current);
+            let now = matches(options, current);
             match (previous_matched, now) {
-                (None, true) | (Some(false), true) => Some(("ADDED", current)),
-                (Some(true), true) => Some(("MODIFIED", current)),
-                (Some(true), false) => Some(("DELETED", current)),
+                (None, true) | (Some(false), true) => Some(Change::Added),
+                (Some(true), true) => Some(Change::Modified),
+                (Some(true), false) => Some(Change::Deleted),
                 _ => None,
             }
         }

@@ -153,7 +153,62 @@ pub struct Event {
     pub kv: KeyValue,
     /// The value before the change, if the key existed.
     pub prev: Option<KeyValue>,
+    /// Shared by every clone of this event (see [`Memo`]).
+    pub memo: Memo,
 }
+
+impl Event {
+    /// An event with an empty memo.
+    pub fn new(kind: EventKind, kv: KeyValue, prev: Option<KeyValue>) -> Self {
+        Event {
+            kind,
+            kv,
+            prev,
+            memo: Memo::default(),
+        }
+    }
+}
+
+/// A slot that every clone of one [`Event`] shares, where the layer above keeps what it derived
+/// from the event (the decoded object and its encoded watch lines), so that a hundred watchers of
+/// one change decode and encode it once rather than a hundred times. Backends fan one event out
+/// to all their watchers as clones, so they share the slot; the slot never takes part in
+/// comparisons.
+#[derive(Clone, Default)]
+pub struct Memo(Arc<std::sync::OnceLock<Arc<dyn std::any::Any + Send + Sync>>>);
+
+impl Memo {
+    /// The value kept in the slot, computing it with `init` if this is the first use.
+    pub fn get_or_init<T: std::any::Any + Send + Sync>(&self, init: impl FnOnce() -> T) -> Arc<T> {
+        let mut init = Some(init);
+        let any = self
+            .0
+            .get_or_init(|| Arc::new(init.take().expect("called once")()));
+        match any.clone().downcast::<T>() {
+            Ok(value) => value,
+            // The slot holds another type (so `init` was not called): compute without sharing.
+            Err(_) => Arc::new(init.take().expect("not called")()),
+        }
+    }
+}
+
+impl std::fmt::Debug for Memo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.get().is_some() {
+            "Memo(set)"
+        } else {
+            "Memo(empty)"
+        })
+    }
+}
+
+impl PartialEq for Memo {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for Memo {}
 
 /// An item of a watch stream.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -202,24 +202,20 @@ impl RedbBackend {
                         };
                         map.insert(key.clone(), kv.clone());
                         writes.insert(key, Some(kv.clone()));
-                        events.push(Event {
-                            kind: EventKind::Put,
-                            kv,
-                            prev,
-                        });
+                        events.push(Event::new(EventKind::Put, kv, prev));
                     }
                     Op::Delete { key } => {
                         let prev = prev.expect("checked above");
                         map.remove(&key);
                         writes.insert(key, None);
-                        events.push(Event {
-                            kind: EventKind::Delete,
-                            kv: KeyValue {
+                        events.push(Event::new(
+                            EventKind::Delete,
+                            KeyValue {
                                 mod_revision: group_revision,
                                 ..prev.clone()
                             },
-                            prev: Some(prev),
-                        });
+                            Some(prev),
+                        ));
                     }
                 }
             }
