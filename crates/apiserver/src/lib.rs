@@ -19,6 +19,7 @@
 //! - deleting a namespace removes its Services, Endpoints and EndpointSlices at once (no
 //!   `Terminating` phase); server-side apply is answered with 415.
 
+pub mod auth;
 pub mod error;
 pub mod ranges;
 pub mod registry;
@@ -26,6 +27,7 @@ pub mod resource;
 pub mod rest;
 pub mod storage;
 pub mod store;
+pub mod tls;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -62,6 +64,13 @@ pub struct Config {
     pub rest: rest::Config,
     /// Embedded store settings.
     pub storage: storage::redb::Config,
+    /// `--tls-cert-file`: PEM certificate chain; with the key, the API is served over TLS.
+    pub tls_cert_file: Option<PathBuf>,
+    /// `--tls-private-key-file`: PEM private key of the certificate.
+    pub tls_private_key_file: Option<PathBuf>,
+    /// `--token-auth-file`: bearer tokens (kube-apiserver's CSV); when set, every request but the
+    /// health checks needs one.
+    pub token_auth_file: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -75,6 +84,9 @@ impl Default for Config {
             prefix: storage::keys::DEFAULT_PREFIX.to_owned(),
             rest: rest::Config::default(),
             storage: storage::redb::Config::default(),
+            tls_cert_file: None,
+            tls_private_key_file: None,
+            token_auth_file: None,
         }
     }
 }
@@ -118,6 +130,40 @@ pub enum Error {
     /// The HTTP server failed.
     #[error("HTTP server failed")]
     Serve(#[source] std::io::Error),
+    /// The TLS certificate or key could not be loaded.
+    #[error("invalid TLS settings")]
+    Tls(#[source] tls::Error),
+    /// Only one of `--tls-cert-file` and `--tls-private-key-file` was given.
+    #[error("--tls-cert-file and --tls-private-key-file must be given together")]
+    TlsPair,
+    /// The token file could not be loaded.
+    #[error("invalid --token-auth-file")]
+    Tokens(#[source] auth::Error),
+}
+
+/// How the API is secured: TLS and bearer tokens, each optional.
+#[derive(Clone, Default)]
+pub struct Security {
+    /// The TLS server configuration, if the API is served over TLS.
+    pub tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
+    /// The tokens every request needs, if token authentication is on.
+    pub tokens: Option<Arc<auth::Tokens>>,
+}
+
+impl Security {
+    /// Loads the certificate, key and token file the configuration names.
+    pub fn load(config: &Config) -> Result<Self, Error> {
+        let tls = match (&config.tls_cert_file, &config.tls_private_key_file) {
+            (Some(cert), Some(key)) => Some(tls::server_config(cert, key).map_err(Error::Tls)?),
+            (None, None) => None,
+            _ => return Err(Error::TlsPair),
+        };
+        let tokens = match &config.token_auth_file {
+            Some(path) => Some(Arc::new(auth::Tokens::load(path).map_err(Error::Tokens)?)),
+            None => None,
+        };
+        Ok(Security { tls, tokens })
+    }
 }
 
 /// The name of the embedded store's file inside `--data-dir`.
@@ -190,16 +236,40 @@ pub async fn in_memory(config: &Config) -> Result<AppState, Error> {
     state_over(backend, config).await
 }
 
-/// Serves the API on `listener` until `shutdown` completes.
+/// Serves the API in plain HTTP, without authentication, on `listener` until `shutdown`
+/// completes.
 pub async fn serve(
     state: AppState,
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(Error::Serve)
+    serve_secured(state, listener, Security::default(), shutdown).await
+}
+
+/// Serves the API on `listener`, over TLS and with token authentication as `security` says,
+/// until `shutdown` completes.
+pub async fn serve_secured(
+    state: AppState,
+    listener: tokio::net::TcpListener,
+    security: Security,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), Error> {
+    let mut app = router(state);
+    if let Some(tokens) = security.tokens {
+        app = app.layer(axum::middleware::from_fn_with_state(
+            tokens,
+            auth::require_token,
+        ));
+    }
+    match security.tls {
+        Some(config) => tls::serve(listener, config, app, shutdown)
+            .await
+            .map_err(Error::Serve),
+        None => axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown)
+            .await
+            .map_err(Error::Serve),
+    }
 }
 
 /// Binds `config.bind_address:config.port`.

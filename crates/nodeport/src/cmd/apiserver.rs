@@ -11,7 +11,7 @@ use super::UsageError;
 /// Flags of `nodeport apiserver`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Address to serve on. Plain HTTP is served on loopback only.
+    /// Address to serve on. A non-loopback address needs TLS and token authentication.
     #[arg(long, default_value = "127.0.0.1")]
     bind_address: String,
     /// Port to serve on.
@@ -74,9 +74,11 @@ fn config(args: &Args) -> anyhow::Result<Config> {
                 missing.join(", ")
             )));
         }
-        return Err(usage(format!(
-            "--bind-address {bind_address}: TLS serving and token authentication are not implemented in this build; bind a loopback address"
-        )));
+    }
+    if args.tls_cert_file.is_some() != args.tls_private_key_file.is_some() {
+        return Err(usage(
+            "--tls-cert-file and --tls-private-key-file must be given together",
+        ));
     }
     if args.etcd_servers.is_some() {
         return Err(usage(
@@ -107,6 +109,9 @@ fn config(args: &Args) -> anyhow::Result<Config> {
         cluster_ip_range: cluster_ip_range.trunc(),
         data_dir: args.data_dir.clone(),
         prefix: args.etcd_prefix.clone(),
+        tls_cert_file: args.tls_cert_file.clone(),
+        tls_private_key_file: args.tls_private_key_file.clone(),
+        token_auth_file: args.token_auth_file.clone(),
         ..Config::default()
     };
     config.rest.server_address = format!("{}:{}", bind_address, args.port);
@@ -117,6 +122,9 @@ fn config(args: &Args) -> anyhow::Result<Config> {
 pub fn run(args: Args) -> anyhow::Result<()> {
     let config = config(&args)?;
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    // A bad certificate, key or token file is a usage error, found before anything is opened.
+    let security = nodeport_apiserver::Security::load(&config)
+        .map_err(|e| usage(nodeport_apiserver::report(&e)))?;
     runtime.block_on(async move {
         let listener = nodeport_apiserver::bind(&config).await?;
         let state = nodeport_apiserver::open(&config).await?;
@@ -125,9 +133,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             node_ports = %config.node_port_range,
             cluster_ips = %config.cluster_ip_range,
             data_dir = %config.data_dir.display(),
+            tls = security.tls.is_some(),
+            tokens = security.tokens.as_ref().map_or(0, |t| t.len()),
             "serving the Kubernetes API"
         );
-        nodeport_apiserver::serve(state, listener, shutdown_signal()).await?;
+        nodeport_apiserver::serve_secured(state, listener, security, shutdown_signal()).await?;
         tracing::info!("stopped");
         anyhow::Ok(())
     })

@@ -1,0 +1,298 @@
+//! Bearer-token authentication with kube-apiserver's `--token-auth-file`.
+//!
+//! The file is CSV, one token a line: `token,user,uid,"group1,group2"` (at least three columns;
+//! groups optional), as kube-apiserver's `tokenfile` authenticator reads it: an empty token is
+//! skipped with a warning, a duplicate token replaces the earlier one with a warning, fewer than
+//! three columns is an error.
+//!
+//! Every request needs `Authorization: Bearer <token>` with a listed token, except the health
+//! endpoints (`/healthz`, `/livez`, `/readyz`), which kube-apiserver also lets anonymous clients
+//! read (`system:public-info-viewer`). Anything else without a valid token gets kube-apiserver's
+//! answer: 401 and a `Status` with reason `Unauthorized`. There is no authorization step: every
+//! authenticated user may do everything.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use http::header;
+
+use crate::error::ApiError;
+
+/// A user a token authenticates as.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct User {
+    /// The user name (second column).
+    pub name: String,
+    /// The user's UID (third column).
+    pub uid: String,
+    /// Groups (fourth column, comma-separated inside quotes).
+    pub groups: Vec<String>,
+}
+
+/// The tokens of a `--token-auth-file`.
+#[derive(Debug, Clone, Default)]
+pub struct Tokens {
+    users: HashMap<String, User>,
+}
+
+/// Why a token file could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The file could not be read.
+    #[error("cannot read token file {path}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A record has too few columns (kube-apiserver's message).
+    #[error(
+        "token file '{path}' must have at least 3 columns (token, user name, user uid), found {found}"
+    )]
+    Columns {
+        /// The file.
+        path: PathBuf,
+        /// How many columns the record had.
+        found: usize,
+    },
+    /// A quoted field is not closed.
+    #[error("token file '{path}' line {line}: unterminated quoted field")]
+    Quote {
+        /// The file.
+        path: PathBuf,
+        /// The 1-based line.
+        line: usize,
+    },
+    /// The file lists no token at all.
+    #[error("token file '{path}' has no tokens")]
+    Empty {
+        /// The file.
+        path: PathBuf,
+    },
+}
+
+/// Splits one CSV line into fields (RFC 4180 quoting, `""` for a quote inside quotes, leading
+/// spaces of a field trimmed as Go's `csv.Reader` does with `TrimLeadingSpace`).
+fn csv_fields(line: &str) -> Option<Vec<String>> {
+    let mut fields = Vec::new();
+    let mut chars = line.chars().peekable();
+    loop {
+        while chars.peek() == Some(&' ') || chars.peek() == Some(&'\t') {
+            chars.next();
+        }
+        let mut field = String::new();
+        if chars.peek() == Some(&'"') {
+            chars.next();
+            loop {
+                match chars.next() {
+                    None => return None,
+                    Some('"') if chars.peek() == Some(&'"') => {
+                        chars.next();
+                        field.push('"');
+                    }
+                    Some('"') => break,
+                    Some(c) => field.push(c),
+                }
+            }
+            // Anything between the closing quote and the comma is kept, as Go's lazy quotes do.
+            for c in chars.by_ref() {
+                if c == ',' {
+                    fields.push(field);
+                    field = String::new();
+                    break;
+                }
+                field.push(c);
+            }
+            if !field.is_empty() || chars.peek().is_none() {
+                fields.push(field);
+                if chars.peek().is_none() {
+                    return Some(fields);
+                }
+            }
+            continue;
+        }
+        loop {
+            match chars.next() {
+                None => {
+                    fields.push(field);
+                    return Some(fields);
+                }
+                Some(',') => break,
+                Some(c) => field.push(c),
+            }
+        }
+        fields.push(field);
+    }
+}
+
+impl Tokens {
+    /// Reads a `--token-auth-file`.
+    pub fn load(path: &Path) -> Result<Self, Error> {
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let tokens = Self::parse(path, &text)?;
+        if tokens.users.is_empty() {
+            return Err(Error::Empty {
+                path: path.to_path_buf(),
+            });
+        }
+        Ok(tokens)
+    }
+
+    /// Parses the text of a token file (`path` is for messages).
+    pub fn parse(path: &Path, text: &str) -> Result<Self, Error> {
+        let mut users = HashMap::new();
+        for (index, line) in text.lines().enumerate() {
+            let line = line.trim_end_matches('\r');
+            if line.trim().is_empty() {
+                continue;
+            }
+            let fields = csv_fields(line).ok_or_else(|| Error::Quote {
+                path: path.to_path_buf(),
+                line: index + 1,
+            })?;
+            if fields.len() < 3 {
+                return Err(Error::Columns {
+                    path: path.to_path_buf(),
+                    found: fields.len(),
+                });
+            }
+            let token = fields[0].clone();
+            if token.is_empty() {
+                tracing::warn!(path = %path.display(), line = index + 1, "empty token has been found in token file");
+                continue;
+            }
+            let groups = fields
+                .get(3)
+                .map(|g| {
+                    g.split(',')
+                        .map(str::trim)
+                        .filter(|g| !g.is_empty())
+                        .map(str::to_owned)
+                        .collect()
+                })
+                .unwrap_or_default();
+            let user = User {
+                name: fields[1].clone(),
+                uid: fields[2].clone(),
+                groups,
+            };
+            if users.insert(token, user).is_some() {
+                tracing::warn!(path = %path.display(), line = index + 1, "duplicate token has been found in token file");
+            }
+        }
+        Ok(Tokens { users })
+    }
+
+    /// The user a token authenticates as.
+    pub fn authenticate(&self, token: &str) -> Option<&User> {
+        self.users.get(token)
+    }
+
+    /// How many tokens are listed.
+    pub fn len(&self) -> usize {
+        self.users.len()
+    }
+
+    /// Whether no token is listed.
+    pub fn is_empty(&self) -> bool {
+        self.users.is_empty()
+    }
+}
+
+/// Paths anyone may read without a token.
+fn is_public(path: &str) -> bool {
+    matches!(path, "/healthz" | "/livez" | "/readyz")
+        || path.starts_with("/healthz/")
+        || path.starts_with("/livez/")
+        || path.starts_with("/readyz/")
+}
+
+/// The bearer token of a request, if it has one.
+fn bearer(request: &Request) -> Option<&str> {
+    let value = request
+        .headers()
+        .get(header::AUTHORIZATION)?
+        .to_str()
+        .ok()?;
+    let (scheme, token) = value.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then(|| token.trim())
+        .filter(|t| !t.is_empty())
+}
+
+/// Middleware: lets a request through if it carries a listed token (or asks for a health
+/// endpoint), answers 401 otherwise.
+pub async fn require_token(
+    State(tokens): State<Arc<Tokens>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    if is_public(request.uri().path()) {
+        return next.run(request).await;
+    }
+    match bearer(&request).and_then(|t| tokens.authenticate(t)) {
+        Some(user) => {
+            tracing::trace!(user = %user.name, "authenticated");
+            next.run(request).await
+        }
+        None => ApiError::unauthorized().into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Tokens, Error> {
+        Tokens::parse(Path::new("tokens.csv"), text)
+    }
+
+    #[test]
+    fn token_file_rows_give_user_uid_and_quoted_groups() {
+        let t = parse(
+            "s3cret,admin,uid-1,\"system:masters,dev\"\nother,bob,2\n\n,empty,3\n t2 , carol ,4,ops\n",
+        )
+        .unwrap();
+        assert_eq!(t.len(), 3, "the empty token is skipped");
+        let admin = t.authenticate("s3cret").unwrap();
+        assert_eq!(admin.name, "admin");
+        assert_eq!(admin.uid, "uid-1");
+        assert_eq!(admin.groups, vec!["system:masters", "dev"]);
+        assert!(t.authenticate("other").unwrap().groups.is_empty());
+        assert_eq!(t.authenticate("t2 ").unwrap().name, "carol ");
+        assert!(t.authenticate("nope").is_none());
+    }
+
+    #[test]
+    fn a_row_with_fewer_than_three_columns_is_refused_with_kube_apiservers_message() {
+        let err = parse("tok,user\n").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "token file 'tokens.csv' must have at least 3 columns (token, user name, user uid), found 2"
+        );
+    }
+
+    #[test]
+    fn an_unterminated_quote_is_refused() {
+        assert!(matches!(
+            parse("tok,user,uid,\"a,b\n"),
+            Err(Error::Quote { line: 1, .. })
+        ));
+    }
+
+    #[test]
+    fn a_later_duplicate_token_replaces_the_earlier_one() {
+        let t = parse("tok,first,1\ntok,second,2\n").unwrap();
+        assert_eq!(t.authenticate("tok").unwrap().name, "second");
+    }
+}
