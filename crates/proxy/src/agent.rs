@@ -461,7 +461,15 @@ pub async fn run(
     config: ProxyConfig,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), Error> {
-    let kernel: Box<dyn Kernel> = Box::new(config.nft.clone());
+    // nf_tables over netlink; `nft` only for the few forms the encoder does not produce.
+    let kernel: Box<dyn Kernel> =
+        match crate::nftables::netlink::NetlinkKernel::new(config.nft.clone()) {
+            Ok(k) => Box::new(k),
+            Err(e) => {
+                tracing::warn!(error = %e, "no nf_tables netlink socket; using the nft command");
+                Box::new(config.nft.clone())
+            }
+        };
     run_with_kernel(client, config, kernel, shutdown).await
 }
 

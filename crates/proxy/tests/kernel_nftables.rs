@@ -347,3 +347,100 @@ fn a_transaction_the_kernel_refuses_changes_nothing() {
         "the flush in the failed transaction did not happen"
     );
 }
+
+fn netlink_in(ns: &Netns) -> nodeport_proxy::nftables::netlink::NetlinkKernel {
+    netlink_with(ns, nft_in(ns))
+}
+
+fn netlink_with(
+    ns: &Netns,
+    fallback: NftCommand,
+) -> nodeport_proxy::nftables::netlink::NetlinkKernel {
+    nodeport_proxy::nftables::netlink::NetlinkKernel::in_namespace(
+        &std::path::Path::new("/run/netns").join(ns.name()),
+        fallback,
+    )
+    .expect("netlink socket in the namespace")
+}
+
+/// An `nft` that always fails: proves a transaction went over netlink alone.
+fn no_nft() -> NftCommand {
+    NftCommand {
+        program: "false".into(),
+        args: vec![],
+    }
+}
+
+#[test]
+fn netlink_batches_program_exactly_what_nft_would() {
+    if !require_privileged("netlink_batches_program_exactly_what_nft_would") {
+        return;
+    }
+    let ns = Netns::new("nftnetlink").unwrap();
+    let mut s = Setup::new(&objects(&["10.244.1.1", "10.244.1.2", "10.244.1.3"], true));
+    // The firewall chain's anonymous set goes through nft; the rest through netlink. Drop the
+    // source ranges here so that this test sees netlink alone.
+    let yaml = objects(&["10.244.1.1", "10.244.1.2", "10.244.1.3"], true)
+        .replace("  loadBalancerSourceRanges: [203.0.113.0/24]\n", "");
+    s.cluster = objects::load(&yaml).unwrap().cluster;
+    let mut d = s.desired();
+    let mut a = Applier::new(netlink_with(&ns, no_nft()));
+    a.sync(&d, &s.config, None)
+        .expect("first sync over netlink");
+    assert_same(
+        &listing(&ns),
+        &reference_listing(&s),
+        "after the first netlink sync",
+    );
+    for (eps, affinity) in [
+        (vec!["10.244.1.1"], true),
+        (vec!["10.244.1.1", "10.244.1.5"], false),
+        (vec![], false),
+    ] {
+        let changed = s.set_endpoints(&mut d, &eps, affinity);
+        a.sync(&d, &s.config, Some(&changed)).unwrap_or_else(|e| {
+            panic!(
+                "partial netlink sync to {eps:?}: {e}: {:?}",
+                std::error::Error::source(&e)
+            )
+        });
+        assert_same(
+            &listing(&ns),
+            &reference_listing(&s),
+            &format!("after partial netlink sync to {eps:?}"),
+        );
+    }
+    // A fresh process takes the table over through a netlink listing.
+    let mut b = Applier::new(netlink_with(&ns, no_nft()));
+    let r = b.sync(&d, &s.config, Some(&BTreeSet::new())).unwrap();
+    assert!(r.full);
+    assert_same(
+        &listing(&ns),
+        &reference_listing(&s),
+        "after a netlink take-over",
+    );
+}
+
+#[test]
+fn netlink_errors_name_the_operation_and_change_nothing() {
+    if !require_privileged("netlink_errors_name_the_operation_and_change_nothing") {
+        return;
+    }
+    let ns = Netns::new("nftnlerr").unwrap();
+    let s = Setup::new(&objects(&["10.244.1.1"], false));
+    let mut k = netlink_in(&ns);
+    let mut a = Applier::new(netlink_in(&ns));
+    a.sync(&s.desired(), &s.config, None).unwrap();
+    let before = listing(&ns);
+    use nodeport_proxy::model::IpFamily;
+    use nodeport_proxy::nftables::ruleset::{Op, Transaction};
+    let mut tx = Transaction::default();
+    tx.push(IpFamily::V4, Op::FlushChain("services".into()));
+    tx.push(IpFamily::V4, Op::DeleteChain("no-such-chain".into()));
+    let err = k.apply(&tx).unwrap_err().to_string();
+    assert!(
+        err.contains("delete chain ip kube-proxy no-such-chain"),
+        "{err}"
+    );
+    assert_eq!(listing(&ns), before);
+}

@@ -59,6 +59,7 @@
 
 pub mod apply;
 pub mod names;
+pub mod netlink;
 pub mod render;
 pub mod ruleset;
 pub mod tracer;

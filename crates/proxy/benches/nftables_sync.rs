@@ -1,0 +1,358 @@
+//! nftables sync benchmark on the real kernel, in throwaway network namespaces.
+//!
+//! For 1,000 / 10,000 / 30,000 Services × 10 endpoints it measures, in one run:
+//! * the proxy's full sync (render + transaction + kernel), the first sync on an empty table;
+//! * the raw `nft -f` load of exactly the same rules (the physical reference);
+//! * the same Services in kube-proxy's inline `numgen random mod N vmap { ... }` form;
+//! * at 10,000 (and 30,000): one Service's endpoints changed, from the tracker update (what a
+//!   watch event does) to the rules being in the kernel, median of several changes.
+//!
+//! Run: `cargo bench -p nodeport-proxy --bench nftables_sync` (root; `-- 1000 10000` to choose
+//! sizes; `NODEPORT_BENCH_INLINE=0` skips the slow inline-vmap loads, `NODEPORT_BENCH_NFT=0`
+//! the syncs through the `nft` backend).
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nodeport_proxy::config::{EndpointChoice, NodeConfig};
+use nodeport_proxy::desired::{self, DesiredState, NodeView, StateConfig};
+use nodeport_proxy::model::{
+    Endpoint, EndpointPort, EndpointSlice, IpFamily, Protocol, Service, ServiceName, ServicePort,
+    ServicePortName,
+};
+use nodeport_proxy::nftables::apply::{Applier, Kernel, NftCommand};
+use nodeport_proxy::nftables::netlink::NetlinkKernel;
+use nodeport_proxy::nftables::ruleset::create_all;
+use nodeport_proxy::nodeaddr::NodeFacts;
+use nodeport_proxy::objects::Cluster;
+use nodeport_testbed::Netns;
+
+const ENDPOINTS: usize = 10;
+
+fn ip(a: u32) -> std::net::IpAddr {
+    std::net::IpAddr::V4(std::net::Ipv4Addr::from(a))
+}
+
+/// Service `i`: ClusterIP in 172.16.0.0/12, NodePort, ten endpoints in 10.0.0.0/8.
+fn service(i: usize, generation: u32) -> (ServiceName, Service, ServiceName, EndpointSlice) {
+    let ns = format!("ns{}", i / 100);
+    let name = format!("svc{i}");
+    let port = Arc::new(ServicePort {
+        name: ServicePortName::new(&ns, &name, "http", Protocol::Tcp),
+        cluster_ips: vec![ip(0xAC10_0000 + i as u32)],
+        port: 80,
+        node_port: Some(30000 + (i % 2768) as u16).filter(|_| i < 2768),
+        external_ips: vec![],
+        load_balancer_ips: vec![],
+        load_balancer_source_ranges: vec![],
+        external_policy_local: false,
+        internal_policy_local: false,
+        session_affinity_seconds: None,
+        health_check_node_port: None,
+    });
+    let endpoints = (0..ENDPOINTS)
+        .map(|e| Endpoint {
+            ip: ip(0x0A00_0000 + (i * 16 + e) as u32 + generation * 0x0100_0000),
+            ready: true,
+            serving: true,
+            terminating: false,
+            node_name: Some(format!("node-{}", e % 4).into()),
+            zone: None,
+            zone_hints: vec![],
+            node_hints: vec![],
+        })
+        .collect();
+    (
+        ServiceName::new(&ns, &name),
+        Service { ports: vec![port] },
+        ServiceName::new(&ns, &format!("{name}-abcde")),
+        EndpointSlice {
+            service: ServiceName::new(&ns, &name),
+            family: IpFamily::V4,
+            ports: vec![EndpointPort {
+                name: "http".into(),
+                port: 8080,
+                protocol: Protocol::Tcp,
+            }],
+            endpoints,
+        },
+    )
+}
+
+fn cluster(n: usize) -> Cluster {
+    let mut c = Cluster::new();
+    for i in 0..n {
+        let (sk, s, ek, e) = service(i, 0);
+        c.update_service(sk, Some(s));
+        c.update_slice(ek, Some(e));
+    }
+    c.take_changes();
+    c
+}
+
+fn facts() -> NodeFacts {
+    NodeFacts {
+        node_ips: vec![ip(0xC000_020A)],
+        local_ips: vec![ip(0xC000_020A)],
+    }
+}
+
+fn state_config() -> StateConfig {
+    StateConfig {
+        families: vec![IpFamily::V4],
+        ..Default::default()
+    }
+}
+
+fn node_config(choice: EndpointChoice) -> NodeConfig {
+    NodeConfig {
+        cluster_cidrs: vec!["10.0.0.0/8".parse().unwrap()],
+        endpoint_choice: choice,
+        ..Default::default()
+    }
+}
+
+fn nft_in(ns: &Netns) -> NftCommand {
+    NftCommand {
+        program: "ip".into(),
+        args: vec![
+            "netns".into(),
+            "exec".into(),
+            ns.name().into(),
+            "nft".into(),
+        ],
+    }
+}
+
+fn secs(d: Duration) -> String {
+    format!("{:.3} s", d.as_secs_f64())
+}
+
+/// Loads `text` with `nft -f` into a fresh namespace; returns the wall time of nft alone.
+fn raw_load(text: &str) -> Duration {
+    let ns = Netns::new("bench-raw").unwrap();
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), text).unwrap();
+    let t = Instant::now();
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", ns.name(), "nft", "-f"])
+        .arg(file.path())
+        .output()
+        .unwrap();
+    let took = t.elapsed();
+    assert!(
+        out.status.success(),
+        "nft -f failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    took
+}
+
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn bench_size(n: usize, inline: bool) {
+    println!("== {n} Services x {ENDPOINTS} endpoints ==");
+    let mut c = cluster(n);
+    let t = Instant::now();
+    let mut d: DesiredState =
+        desired::build(&c, NodeView::named("node-0"), &facts(), &state_config());
+    let build = t.elapsed();
+    let config = node_config(EndpointChoice::Cascade);
+    let t = Instant::now();
+    let ruleset = nodeport_proxy::nftables::render(&d, &config);
+    let text = create_all(&ruleset).to_nft();
+    let render = t.elapsed();
+    let lines = text.lines().count();
+    drop(ruleset);
+    println!(
+        "desired state: {}   render + transaction text: {}   ({lines} commands)",
+        secs(build),
+        secs(render)
+    );
+
+    // The raw load of the same rules: the physical reference.
+    let raw = raw_load(&text);
+    drop(text);
+    println!("raw nft -f of the rules: {}", secs(raw));
+
+    // The proxy's full sync into an empty table, through `nft -f` (when asked) and netlink.
+    if std::env::var("NODEPORT_BENCH_NFT").as_deref() != Ok("0") {
+        let ns = Netns::new("bench-sync-nft").unwrap();
+        let mut applier = Applier::new(nft_in(&ns));
+        let t = Instant::now();
+        assert!(applier.sync(&d, &config, None).expect("full sync").full);
+        let full = t.elapsed();
+        println!(
+            "full sync, nft backend: {}   ratio to raw nft -f {:.2}",
+            secs(full),
+            full.as_secs_f64() / raw.as_secs_f64()
+        );
+        if n >= 10_000 {
+            one_change(n, &mut c, &mut d, &config, &mut applier, "nft");
+        }
+    }
+    let ns = Netns::new("bench-sync").unwrap();
+    let kernel = NetlinkKernel::in_namespace(
+        &std::path::Path::new("/run/netns").join(ns.name()),
+        nft_in(&ns),
+    )
+    .unwrap();
+    let mut applier = Applier::new(Timed {
+        inner: kernel,
+        applies: Vec::new(),
+    });
+    let t = Instant::now();
+    let r = applier.sync(&d, &config, None).expect("full sync");
+    let full = t.elapsed();
+    assert!(r.full);
+    assert_eq!(
+        applier.kernel().inner.fallbacks(),
+        0,
+        "everything went over netlink"
+    );
+    println!(
+        "full sync, netlink backend: {}   ratio to raw nft -f {:.2}",
+        secs(full),
+        full.as_secs_f64() / raw.as_secs_f64()
+    );
+
+    // The inline form is superlinear: 3 minutes at 10,000 here; not tried beyond.
+    if inline && n <= 10_000 {
+        let vmap = create_all(&nodeport_proxy::nftables::render(
+            &d,
+            &node_config(EndpointChoice::InlineVmap),
+        ))
+        .to_nft();
+        let raw_vmap = raw_load(&vmap);
+        println!(
+            "raw nft -f, kube-proxy's inline numgen vmap form: {}",
+            secs(raw_vmap)
+        );
+    }
+
+    if n >= 10_000 {
+        applier.kernel_mut().applies.clear();
+        one_change(n, &mut c, &mut d, &config, &mut applier, "netlink");
+        let applies: Vec<String> = applier
+            .kernel()
+            .applies
+            .iter()
+            .map(|d| format!("{:.1}", d.as_secs_f64() * 1e3))
+            .collect();
+        println!(
+            "  kernel transactions of those changes (ms; main, then stale-chain deletion): {}",
+            applies.join(" ")
+        );
+        // No change at all: the periodic partial sync.
+        let t = Instant::now();
+        applier.sync(&d, &config, Some(&BTreeSet::new())).unwrap();
+        println!(
+            "sync with nothing changed: {:.1} ms",
+            t.elapsed().as_secs_f64() * 1e3
+        );
+    }
+    println!(
+        "bench process RSS with this state: {} MiB",
+        rss_kib() / 1024
+    );
+    let _ = applier.kernel_mut().list(IpFamily::V4);
+}
+
+/// A kernel that records how long its transactions take.
+struct Timed<K> {
+    inner: K,
+    applies: Vec<Duration>,
+}
+
+impl<K: Kernel> Kernel for Timed<K> {
+    fn apply(
+        &mut self,
+        tx: &nodeport_proxy::nftables::ruleset::Transaction,
+    ) -> Result<(), nodeport_proxy::nftables::apply::KernelError> {
+        let t = Instant::now();
+        let r = self.inner.apply(tx);
+        self.applies.push(t.elapsed());
+        r
+    }
+
+    fn list(
+        &mut self,
+        family: IpFamily,
+    ) -> Result<
+        Option<nodeport_proxy::nftables::apply::Existing>,
+        nodeport_proxy::nftables::apply::KernelError,
+    > {
+        self.inner.list(family)
+    }
+}
+
+/// One Service's endpoints replaced, from the tracker update (what a watch event does) to
+/// the rules being in the kernel.
+fn one_change<K: Kernel>(
+    n: usize,
+    c: &mut Cluster,
+    d: &mut DesiredState,
+    config: &NodeConfig,
+    applier: &mut Applier<K>,
+    backend: &str,
+) {
+    let mut samples = Vec::new();
+    for k in 0..9u32 {
+        let i = (k as usize * 7919) % n;
+        let (_, _, ek, e) = service(i, k + 1 + if backend == "nft" { 20 } else { 0 });
+        let t = Instant::now();
+        c.update_slice(ek, Some(e));
+        let changes = c.take_changes();
+        let changed = d.refresh_services(c, NodeView::named("node-0"), &changes.services);
+        let r = applier
+            .sync(d, config, Some(&changed))
+            .expect("partial sync");
+        samples.push(t.elapsed());
+        assert!(!r.full);
+    }
+    samples.sort();
+    println!(
+        "one Service changed (event -> rules in kernel), {backend} backend: median {:.1} ms, min {:.1} ms, max {:.1} ms",
+        samples[samples.len() / 2].as_secs_f64() * 1e3,
+        samples[0].as_secs_f64() * 1e3,
+        samples[samples.len() - 1].as_secs_f64() * 1e3
+    );
+}
+
+fn main() {
+    if !nodeport_testbed::require_privileged("nftables_sync bench") {
+        return;
+    }
+    let sizes: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let sizes = if sizes.is_empty() {
+        vec![1_000, 10_000, 30_000]
+    } else {
+        sizes
+    };
+    let inline = std::env::var("NODEPORT_BENCH_INLINE").as_deref() != Ok("0");
+    println!(
+        "nft: {}",
+        String::from_utf8_lossy(
+            &std::process::Command::new("nft")
+                .arg("--version")
+                .output()
+                .unwrap()
+                .stdout
+        )
+        .trim()
+    );
+    for n in sizes {
+        bench_size(n, inline);
+    }
+}
