@@ -1,8 +1,8 @@
-//! `nodeport lab`, and the two hidden subcommands the lab starts inside its namespaces
-//! (`nodeport pod-server`, `nodeport relay`): they are processes of their own so that
-//! `nodeport lab --keep` can leave them running.
+//! `nodeport lab`, and the hidden `nodeport pod-server` the lab starts inside each pod's
+//! namespace: pods are processes of their own so that `nodeport lab --keep` can leave them
+//! running.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr};
 
 use crate::lab::{self, Config, ProxyMode, interrupt::Interrupt};
 
@@ -94,21 +94,4 @@ pub fn run_pod_server(args: PodServerArgs) -> anyhow::Result<()> {
     let server = nodeport_testbed::server::Server::start(config)?;
     tracing::info!(pod = %args.name, http = args.http, "pod server listening");
     server.wait()
-}
-
-/// Flags of the hidden `nodeport relay`: the lab's plain TCP relay to the API server.
-#[derive(Debug, clap::Args)]
-pub struct RelayArgs {
-    /// Address to accept connections on.
-    #[arg(long)]
-    listen: SocketAddr,
-    /// Address to relay each connection to.
-    #[arg(long)]
-    connect: SocketAddr,
-}
-
-/// Relays until killed (see [`crate::lab::relay`]).
-pub fn run_relay(args: RelayArgs) -> anyhow::Result<()> {
-    lab::relay::run(args.listen, args.connect)
-        .map_err(|err| anyhow::anyhow!(err).context(format!("relay on {}", args.listen)))
 }

@@ -36,9 +36,6 @@ pub enum Command {
     /// A pod of the lab's deployment: an HTTP server answering like nginx's welcome page.
     #[command(hide = true)]
     PodServer(lab::PodServerArgs),
-    /// The lab's TCP relay to its API server.
-    #[command(hide = true)]
-    Relay(lab::RelayArgs),
 }
 
 /// Runs one subcommand to completion.
@@ -50,6 +47,5 @@ pub fn run(command: Command) -> anyhow::Result<()> {
         Command::Lab(args) => lab::run(args),
         Command::Up(args) => up::run(args),
         Command::PodServer(args) => lab::run_pod_server(args),
-        Command::Relay(args) => lab::run_relay(args),
     }
 }

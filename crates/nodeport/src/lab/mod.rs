@@ -15,10 +15,10 @@
 
 pub mod interrupt;
 pub mod objects;
+pub mod pki;
 pub mod plan;
 pub mod preflight;
 pub mod processes;
-pub mod relay;
 pub mod state;
 pub mod topology;
 pub mod verdict;
@@ -32,7 +32,7 @@ use anyhow::{Context, bail};
 use nodeport_testbed::{Lan, Netns, probe};
 
 use interrupt::Interrupt;
-use plan::{API_PORT, CLIENT_IP, CLUSTER_CIDR, Plan, Role};
+use plan::{API_PORT, CLIENT_IP, CLUSTER_CIDR, Plan};
 use processes::Processes;
 use state::{LabDir, State};
 use verdict::{NodeResult, Reach, Verdict};
@@ -261,8 +261,9 @@ impl Lab {
         interrupt.check()?;
 
         self.progress(&format!(
-            "API server on {} (127.0.0.1:{API_PORT}, embedded store), relays from every node",
-            self.plan.control_plane().name
+            "API server on {} (https://{}:{API_PORT}, TLS and tokens, embedded store)",
+            self.plan.control_plane().name,
+            self.plan.control_plane().ip
         ));
         self.start_api()?;
         self.wait_api(interrupt)?;
@@ -342,69 +343,88 @@ impl Lab {
         Ok(())
     }
 
-    /// Starts the API server in the control-plane namespace and the relays to it.
+    /// Makes the lab's credentials and starts the API server on the control plane's node
+    /// address, with TLS and token authentication, as kube-apiserver runs in a kubeadm
+    /// cluster.
     fn start_api(&mut self) -> anyhow::Result<()> {
-        std::fs::write(self.dir.join("kubeconfig"), kubeconfig()).context("write kubeconfig")?;
-        let data_dir = self.dir.join("apiserver-data");
-        let args = os_args(&["apiserver", "--bind-address", "127.0.0.1", "--port"])
-            .into_iter()
-            .chain([
-                OsString::from(API_PORT.to_string()),
-                "--data-dir".into(),
-                data_dir.into_os_string(),
-            ])
-            .collect::<Vec<_>>();
+        let cp = self.plan.control_plane();
+        let pki_dir = self.dir.join("pki");
+        std::fs::create_dir_all(&pki_dir).context("create the pki directory")?;
+        let cert = pki::serving_cert(
+            &self.plan.id,
+            &[cp.name.as_str(), "kubernetes", "localhost"],
+            &[IpAddr::V4(cp.ip), IpAddr::V4(Ipv4Addr::LOCALHOST)],
+        )
+        .context("issue the API server's certificate")?;
+        let (ca, cert_file, key_file, tokens_file) = (
+            pki_dir.join("ca.pem"),
+            pki_dir.join("apiserver.pem"),
+            pki_dir.join("apiserver-key.pem"),
+            pki_dir.join("tokens.csv"),
+        );
+        std::fs::write(&ca, &cert.ca_pem)?;
+        std::fs::write(&cert_file, &cert.cert_pem)?;
+        std::fs::write(&key_file, &cert.key_pem)?;
+        // kubeadm's identities: the admin in system:masters, kube-proxy in system:node-proxier.
+        let (admin, proxy) = (pki::token()?, pki::token()?);
+        std::fs::write(
+            &tokens_file,
+            pki::token_line(&admin, "kubernetes-admin", &["system:masters"])
+                + &pki::token_line(&proxy, "system:kube-proxy", &["system:node-proxier"]),
+        )?;
+        let server = format!("https://{}:{API_PORT}", cp.ip);
+        let ca_text = ca.display().to_string();
+        std::fs::write(
+            self.dir.join("kubeconfig"),
+            pki::kubeconfig(&server, &ca_text, "kubernetes-admin", &admin),
+        )?;
+        std::fs::write(
+            self.dir.join("kube-proxy.kubeconfig"),
+            pki::kubeconfig(&server, &ca_text, "system:kube-proxy", &proxy),
+        )?;
+        let mut args = os_args(&[
+            "apiserver",
+            "--bind-address",
+            &cp.ip.to_string(),
+            "--port",
+            &API_PORT.to_string(),
+        ]);
+        for (flag, path) in [
+            ("--tls-cert-file", &cert_file),
+            ("--tls-private-key-file", &key_file),
+            ("--token-auth-file", &tokens_file),
+            ("--data-dir", &self.dir.join("apiserver-data")),
+        ] {
+            args.push(flag.into());
+            args.push(path.clone().into_os_string());
+        }
         let log = self.dir.log("apiserver");
         self.processes
             .start(&self.plan.id, &self.nodes[0], "apiserver", &args, &log)?;
-        let loopback = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), API_PORT);
-        let cp_addr = SocketAddr::new(IpAddr::V4(self.plan.control_plane().ip), API_PORT);
-        for (i, node) in self.plan.nodes.iter().enumerate() {
-            // The control plane relays its node address to its loopback; workers relay their
-            // loopback to the control plane's node address.
-            let (listen, connect) = if node.role == Role::ControlPlane {
-                (cp_addr, loopback)
-            } else {
-                (loopback, cp_addr)
-            };
-            let args = os_args(&[
-                "relay",
-                "--listen",
-                &listen.to_string(),
-                "--connect",
-                &connect.to_string(),
-            ]);
-            let name = format!("relay-{}", node.name);
-            let log = self.dir.log(&name);
-            self.processes
-                .start(&self.plan.id, &self.nodes[i], &name, &args, &log)?;
-        }
         Ok(())
     }
 
-    /// Waits until the API server answers `/readyz` with 200.
+    /// Waits until the API server accepts connections, then checks that kubectl gets `ok`
+    /// from `/readyz` over TLS with the admin token.
     fn wait_api(&mut self, interrupt: &Interrupt) -> anyhow::Result<()> {
         let start = Instant::now();
-        let to = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), API_PORT);
+        let to = SocketAddr::new(IpAddr::V4(self.plan.control_plane().ip), API_PORT);
         let mut last = String::new();
         while start.elapsed() < API_READY_TIMEOUT {
             interrupt.check()?;
             self.check_processes()?;
-            match probe::http_get(
-                self.control_plane(),
-                None,
-                to,
-                "/readyz",
-                Duration::from_secs(1),
-            ) {
-                Ok(answer) if answer.status == 200 => {
-                    println!("  ready in {:.1}s", start.elapsed().as_secs_f64());
-                    return Ok(());
+            match probe::tcp_connect(self.control_plane(), to, Duration::from_secs(1)) {
+                Ok(_) => {
+                    let ready = self.kubectl(&["get", "--raw", "/readyz"])?;
+                    if ready.trim() == "ok" {
+                        println!("  ready in {:.1}s", start.elapsed().as_secs_f64());
+                        return Ok(());
+                    }
+                    last = format!("/readyz answered {:?}", ready.trim());
                 }
-                Ok(answer) => last = format!("/readyz answered {}", answer.status),
                 Err(err) => last = error_chain(&err),
             }
-            interrupt.sleep(Duration::from_millis(200))?;
+            interrupt.sleep(Duration::from_millis(100))?;
         }
         bail!(
             "the API server did not become ready in {}s ({last}); last lines of {}:\n{}",
@@ -429,7 +449,7 @@ impl Lab {
     /// Starts `nodeport proxy` in every node namespace, configured as kube-proxy on a kind
     /// node: its own kubeconfig, its node name, the cluster's pod network.
     fn start_proxies(&mut self, mode: ProxyMode) -> anyhow::Result<()> {
-        let kubeconfig = self.dir.join("kubeconfig");
+        let kubeconfig = self.dir.join("kube-proxy.kubeconfig");
         for i in 0..self.plan.nodes.len() {
             let node = self.plan.nodes[i].name.clone();
             let mut args = os_args(&["proxy", "--kubeconfig"]);
@@ -710,7 +730,7 @@ impl Lab {
         std::fs::write(
             &kubectl,
             format!(
-                "#!/bin/sh\n# kubectl against lab {id}'s API server (inside its control-plane \
+                "#!/bin/sh\n# kubectl against lab {id}'s API server (run inside its control-plane \
                  namespace).\nexec ip netns exec {cp} kubectl --kubeconfig {kc} --cache-dir {cache} \"$@\"\n",
                 id = self.plan.id,
                 kc = self.dir.join("kubeconfig").display(),
@@ -760,7 +780,8 @@ impl Lab {
             println!("    ip netns exec {ns:width$} bash    # {what}");
         }
         println!(
-            "  kubectl (the API server listens on 127.0.0.1:{API_PORT} in the control plane):"
+            "  kubectl (the API server is https://{}:{API_PORT}; kubeconfig with the admin token):",
+            self.plan.control_plane().ip
         );
         println!("    {} get svc,ep", kubectl.display());
         println!(
@@ -809,17 +830,6 @@ impl Drop for Lab {
     }
 }
 
-/// The kubeconfig every proxy and the lab's kubectl use: plain HTTP to the API server on
-/// the node's own loopback (the control plane's, or a worker's relay to it).
-fn kubeconfig() -> String {
-    format!(
-        "apiVersion: v1\nkind: Config\nclusters:\n- name: nodeport-lab\n  cluster:\n    server: \
-         http://127.0.0.1:{API_PORT}\ncontexts:\n- name: nodeport-lab\n  context:\n    cluster: \
-         nodeport-lab\n    user: nodeport-lab\ncurrent-context: nodeport-lab\nusers:\n- name: \
-         nodeport-lab\n  user: {{}}\n"
-    )
-}
-
 fn os_args(args: &[&str]) -> Vec<OsString> {
     args.iter().map(OsString::from).collect()
 }
@@ -860,12 +870,5 @@ mod tests {
         let listing = "Chain KUBE-NODEPORTS (1 references)\n pkts bytes target     prot opt in     out     source               destination\n    1    60 KUBE-EXT-LOLE4ISW44XBNF3G  tcp  --  *      *       0.0.0.0/0            0.0.0.0/0            /* default/web */ tcp dpt:30510\n    0     0 KUBE-SVC-AAAA  tcp  --  *      *       0.0.0.0/0            0.0.0.0/0            /* default/other */ tcp dpt:30999\n";
         assert_eq!(chains_in(listing, "30510"), ["KUBE-EXT-LOLE4ISW44XBNF3G"]);
         assert_eq!(chains_in(listing, "").len(), 2);
-    }
-
-    #[test]
-    fn the_kubeconfig_points_at_the_local_api_endpoint_over_plain_http() {
-        let text = kubeconfig();
-        assert!(text.contains("server: http://127.0.0.1:6443\n"));
-        assert!(text.contains("current-context: nodeport-lab\n"));
     }
 }

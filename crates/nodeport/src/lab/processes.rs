@@ -1,4 +1,4 @@
-//! The lab's long-running processes (API server, relays, proxies, pod servers): each is the
+//! The lab's long-running processes (API server, proxies, pod servers): each is the
 //! `nodeport` binary itself, started inside a namespace with `ip netns exec`, in its own
 //! process group (a Ctrl-C at the terminal reaches the lab, which tears down in order, not
 //! every process at once), with its output in a log file, so that `--keep` can leave it
