@@ -67,6 +67,30 @@ fn nodeport_reaches_all_three_pods_and_is_refused_once_endpoints_are_gone() {
 }
 
 #[test]
+fn a_rule_deleted_by_hand_is_restored_by_the_periodic_resync() {
+    if !privileged("a_rule_deleted_by_hand_is_restored_by_the_periodic_resync") {
+        return;
+    }
+    let c = Cluster::start(&["--sync-period", "2s"]);
+    c.apply(&service_yaml("web", 30088, "", &[1])).unwrap();
+    let to = format!("{NODE_IP}:30088");
+    eventually(&c.client, &to, "the NodePort answers", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+    c.node
+        .run(&["nft", "flush", "chain", "ip", "kube-proxy", "services"])
+        .unwrap();
+    assert_eq!(
+        get(&c.client, &to, T),
+        Reply::Refused,
+        "the hand edit broke the NodePort"
+    );
+    eventually(&c.client, &to, "the periodic resync repairs it", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+}
+
+#[test]
 fn etp_local_drops_without_a_local_endpoint_and_keeps_the_client_ip_with_one() {
     if !privileged("etp_local_drops_without_a_local_endpoint_and_keeps_the_client_ip_with_one") {
         return;

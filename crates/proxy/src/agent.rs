@@ -59,8 +59,9 @@ pub struct ProxyConfig {
     pub sync_period: Duration,
     /// `--min-sync-period` (default 1 s): at most one sync per this interval.
     pub min_sync_period: Duration,
-    /// Every how often a periodic sync is a full one (rewriting every chain, which corrects
-    /// drift); default: every periodic sync.
+    /// Every how often a periodic sync is full (rewriting every chain) even without drift:
+    /// kube-proxy's `FullSyncPeriod`, one hour. Any sync is also full when the nf_tables
+    /// generation moved since our last commit (someone else changed the ruleset).
     pub full_sync_period: Duration,
     /// How often the node's interface addresses are dumped (default 1 s).
     pub address_poll_interval: Duration,
@@ -80,7 +81,7 @@ impl Default for ProxyConfig {
             metrics_bind_address: Some(SocketAddr::from(([127, 0, 0, 1], 10249))),
             sync_period: Duration::from_secs(30),
             min_sync_period: Duration::from_secs(1),
-            full_sync_period: Duration::from_secs(30),
+            full_sync_period: Duration::from_secs(3600),
             address_poll_interval: Duration::from_secs(1),
             nft: NftCommand::default(),
         }
@@ -655,14 +656,20 @@ async fn sync_loop(shared: Arc<Shared>, engine: Arc<Mutex<Engine>>, config: Prox
         if periodic {
             next_periodic = tokio::time::Instant::now() + config.sync_period;
         }
-        let full = periodic && Instant::now() >= next_full;
-        if full {
+        let due = periodic && Instant::now() >= next_full;
+        if due {
             next_full = Instant::now() + config.full_sync_period;
         }
         let started = Instant::now();
         let (e, s) = (engine.clone(), shared.clone());
-        let result =
-            tokio::task::spawn_blocking(move || e.lock().expect("engine").sync(&s, full)).await;
+        let result = tokio::task::spawn_blocking(move || {
+            let mut engine = e.lock().expect("engine");
+            // Every sync detects drift itself (the nf_tables generation); a kernel interface
+            // that cannot tell (the `nft` command) gets a full resync on every period.
+            let full = due || (periodic && !engine.applier.detects_drift());
+            engine.sync(&s, full)
+        })
+        .await;
         let elapsed = started.elapsed().as_secs_f64();
         let metrics = &shared.metrics;
         match result {

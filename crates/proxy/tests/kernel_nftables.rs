@@ -410,6 +410,20 @@ fn netlink_batches_program_exactly_what_nft_would() {
             &format!("after partial netlink sync to {eps:?}"),
         );
     }
+    // Drift: nothing moved after our own commits; a hand edit moves the generation.
+    assert!(!a.drifted());
+    ns.run(&["nft", "flush", "chain", "ip", "kube-proxy", "services"])
+        .unwrap();
+    assert!(a.drifted());
+    a.request_full_sync();
+    a.sync(&d, &s.config, Some(&BTreeSet::new())).unwrap();
+    assert!(!a.drifted());
+    assert_same(
+        &listing(&ns),
+        &reference_listing(&s),
+        "after repairing the hand edit",
+    );
+
     // A fresh process takes the table over through a netlink listing.
     let mut b = Applier::new(netlink_with(&ns, no_nft()));
     let r = b.sync(&d, &s.config, Some(&BTreeSet::new())).unwrap();

@@ -198,7 +198,6 @@ fn configure(args: &Args) -> anyhow::Result<(ProxyConfig, Option<PathBuf>)> {
         metrics_bind_address: metrics,
         sync_period,
         min_sync_period,
-        full_sync_period: sync_period,
         ..defaults
     };
     Ok((config, kubeconfig))

@@ -153,7 +153,10 @@ impl Cluster {
             "127.0.0.1:10249",
         ])
         .args(&self.proxy_args)
-        .env("NODEPORT_LOG", "warn");
+        .env(
+            "NODEPORT_LOG",
+            std::env::var("NODEPORT_TEST_PROXY_LOG").unwrap_or_else(|_| "warn".into()),
+        );
         self.proxy = Some(self.node.spawn(&mut cmd).unwrap());
         wait_until("the proxy is healthy", Duration::from_secs(20), || {
             self.node_http("127.0.0.1:10256", "/healthz")

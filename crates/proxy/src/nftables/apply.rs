@@ -80,6 +80,12 @@ pub trait Kernel: Send {
 
     /// Lists the `kube-proxy` table of `family` (`None`: no such table).
     fn list(&mut self, family: IpFamily) -> Result<Option<Existing>, KernelError>;
+
+    /// The network namespace's nf_tables generation, bumped by every commit of anyone
+    /// (`None`: this kernel interface cannot tell, so drift must be assumed).
+    fn generation(&mut self) -> Option<u32> {
+        None
+    }
 }
 
 impl Kernel for Box<dyn Kernel> {
@@ -89,6 +95,10 @@ impl Kernel for Box<dyn Kernel> {
 
     fn list(&mut self, family: IpFamily) -> Result<Option<Existing>, KernelError> {
         (**self).list(family)
+    }
+
+    fn generation(&mut self) -> Option<u32> {
+        (**self).generation()
     }
 }
 
@@ -246,6 +256,9 @@ pub struct FakeKernel {
     pub fail_next: usize,
     /// Every transaction applied successfully, in order.
     pub history: Vec<Transaction>,
+    /// The generation: bumped by every successful transaction (tests bump it to play
+    /// another tool changing the ruleset).
+    pub generation: u32,
 }
 
 fn refs_of_rule(rule: &Rule) -> Vec<&str> {
@@ -459,7 +472,12 @@ impl Kernel for FakeKernel {
         }
         self.tables = next;
         self.history.push(tx.clone());
+        self.generation += 1;
         Ok(())
+    }
+
+    fn generation(&mut self) -> Option<u32> {
+        Some(self.generation)
     }
 
     fn list(&mut self, family: IpFamily) -> Result<Option<Existing>, KernelError> {
@@ -557,6 +575,8 @@ pub struct Applier<K: Kernel> {
     stale: BTreeMap<(IpFamily, String), Instant>,
     /// What we remember may differ from the kernel (a failed sync): list it again.
     relist: bool,
+    /// The nf_tables generation right after our last successful sync.
+    generation: Option<u32>,
 }
 
 impl<K: Kernel> Applier<K> {
@@ -569,7 +589,23 @@ impl<K: Kernel> Applier<K> {
             recreated_base: false,
             stale: BTreeMap::new(),
             relist: true,
+            generation: None,
         }
+    }
+
+    /// Whether anything changed nf_tables in this namespace since our last sync (someone
+    /// editing our table by hand, or any other tool committing anything): the next sync is
+    /// then a full one. Without a generation to compare it cannot tell and says no.
+    pub fn drifted(&mut self) -> bool {
+        match self.generation {
+            Some(g) => self.kernel.generation() != Some(g),
+            None => false,
+        }
+    }
+
+    /// Whether [`Applier::drifted`] can tell (the kernel interface reports generations).
+    pub fn detects_drift(&self) -> bool {
+        self.generation.is_some()
     }
 
     /// The kernel.
@@ -606,7 +642,13 @@ impl<K: Kernel> Applier<K> {
         config: &NodeConfig,
         changed: Option<&BTreeSet<ServicePortName>>,
     ) -> Result<SyncReport, Error> {
-        let full = self.need_full || changed.is_none();
+        // Anyone else's commit since ours (a rule deleted by hand, another tool) makes this
+        // sync a full one, which rewrites everything we own.
+        let drifted = changed.is_some() && !self.need_full && self.drifted();
+        if drifted {
+            tracing::info!("nftables changed since our last sync; resyncing fully");
+        }
+        let full = self.need_full || changed.is_none() || drifted;
         let mut report = SyncReport {
             full,
             ..Default::default()
@@ -641,6 +683,7 @@ impl<K: Kernel> Applier<K> {
                 // Delete what became unreferenced right away; a kernel older than 6.2 may
                 // still see references and refuse, then the next sync retries.
                 report.deleted_chains += self.cleanup(&mut report);
+                self.generation = self.kernel.generation();
                 Ok(report)
             }
             Err(e) => {

@@ -46,6 +46,8 @@ const NFT_MSG_GETSET: u16 = 10;
 const NFT_MSG_DELSET: u16 = 11;
 const NFT_MSG_NEWSETELEM: u16 = 12;
 const NFT_MSG_DELSETELEM: u16 = 14;
+const NFT_MSG_NEWGEN: u16 = 15;
+const NFT_MSG_GETGEN: u16 = 16;
 
 const NLM_F_REQUEST: u16 = 0x1;
 const NLM_F_ACK: u16 = 0x4;
@@ -1116,6 +1118,37 @@ impl Kernel for NetlinkKernel {
             "nf_tables refused the transaction: {}",
             text.join("; ")
         )))
+    }
+
+    fn generation(&mut self) -> Option<u32> {
+        self.seq += 1;
+        let seq = self.seq;
+        let mut b = Buf { b: Vec::new() };
+        let m = b.begin(
+            (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETGEN,
+            NLM_F_REQUEST,
+            seq,
+            0,
+            0,
+        );
+        b.end(m);
+        self.send(&b.b).ok()?;
+        let mut id = None;
+        self.receive(|ty, s, _, payload| {
+            if s != seq {
+                return false;
+            }
+            if ty == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWGEN && payload.len() >= 4 {
+                id = attrs(&payload[4..])
+                    .iter()
+                    .find(|(t, _)| *t == 1) // NFTA_GEN_ID
+                    .and_then(|(_, v)| v.get(..4))
+                    .map(|v| u32::from_be_bytes(v.try_into().expect("4 bytes")));
+            }
+            true
+        })
+        .ok()?;
+        id
     }
 
     fn list(&mut self, family: IpFamily) -> Result<Option<Existing>, KernelError> {

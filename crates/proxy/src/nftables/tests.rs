@@ -730,3 +730,17 @@ fn switching_nodeport_addresses_to_match_all_in_a_partial_sync_removes_the_set()
         3
     );
 }
+
+#[test]
+fn another_tool_committing_to_nftables_is_seen_as_drift_and_our_own_syncs_are_not() {
+    let w = World::new(&web("", THREE_ENDPOINTS));
+    let (mut a, d) = applier_with(&w);
+    assert!(!a.drifted());
+    a.sync(&d, &w.config, Some(&BTreeSet::new())).unwrap();
+    assert!(!a.drifted(), "our own transactions are not drift");
+    a.kernel_mut().generation += 1;
+    assert!(a.drifted());
+    a.request_full_sync();
+    a.sync(&d, &w.config, None).unwrap();
+    assert!(!a.drifted());
+}
