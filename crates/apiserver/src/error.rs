@@ -481,9 +481,16 @@ impl From<storage::Error> for ApiError {
             ),
             storage::Error::WatcherLagged { .. } => ApiError::expired(err.to_string()),
             storage::Error::Closed => ApiError::unavailable(err.to_string()),
-            storage::Error::Redb { .. } | storage::Error::Corrupt { .. } => {
-                ApiError::internal(crate::report(&err))
-            }
+            storage::Error::Unavailable { .. } => ApiError::unavailable(err.to_string()),
+            storage::Error::Timeout { .. } => ApiError::new(
+                504,
+                "Timeout",
+                format!("Timeout: request did not complete within the allowed time: {err}"),
+            ),
+            storage::Error::Redb { .. }
+            | storage::Error::Corrupt { .. }
+            | storage::Error::Backend { .. }
+            | storage::Error::InvalidBatch(_) => ApiError::internal(crate::report(&err)),
         }
     }
 }

@@ -41,6 +41,8 @@ pub use rest::{AppState, router};
 
 use crate::registry::Registry;
 use crate::registry::service::ServiceRanges;
+use crate::storage::Backend;
+use crate::storage::etcd::EtcdBackend;
 use crate::storage::redb::RedbBackend;
 use crate::store::{Ranges, Store};
 
@@ -68,6 +70,11 @@ pub struct Config {
     pub tls_cert_file: Option<PathBuf>,
     /// `--tls-private-key-file`: PEM private key of the certificate.
     pub tls_private_key_file: Option<PathBuf>,
+    /// `--etcd-servers`: when not empty, the API is stored in etcd instead of `data_dir`.
+    pub etcd_servers: Vec<String>,
+    /// How often the allocation bitmaps are compared with the stored Services (and leaks freed);
+    /// also once at start. Default 3 minutes.
+    pub allocation_check_interval: std::time::Duration,
     /// `--token-auth-file`: bearer tokens (kube-apiserver's CSV); when set, every request but the
     /// health checks needs one.
     pub token_auth_file: Option<PathBuf>,
@@ -87,6 +94,8 @@ impl Default for Config {
             tls_cert_file: None,
             tls_private_key_file: None,
             token_auth_file: None,
+            etcd_servers: Vec::new(),
+            allocation_check_interval: std::time::Duration::from_secs(180),
         }
     }
 }
@@ -112,6 +121,9 @@ pub enum Error {
         #[source]
         source: storage::Error,
     },
+    /// The etcd client could not be set up.
+    #[error("cannot use etcd")]
+    Etcd(#[source] storage::Error),
     /// The first-start objects or the bitmaps could not be written.
     #[error("bootstrap failed")]
     Bootstrap(#[source] error::ApiError),
@@ -177,10 +189,10 @@ fn service_ranges(config: &Config) -> Result<ServiceRanges, Error> {
     })
 }
 
-async fn state_over(backend: RedbBackend, config: &Config) -> Result<AppState, Error> {
+async fn state_over(backend: Arc<dyn Backend>, config: &Config) -> Result<AppState, Error> {
     let ranges = service_ranges(config)?;
     let store = Store::start(
-        Arc::new(backend),
+        backend,
         &config.prefix,
         Ranges {
             node_ports: ranges.node_ports,
@@ -189,31 +201,52 @@ async fn state_over(backend: RedbBackend, config: &Config) -> Result<AppState, E
     );
     let registry = Registry::new(store, ranges);
     registry.bootstrap().await.map_err(Error::Bootstrap)?;
-    match registry.verify().await {
+    match registry.verify_and_repair().await {
         Ok(v) if v.is_consistent() => {
             tracing::info!(
                 services = v.services,
                 "allocation bitmaps match the stored Services"
             );
         }
-        Ok(v) => tracing::error!(?v, "allocation bitmaps differ from the stored Services"),
+        Ok(_) => {}
         Err(err) => tracing::error!(error = %err, "allocation check failed"),
     }
+    let checker = registry.clone();
+    let interval = config.allocation_check_interval;
+    tokio::spawn(async move {
+        let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
+        loop {
+            ticker.tick().await;
+            if let Err(err) = checker.verify_and_repair().await {
+                tracing::warn!(error = %err, "allocation check failed");
+            }
+        }
+    });
     Ok(AppState {
         registry,
         config: Arc::new(config.rest.clone()),
     })
 }
 
-/// Opens the embedded store in `config.data_dir` and bootstraps it.
+/// Opens the store (etcd if `config.etcd_servers` is set, the embedded store in
+/// `config.data_dir` if not) and bootstraps it.
 pub async fn open(config: &Config) -> Result<AppState, Error> {
+    if !config.etcd_servers.is_empty() {
+        let backend = EtcdBackend::connect(
+            storage::etcd::Config::new(config.etcd_servers.clone()),
+            &config.prefix,
+        )
+        .await
+        .map_err(Error::Etcd)?;
+        return state_over(Arc::new(backend), config).await;
+    }
     std::fs::create_dir_all(&config.data_dir).map_err(|source| Error::DataDir {
         path: config.data_dir.clone(),
         source,
     })?;
     let path = config.data_dir.join(DATA_FILE);
     let backend = open_redb(&path, config)?;
-    state_over(backend, config).await
+    state_over(Arc::new(backend), config).await
 }
 
 fn open_redb(path: &Path, config: &Config) -> Result<RedbBackend, Error> {
@@ -233,7 +266,7 @@ pub async fn in_memory(config: &Config) -> Result<AppState, Error> {
             path: PathBuf::from(":memory:"),
             source,
         })?;
-    state_over(backend, config).await
+    state_over(Arc::new(backend), config).await
 }
 
 /// Serves the API in plain HTTP, without authentication, on `listener` until `shutdown`

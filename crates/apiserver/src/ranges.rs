@@ -116,6 +116,10 @@ pub async fn metrics(registry: &Registry) -> Result<String, ApiError> {
         &[(format!("{{cidr=\"{cidr}\"}}"), io.free())],
     );
     let stats = registry.store().stats();
+    out.push_str(&format!(
+        "# HELP nodeport_apiserver_allocation_differences Differences between the allocation bitmaps and the stored Services at the last check\n# TYPE nodeport_apiserver_allocation_differences gauge\nnodeport_apiserver_allocation_differences {}\n",
+        stats.differences.load(std::sync::atomic::Ordering::Relaxed)
+    ));
     let mut counter = |name: &str, help: &str, value: String| {
         out.push_str(&format!(
             "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}\n"
@@ -136,6 +140,16 @@ pub async fn metrics(registry: &Registry) -> Result<String, ApiError> {
         "nodeport_apiserver_storage_conflicts_total",
         "Batches that lost a compare-and-swap race with another writer and were re-run",
         load(&stats.conflicts).to_string(),
+    );
+    counter(
+        "nodeport_apiserver_allocation_verifications_total",
+        "Rounds of the check that compares the allocation bitmaps with the stored Services",
+        load(&stats.verifications).to_string(),
+    );
+    counter(
+        "nodeport_apiserver_allocation_leaks_repaired_total",
+        "Leaked NodePorts and ClusterIPs (allocated, held by no Service) the check freed",
+        load(&stats.leaks_repaired).to_string(),
     );
     counter(
         "nodeport_apiserver_storage_commit_seconds_total",

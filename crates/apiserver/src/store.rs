@@ -40,8 +40,10 @@ pub const MAX_BATCH: usize = 256;
 /// "sync delay": without it, with 8 clients the batches alternate between the clients answered by
 /// one commit and those that queued during it, about 4 requests each instead of 8.
 const LINGER_MAX: std::time::Duration = std::time::Duration::from_micros(1000);
-/// How often a batch is re-run after losing a race before the requests fail.
-const MAX_CONFLICT_RETRIES: usize = 8;
+/// How often a batch is re-run after losing a race before the requests fail. Between attempts
+/// the writer sleeps a random time up to 1, 2, 4, ... 32 ms, so that API servers racing for the
+/// bitmaps stop colliding in lockstep; 64 attempts take about 1.5 s at most.
+const MAX_CONFLICT_RETRIES: u32 = 64;
 
 /// The NodePort and ClusterIP allocators as one batch (or one mutation) sees them.
 #[derive(Debug, Clone)]
@@ -223,6 +225,12 @@ pub struct Stats {
     pub conflicts: AtomicU64,
     /// Time spent in backend commits, in nanoseconds.
     pub commit_nanos: AtomicU64,
+    /// Rounds of the allocation verification loop.
+    pub verifications: AtomicU64,
+    /// Differences the last verification found (a gauge).
+    pub differences: AtomicU64,
+    /// Leaked ports and addresses the verification loop freed.
+    pub leaks_repaired: AtomicU64,
 }
 
 /// Handle to the writer task and the backend. Cheap to clone.
@@ -325,8 +333,35 @@ fn same_bytes(a: &Arc<[u8]>, b: &Arc<[u8]>) -> bool {
     Arc::ptr_eq(a, b) || a[..] == b[..]
 }
 
+/// The jobs of one batch, declaring at most the backend's limit of keys between them.
+struct Collected {
+    jobs: Vec<Job>,
+    keys: std::collections::HashSet<String>,
+}
+
+impl Collected {
+    fn new(first: Job) -> Self {
+        Collected {
+            keys: first.keys.iter().cloned().collect(),
+            jobs: vec![first],
+        }
+    }
+
+    /// Adds `job`, or gives it back if its keys would take the batch over `max_keys`.
+    fn admit(&mut self, job: Job, max_keys: usize) -> Result<(), Job> {
+        let new = job.keys.iter().filter(|k| !self.keys.contains(*k)).count();
+        if self.keys.len() + new > max_keys {
+            return Err(job);
+        }
+        self.keys.extend(job.keys.iter().cloned());
+        self.jobs.push(job);
+        Ok(())
+    }
+}
+
 struct Outcome {
-    result: Result<Box<dyn Any + Send>, ApiError>,
+    /// `None` if the job was deferred to the next batch.
+    result: Option<Result<Box<dyn Any + Send>, ApiError>>,
     group: usize,
 }
 
@@ -337,48 +372,85 @@ impl Writer {
         // after their reply, so a batch that starts with fewer than that waits for them, briefly.
         let mut concurrency = 1;
         let mut last_commit = LINGER_MAX;
-        while let Some(first) = rx.recv().await {
-            let mut jobs = vec![first];
+        let max_keys = self.backend.max_batch_keys();
+        // A job that did not fit the last batch starts the next one.
+        let mut carry: Option<Job> = None;
+        loop {
+            let first = match carry.take() {
+                Some(job) => job,
+                None => match rx.recv().await {
+                    Some(job) => job,
+                    None => return,
+                },
+            };
+            let mut batch = Collected::new(first);
             let linger_until = tokio::time::Instant::now() + (last_commit / 4).min(LINGER_MAX);
-            loop {
-                while jobs.len() < MAX_BATCH {
+            'collect: loop {
+                while batch.jobs.len() < MAX_BATCH {
                     match rx.try_recv() {
-                        Ok(job) => jobs.push(job),
+                        Ok(job) => {
+                            if let Err(job) = batch.admit(job, max_keys) {
+                                carry = Some(job);
+                                break 'collect;
+                            }
+                        }
                         Err(_) => break,
                     }
                 }
-                if jobs.len() >= concurrency.min(MAX_BATCH) {
+                if batch.jobs.len() >= concurrency.min(MAX_BATCH) {
                     break;
                 }
                 match tokio::time::timeout_at(linger_until, rx.recv()).await {
-                    Ok(Some(job)) => jobs.push(job),
+                    Ok(Some(job)) => {
+                        if let Err(job) = batch.admit(job, max_keys) {
+                            carry = Some(job);
+                            break;
+                        }
+                    }
                     Ok(None) | Err(_) => break,
                 }
             }
-            let batch = jobs.len();
+            let size = batch.jobs.len();
             let started = std::time::Instant::now();
-            self.run_batch(jobs).await;
+            self.run_batch(batch.jobs).await;
             last_commit = started.elapsed();
-            concurrency = batch + rx.len();
+            concurrency = size + rx.len() + usize::from(carry.is_some());
         }
     }
 
+    /// Runs `jobs` to the end: commits them, in as many batches as it takes (see
+    /// [`Writer::try_batch`] for why a job may be deferred to the next one).
     async fn run_batch(&mut self, mut jobs: Vec<Job>) {
-        for _attempt in 0..MAX_CONFLICT_RETRIES {
+        while !jobs.is_empty() {
+            jobs = self.run_once(jobs).await;
+        }
+    }
+
+    /// Commits one batch, re-running it after a lost race; answers every job in it and returns
+    /// the deferred ones.
+    async fn run_once(&mut self, mut jobs: Vec<Job>) -> Vec<Job> {
+        for attempt in 0..MAX_CONFLICT_RETRIES {
             match self.try_batch(&mut jobs).await {
                 Ok(Some((outcomes, revisions))) => {
+                    let mut deferred = Vec::new();
                     for (job, outcome) in jobs.into_iter().zip(outcomes) {
-                        let result = outcome.result.map(|value| Done {
+                        let Some(result) = outcome.result else {
+                            deferred.push(job);
+                            continue;
+                        };
+                        let result = result.map(|value| Done {
                             value,
                             revision: revisions.get(outcome.group).copied().filter(|r| *r != 0),
                         });
                         let _ = job.reply.send(result);
                     }
-                    return;
+                    return deferred;
                 }
                 Ok(None) => {
                     tracing::debug!(jobs = jobs.len(), "batch lost a race; re-running it");
-                    self.cache = None;
+                    let ceiling = 1u64 << attempt.min(5);
+                    let pause = rand::random_range(0..ceiling * 1000);
+                    tokio::time::sleep(std::time::Duration::from_micros(pause)).await;
                 }
                 Err(err) => {
                     tracing::error!(error = %crate::report(&err), "commit failed");
@@ -387,7 +459,7 @@ impl Writer {
                         let _ = job.reply.send(Err(api.clone()));
                     }
                     self.cache = None;
-                    return;
+                    return Vec::new();
                 }
             }
         }
@@ -396,6 +468,7 @@ impl Writer {
                 "storage kept changing under the write; giving up after retries",
             )));
         }
+        Vec::new()
     }
 
     /// Runs the batch once. `Ok(None)` when the commit lost a race.
@@ -422,7 +495,20 @@ impl Writer {
         let mut groups: Vec<Vec<Op>> = Vec::with_capacity(jobs.len());
         let mut outcomes = Vec::with_capacity(jobs.len());
         let mut allocators_dirty = false;
+        // Keys written by the jobs so far. A job that reads one of them, or writes one again, waits
+        // for the next batch: it then reads the key with its real mod_revision, and no key is
+        // written twice in one transaction (etcd refuses that).
+        let mut written: std::collections::HashSet<String> = std::collections::HashSet::new();
         for job in jobs.iter_mut() {
+            let group = groups.len();
+            if job.keys.iter().any(|k| written.contains(k)) {
+                groups.push(Vec::new());
+                outcomes.push(Outcome {
+                    result: None,
+                    group,
+                });
+                continue;
+            }
             let mut txn = Txn {
                 base: &fetched.kvs,
                 batch_writes: &batch_writes,
@@ -440,8 +526,16 @@ impl Writer {
                 dry_run,
                 ..
             } = txn;
-            let group = groups.len();
+            if result.is_ok() && !dry_run && writes.iter().any(|op| written.contains(op.key())) {
+                groups.push(Vec::new());
+                outcomes.push(Outcome {
+                    result: None,
+                    group,
+                });
+                continue;
+            }
             if result.is_ok() && !dry_run {
+                written.extend(writes.iter().map(|op| op.key().to_owned()));
                 for op in &writes {
                     match op {
                         Op::Put { key, value } => {
@@ -462,7 +556,10 @@ impl Writer {
             } else {
                 groups.push(Vec::new());
             }
-            outcomes.push(Outcome { result, group });
+            outcomes.push(Outcome {
+                result: Some(result),
+                group,
+            });
         }
 
         // The stored bitmaps after the batch: only a bitmap that changed is encoded and written.

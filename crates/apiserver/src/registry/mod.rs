@@ -144,9 +144,21 @@ pub struct Verification {
     pub duplicate_ips: Vec<IpAddr>,
     /// How many Services were checked.
     pub services: usize,
+    /// The `mod_revision`s of the NodePort and ClusterIP bitmaps that were checked.
+    pub bitmap_revisions: (Option<Revision>, Option<Revision>),
 }
 
 impl Verification {
+    /// How many differences were found.
+    pub fn differences(&self) -> usize {
+        self.leaked_ports.len()
+            + self.missing_ports.len()
+            + self.duplicate_ports.len()
+            + self.leaked_ips.len()
+            + self.missing_ips.len()
+            + self.duplicate_ips.len()
+    }
+
     /// Whether the bitmaps equal exactly what the Services hold.
     pub fn is_consistent(&self) -> bool {
         self.leaked_ports.is_empty()
@@ -871,17 +883,29 @@ impl Registry {
     /// namespaces, `default/kubernetes`, and bitmaps rebuilt from the stored Services when they are
     /// missing or were written for other ranges (the flags changed).
     pub async fn bootstrap(&self) -> Result<(), ApiError> {
-        let services = self
-            .store
-            .backend()
-            .list(ListRequest {
-                prefix: Kind::Service.list_prefix(self.store.prefix(), None),
-                start: None,
-                revision: None,
-                limit: None,
-            })
-            .await?;
-        let service_keys: Vec<String> = services.kvs.iter().map(|kv| kv.key.clone()).collect();
+        // The Services are read (and declared) only to rebuild missing bitmaps: on etcd a batch
+        // may declare at most ~126 keys, and a server joining a running cluster finds the
+        // bitmaps there.
+        let range_keys = vec![
+            storage::keys::node_port_range(self.store.prefix()),
+            storage::keys::service_ip_range(self.store.prefix()),
+        ];
+        let ranges_present = self.store.backend().get_many(range_keys).await?.kvs.len() == 2;
+        let service_keys: Vec<String> = if ranges_present {
+            Vec::new()
+        } else {
+            let services = self
+                .store
+                .backend()
+                .list(ListRequest {
+                    prefix: Kind::Service.list_prefix(self.store.prefix(), None),
+                    start: None,
+                    revision: None,
+                    limit: None,
+                })
+                .await?;
+            services.kvs.iter().map(|kv| kv.key.clone()).collect()
+        };
         let mut keys = service_keys.clone();
         let ns_keys: Vec<(String, String)> = SYSTEM_NAMESPACES
             .iter()
@@ -966,6 +990,84 @@ impl Registry {
     }
 }
 
+impl Registry {
+    /// Frees the bits `report` found leaked (set in a bitmap, held by no Service), if the bitmap
+    /// has not changed since the check; never touches a Service, and leaves missing or doubled
+    /// allocations alone (they are reported). Returns how many bits were freed.
+    pub async fn repair_leaks(&self, report: &Verification) -> Result<usize, ApiError> {
+        if report.leaked_ports.is_empty() && report.leaked_ips.is_empty() {
+            return Ok(0);
+        }
+        let np_key = storage::keys::node_port_range(self.store.prefix());
+        let ip_key = storage::keys::service_ip_range(self.store.prefix());
+        let (ports, ips) = (report.leaked_ports.clone(), report.leaked_ips.clone());
+        let expected = report.bitmap_revisions;
+        let done = self
+            .store
+            .mutate(Vec::new(), move |txn| {
+                let now = (
+                    txn.get(&np_key).map(|e| e.mod_revision),
+                    txn.get(&ip_key).map(|e| e.mod_revision),
+                );
+                if now != expected {
+                    return Err(ApiError::internal(
+                        "the allocation bitmaps changed since they were checked",
+                    ));
+                }
+                let allocators = txn.allocators()?;
+                for port in &ports {
+                    allocators.ports.release(*port);
+                }
+                for ip in &ips {
+                    allocators.ips.release(*ip);
+                }
+                Ok(ports.len() + ips.len())
+            })
+            .await?;
+        Ok(done.value)
+    }
+
+    /// One round of the verification loop: compare, log, count, free leaks.
+    pub async fn verify_and_repair(&self) -> Result<Verification, ApiError> {
+        let report = self.verify().await?;
+        let stats = self.store.stats();
+        stats
+            .verifications
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        stats.differences.store(
+            report.differences() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+        if report.is_consistent() {
+            tracing::debug!(
+                services = report.services,
+                "allocation bitmaps match the stored Services"
+            );
+            return Ok(report);
+        }
+        tracing::error!(
+            leaked_ports = ?report.leaked_ports,
+            missing_ports = ?report.missing_ports,
+            duplicate_ports = ?report.duplicate_ports,
+            leaked_ips = ?report.leaked_ips,
+            missing_ips = ?report.missing_ips,
+            duplicate_ips = ?report.duplicate_ips,
+            "allocation bitmaps differ from the stored Services"
+        );
+        match self.repair_leaks(&report).await {
+            Ok(0) => {}
+            Ok(freed) => {
+                stats
+                    .leaks_repaired
+                    .fetch_add(freed as u64, std::sync::atomic::Ordering::Relaxed);
+                tracing::warn!(freed, "freed leaked allocations that no Service holds");
+            }
+            Err(err) => tracing::warn!(error = %err, "leaked allocations not freed this round"),
+        }
+        Ok(report)
+    }
+}
+
 /// [`Registry::verify`] over a dump of the keyspace (also used offline on a stopped server's data).
 pub fn verify_dump(
     kvs: &[KeyValue],
@@ -982,12 +1084,14 @@ pub fn verify_dump(
     let mut bitmap_ips = BTreeSet::new();
     for kv in kvs {
         if kv.key == np_key {
+            report.bitmap_revisions.0 = Some(kv.mod_revision);
             let snap = crate::store::decode_range(&kv.value).map_err(ApiError::internal)?;
             let mut a = nodeport_alloc::port::Allocator::new(ranges.node_ports);
             a.restore(&snap.range, &snap.data)
                 .map_err(ApiError::internal)?;
             bitmap_ports.extend(a.iter());
         } else if kv.key == ip_key {
+            report.bitmap_revisions.1 = Some(kv.mod_revision);
             let snap = crate::store::decode_range(&kv.value).map_err(ApiError::internal)?;
             let mut a = nodeport_alloc::ip::Allocator::new(ranges.cluster_ips)
                 .map_err(ApiError::internal)?;

@@ -72,7 +72,7 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/healthz", get(health))
         .route("/livez", get(health))
-        .route("/readyz", get(health))
+        .route("/readyz", get(ready))
         .route("/api", get(api_versions))
         .route(
             "/apis",
@@ -91,6 +91,27 @@ pub fn router(state: AppState) -> Router {
 
 async fn health() -> &'static str {
     "ok"
+}
+
+/// `/readyz`: ready when the storage answers (kube-apiserver's `etcd` check), 500 with the
+/// failed check otherwise, as kube-apiserver words it.
+async fn ready(State(state): State<AppState>) -> Response {
+    let backend = state.registry.store().backend();
+    match backend.check().await {
+        Ok(()) => (StatusCode::OK, "ok").into_response(),
+        Err(err) => {
+            tracing::warn!(error = %crate::report(&err), "readiness check failed");
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!(
+                    "[-]{} failed: {}\nreadyz check failed\n",
+                    backend.name(),
+                    err
+                ),
+            )
+                .into_response()
+        }
+    }
 }
 
 async fn api_versions(State(state): State<AppState>) -> Response {

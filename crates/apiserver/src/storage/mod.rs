@@ -13,12 +13,14 @@
 //!
 //! Keys are laid out as kube-apiserver lays them out in etcd (see [`keys`]); values are JSON.
 
+pub mod etcd;
 pub mod keys;
 pub mod redb;
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use futures::FutureExt;
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 
@@ -267,6 +269,34 @@ pub enum Error {
     /// The backend is shut down.
     #[error("storage is shut down")]
     Closed,
+    /// The backend cannot be reached (etcd down or partitioned away).
+    #[error("{backend} is unavailable: {message}")]
+    Unavailable {
+        /// `etcd`.
+        backend: &'static str,
+        /// What failed.
+        message: String,
+    },
+    /// The backend did not answer in time.
+    #[error("{backend} did not answer in time ({operation})")]
+    Timeout {
+        /// `etcd`.
+        backend: &'static str,
+        /// What was being done.
+        operation: &'static str,
+    },
+    /// The backend refused a request.
+    #[error("{operation} failed")]
+    Backend {
+        /// What was being done.
+        operation: &'static str,
+        /// The backend's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// A batch the backend cannot commit as asked.
+    #[error("invalid batch: {0}")]
+    InvalidBatch(String),
 }
 
 /// A revisioned key-value store (see the module docs for the contract).
@@ -290,4 +320,14 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Changes under `prefix` with a revision greater than `after`, then follows.
     fn watch(&self, prefix: String, after: Revision) -> BoxFuture<'_, Result<WatchStream, Error>>;
+
+    /// The most keys one batch may declare (the writer adds both range keys to them).
+    fn max_batch_keys(&self) -> usize {
+        usize::MAX
+    }
+
+    /// Whether the backend answers (`/readyz`).
+    fn check(&self) -> BoxFuture<'_, Result<(), Error>> {
+        futures::future::ready(Ok(())).boxed()
+    }
 }

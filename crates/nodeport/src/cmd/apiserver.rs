@@ -26,9 +26,14 @@ pub struct Args {
     /// Directory of the embedded store.
     #[arg(long, default_value = "./nodeport-data")]
     data_dir: PathBuf,
-    /// etcd endpoints (comma-separated); not available in this build.
+    /// etcd client URLs (comma-separated); when set, the API is stored in etcd, shared by every
+    /// API server pointed at it, instead of in --data-dir.
     #[arg(long)]
     etcd_servers: Option<String>,
+    /// Seconds between checks that the allocation bitmaps equal what the stored Services hold
+    /// (leaks are freed); also checked at start.
+    #[arg(long, default_value_t = 180)]
+    allocation_check_interval: u64,
     /// Key prefix in the store.
     #[arg(long, default_value = "/registry")]
     etcd_prefix: String,
@@ -80,9 +85,25 @@ fn config(args: &Args) -> anyhow::Result<Config> {
             "--tls-cert-file and --tls-private-key-file must be given together",
         ));
     }
-    if args.etcd_servers.is_some() {
+    let etcd_servers: Vec<String> = args
+        .etcd_servers
+        .as_deref()
+        .unwrap_or("")
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect();
+    for url in &etcd_servers {
+        if !url.starts_with("http://") {
+            return Err(usage(format!(
+                "--etcd-servers {url:?}: only http:// client URLs are supported"
+            )));
+        }
+    }
+    if args.allocation_check_interval == 0 {
         return Err(usage(
-            "--etcd-servers: the etcd backend is not implemented in this build; use --data-dir",
+            "--allocation-check-interval must be at least 1 second",
         ));
     }
     let node_port_range = PortRange::parse(&args.service_node_port_range)
@@ -112,6 +133,8 @@ fn config(args: &Args) -> anyhow::Result<Config> {
         tls_cert_file: args.tls_cert_file.clone(),
         tls_private_key_file: args.tls_private_key_file.clone(),
         token_auth_file: args.token_auth_file.clone(),
+        etcd_servers,
+        allocation_check_interval: std::time::Duration::from_secs(args.allocation_check_interval),
         ..Config::default()
     };
     config.rest.server_address = format!("{}:{}", bind_address, args.port);
@@ -132,7 +155,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             address = %listener.local_addr()?,
             node_ports = %config.node_port_range,
             cluster_ips = %config.cluster_ip_range,
-            data_dir = %config.data_dir.display(),
+            storage = if config.etcd_servers.is_empty() {
+                format!("redb in {}", config.data_dir.display())
+            } else {
+                format!("etcd at {}", config.etcd_servers.join(","))
+            },
             tls = security.tls.is_some(),
             tokens = security.tokens.as_ref().map_or(0, |t| t.len()),
             "serving the Kubernetes API"

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod etcd;
+
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};

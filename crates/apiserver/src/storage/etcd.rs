@@ -1,0 +1,681 @@
+//! The etcd v3 backend: several API servers share one etcd and stay consistent through etcd's
+//! transactions.
+//!
+//! ## Revisions: etcd revision × 1000 + sequence
+//!
+//! The writer commits a batch of requests (group commit) in **one** etcd transaction, and etcd
+//! gives a transaction a single revision. If the resourceVersion were the etcd revision, every
+//! object of a batch would carry the same one, and a watcher that saw only the first of those
+//! events and resumed from its resourceVersion would skip the others. So a resourceVersion here is
+//!
+//! ```text
+//! resourceVersion = etcd_revision × SEQUENCE_SCALE + position of the change in its transaction
+//! ```
+//!
+//! which keeps resourceVersions integers, unique, and ordered as etcd orders the changes. The
+//! position is known when the transaction is built (every delete in a batch removes a key the
+//! writer compared as existing, so each operation is exactly one change and one watch event) and
+//! is stored with the value, so a GET long after reads the same resourceVersion the watch event
+//! had. The other directions map back: a watch from resourceVersion `v` starts at etcd revision
+//! `v / 1000` and skips changes at or before `v`; a list (or a whole revision) is
+//! `etcd_revision × 1000 + 999`, after every change of that revision; a compare on
+//! `mod_revision` compares the etcd part. A transaction has fewer than [`SEQUENCE_SCALE`]
+//! operations (etcd's own limit, `--max-txn-ops`, is 128 by default; see [`MAX_TXN_OPS`]).
+//!
+//! One request per transaction would avoid the scheme, but would cap each API server at one etcd
+//! round trip (and fsync) per request; the benchmark in docs/BENCHMARKS.md shows what batching
+//! buys.
+//!
+//! ## Values
+//!
+//! Keys are kube-apiserver's. Values are JSON, but not kube-apiserver's protobuf: each is
+//! `{"seq":N,"value":<the object>}` with the position `N` described above. A value written by
+//! hand without the envelope is read as the object itself at position 0.
+//!
+//! ## Watches
+//!
+//! A watch covers the whole key prefix in etcd (so that positions count every change of a
+//! transaction) and is filtered here to the prefix asked for.
+//!
+//! ## Failures
+//!
+//! Every call has a deadline ([`Config::request_timeout`]). An unreachable etcd gives
+//! [`Error::Unavailable`] (503), one that does not answer in time [`Error::Timeout`] (504); the
+//! gRPC channel reconnects by itself when etcd is back.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, Txn, TxnOp, TxnOpResponse,
+    WatchOptions,
+};
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
+
+use super::{
+    Backend, Batch, Commit, Error, Event, EventKind, Fetched, KeyValue, ListPage, ListRequest, Op,
+    Revision, WatchItem, WatchStream,
+};
+
+/// How many resourceVersions one etcd revision spans (see the module docs).
+pub const SEQUENCE_SCALE: i64 = 1000;
+
+/// etcd's default `--max-txn-ops`: the most compares, and the most operations, in one
+/// transaction. The writer keeps batches within it.
+pub const MAX_TXN_OPS: usize = 128;
+
+/// Keys read per etcd range request when listing.
+const LIST_PAGE: usize = 1000;
+
+/// Largest gRPC message accepted from etcd (a page of large objects, a big transaction).
+const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
+
+/// Settings of the etcd backend.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// `--etcd-servers`: client URLs.
+    pub endpoints: Vec<String>,
+    /// Deadline of every etcd call. Default 5 s.
+    pub request_timeout: Duration,
+    /// Deadline of establishing a connection. Default 2 s.
+    pub connect_timeout: Duration,
+}
+
+impl Config {
+    /// Settings for these endpoints with the default deadlines.
+    pub fn new(endpoints: Vec<String>) -> Self {
+        Config {
+            endpoints,
+            request_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+/// The etcd backend.
+#[derive(Clone)]
+pub struct EtcdBackend {
+    client: Client,
+    /// Everything this server stores is under this prefix (`<--etcd-prefix>/`).
+    root: String,
+    config: Arc<Config>,
+}
+
+/// The resourceVersion of a change at `position` in the transaction of etcd `revision`.
+pub fn resource_version(revision: i64, position: i64) -> Revision {
+    revision * SEQUENCE_SCALE + position
+}
+
+/// The resourceVersion after every change of etcd `revision`.
+pub fn after_revision(revision: i64) -> Revision {
+    revision * SEQUENCE_SCALE + SEQUENCE_SCALE - 1
+}
+
+/// The etcd revision a resourceVersion belongs to.
+pub fn etcd_revision(resource_version: Revision) -> i64 {
+    resource_version.div_euclid(SEQUENCE_SCALE)
+}
+
+const ENVELOPE_START: &[u8] = b"{\"seq\":";
+const ENVELOPE_VALUE: &[u8] = b",\"value\":";
+
+/// `{"seq":N,"value":<value>}`.
+pub fn encode_value(position: i64, value: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(value.len() + 24);
+    out.extend_from_slice(ENVELOPE_START);
+    out.extend_from_slice(position.to_string().as_bytes());
+    out.extend_from_slice(ENVELOPE_VALUE);
+    out.extend_from_slice(value);
+    out.push(b'}');
+    out
+}
+
+/// The position and the object of a stored value (position 0 and the whole value if it has no
+/// envelope).
+pub fn decode_value(raw: &[u8]) -> (i64, &[u8]) {
+    let Some(rest) = raw.strip_prefix(ENVELOPE_START) else {
+        return (0, raw);
+    };
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    let Some(value) = rest[digits..]
+        .strip_prefix(ENVELOPE_VALUE)
+        .and_then(|v| v.strip_suffix(b"}"))
+    else {
+        return (0, raw);
+    };
+    let position = std::str::from_utf8(&rest[..digits])
+        .ok()
+        .and_then(|d| d.parse().ok())
+        .unwrap_or(0);
+    (position, value)
+}
+
+fn key_value(kv: &etcd_client::KeyValue) -> Result<KeyValue, Error> {
+    let key = std::str::from_utf8(kv.key())
+        .map_err(|_| Error::Corrupt {
+            key: String::from_utf8_lossy(kv.key()).into_owned(),
+            reason: "the key is not UTF-8".into(),
+        })?
+        .to_owned();
+    let (position, value) = decode_value(kv.value());
+    let mod_revision = resource_version(kv.mod_revision(), position);
+    Ok(KeyValue {
+        key,
+        value: Arc::from(value),
+        create_revision: if kv.version() == 1 {
+            mod_revision
+        } else {
+            resource_version(kv.create_revision(), 0)
+        },
+        mod_revision,
+    })
+}
+
+/// The smallest key greater than every key starting with `prefix` (etcd's range end).
+fn prefix_end(prefix: &str) -> Vec<u8> {
+    let mut end = prefix.as_bytes().to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    vec![0]
+}
+
+fn etcd_error(
+    operation: &'static str,
+    requested: Option<Revision>,
+    err: etcd_client::Error,
+) -> Error {
+    match &err {
+        etcd_client::Error::GRpcStatus(status) => match status.code() {
+            tonic::Code::Unavailable | tonic::Code::Cancelled | tonic::Code::Unknown
+                if !status.message().contains("compacted") =>
+            {
+                Error::Unavailable {
+                    backend: "etcd",
+                    message: format!("{operation}: {}", status.message()),
+                }
+            }
+            tonic::Code::DeadlineExceeded => Error::Timeout {
+                backend: "etcd",
+                operation,
+            },
+            _ if status
+                .message()
+                .contains("required revision has been compacted") =>
+            {
+                Error::Compacted {
+                    requested: requested.unwrap_or(0),
+                    oldest: 0,
+                }
+            }
+            _ if status
+                .message()
+                .contains("required revision is a future revision") =>
+            {
+                Error::FutureRevision {
+                    requested: requested.unwrap_or(0),
+                    current: 0,
+                }
+            }
+            _ => Error::Backend {
+                operation,
+                source: Box::new(err),
+            },
+        },
+        etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => {
+            Error::Unavailable {
+                backend: "etcd",
+                message: format!("{operation}: {err}"),
+            }
+        }
+        _ => Error::Backend {
+            operation,
+            source: Box::new(err),
+        },
+    }
+}
+
+impl EtcdBackend {
+    /// A backend over the etcd cluster at `config.endpoints`, storing under `prefix`. Does not
+    /// wait for etcd: a server may start while etcd is down and serve once it is up.
+    pub async fn connect(config: Config, prefix: &str) -> Result<Self, Error> {
+        let options = ConnectOptions::new()
+            .with_connect_timeout(config.connect_timeout)
+            .with_timeout(config.request_timeout)
+            .with_keep_alive(Duration::from_secs(5), Duration::from_secs(3))
+            .with_keep_alive_while_idle(true);
+        let client = Client::connect(&config.endpoints, Some(options))
+            .await
+            .map_err(|e| etcd_error("connect", None, e))?;
+        Ok(EtcdBackend {
+            client,
+            root: format!("{prefix}/"),
+            config: Arc::new(config),
+        })
+    }
+
+    async fn deadline<T>(
+        &self,
+        operation: &'static str,
+        call: impl std::future::Future<Output = Result<T, Error>>,
+    ) -> Result<T, Error> {
+        tokio::time::timeout(self.config.request_timeout, call)
+            .await
+            .unwrap_or(Err(Error::Timeout {
+                backend: "etcd",
+                operation,
+            }))
+    }
+
+    /// Every key and value under the prefix (offline checks and tests).
+    pub async fn dump(&self) -> Result<Vec<KeyValue>, Error> {
+        let page = self
+            .list(ListRequest {
+                prefix: self.root.clone(),
+                start: None,
+                revision: None,
+                limit: None,
+            })
+            .await?;
+        Ok(page.kvs)
+    }
+
+    async fn get_many_now(&self, keys: Vec<String>) -> Result<Fetched, Error> {
+        let mut kv = self
+            .client
+            .kv_client()
+            .max_decoding_message_size(MAX_MESSAGE_BYTES);
+        let mut fetched = Fetched::default();
+        let mut revision = None;
+        for chunk in keys.chunks(MAX_TXN_OPS) {
+            let options = revision.map(|r| GetOptions::new().with_revision(r));
+            let ops: Vec<TxnOp> = chunk
+                .iter()
+                .map(|k| TxnOp::get(k.as_bytes(), options.clone()))
+                .collect();
+            let response = kv
+                .txn(Txn::new().and_then(ops))
+                .await
+                .map_err(|e| etcd_error("read", None, e))?;
+            let header_revision = response.header().map_or(0, |h| h.revision());
+            let revision = *revision.get_or_insert(header_revision);
+            fetched.revision = after_revision(revision);
+            for op in response.op_responses() {
+                if let TxnOpResponse::Get(get) = op {
+                    for kv in get.kvs() {
+                        let kv = key_value(kv)?;
+                        fetched.kvs.insert(kv.key.clone(), kv);
+                    }
+                }
+            }
+        }
+        if keys.is_empty() {
+            fetched.revision = self.current_revision_now().await?;
+        }
+        Ok(fetched)
+    }
+
+    async fn current_revision_now(&self) -> Result<Revision, Error> {
+        let response = self
+            .client
+            .kv_client()
+            .get(
+                self.root.as_bytes(),
+                Some(GetOptions::new().with_count_only()),
+            )
+            .await
+            .map_err(|e| etcd_error("read", None, e))?;
+        Ok(after_revision(
+            response.header().map_or(0, |h| h.revision()),
+        ))
+    }
+
+    async fn list_now(&self, request: ListRequest) -> Result<ListPage, Error> {
+        // Read in pages of at most LIST_PAGE keys at one revision, so that no gRPC message grows
+        // past the client's limit however many objects there are.
+        let mut start = request
+            .start
+            .clone()
+            .unwrap_or_else(|| request.prefix.clone());
+        let end = prefix_end(&request.prefix);
+        let mut revision = request.revision.map(etcd_revision);
+        let mut kvs = Vec::new();
+        let mut kv = self
+            .client
+            .kv_client()
+            .max_decoding_message_size(MAX_MESSAGE_BYTES);
+        loop {
+            let want = request
+                .limit
+                .map_or(LIST_PAGE, |l| (l - kvs.len()).min(LIST_PAGE));
+            let mut options = GetOptions::new()
+                .with_range(end.clone())
+                .with_limit(want as i64);
+            if let Some(r) = revision {
+                options = options.with_revision(r);
+            }
+            let response = kv
+                .get(start.as_bytes(), Some(options))
+                .await
+                .map_err(|e| etcd_error("list", request.revision, e))?;
+            revision.get_or_insert(response.header().map_or(0, |h| h.revision()));
+            for item in response.kvs() {
+                kvs.push(key_value(item)?);
+            }
+            let remaining = (response.count().max(0) as usize).saturating_sub(response.kvs().len());
+            let full = request.limit.is_some_and(|l| kvs.len() >= l);
+            if remaining == 0 || full || response.kvs().is_empty() {
+                return Ok(ListPage {
+                    revision: request
+                        .revision
+                        .unwrap_or_else(|| after_revision(revision.unwrap_or(0))),
+                    kvs,
+                    remaining,
+                });
+            }
+            start = format!("{}\u{0}", kvs.last().expect("not empty").key);
+        }
+    }
+
+    async fn commit_now(&self, batch: Batch) -> Result<Commit, Error> {
+        let compared: std::collections::HashMap<&str, Option<Revision>> = batch
+            .compares
+            .iter()
+            .map(|c| (c.key.as_str(), c.mod_revision))
+            .collect();
+        let mut ops = Vec::new();
+        let mut first_positions = Vec::with_capacity(batch.groups.len());
+        for group in &batch.groups {
+            let mut first = None;
+            for op in group {
+                match op {
+                    Op::Put { key, value } => {
+                        let position = ops.len() as i64;
+                        first.get_or_insert(position);
+                        ops.push(TxnOp::put(
+                            key.as_bytes(),
+                            encode_value(position, value),
+                            None,
+                        ));
+                    }
+                    Op::Delete { key } => match compared.get(key.as_str()) {
+                        // Compared as absent: the delete changes nothing and makes no event.
+                        Some(None) => {}
+                        Some(Some(_)) => {
+                            first.get_or_insert(ops.len() as i64);
+                            ops.push(TxnOp::delete(key.as_bytes(), None));
+                        }
+                        // A delete that may or may not change something would make the
+                        // positions, and so the resourceVersions, ambiguous.
+                        None => {
+                            return Err(Error::InvalidBatch(format!(
+                                "delete of {key} without a compare"
+                            )));
+                        }
+                    },
+                }
+            }
+            first_positions.push(first);
+        }
+        if ops.is_empty() {
+            return Ok(Commit::Committed {
+                revisions: vec![0; batch.groups.len()],
+                revision: 0,
+            });
+        }
+        if ops.len() >= SEQUENCE_SCALE as usize {
+            return Err(Error::InvalidBatch(format!(
+                "{} writes in one transaction; at most {} fit a resourceVersion",
+                ops.len(),
+                SEQUENCE_SCALE - 1
+            )));
+        }
+        let compares: Vec<Compare> = batch
+            .compares
+            .iter()
+            .map(|c| match c.mod_revision {
+                Some(rv) => {
+                    Compare::mod_revision(c.key.as_bytes(), CompareOp::Equal, etcd_revision(rv))
+                }
+                None => Compare::version(c.key.as_bytes(), CompareOp::Equal, 0),
+            })
+            .collect();
+        let response = self
+            .client
+            .kv_client()
+            .txn(Txn::new().when(compares).and_then(ops))
+            .await
+            .map_err(|e| etcd_error("commit", None, e))?;
+        if !response.succeeded() {
+            return Ok(Commit::Conflict);
+        }
+        let revision = response.header().map_or(0, |h| h.revision());
+        Ok(Commit::Committed {
+            revisions: first_positions
+                .into_iter()
+                .map(|p| p.map_or(0, |p| resource_version(revision, p)))
+                .collect(),
+            revision: after_revision(revision),
+        })
+    }
+
+    async fn watch_now(&self, prefix: String, after: Revision) -> Result<WatchStream, Error> {
+        // A whole revision already seen starts the watch at the next one.
+        let start = if after.rem_euclid(SEQUENCE_SCALE) == SEQUENCE_SCALE - 1 {
+            etcd_revision(after) + 1
+        } else {
+            etcd_revision(after)
+        }
+        .max(1);
+        let options = WatchOptions::new()
+            .with_range(prefix_end(&self.root))
+            .with_start_revision(start)
+            .with_prev_key()
+            .with_progress_notify();
+        let stream = self
+            .client
+            .watch_client()
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .watch(self.root.as_bytes(), Some(options))
+            .await
+            .map_err(|e| etcd_error("watch", Some(after), e))?;
+
+        struct State {
+            stream: etcd_client::WatchStream,
+            pending: std::collections::VecDeque<Result<WatchItem, Error>>,
+            prefix: String,
+            after: Revision,
+            done: bool,
+        }
+        let state = State {
+            stream,
+            pending: Default::default(),
+            prefix,
+            after,
+            done: false,
+        };
+        let stream = futures::stream::unfold(state, |mut s| async move {
+            loop {
+                if let Some(item) = s.pending.pop_front() {
+                    return Some((item, s));
+                }
+                if s.done {
+                    return None;
+                }
+                let response = match s.stream.message().await {
+                    Ok(Some(response)) => response,
+                    Ok(None) => {
+                        s.done = true;
+                        s.pending.push_back(Err(Error::Unavailable {
+                            backend: "etcd",
+                            message: "the watch stream ended".into(),
+                        }));
+                        continue;
+                    }
+                    Err(err) => {
+                        s.done = true;
+                        s.pending
+                            .push_back(Err(etcd_error("watch", Some(s.after), err)));
+                        continue;
+                    }
+                };
+                if response.compact_revision() > 0 {
+                    s.done = true;
+                    s.pending.push_back(Err(Error::Compacted {
+                        requested: s.after,
+                        oldest: after_revision(response.compact_revision() - 1),
+                    }));
+                    continue;
+                }
+                if response.canceled() {
+                    s.done = true;
+                    s.pending.push_back(Err(Error::Unavailable {
+                        backend: "etcd",
+                        message: format!("watch canceled: {}", response.cancel_reason()),
+                    }));
+                    continue;
+                }
+                let mut last_revision = None;
+                let mut position = 0;
+                for event in response.events() {
+                    let Some(kv) = event.kv() else { continue };
+                    if last_revision != Some(kv.mod_revision()) {
+                        last_revision = Some(kv.mod_revision());
+                        position = 0;
+                    }
+                    // A put's position is in its value; a delete's is counted (each operation of
+                    // a transaction is one event, in order).
+                    let counted = resource_version(kv.mod_revision(), position);
+                    position += 1;
+                    let rv = match event.event_type() {
+                        EventType::Put => {
+                            resource_version(kv.mod_revision(), decode_value(kv.value()).0)
+                        }
+                        EventType::Delete => counted,
+                    };
+                    if rv <= s.after || !kv.key().starts_with(s.prefix.as_bytes()) {
+                        continue;
+                    }
+                    let prev = match event.prev_kv().map(key_value).transpose() {
+                        Ok(prev) => prev,
+                        Err(err) => {
+                            s.pending.push_back(Err(err));
+                            continue;
+                        }
+                    };
+                    let item = match event.event_type() {
+                        EventType::Put => {
+                            key_value(kv).map(|current| Event::new(EventKind::Put, current, prev))
+                        }
+                        EventType::Delete => {
+                            let key = String::from_utf8_lossy(kv.key()).into_owned();
+                            let gone = match &prev {
+                                Some(prev) => KeyValue {
+                                    mod_revision: rv,
+                                    ..prev.clone()
+                                },
+                                None => KeyValue {
+                                    key,
+                                    value: Arc::from(&b""[..]),
+                                    create_revision: 0,
+                                    mod_revision: rv,
+                                },
+                            };
+                            Ok(Event::new(EventKind::Delete, gone, prev))
+                        }
+                    };
+                    s.pending.push_back(item.map(WatchItem::Event));
+                }
+                // Events of one revision arrive together, so every revision up to the last one
+                // here, or up to the header's for a progress notification, is complete.
+                let complete = last_revision
+                    .or_else(|| response.header().map(|h| h.revision()))
+                    .map(after_revision);
+                if let Some(rv) = complete.filter(|rv| *rv > s.after) {
+                    s.pending.push_back(Ok(WatchItem::Progress(rv)));
+                }
+            }
+        });
+        Ok(stream.boxed())
+    }
+}
+
+impl Backend for EtcdBackend {
+    fn name(&self) -> &'static str {
+        "etcd"
+    }
+
+    fn max_batch_keys(&self) -> usize {
+        // The writer adds both range keys to the declared keys.
+        MAX_TXN_OPS - 2
+    }
+
+    fn current_revision(&self) -> BoxFuture<'_, Result<Revision, Error>> {
+        self.deadline("read", self.current_revision_now()).boxed()
+    }
+
+    fn get_many(&self, keys: Vec<String>) -> BoxFuture<'_, Result<Fetched, Error>> {
+        self.deadline("read", self.get_many_now(keys)).boxed()
+    }
+
+    fn list(&self, request: ListRequest) -> BoxFuture<'_, Result<ListPage, Error>> {
+        self.deadline("list", self.list_now(request)).boxed()
+    }
+
+    fn commit(&self, batch: Batch) -> BoxFuture<'_, Result<Commit, Error>> {
+        self.deadline("commit", self.commit_now(batch)).boxed()
+    }
+
+    fn watch(&self, prefix: String, after: Revision) -> BoxFuture<'_, Result<WatchStream, Error>> {
+        self.deadline("watch", self.watch_now(prefix, after))
+            .boxed()
+    }
+
+    fn check(&self) -> BoxFuture<'_, Result<(), Error>> {
+        async move {
+            tokio::time::timeout(
+                Duration::from_secs(2).min(self.config.request_timeout),
+                self.current_revision_now(),
+            )
+            .await
+            .unwrap_or(Err(Error::Timeout {
+                backend: "etcd",
+                operation: "health check",
+            }))
+            .map(|_| ())
+        }
+        .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_carry_their_position_in_a_json_envelope() {
+        let raw = encode_value(17, br#"{"kind":"Service"}"#);
+        assert_eq!(raw, br#"{"seq":17,"value":{"kind":"Service"}}"#);
+        assert_eq!(decode_value(&raw), (17, &br#"{"kind":"Service"}"#[..]));
+        // A value written by hand without the envelope is the object at position 0.
+        assert_eq!(decode_value(b"{\"a\":1}"), (0, &b"{\"a\":1}"[..]));
+    }
+
+    #[test]
+    fn resource_versions_order_changes_within_and_across_revisions() {
+        assert!(resource_version(5, 0) < resource_version(5, 3));
+        assert!(resource_version(5, 3) < after_revision(5));
+        assert!(after_revision(5) < resource_version(6, 0));
+        assert_eq!(etcd_revision(resource_version(5, 3)), 5);
+        assert_eq!(etcd_revision(after_revision(5)), 5);
+    }
+
+    #[test]
+    fn prefix_end_is_the_next_key_after_the_prefix() {
+        assert_eq!(prefix_end("/registry/"), b"/registry0".to_vec());
+    }
+}

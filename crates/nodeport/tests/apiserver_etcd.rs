@@ -1,0 +1,569 @@
+//! Several real `nodeport apiserver` processes on one real etcd (`/usr/bin/etcd`, Debian's
+//! 3.4): allocation races across replicas, a replica killed mid-run, watches across replicas,
+//! etcd going away and coming back, and the verification loop against a hand-edited bitmap.
+
+mod apiserver_support;
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::{Duration, Instant};
+
+use apiserver_support::etcd::{Etcd, base64, etcd_available, replicas, unbase64};
+use apiserver_support::{Server, http};
+use nodeport_apiserver::registry::{Verification, service::ServiceRanges, verify_dump};
+use nodeport_apiserver::storage::etcd::{Config as EtcdConfig, EtcdBackend};
+use serde_json::Value;
+
+fn service(name: &str, node_port: Option<u16>) -> String {
+    let port = match node_port {
+        Some(p) => format!(r#"{{"port":80,"nodePort":{p}}}"#),
+        None => r#"{"port":80}"#.to_owned(),
+    };
+    format!(
+        r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"{name}"}},"spec":{{"type":"NodePort","ports":[{port}]}}}}"#
+    )
+}
+
+fn create(port: u16, name: &str, node_port: Option<u16>) -> std::io::Result<(u16, String)> {
+    http(
+        port,
+        "POST",
+        "/api/v1/namespaces/default/services",
+        Some(&service(name, node_port)),
+    )
+}
+
+fn json(body: &str) -> Value {
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"))
+}
+
+/// Every Service, listed through `server`.
+fn services(server: &Server) -> Vec<Value> {
+    let (status, body) = server.try_http("GET", "/api/v1/services", None).unwrap();
+    assert_eq!(status, 200, "{body}");
+    json(&body)["items"].as_array().unwrap().clone()
+}
+
+/// The check the verification loop runs, over a dump of etcd read independently of the servers.
+fn verify(etcd: &Etcd, node_ports: &str) -> Verification {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let dump = runtime.block_on(async {
+        let backend = EtcdBackend::connect(EtcdConfig::new(vec![etcd.url()]), "/registry")
+            .await
+            .unwrap();
+        backend.dump().await.unwrap()
+    });
+    let ranges = ServiceRanges {
+        node_ports: nodeport_apiserver::PortRange::parse(node_ports).unwrap(),
+        cluster_ips: "10.96.0.0/16".parse().unwrap(),
+    };
+    verify_dump(&dump, "/registry", &ranges).unwrap()
+}
+
+/// No nodePort and no ClusterIP held twice among `items`.
+fn assert_no_duplicates(items: &[Value]) {
+    let mut ports = HashSet::new();
+    let mut ips = HashSet::new();
+    for item in items {
+        let ip = item["spec"]["clusterIP"].as_str().unwrap().to_owned();
+        assert!(ips.insert(ip.clone()), "ClusterIP {ip} given twice");
+        for p in item["spec"]["ports"].as_array().unwrap() {
+            if let Some(np) = p["nodePort"].as_u64() {
+                assert!(ports.insert(np), "nodePort {np} given twice");
+            }
+        }
+    }
+}
+
+#[test]
+fn sixteen_clients_on_three_replicas_racing_for_one_static_node_port_leave_exactly_one_winner() {
+    if !etcd_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(&dir.path().join("etcd"));
+    let servers = replicas(&etcd, dir.path(), 3, &[]);
+    let ports: Vec<u16> = servers.iter().map(|s| s.port).collect();
+    let barrier = Arc::new(Barrier::new(16));
+    let results: Vec<(String, u16, String)> = (0..16)
+        .map(|i| {
+            let (barrier, port) = (barrier.clone(), ports[i % 3]);
+            std::thread::spawn(move || {
+                let name = format!("race-{i}");
+                barrier.wait();
+                let (status, body) = create(port, &name, Some(30080)).unwrap();
+                (name, status, body)
+            })
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().unwrap())
+        .collect();
+    let winners: Vec<_> = results.iter().filter(|(_, s, _)| *s == 201).collect();
+    assert_eq!(winners.len(), 1, "{results:#?}");
+    for (name, status, body) in &results {
+        if *status == 201 {
+            continue;
+        }
+        // kube-apiserver's collision error, as the minio scenario shows it.
+        assert_eq!(*status, 422, "{body}");
+        assert_eq!(
+            json(body)["message"],
+            format!(
+                "Service \"{name}\" is invalid: spec.ports[0].nodePort: Invalid value: 30080: provided port is already allocated"
+            ),
+        );
+    }
+    let items = services(&servers[1]);
+    assert_eq!(
+        items
+            .iter()
+            .filter(|s| s["spec"]["ports"][0]["nodePort"] == 30080)
+            .count(),
+        1
+    );
+    let report = verify(&etcd, "30000-32767");
+    assert!(report.is_consistent(), "{report:?}");
+}
+
+#[test]
+fn ten_thousand_creates_over_three_replicas_with_one_killed_lose_no_acknowledged_write_and_leak_nothing()
+ {
+    if !etcd_available() {
+        return;
+    }
+    const TOTAL: usize = 10_000;
+    const CLIENTS: usize = 32;
+    const RANGE: &str = "20000-59999";
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(&dir.path().join("etcd"));
+    let servers = Arc::new(Mutex::new(replicas(
+        &etcd,
+        dir.path(),
+        3,
+        &["--service-node-port-range", RANGE],
+    )));
+    let ports: Vec<u16> = servers.lock().unwrap().iter().map(|s| s.port).collect();
+    let next = Arc::new(AtomicUsize::new(0));
+    let acked = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|c| {
+            let (next, acked, ports) = (next.clone(), acked.clone(), ports.clone());
+            std::thread::spawn(move || {
+                let mut mine = Vec::new();
+                let mut unknown = Vec::new();
+                let mut replica = c % 3;
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= TOTAL {
+                        return (mine, unknown);
+                    }
+                    let name = format!("s-{i}");
+                    match create(ports[replica], &name, None) {
+                        Ok((201, body)) => {
+                            acked.fetch_add(1, Ordering::Relaxed);
+                            mine.push((name, json(&body)));
+                        }
+                        Ok((status, body)) => panic!("{name}: {status} {body}"),
+                        // The killed replica: the outcome is unknown; carry on elsewhere.
+                        Err(_) => {
+                            unknown.push(name);
+                            replica = (replica + 1) % 3;
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    // SIGKILL replica 2 in the middle of the run.
+    while acked.load(Ordering::Relaxed) < TOTAL / 3 {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    servers.lock().unwrap()[2].kill();
+    let mut acknowledged = HashMap::new();
+    let mut unknown = BTreeSet::new();
+    for c in clients {
+        let (mine, lost) = c.join().unwrap();
+        acknowledged.extend(mine);
+        unknown.extend(lost);
+    }
+    eprintln!(
+        "{} creates acknowledged, {} with unknown outcome, in {:.1} s",
+        acknowledged.len(),
+        unknown.len(),
+        started.elapsed().as_secs_f64()
+    );
+    assert!(acknowledged.len() >= TOTAL - 200, "{}", acknowledged.len());
+
+    let servers = servers.lock().unwrap();
+    let items = services(&servers[0]);
+    let stored: HashMap<String, &Value> = items
+        .iter()
+        .map(|s| (s["metadata"]["name"].as_str().unwrap().to_owned(), s))
+        .collect();
+    for (name, created) in &acknowledged {
+        let stored = stored
+            .get(name)
+            .unwrap_or_else(|| panic!("acknowledged {name} is lost"));
+        assert_eq!(stored["spec"], created["spec"], "{name}");
+        assert_eq!(
+            stored["metadata"]["resourceVersion"], created["metadata"]["resourceVersion"],
+            "{name}"
+        );
+    }
+    for name in stored.keys() {
+        assert!(
+            name == "kubernetes" || acknowledged.contains_key(name) || unknown.contains(name),
+            "{name} was never asked for"
+        );
+    }
+    assert_no_duplicates(&items);
+    let report = verify(&etcd, RANGE);
+    assert!(report.is_consistent(), "{report:?}");
+    assert_eq!(report.services, items.len());
+}
+
+/// A watch over HTTP/1.1 (chunked): yields `(type, name, resourceVersion)` per event.
+struct Watch {
+    reader: BufReader<TcpStream>,
+    buffered: Vec<u8>,
+}
+
+impl Watch {
+    fn open(port: u16, resource_version: &str) -> Watch {
+        let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        write!(
+            stream,
+            "GET /api/v1/namespaces/default/services?watch=true&resourceVersion={resource_version} HTTP/1.1\r\nHost: x\r\n\r\n"
+        )
+        .unwrap();
+        let mut reader = BufReader::new(stream);
+        let mut line = String::new();
+        loop {
+            line.clear();
+            reader.read_line(&mut line).unwrap();
+            if line == "\r\n" {
+                break;
+            }
+        }
+        Watch {
+            reader,
+            buffered: Vec::new(),
+        }
+    }
+
+    fn next(&mut self) -> (String, String, i64) {
+        loop {
+            if let Some(end) = self.buffered.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = self.buffered.drain(..=end).collect();
+                let event: Value = serde_json::from_slice(&line).unwrap();
+                let object = &event["object"];
+                return (
+                    event["type"].as_str().unwrap().to_owned(),
+                    object["metadata"]["name"].as_str().unwrap_or("").to_owned(),
+                    object["metadata"]["resourceVersion"]
+                        .as_str()
+                        .unwrap()
+                        .parse()
+                        .unwrap(),
+                );
+            }
+            let mut size = String::new();
+            self.reader.read_line(&mut size).unwrap();
+            let size = usize::from_str_radix(size.trim(), 16).unwrap();
+            let mut chunk = vec![0; size + 2];
+            self.reader.read_exact(&mut chunk).unwrap();
+            chunk.truncate(size);
+            self.buffered.extend(chunk);
+        }
+    }
+}
+
+#[test]
+fn a_watch_through_one_replica_sees_writes_through_the_others_in_order_and_resumes_inside_a_batch()
+{
+    if !etcd_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(&dir.path().join("etcd"));
+    let servers = replicas(&etcd, dir.path(), 3, &[]);
+    let (_, body) = servers[0]
+        .try_http("GET", "/api/v1/namespaces/default/services", None)
+        .unwrap();
+    let start_rv = json(&body)["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let mut watch = Watch::open(servers[0].port, &start_rv);
+
+    // One at a time through B and C: the watch on A sees them in that order.
+    let mut expected = Vec::new();
+    for i in 0..10 {
+        let name = format!("seq-{i}");
+        let (status, body) = create(servers[1 + i % 2].port, &name, None).unwrap();
+        assert_eq!(status, 201, "{body}");
+        let rv: i64 = json(&body)["metadata"]["resourceVersion"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        expected.push((name, rv));
+    }
+    for (name, rv) in &expected {
+        assert_eq!(watch.next(), ("ADDED".to_owned(), name.clone(), *rv));
+    }
+
+    // Concurrently through B and C: group commit puts several in one etcd transaction.
+    let ports = [
+        servers[1].port,
+        servers[1].port,
+        servers[1].port,
+        servers[2].port,
+    ];
+    let barrier = Arc::new(Barrier::new(24));
+    let created: Vec<(String, i64)> = (0..24)
+        .map(|t| {
+            let (port, barrier) = (ports[t % 4], barrier.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                (0..3)
+                    .map(|i| {
+                        let name = format!("par-{t}-{i}");
+                        let (status, body) = create(port, &name, None).unwrap();
+                        assert_eq!(status, 201, "{body}");
+                        let rv = json(&body)["metadata"]["resourceVersion"]
+                            .as_str()
+                            .unwrap()
+                            .parse()
+                            .unwrap();
+                        (name, rv)
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .flat_map(|t| t.join().unwrap())
+        .collect();
+    let events: Vec<(String, String, i64)> = (0..created.len()).map(|_| watch.next()).collect();
+    let rvs: Vec<i64> = events.iter().map(|e| e.2).collect();
+    assert!(
+        rvs.windows(2).all(|w| w[0] < w[1]),
+        "revision order: {rvs:?}"
+    );
+    let seen: HashMap<String, i64> = events.iter().map(|e| (e.1.clone(), e.2)).collect();
+    for (name, rv) in &created {
+        assert_eq!(seen.get(name), Some(rv), "{name}");
+    }
+    let shared = rvs.windows(2).position(|w| w[0] / 1000 == w[1] / 1000);
+    // Resuming from an event in the middle of a transaction gives exactly the events after it.
+    for i in shared.into_iter().chain([0, events.len() / 2]) {
+        let mut resumed = Watch::open(servers[2].port, &rvs[i].to_string());
+        for expected in &events[i + 1..] {
+            assert_eq!(&resumed.next(), expected);
+        }
+    }
+    assert!(
+        shared.is_some(),
+        "no two creates shared an etcd transaction: {rvs:?}"
+    );
+}
+
+#[test]
+fn etcd_stopped_and_restarted_under_load_gives_503_or_504_then_full_service_without_restart() {
+    if !etcd_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut etcd = Etcd::start(&dir.path().join("etcd"));
+    let servers = replicas(&etcd, dir.path(), 2, &[]);
+    let ports: Vec<u16> = servers.iter().map(|s| s.port).collect();
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let clients: Vec<_> = (0..4)
+        .map(|c| {
+            let (stop, port) = (stop.clone(), ports[c % 2]);
+            std::thread::spawn(move || {
+                let mut outcomes = Vec::new();
+                let mut i = 0;
+                while !stop.load(Ordering::Relaxed) {
+                    let name = format!("load-{c}-{i}");
+                    i += 1;
+                    let (status, body) = create(port, &name, None).expect("the server stays up");
+                    outcomes.push((Instant::now(), name, status, body));
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                outcomes
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(1));
+    let stopped_at = Instant::now();
+    etcd.stop();
+    std::thread::sleep(Duration::from_secs(3));
+    let (ready, text) = servers[0].try_http("GET", "/readyz", None).unwrap();
+    assert_eq!(ready, 500, "{text}");
+    assert!(text.contains("[-]etcd failed"), "{text}");
+    etcd.restart();
+    let restarted_at = Instant::now();
+    // Full service again, with no restart of the API servers.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let ok = servers.iter().all(|s| {
+            s.try_http("GET", "/readyz", None)
+                .is_ok_and(|(c, _)| c == 200)
+        });
+        if ok {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not ready again after etcd came back"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    stop.store(true, Ordering::Relaxed);
+    let outcomes: Vec<_> = clients
+        .into_iter()
+        .flat_map(|c| c.join().unwrap())
+        .collect();
+
+    let mut failures = 0;
+    for (at, name, status, body) in &outcomes {
+        if *status == 201 {
+            continue;
+        }
+        failures += 1;
+        assert!(
+            *at >= stopped_at && *at <= restarted_at + Duration::from_secs(15),
+            "{name} failed outside the outage: {status} {body}"
+        );
+        let status_doc = json(body);
+        assert!(
+            matches!(status_doc["code"].as_u64(), Some(503 | 504)),
+            "{name}: {body}"
+        );
+        assert!(
+            status_doc["message"].as_str().unwrap().contains("etcd"),
+            "{body}"
+        );
+    }
+    assert!(failures > 0, "no request failed while etcd was down");
+    let after = outcomes
+        .iter()
+        .filter(|(at, _, s, _)| *s == 201 && *at > restarted_at);
+    assert!(
+        after.count() > 0,
+        "no create succeeded after etcd came back"
+    );
+    let items = services(&servers[1]);
+    let names: HashSet<&str> = items
+        .iter()
+        .map(|s| s["metadata"]["name"].as_str().unwrap())
+        .collect();
+    for (_, name, status, _) in &outcomes {
+        if *status == 201 {
+            assert!(names.contains(name.as_str()), "acknowledged {name} is lost");
+        }
+    }
+    let report = verify(&etcd, "30000-32767");
+    assert!(report.is_consistent(), "{report:?}");
+}
+
+/// The NodePort bitmap as stored, read from etcd's gateway.
+fn read_bitmap(etcd: &Etcd) -> nodeport_alloc::port::Allocator {
+    let key = base64(b"/registry/ranges/servicenodeports");
+    let body = json(&etcd.gateway("/v3/kv/range", &format!(r#"{{"key":"{key}"}}"#)));
+    let raw = unbase64(body["kvs"][0]["value"].as_str().unwrap());
+    let (_, value) = nodeport_apiserver::storage::etcd::decode_value(&raw);
+    let snapshot = nodeport_apiserver::store::decode_range(value).unwrap();
+    let mut allocator =
+        nodeport_alloc::port::Allocator::new(nodeport_apiserver::PortRange::default());
+    allocator.restore(&snapshot.range, &snapshot.data).unwrap();
+    allocator
+}
+
+/// Writes the NodePort bitmap straight into etcd, as a plain `RangeAllocation` (no envelope).
+fn write_bitmap(etcd: &Etcd, allocator: &nodeport_alloc::port::Allocator) {
+    let key = base64(b"/registry/ranges/servicenodeports");
+    let value = base64(&nodeport_apiserver::store::encode_range(
+        &allocator.snapshot(),
+    ));
+    etcd.gateway(
+        "/v3/kv/put",
+        &format!(r#"{{"key":"{key}","value":"{value}"}}"#),
+    );
+}
+
+fn metric(server: &Server, name: &str) -> f64 {
+    let (_, text) = server.try_http("GET", "/metrics", None).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or(-1.0)
+}
+
+#[test]
+fn the_verification_loop_frees_a_leak_made_by_hand_and_only_reports_a_missing_bit() {
+    if !etcd_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(&dir.path().join("etcd"));
+    let servers = replicas(&etcd, dir.path(), 1, &["--allocation-check-interval", "1"]);
+    for i in 0..3 {
+        let (status, body) = create(servers[0].port, &format!("v-{i}"), None).unwrap();
+        assert_eq!(status, 201, "{body}");
+    }
+    assert!(verify(&etcd, "30000-32767").is_consistent());
+    let before = services(&servers[0]);
+
+    // A leak: a port set in the bitmap that no Service holds.
+    let mut bitmap = read_bitmap(&etcd);
+    let leaked = (30000..30086).find(|p| !bitmap.has(*p)).unwrap();
+    bitmap.allocate(leaked).unwrap();
+    write_bitmap(&etcd, &bitmap);
+    let report = verify(&etcd, "30000-32767");
+    assert_eq!(report.leaked_ports, vec![leaked]);
+
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while metric(
+        &servers[0],
+        "nodeport_apiserver_allocation_leaks_repaired_total ",
+    ) < 1.0
+    {
+        assert!(Instant::now() < deadline, "the leak was not freed");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(!read_bitmap(&etcd).has(leaked));
+    assert!(verify(&etcd, "30000-32767").is_consistent());
+
+    // A missing bit (a Service's port free in the bitmap) is reported, never "fixed" by touching
+    // the Service.
+    let held = before
+        .iter()
+        .find(|s| s["metadata"]["name"] == "v-1")
+        .unwrap()["spec"]["ports"][0]["nodePort"]
+        .as_u64()
+        .unwrap() as u16;
+    let mut bitmap = read_bitmap(&etcd);
+    bitmap.release(held);
+    write_bitmap(&etcd, &bitmap);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while metric(&servers[0], "nodeport_apiserver_allocation_differences ") < 1.0 {
+        assert!(
+            Instant::now() < deadline,
+            "the missing bit was not reported"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(verify(&etcd, "30000-32767").missing_ports, vec![held]);
+    assert_eq!(services(&servers[0]), before, "no Service was changed");
+}
