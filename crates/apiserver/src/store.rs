@@ -340,6 +340,13 @@ struct Collected {
 }
 
 impl Collected {
+    fn from_jobs(jobs: Vec<Job>) -> Self {
+        Collected {
+            keys: jobs.iter().flat_map(|j| j.keys.iter().cloned()).collect(),
+            jobs,
+        }
+    }
+
     fn new(first: Job) -> Self {
         Collected {
             keys: first.keys.iter().cloned().collect(),
@@ -412,7 +419,8 @@ impl Writer {
             }
             let size = batch.jobs.len();
             let started = std::time::Instant::now();
-            self.run_batch(batch.jobs).await;
+            self.run_batch(batch.jobs, &mut rx, &mut carry, max_keys)
+                .await;
             last_commit = started.elapsed();
             concurrency = size + rx.len() + usize::from(carry.is_some());
         }
@@ -420,15 +428,27 @@ impl Writer {
 
     /// Runs `jobs` to the end: commits them, in as many batches as it takes (see
     /// [`Writer::try_batch`] for why a job may be deferred to the next one).
-    async fn run_batch(&mut self, mut jobs: Vec<Job>) {
+    async fn run_batch(
+        &mut self,
+        mut jobs: Vec<Job>,
+        rx: &mut mpsc::Receiver<Job>,
+        carry: &mut Option<Job>,
+        max_keys: usize,
+    ) {
         while !jobs.is_empty() {
-            jobs = self.run_once(jobs).await;
+            jobs = self.run_once(jobs, rx, carry, max_keys).await;
         }
     }
 
     /// Commits one batch, re-running it after a lost race; answers every job in it and returns
     /// the deferred ones.
-    async fn run_once(&mut self, mut jobs: Vec<Job>) -> Vec<Job> {
+    async fn run_once(
+        &mut self,
+        mut jobs: Vec<Job>,
+        rx: &mut mpsc::Receiver<Job>,
+        carry: &mut Option<Job>,
+        max_keys: usize,
+    ) -> Vec<Job> {
         for attempt in 0..MAX_CONFLICT_RETRIES {
             match self.try_batch(&mut jobs).await {
                 Ok(Some((outcomes, revisions))) => {
@@ -448,9 +468,26 @@ impl Writer {
                 }
                 Ok(None) => {
                     tracing::debug!(jobs = jobs.len(), "batch lost a race; re-running it");
-                    let ceiling = 1u64 << attempt.min(5);
-                    let pause = rand::random_range(0..ceiling * 1000);
-                    tokio::time::sleep(std::time::Duration::from_micros(pause)).await;
+                    // The first re-run goes at once: the winner's commit is done, and it is
+                    // gathering its next batch. Later ones back off, at random, so that writers
+                    // do not collide in lockstep.
+                    if attempt > 0 {
+                        let ceiling = 1u64 << (attempt - 1).min(5);
+                        let pause = rand::random_range(0..ceiling * 1000);
+                        tokio::time::sleep(std::time::Duration::from_micros(pause)).await;
+                    }
+                    // Whatever queued meanwhile joins the re-run: one commit for all of it.
+                    if carry.is_none() {
+                        let mut batch = Collected::from_jobs(std::mem::take(&mut jobs));
+                        while batch.jobs.len() < MAX_BATCH {
+                            let Ok(job) = rx.try_recv() else { break };
+                            if let Err(job) = batch.admit(job, max_keys) {
+                                *carry = Some(job);
+                                break;
+                            }
+                        }
+                        jobs = batch.jobs;
+                    }
                 }
                 Err(err) => {
                     tracing::error!(error = %crate::report(&err), "commit failed");

@@ -235,13 +235,17 @@ struct Watch {
 
 impl Watch {
     fn open(port: u16, resource_version: &str) -> Watch {
+        Watch::open_query(port, &format!("resourceVersion={resource_version}"))
+    }
+
+    fn open_query(port: u16, query: &str) -> Watch {
         let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
         stream
             .set_read_timeout(Some(Duration::from_secs(20)))
             .unwrap();
         write!(
             stream,
-            "GET /api/v1/namespaces/default/services?watch=true&resourceVersion={resource_version} HTTP/1.1\r\nHost: x\r\n\r\n"
+            "GET /api/v1/namespaces/default/services?watch=true&{query} HTTP/1.1\r\nHost: x\r\n\r\n"
         )
         .unwrap();
         let mut reader = BufReader::new(stream);
@@ -260,20 +264,24 @@ impl Watch {
     }
 
     fn next(&mut self) -> (String, String, i64) {
+        let event = self.next_event();
+        let object = &event["object"];
+        (
+            event["type"].as_str().unwrap().to_owned(),
+            object["metadata"]["name"].as_str().unwrap_or("").to_owned(),
+            object["metadata"]["resourceVersion"]
+                .as_str()
+                .unwrap()
+                .parse()
+                .unwrap(),
+        )
+    }
+
+    fn next_event(&mut self) -> Value {
         loop {
             if let Some(end) = self.buffered.iter().position(|b| *b == b'\n') {
                 let line: Vec<u8> = self.buffered.drain(..=end).collect();
-                let event: Value = serde_json::from_slice(&line).unwrap();
-                let object = &event["object"];
-                return (
-                    event["type"].as_str().unwrap().to_owned(),
-                    object["metadata"]["name"].as_str().unwrap_or("").to_owned(),
-                    object["metadata"]["resourceVersion"]
-                        .as_str()
-                        .unwrap()
-                        .parse()
-                        .unwrap(),
-                );
+                return serde_json::from_slice(&line).unwrap();
             }
             let mut size = String::new();
             self.reader.read_line(&mut size).unwrap();
@@ -375,6 +383,72 @@ fn a_watch_through_one_replica_sees_writes_through_the_others_in_order_and_resum
         shared.is_some(),
         "no two creates shared an etcd transaction: {rvs:?}"
     );
+}
+
+#[test]
+fn a_watch_from_a_compacted_revision_gets_410_gone_and_bookmarks_carry_etcd_resource_versions() {
+    if !etcd_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(&dir.path().join("etcd"));
+    let servers = replicas(&etcd, dir.path(), 1, &[]);
+    let mut rvs = Vec::new();
+    for i in 0..3 {
+        let (status, body) = create(servers[0].port, &format!("c-{i}"), None).unwrap();
+        assert_eq!(status, 201, "{body}");
+        rvs.push(
+            json(&body)["metadata"]["resourceVersion"]
+                .as_str()
+                .unwrap()
+                .to_owned(),
+        );
+    }
+    // Compact etcd's history up to now, by hand, through its gateway.
+    let header = json(&etcd.gateway("/v3/kv/range", r#"{"key":"AA=="}"#));
+    let revision = header["header"]["revision"].as_str().unwrap().to_owned();
+    etcd.gateway(
+        "/v3/kv/compaction",
+        &format!(r#"{{"revision":"{revision}","physical":true}}"#),
+    );
+    // kube-apiserver's answer: HTTP 200 and one ERROR event, 410 Expired; clients relist.
+    let mut watch = Watch::open(servers[0].port, &rvs[0]);
+    let event = watch.next_event();
+    assert_eq!(event["type"], "ERROR", "{event}");
+    assert_eq!(event["object"]["code"], 410, "{event}");
+    assert_eq!(event["object"]["reason"], "Expired", "{event}");
+
+    // A streaming list ends with the initial-events-end BOOKMARK at the list's revision, after
+    // which new writes follow with larger resourceVersions.
+    let mut watch = Watch::open_query(
+        servers[0].port,
+        "sendInitialEvents=true&allowWatchBookmarks=true&resourceVersionMatch=NotOlderThan",
+    );
+    let mut added = 0;
+    let bookmark = loop {
+        let event = watch.next_event();
+        match event["type"].as_str().unwrap() {
+            "ADDED" => added += 1,
+            "BOOKMARK" => break event,
+            other => panic!("unexpected {other}: {event}"),
+        }
+    };
+    assert_eq!(added, 4, "default/kubernetes and the three created");
+    assert_eq!(
+        bookmark["object"]["metadata"]["annotations"]["k8s.io/initial-events-end"],
+        "true"
+    );
+    let bookmark_rv: i64 = bookmark["object"]["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(bookmark_rv > rvs[2].parse::<i64>().unwrap());
+    let (status, body) = create(servers[0].port, "c-after", None).unwrap();
+    assert_eq!(status, 201, "{body}");
+    let (kind, name, rv) = watch.next();
+    assert_eq!((kind.as_str(), name.as_str()), ("ADDED", "c-after"));
+    assert!(rv > bookmark_rv);
 }
 
 #[test]
