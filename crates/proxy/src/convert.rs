@@ -34,6 +34,26 @@ pub fn object_key(
     )
 }
 
+/// Node, zone and port names repeat across hundreds of thousands of endpoints: one shared
+/// allocation per distinct name.
+fn intern(s: &str) -> Arc<str> {
+    static NAMES: std::sync::OnceLock<std::sync::Mutex<std::collections::HashSet<Arc<str>>>> =
+        std::sync::OnceLock::new();
+    let mut names = NAMES
+        .get_or_init(Default::default)
+        .lock()
+        .expect("interner lock");
+    if let Some(n) = names.get(s) {
+        return n.clone();
+    }
+    let n: Arc<str> = Arc::from(s);
+    // Bounded: a cluster has few distinct node, zone and port names; past this, stop sharing.
+    if names.len() < 100_000 {
+        names.insert(n.clone());
+    }
+    n
+}
+
 fn parse_ips<'a>(values: impl IntoIterator<Item = &'a String>) -> Vec<IpAddr> {
     values
         .into_iter()
@@ -169,7 +189,7 @@ pub fn endpoint_slice(slice: &discovery::EndpointSlice) -> Option<(ServiceName, 
         .flatten()
         .filter_map(|p| {
             Some(EndpointPort {
-                name: p.name.as_deref().unwrap_or("").into(),
+                name: intern(p.name.as_deref().unwrap_or("")),
                 port: u16::try_from(p.port?).ok()?,
                 protocol: Protocol::parse(p.protocol.as_deref().unwrap_or("TCP"))?,
             })
@@ -193,15 +213,15 @@ pub fn endpoint_slice(slice: &discovery::EndpointSlice) -> Option<(ServiceName, 
                 ready,
                 serving,
                 terminating,
-                node_name: e.node_name.as_deref().map(Arc::from),
-                zone: e.zone.as_deref().map(Arc::from),
+                node_name: e.node_name.as_deref().map(intern),
+                zone: e.zone.as_deref().map(intern),
                 zone_hints: hints
                     .and_then(|h| h.for_zones.as_ref())
-                    .map(|z| z.iter().map(|z| Arc::from(z.name.as_str())).collect())
+                    .map(|z| z.iter().map(|z| intern(&z.name)).collect())
                     .unwrap_or_default(),
                 node_hints: hints
                     .and_then(|h| h.for_nodes.as_ref())
-                    .map(|n| n.iter().map(|n| Arc::from(n.name.as_str())).collect())
+                    .map(|n| n.iter().map(|n| intern(&n.name)).collect())
                     .unwrap_or_default(),
             })
         })

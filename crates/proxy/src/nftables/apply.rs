@@ -522,7 +522,7 @@ type Planned = (
 );
 
 /// What was applied to one table.
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Default)]
 struct AppliedTable {
     units: HashMap<Owner, Unit>,
     /// Every element key with its contributors' values; the first owner's value is the one
@@ -657,17 +657,20 @@ impl<K: Kernel> Applier<K> {
 
         let result = if full {
             self.full_sync(desired, config)
+                .and_then(|(tx, tables, stale)| {
+                    self.kernel.apply(&tx).map_err(Error::RulesetApplyFailed)?;
+                    Ok((tx.len(), tables, stale))
+                })
         } else {
             self.partial_sync(desired, config, changed.expect("partial sync has changes"))
+                .and_then(|(tx, tables, stale)| {
+                    self.kernel.apply(&tx).map_err(Error::RulesetApplyFailed)?;
+                    Ok((tx.len(), tables, stale))
+                })
         };
         match result {
-            Ok((tx, next_tables, stale)) => {
-                report.ops = tx.len();
-                if let Err(e) = self.kernel.apply(&tx) {
-                    self.need_full = true;
-                    self.relist = true;
-                    return Err(Error::RulesetApplyFailed(e));
-                }
+            Ok((ops, next_tables, stale)) => {
+                report.ops = ops;
                 for (f, t) in next_tables {
                     self.tables.insert(f, t);
                 }
@@ -831,13 +834,17 @@ impl Plan {
         rewrite: bool,
     ) {
         let old = applied.units.remove(&owner).unwrap_or_default();
-        let objs = objs.unwrap_or_default();
+        let ServiceObjects {
+            chains,
+            sets,
+            elements,
+        } = objs.unwrap_or_default();
         let mut unit = Unit::default();
 
         // Sets: new ones are added; ones whose spec changed are re-created, which needs
         // every chain of this owner rewritten (they may reference it).
         let mut respec = false;
-        for set in &objs.sets {
+        for set in &sets {
             let h = hash_of(set);
             match old.sets.get(&set.name) {
                 Some(oh) if *oh == h => {}
@@ -852,7 +859,7 @@ impl Plan {
             unit.sets.insert(set.name.clone(), h);
         }
         // Chains.
-        for chain in &objs.chains {
+        for chain in chains {
             let h = hash_of(&chain.rules);
             let same = old
                 .chains
@@ -864,12 +871,13 @@ impl Plan {
                         .push((chain.name.clone(), chain.base.clone()));
                 }
                 self.flush_chains.push(chain.name.clone());
-                for rule in &chain.rules {
-                    self.rules.push((chain.name.clone(), rule.clone()));
+                // Rules are moved, not copied: a full sync at 10,000 Services holds
+                // hundreds of thousands of them.
+                for rule in chain.rules {
+                    self.rules.push((chain.name.clone(), rule));
                 }
             }
-            unit.chains
-                .insert(chain.name.clone(), (chain.base.clone(), h));
+            unit.chains.insert(chain.name, (chain.base, h));
         }
         for name in old.chains.keys() {
             if !unit.chains.contains_key(name) {
@@ -890,7 +898,7 @@ impl Plan {
             .elements
             .iter()
             .chain(
-                objs.elements
+                elements
                     .iter()
                     .map(|e| (e.set, e.key))
                     .collect::<Vec<_>>()
@@ -907,7 +915,7 @@ impl Plan {
             }
             touched.insert(*k);
         }
-        for e in &objs.elements {
+        for e in &elements {
             let k = (e.set, e.key);
             applied
                 .elements
@@ -943,7 +951,7 @@ impl Plan {
         applied.units.insert(owner, unit);
     }
 
-    fn write(&self, tx: &mut Transaction, family: IpFamily) {
+    fn write(&mut self, tx: &mut Transaction, family: IpFamily) {
         for s in &self.add_sets {
             if !self.delete_sets.iter().any(|(n, _)| *n == s.name) {
                 tx.push(family, Op::AddSet(s.clone()));
@@ -963,8 +971,8 @@ impl Plan {
                 tx.push(family, Op::AddSet(s.clone()));
             }
         }
-        for (chain, rule) in &self.rules {
-            tx.push(family, Op::AddRule(chain.clone(), rule.clone()));
+        for (chain, rule) in std::mem::take(&mut self.rules) {
+            tx.push(family, Op::AddRule(chain, rule));
         }
         for (set, key) in &self.delete_elements {
             // A deleted (or re-created) set took its elements with it.
@@ -1074,8 +1082,8 @@ fn full_table(
             tx.push(family, Op::FlushSet(s.name.clone(), s.verdict_map));
         }
     }
-    for (chain, rule) in &plan.rules {
-        tx.push(family, Op::AddRule(chain.clone(), rule.clone()));
+    for (chain, rule) in std::mem::take(&mut plan.rules) {
+        tx.push(family, Op::AddRule(chain, rule));
     }
     for (name, is_map) in &stale_sets {
         tx.push(family, Op::DeleteSet(name.clone(), *is_map));
