@@ -178,6 +178,9 @@ impl Security {
     }
 }
 
+/// How long a starting server waits for an unreachable storage before giving up.
+const BOOTSTRAP_WAIT_SECONDS: u32 = 60;
+
 /// The name of the embedded store's file inside `--data-dir`.
 pub const DATA_FILE: &str = "nodeport.redb";
 
@@ -200,7 +203,22 @@ async fn state_over(backend: Arc<dyn Backend>, config: &Config) -> Result<AppSta
         },
     );
     let registry = Registry::new(store, ranges);
-    registry.bootstrap().await.map_err(Error::Bootstrap)?;
+    // Like kube-apiserver, wait for the storage at start rather than fail: etcd may come up
+    // after the API servers.
+    let mut waited = 0;
+    loop {
+        match registry.bootstrap().await {
+            Ok(()) => break,
+            Err(err) if matches!(err.code(), 503 | 504) && waited < BOOTSTRAP_WAIT_SECONDS => {
+                if waited % 5 == 0 {
+                    tracing::warn!(error = %err, "storage not reachable yet; retrying");
+                }
+                waited += 1;
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            }
+            Err(err) => return Err(Error::Bootstrap(err)),
+        }
+    }
     match registry.verify_and_repair().await {
         Ok(v) if v.is_consistent() => {
             tracing::info!(

@@ -517,7 +517,7 @@ impl Writer {
         keys.insert(self.node_port_key.clone());
         keys.insert(self.ip_key.clone());
         let keys: Vec<String> = keys.into_iter().collect();
-        let fetched = self.backend.get_many(keys.clone()).await?;
+        let fetched = self.backend.get_many_for_write(keys.clone()).await?;
         let compares: Vec<Compare> = keys
             .iter()
             .map(|key| Compare {

@@ -284,7 +284,7 @@ impl EtcdBackend {
         Ok(page.kvs)
     }
 
-    async fn get_many_now(&self, keys: Vec<String>) -> Result<Fetched, Error> {
+    async fn get_many_now(&self, keys: Vec<String>, serializable: bool) -> Result<Fetched, Error> {
         let mut kv = self
             .client
             .kv_client()
@@ -292,7 +292,14 @@ impl EtcdBackend {
         let mut fetched = Fetched::default();
         let mut revision = None;
         for chunk in keys.chunks(MAX_TXN_OPS) {
-            let options = revision.map(|r| GetOptions::new().with_revision(r));
+            let mut options = GetOptions::new();
+            if let Some(r) = revision {
+                options = options.with_revision(r);
+            }
+            if serializable {
+                options = options.with_serializable();
+            }
+            let options = Some(options);
             let ops: Vec<TxnOp> = chunk
                 .iter()
                 .map(|k| TxnOp::get(k.as_bytes(), options.clone()))
@@ -421,12 +428,6 @@ impl EtcdBackend {
             }
             first_positions.push(first);
         }
-        if ops.is_empty() {
-            return Ok(Commit::Committed {
-                revisions: vec![0; batch.groups.len()],
-                revision: 0,
-            });
-        }
         if ops.len() >= SEQUENCE_SCALE as usize {
             return Err(Error::InvalidBatch(format!(
                 "{} writes in one transaction; at most {} fit a resourceVersion",
@@ -444,6 +445,9 @@ impl EtcdBackend {
                 None => Compare::version(c.key.as_bytes(), CompareOp::Equal, 0),
             })
             .collect();
+        // Even a batch that writes nothing is sent with its compares: its answers (404,
+        // AlreadyExists, ...) come from a serializable read, which must be confirmed current.
+        let writes = !ops.is_empty();
         let response = self
             .client
             .kv_client()
@@ -452,6 +456,12 @@ impl EtcdBackend {
             .map_err(|e| etcd_error("commit", None, e))?;
         if !response.succeeded() {
             return Ok(Commit::Conflict);
+        }
+        if !writes {
+            return Ok(Commit::Committed {
+                revisions: vec![0; batch.groups.len()],
+                revision: 0,
+            });
         }
         let revision = response.header().map_or(0, |h| h.revision());
         Ok(Commit::Committed {
@@ -619,7 +629,15 @@ impl Backend for EtcdBackend {
     }
 
     fn get_many(&self, keys: Vec<String>) -> BoxFuture<'_, Result<Fetched, Error>> {
-        self.deadline("read", self.get_many_now(keys)).boxed()
+        self.deadline("read", self.get_many_now(keys, false))
+            .boxed()
+    }
+
+    /// A serializable read: served by the etcd member itself, without a round of consensus.
+    /// It may be a little behind a linearizable one (on a member that lags); the commit's
+    /// compares then fail and the batch is read again, so only speed depends on it.
+    fn get_many_for_write(&self, keys: Vec<String>) -> BoxFuture<'_, Result<Fetched, Error>> {
+        self.deadline("read", self.get_many_now(keys, true)).boxed()
     }
 
     fn list(&self, request: ListRequest) -> BoxFuture<'_, Result<ListPage, Error>> {

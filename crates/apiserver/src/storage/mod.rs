@@ -312,6 +312,12 @@ pub trait Backend: Send + Sync + 'static {
     /// Reads several keys at one revision (the latest).
     fn get_many(&self, keys: Vec<String>) -> BoxFuture<'_, Result<Fetched, Error>>;
 
+    /// Reads several keys at one revision for the writer, whose commit compares every key it
+    /// read: the read may be a little stale if that is cheaper (a lost race follows).
+    fn get_many_for_write(&self, keys: Vec<String>) -> BoxFuture<'_, Result<Fetched, Error>> {
+        self.get_many(keys)
+    }
+
     /// Reads a key range at one revision.
     fn list(&self, request: ListRequest) -> BoxFuture<'_, Result<ListPage, Error>>;
 
