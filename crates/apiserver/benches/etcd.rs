@@ -198,13 +198,17 @@ async fn raw_shared(client: &Client, clients: usize, total: usize, round: usize)
                     }
                     let svc_key = format!("/shared/{round}/services/{i}");
                     loop {
-                        let read = kv
+                        // Many clients racing on two keys can make etcd time out: retry.
+                        let Ok(read) = kv
                             .txn(Txn::new().and_then(vec![
                                 TxnOp::get(np_key.as_bytes(), None),
                                 TxnOp::get(ip_key.as_bytes(), None),
                             ]))
                             .await
-                            .expect("read");
+                        else {
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                            continue;
+                        };
                         let mut revisions = [0, 0];
                         for (slot, op) in read.op_responses().into_iter().enumerate() {
                             if let etcd_client::TxnOpResponse::Get(get) = op {
@@ -231,8 +235,10 @@ async fn raw_shared(client: &Client, clients: usize, total: usize, round: usize)
                                 TxnOp::put(np_key.as_bytes(), ports.clone(), None),
                                 TxnOp::put(ip_key.as_bytes(), ips.clone(), None),
                             ]);
-                        if kv.txn(txn).await.expect("raw txn").succeeded() {
-                            break;
+                        match kv.txn(txn).await {
+                            Ok(response) if response.succeeded() => break,
+                            Ok(_) => {}
+                            Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
                         }
                     }
                 }
