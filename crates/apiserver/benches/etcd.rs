@@ -251,7 +251,7 @@ async fn raw_shared(client: &Client, clients: usize, total: usize, round: usize)
     total as f64 / start.elapsed().as_secs_f64()
 }
 
-/// (batches, requests, conflicts) summed over the servers' `/metrics`.
+/// (transactions tried, requests, lost races) summed over the servers' `/metrics`.
 async fn counters(bases: &[String]) -> (f64, f64, f64) {
     let client = http();
     let mut sum = (0.0, 0.0, 0.0);
@@ -312,7 +312,7 @@ async fn main() {
 
     println!("## Service creates on etcd beside raw etcd transactions (same run)");
     println!(
-        "| API servers | clients | creates/s | raw etcd txns/s, own bitmaps | ratio | raw, shared bitmaps | requests per commit | conflicts per commit |"
+        "| API servers | clients | creates/s | raw etcd txns/s, own bitmaps | ratio | raw, shared bitmaps | requests per transaction | lost races per transaction |"
     );
     println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
     let mut round = 0;
