@@ -2,17 +2,22 @@
 //! saved.
 //!
 //! Layers, bottom up:
-//! - [`storage`]: a revisioned key-value contract (etcd v3's) and the embedded redb backend;
+//! - [`storage`]: a revisioned key-value contract (etcd v3's), the embedded redb backend and the
+//!   etcd backend (several API servers on one etcd);
 //! - [`store`]: the single writer that runs every mutation against the latest state and commits
 //!   batches of them, with the allocation bitmaps, in one transaction (group commit);
 //! - [`registry`]: kube-apiserver's generic store for Services, Endpoints, EndpointSlices, Nodes and
 //!   Namespaces, with the Service rules (defaulting, allocation, validation) in [`registry::service`];
 //! - [`rest`]: the HTTP API (`router`), discovery, Table output, watch, patch;
-//! - [`ranges`]: `GET /ranges` (NodePort and ClusterIP occupancy per band) and `/metrics`.
+//! - [`ranges`]: `GET /ranges` (NodePort and ClusterIP occupancy per band) and `/metrics`;
+//! - [`tls`] and [`auth`]: serving over TLS and bearer tokens from `--token-auth-file`, which a
+//!   non-loopback `--bind-address` requires.
 //!
 //! Differences from kube-apiserver, on purpose:
-//! - allocation and the Service write are one transaction, so there is no repair loop to free
-//!   leaked ports and no window in which a crash leaks one;
+//! - allocation and the Service write are one transaction, so there is no window in which a
+//!   crash or a lost race leaks a port; a verification loop still compares the bitmaps with the
+//!   Services (at start and every `--allocation-check-interval`) and frees only leaks, which only
+//!   a hand edit of the storage can make;
 //! - a duplicate nodePort inside one update is a 422 `Duplicate value` rather than a 500;
 //! - a `dryRun=All` create shows the port and address that would really be allocated instead of
 //!   kube-apiserver's placeholders (32769..., the network address);
@@ -231,7 +236,7 @@ async fn state_over(backend: Arc<dyn Backend>, config: &Config) -> Result<AppSta
     }
     let checker = registry.clone();
     let interval = config.allocation_check_interval;
-    tokio::spawn(async move {
+    let check_loop = async move {
         let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
         loop {
             ticker.tick().await;
@@ -239,7 +244,11 @@ async fn state_over(backend: Arc<dyn Backend>, config: &Config) -> Result<AppSta
                 tracing::warn!(error = %err, "allocation check failed");
             }
         }
-    });
+    };
+    tokio::spawn(tracing::Instrument::instrument(
+        check_loop,
+        tracing::info_span!("allocation_check"),
+    ));
     Ok(AppState {
         registry,
         config: Arc::new(config.rest.clone()),

@@ -713,3 +713,53 @@ impl Writer {
         Ok(allocs)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::redb::{Config, RedbBackend};
+
+    fn store() -> Store {
+        let backend = Arc::new(RedbBackend::in_memory(Config::default()).unwrap());
+        Store::start(
+            backend,
+            "/registry",
+            Ranges {
+                node_ports: PortRange::default(),
+                cluster_ips: "10.96.0.0/16".parse().unwrap(),
+            },
+        )
+    }
+
+    /// Reads `/k` as a number, writes it plus one; returns the mod_revision it read.
+    async fn increment(store: &Store) -> (Option<Revision>, Revision) {
+        let done = store
+            .mutate(vec!["/k".to_owned()], |txn| {
+                let entry = txn.get("/k");
+                let n: u64 = entry.as_ref().map_or(0, |e| {
+                    std::str::from_utf8(&e.value).unwrap().parse().unwrap()
+                });
+                txn.put("/k".to_owned(), Arc::from((n + 1).to_string().as_bytes()));
+                Ok(entry.map(|e| e.mod_revision))
+            })
+            .await
+            .unwrap();
+        (done.value, done.revision.unwrap())
+    }
+
+    #[tokio::test]
+    async fn requests_on_one_key_queued_together_commit_one_after_the_other_with_real_revisions() {
+        let store = store();
+        // Both are queued before the writer runs, so they arrive in one batch; the second reads
+        // what the first wrote, at its committed revision (not the in-batch placeholder 0).
+        let (first, second) = tokio::join!(increment(&store), increment(&store));
+        let (read_by_first, first_revision) = first;
+        let (read_by_second, second_revision) = second;
+        assert_eq!(read_by_first, None);
+        assert_eq!(read_by_second, Some(first_revision));
+        assert!(second_revision > first_revision);
+        let fetched = store.backend().get_many(vec!["/k".into()]).await.unwrap();
+        assert_eq!(&fetched.kvs["/k"].value[..], b"2");
+        assert_eq!(store.stats().batches.load(Ordering::Relaxed), 2);
+    }
+}

@@ -118,7 +118,8 @@ pub async fn serve(
         let acceptor = acceptor.clone();
         let service = TowerToHyperService::new(app.clone());
         let watcher = graceful.watcher();
-        tokio::spawn(async move {
+        let span = tracing::debug_span!("connection", %peer);
+        let connection_task = async move {
             let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                 Ok(Ok(tls)) => tls,
                 Ok(Err(err)) => {
@@ -135,7 +136,8 @@ pub async fn serve(
             if let Err(err) = watcher.watch(connection.into_owned()).await {
                 tracing::debug!(%peer, error = %err, "connection ended with an error");
             }
-        });
+        };
+        tokio::spawn(tracing::Instrument::instrument(connection_task, span));
     }
     drop(listener);
     tokio::select! {
