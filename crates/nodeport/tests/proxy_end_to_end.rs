@@ -91,6 +91,34 @@ fn a_rule_deleted_by_hand_is_restored_by_the_periodic_resync() {
 }
 
 #[test]
+fn nodeport_addresses_follow_an_address_added_to_the_node_without_a_restart() {
+    if !privileged("nodeport_addresses_follow_an_address_added_to_the_node_without_a_restart") {
+        return;
+    }
+    let c = Cluster::start(&["--nodeport-addresses", "203.0.113.0/24"]);
+    c.client
+        .run(&["ip", "route", "add", "203.0.113.10/32", "via", NODE_IP])
+        .unwrap();
+    c.apply(&service_yaml("web", 30089, "", &[1])).unwrap();
+    let to = "203.0.113.10:30089";
+    // No node address in the CIDR yet: nothing answers (the node does not even own it).
+    assert!(!matches!(get(&c.client, to, T), Reply::Pod { .. }));
+    c.node.add_addr("eth0", "203.0.113.10/32").unwrap();
+    eventually(&c.client, to, "the new address serves the NodePort", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+    c.node
+        .run(&["ip", "addr", "del", "203.0.113.10/32", "dev", "eth0"])
+        .unwrap();
+    c.node
+        .run(&["ip", "addr", "add", "203.0.113.10/32", "dev", "eth1"])
+        .unwrap();
+    eventually(&c.client, to, "still served after moving interfaces", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+}
+
+#[test]
 fn etp_local_drops_without_a_local_endpoint_and_keeps_the_client_ip_with_one() {
     if !privileged("etp_local_drops_without_a_local_endpoint_and_keeps_the_client_ip_with_one") {
         return;

@@ -387,4 +387,59 @@ mod tests {
             "{body}"
         );
     }
+
+    async fn get(port: u16) -> (u16, String) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        for _ in 0..50 {
+            if let Ok(mut c) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+                c.write_all(b"GET /anything HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    .await
+                    .unwrap();
+                let mut out = String::new();
+                c.read_to_string(&mut out).await.unwrap();
+                let code = out[9..12].parse().unwrap();
+                let body = out.split("\r\n\r\n").nth(1).unwrap_or_default().to_string();
+                return (code, body);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        panic!("health check port {port} never answered");
+    }
+
+    #[tokio::test]
+    async fn health_check_node_port_answers_200_with_local_endpoints_and_503_without() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let health = Arc::new(ProxyHealth::new(&[IpFamily::V4], Duration::from_secs(60)));
+        let mut servers = ServiceHealthServers::new(health);
+        let svc = ServiceName::new("ns2", "svc2");
+        let local: Vec<IpAddr> = vec!["127.0.0.1".parse().unwrap()];
+        servers.sync(
+            &[HealthCheck {
+                service: svc.clone(),
+                port,
+                local_endpoints: 1,
+            }],
+            &local,
+        );
+        let (code, body) = get(port).await;
+        assert_eq!(code, 200);
+        assert_eq!(body, service_health_body(&svc, 1, true));
+        servers.sync(
+            &[HealthCheck {
+                service: svc.clone(),
+                port,
+                local_endpoints: 0,
+            }],
+            &local,
+        );
+        let (code, body) = get(port).await;
+        assert_eq!(code, 503);
+        assert!(body.contains("\"localEndpoints\": 0"), "{body}");
+        servers.sync(&[], &local);
+        assert!(servers.ports().is_empty());
+    }
 }
