@@ -9,8 +9,10 @@
 //! 3. [`desired`] computes, purely, every service port's categorized endpoints per family,
 //!    the NodePort addresses ([`nodeaddr`]) and the service CIDRs.
 //! 4. A backend renders that state (purely) and applies it in one transaction:
-//!    [`nftables`] today.
-//! 5. [`sync`] rate-limits syncs, retries failures and runs periodic full resyncs;
+//!    [`nftables`] today (one folder per backend: `names`, `render`, `ruleset`, `apply`,
+//!    `tracer`; iptables and IPVS are to follow with the same shape). Hashed names shared by
+//!    every backend live in [`names`].
+//! 5. [`agent`] rate-limits syncs, retries failures and runs periodic resyncs;
 //!    [`health`] and [`metrics`] report on it; [`conntrack`] cleans UDP flows whose endpoint
 //!    went away.
 

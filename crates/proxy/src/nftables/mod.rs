@@ -50,12 +50,26 @@
 //! kube-proxy's. [`EndpointChoice::InlineVmap`](crate::config::EndpointChoice) renders
 //! kube-proxy's form, for the benchmark.
 //!
+//! # Applying
+//!
+//! One transaction per sync, all or nothing. The default kernel interface is
+//! [`netlink::NetlinkKernel`]: nf_tables netlink batches encoded exactly as `nft` encodes
+//! them (tests compare `nft list ruleset` of both), so a change costs no `nft` process and no
+//! dump of the whole table; forms it does not encode (anonymous sets) go through `nft -f`.
+//! [`apply::NftCommand`] pipes the same transaction to `nft -f -` (knftables' way; the
+//! program and leading arguments are configurable, e.g. `ip netns exec <ns> nft`). Partial
+//! syncs rewrite only chains whose content changed and touch only changed map elements;
+//! stale chains are flushed, then deleted in a second transaction; any commit by someone else
+//! (the nf_tables generation moved) makes the next sync a full rewrite; start-up takes over
+//! an existing table without deleting it. Figures: `docs/BENCHMARKS.md`, "Proxy (nftables)".
+//!
 //! # Files
 //!
 //! [`names`] (object names), [`render`] (desired state → [`ruleset::Ruleset`], pure),
 //! [`ruleset`] (the structured ruleset, transactions and their `nft -f` text), [`apply`]
 //! (the [`apply::Kernel`] trait, `nft` runner, fake, and the applier that computes partial
-//! and full transactions), [`tracer`] (evaluates a ruleset for a packet).
+//! and full transactions), [`netlink`] (the netlink kernel), [`tracer`] (evaluates a ruleset
+//! for a packet).
 
 pub mod apply;
 pub mod names;
