@@ -65,7 +65,7 @@
 //!
 //! # Files
 //!
-//! [`names`] (object names), [`render`] (desired state → [`ruleset::Ruleset`], pure),
+//! [`names`] (object names), [`mod@render`] (desired state → [`ruleset::Ruleset`], pure),
 //! [`ruleset`] (the structured ruleset, transactions and their `nft -f` text), [`apply`]
 //! (the [`apply::Kernel`] trait, `nft` runner, fake, and the applier that computes partial
 //! and full transactions), [`netlink`] (the netlink kernel), [`tracer`] (evaluates a ruleset

@@ -120,7 +120,7 @@ pub enum Expr {
         map: String,
     },
     /// `numgen random mod N vmap { 0 : goto a, 1 : goto b }`: kube-proxy's inline form, kept
-    /// for comparison (see [`EndpointChoice`](super::render::EndpointChoice)).
+    /// for comparison (see [`EndpointChoice`](crate::config::EndpointChoice)).
     NumgenVmap(Vec<String>),
     /// `mark set mark or <bits>`.
     MarkSetOr(u32),
