@@ -227,6 +227,19 @@ fn ten_thousand_creates_over_three_replicas_with_one_killed_lose_no_acknowledged
     assert_eq!(report.services, items.len());
 }
 
+/// How many watchers etcd itself serves (its `etcd_debugging_mvcc_watcher_total` gauge).
+fn etcd_watchers(etcd: &Etcd) -> u64 {
+    let (_, text) = http(etcd.client_port, "GET", "/metrics", None).unwrap();
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix("etcd_debugging_mvcc_watcher_total ")?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .expect("etcd watcher gauge")
+}
+
 /// A watch over HTTP/1.1 (chunked): yields `(type, name, resourceVersion)` per event.
 struct Watch {
     reader: BufReader<TcpStream>,
@@ -303,6 +316,11 @@ fn a_watch_through_one_replica_sees_writes_through_the_others_in_order_and_resum
     let dir = tempfile::tempdir().unwrap();
     let etcd = Etcd::start(&dir.path().join("etcd"));
     let servers = replicas(&etcd, dir.path(), 3, &[]);
+    // A first watch on A and on C starts their shared etcd watch (the hub), which serves the
+    // watches below.
+    let _warm_a = Watch::open(servers[0].port, "0");
+    let _warm_c = Watch::open(servers[2].port, "0");
+    std::thread::sleep(Duration::from_millis(500));
     let (_, body) = servers[0]
         .try_http("GET", "/api/v1/namespaces/default/services", None)
         .unwrap();
@@ -372,6 +390,7 @@ fn a_watch_through_one_replica_sees_writes_through_the_others_in_order_and_resum
         assert_eq!(seen.get(name), Some(rv), "{name}");
     }
     let shared = rvs.windows(2).position(|w| w[0] / 1000 == w[1] / 1000);
+    let watchers_before = etcd_watchers(&etcd);
     // Resuming from an event in the middle of a transaction gives exactly the events after it.
     for i in shared.into_iter().chain([0, events.len() / 2]) {
         let mut resumed = Watch::open(servers[2].port, &rvs[i].to_string());
@@ -382,6 +401,18 @@ fn a_watch_through_one_replica_sees_writes_through_the_others_in_order_and_resum
     assert!(
         shared.is_some(),
         "no two creates shared an etcd transaction: {rvs:?}"
+    );
+    // Served by C's hub: no more etcd watches than before.
+    let mut many: Vec<Watch> = (0..10)
+        .map(|_| Watch::open(servers[2].port, &rvs[0].to_string()))
+        .collect();
+    for watch in &mut many {
+        assert_eq!(&watch.next(), &events[1]);
+    }
+    assert!(
+        etcd_watchers(&etcd) <= watchers_before,
+        "{} etcd watchers for 10 more HTTP watches (before: {watchers_before})",
+        etcd_watchers(&etcd)
     );
 }
 

@@ -34,8 +34,10 @@
 //!
 //! ## Watches
 //!
-//! A watch covers the whole key prefix in etcd (so that positions count every change of a
-//! transaction) and is filtered here to the prefix asked for.
+//! An etcd watch covers the whole key prefix (so that positions count every change of a
+//! transaction) and is filtered here to the prefix asked for. One such watch per API server (the
+//! hub) serves every HTTP watch that starts within its recent history; older ones, and any while
+//! the hub reconnects, get an etcd watch of their own.
 //!
 //! ## Failures
 //!
@@ -100,6 +102,44 @@ pub struct EtcdBackend {
     /// Everything this server stores is under this prefix (`<--etcd-prefix>/`).
     root: String,
     config: Arc<Config>,
+    hub: Arc<Hub>,
+}
+
+/// Events the hub keeps for watchers that start a little in the past.
+const HUB_HISTORY: usize = 10_000;
+/// Committed transactions a hub subscriber may fall behind before it is closed.
+const HUB_BUFFER: usize = 4096;
+
+/// One etcd watch per API server, fanned out to every HTTP watch (kube-apiserver's watch
+/// cache, reduced): subscribers share the events (and so their [`super::Memo`]: each change is
+/// decoded and encoded once), and etcd serves one watch instead of one per client. A watch from
+/// a revision older than the hub's history, or while the hub is reconnecting, gets its own etcd
+/// watch instead.
+#[derive(Default)]
+struct Hub {
+    state: std::sync::Mutex<HubState>,
+}
+
+#[derive(Default)]
+struct HubState {
+    /// Whether the hub's etcd watch is running (and `log`, `oldest`, `progress` are valid).
+    running: bool,
+    /// Whether a task is (re)starting it.
+    starting: bool,
+    /// Recent changes, in order.
+    log: std::collections::VecDeque<Event>,
+    /// Every change after this resourceVersion is in `log`.
+    oldest: Revision,
+    /// Every change up to this resourceVersion has been received.
+    progress: Revision,
+    /// Committed transactions as they arrive; `None` when the hub's watch broke.
+    sender: Option<tokio::sync::broadcast::Sender<Option<Arc<HubBatch>>>>,
+}
+
+/// What the hub received from etcd in one response.
+struct HubBatch {
+    events: Vec<Event>,
+    progress: Revision,
 }
 
 /// The resourceVersion of a change at `position` in the transaction of etcd `revision`.
@@ -255,6 +295,7 @@ impl EtcdBackend {
             client,
             root: format!("{prefix}/"),
             config: Arc::new(config),
+            hub: Arc::default(),
         })
     }
 
@@ -614,6 +655,158 @@ impl EtcdBackend {
     }
 }
 
+impl EtcdBackend {
+    /// A watch served by the hub, if the hub runs and still holds every change after `after`;
+    /// starts the hub if it does not run.
+    fn subscribe(&self, prefix: &str, after: Revision) -> Option<WatchStream> {
+        let mut state = self.hub.state.lock().expect("hub lock");
+        if !state.running {
+            if !state.starting {
+                state.starting = true;
+                let this = self.clone();
+                tokio::spawn(tracing::Instrument::instrument(
+                    async move { this.run_hub().await },
+                    tracing::info_span!("etcd_watch_hub"),
+                ));
+            }
+            return None;
+        }
+        if after < state.oldest {
+            return None;
+        }
+        let mut pending: std::collections::VecDeque<Result<WatchItem, Error>> = state
+            .log
+            .iter()
+            .filter(|e| e.kv.mod_revision > after && e.kv.key.starts_with(prefix))
+            .cloned()
+            .map(|e| Ok(WatchItem::Event(e)))
+            .collect();
+        pending.push_back(Ok(WatchItem::Progress(state.progress.max(after))));
+        // Subscribed under the lock that publishing holds: each later change arrives exactly
+        // once, either in `pending` or on the channel.
+        let receiver = state.sender.as_ref()?.subscribe();
+        drop(state);
+
+        struct Subscriber {
+            pending: std::collections::VecDeque<Result<WatchItem, Error>>,
+            receiver: tokio::sync::broadcast::Receiver<Option<Arc<HubBatch>>>,
+            prefix: String,
+            after: Revision,
+            done: bool,
+        }
+        let subscriber = Subscriber {
+            pending,
+            receiver,
+            prefix: prefix.to_owned(),
+            after,
+            done: false,
+        };
+        let stream = futures::stream::unfold(subscriber, |mut s| async move {
+            loop {
+                if let Some(item) = s.pending.pop_front() {
+                    return Some((item, s));
+                }
+                if s.done {
+                    return None;
+                }
+                match s.receiver.recv().await {
+                    Ok(Some(batch)) => {
+                        for event in &batch.events {
+                            if event.kv.mod_revision > s.after
+                                && event.kv.key.starts_with(&s.prefix)
+                            {
+                                s.pending.push_back(Ok(WatchItem::Event(event.clone())));
+                            }
+                        }
+                        if batch.progress > s.after {
+                            s.pending.push_back(Ok(WatchItem::Progress(batch.progress)));
+                        }
+                    }
+                    Ok(None) | Err(tokio::sync::broadcast::error::RecvError::Closed) => {
+                        s.done = true;
+                        s.pending.push_back(Err(Error::Unavailable {
+                            backend: "etcd",
+                            message: "the watch of etcd broke; watch again".into(),
+                        }));
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(missed)) => {
+                        s.done = true;
+                        s.pending.push_back(Err(Error::WatcherLagged { missed }));
+                    }
+                }
+            }
+        });
+        Some(stream.boxed())
+    }
+
+    /// The hub's task: one etcd watch over the whole prefix, from the current revision, its
+    /// changes kept in a bounded log and sent to every subscriber. Ends when the etcd watch
+    /// breaks; the next watch request starts it again.
+    async fn run_hub(&self) {
+        let started = async {
+            let from = self.deadline("read", self.current_revision_now()).await?;
+            let stream = self
+                .deadline("watch", self.watch_now(self.root.clone(), from))
+                .await?;
+            Ok::<_, Error>((from, stream))
+        }
+        .await;
+        let (from, mut stream) = match started {
+            Ok(started) => started,
+            Err(err) => {
+                tracing::debug!(error = %err, "cannot start the shared etcd watch");
+                self.hub.state.lock().expect("hub lock").starting = false;
+                return;
+            }
+        };
+        {
+            let mut state = self.hub.state.lock().expect("hub lock");
+            let (sender, _) = tokio::sync::broadcast::channel(HUB_BUFFER);
+            *state = HubState {
+                running: true,
+                starting: false,
+                log: Default::default(),
+                oldest: from,
+                progress: from,
+                sender: Some(sender),
+            };
+        }
+        let mut events = Vec::new();
+        loop {
+            match stream.next().await {
+                Some(Ok(WatchItem::Event(event))) => events.push(event),
+                Some(Ok(WatchItem::Progress(progress))) => {
+                    let mut state = self.hub.state.lock().expect("hub lock");
+                    state.progress = progress;
+                    for event in &events {
+                        state.log.push_back(event.clone());
+                    }
+                    while state.log.len() > HUB_HISTORY {
+                        let dropped = state.log.pop_front().expect("not empty");
+                        state.oldest = dropped.kv.mod_revision;
+                    }
+                    if let Some(sender) = &state.sender {
+                        let _ = sender.send(Some(Arc::new(HubBatch {
+                            events: std::mem::take(&mut events),
+                            progress,
+                        })));
+                    }
+                }
+                Some(Err(err)) => {
+                    tracing::warn!(error = %err, "the shared etcd watch broke");
+                    break;
+                }
+                None => break,
+            }
+        }
+        let mut state = self.hub.state.lock().expect("hub lock");
+        if let Some(sender) = state.sender.take() {
+            let _ = sender.send(None);
+        }
+        *state = HubState::default();
+    }
+}
+
 impl Backend for EtcdBackend {
     fn name(&self) -> &'static str {
         "etcd"
@@ -649,8 +842,13 @@ impl Backend for EtcdBackend {
     }
 
     fn watch(&self, prefix: String, after: Revision) -> BoxFuture<'_, Result<WatchStream, Error>> {
-        self.deadline("watch", self.watch_now(prefix, after))
-            .boxed()
+        async move {
+            if let Some(stream) = self.subscribe(&prefix, after) {
+                return Ok(stream);
+            }
+            self.deadline("watch", self.watch_now(prefix, after)).await
+        }
+        .boxed()
     }
 
     fn check(&self) -> BoxFuture<'_, Result<(), Error>> {
