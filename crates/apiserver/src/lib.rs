@@ -77,6 +77,8 @@ pub struct Config {
     pub tls_private_key_file: Option<PathBuf>,
     /// `--etcd-servers`: when not empty, the API is stored in etcd instead of `data_dir`.
     pub etcd_servers: Vec<String>,
+    /// `--etcd-compaction-interval` (see [`storage::etcd::Config::compaction_interval`]).
+    pub etcd_compaction_interval: std::time::Duration,
     /// How often the allocation bitmaps are compared with the stored Services (and leaks freed);
     /// also once at start. Default 3 minutes.
     pub allocation_check_interval: std::time::Duration,
@@ -100,6 +102,7 @@ impl Default for Config {
             tls_private_key_file: None,
             token_auth_file: None,
             etcd_servers: Vec::new(),
+            etcd_compaction_interval: std::time::Duration::from_secs(300),
             allocation_check_interval: std::time::Duration::from_secs(180),
         }
     }
@@ -260,7 +263,10 @@ async fn state_over(backend: Arc<dyn Backend>, config: &Config) -> Result<AppSta
 pub async fn open(config: &Config) -> Result<AppState, Error> {
     if !config.etcd_servers.is_empty() {
         let backend = EtcdBackend::connect(
-            storage::etcd::Config::new(config.etcd_servers.clone()),
+            storage::etcd::Config {
+                compaction_interval: config.etcd_compaction_interval,
+                ..storage::etcd::Config::new(config.etcd_servers.clone())
+            },
             &config.prefix,
         )
         .await

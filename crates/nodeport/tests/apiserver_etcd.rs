@@ -483,6 +483,37 @@ fn a_watch_from_a_compacted_revision_gets_410_gone_and_bookmarks_carry_etcd_reso
 }
 
 #[test]
+fn the_api_server_compacts_etcd_history_so_an_old_watch_gets_410_gone() {
+    if !etcd_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(&dir.path().join("etcd"));
+    let servers = replicas(&etcd, dir.path(), 1, &["--etcd-compaction-interval", "1s"]);
+    let (status, body) = create(servers[0].port, "old", None).unwrap();
+    assert_eq!(status, 201, "{body}");
+    let rv = json(&body)["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    // A later write, then two compaction rounds: the first records a revision after "old", the
+    // second compacts to it.
+    let (status, body) = create(servers[0].port, "new", None).unwrap();
+    assert_eq!(status, 201, "{body}");
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let mut watch = Watch::open(servers[0].port, &rv);
+        let event = watch.next_event();
+        if event["type"] == "ERROR" {
+            assert_eq!(event["object"]["code"], 410, "{event}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "etcd was never compacted");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
 fn etcd_stopped_and_restarted_under_load_gives_503_or_504_then_full_service_without_restart() {
     if !etcd_available() {
         return;

@@ -82,6 +82,11 @@ pub struct Config {
     pub request_timeout: Duration,
     /// Deadline of establishing a connection. Default 2 s.
     pub connect_timeout: Duration,
+    /// `--etcd-compaction-interval`: how often etcd's history is compacted, to the revision of
+    /// one interval before; zero leaves it to someone else. Default 5 minutes, kube-apiserver's:
+    /// watches and continued lists can go back about that far, and etcd's database does not
+    /// grow without end.
+    pub compaction_interval: Duration,
 }
 
 impl Config {
@@ -91,6 +96,7 @@ impl Config {
             endpoints,
             request_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(2),
+            compaction_interval: Duration::from_secs(300),
         }
     }
 }
@@ -291,12 +297,53 @@ impl EtcdBackend {
         let client = Client::connect(&config.endpoints, Some(options))
             .await
             .map_err(|e| etcd_error("connect", None, e))?;
-        Ok(EtcdBackend {
+        let backend = EtcdBackend {
             client,
             root: format!("{prefix}/"),
             config: Arc::new(config),
             hub: Arc::default(),
-        })
+        };
+        if !backend.config.compaction_interval.is_zero() {
+            let compactor = backend.clone();
+            tokio::spawn(tracing::Instrument::instrument(
+                async move { compactor.compact_periodically().await },
+                tracing::info_span!("etcd_compactor"),
+            ));
+        }
+        Ok(backend)
+    }
+
+    /// Every interval, compacts etcd to the revision it had one interval before (what
+    /// kube-apiserver's compactor does). With several API servers each compacts; compacting to a
+    /// revision already compacted is refused by etcd and ignored here.
+    async fn compact_periodically(&self) {
+        let interval = self.config.compaction_interval;
+        let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
+        let mut previous: Option<i64> = None;
+        loop {
+            ticker.tick().await;
+            let current = match self.deadline("read", self.current_revision_now()).await {
+                Ok(rv) => etcd_revision(rv),
+                Err(err) => {
+                    tracing::debug!(error = %err, "cannot read the revision to compact at");
+                    continue;
+                }
+            };
+            if let Some(revision) = previous.filter(|r| *r > 0) {
+                let compacted = tokio::time::timeout(
+                    self.config.request_timeout,
+                    self.client.kv_client().compact(revision, None),
+                )
+                .await;
+                match compacted {
+                    Ok(Ok(_)) => tracing::info!(revision, "compacted etcd history"),
+                    Ok(Err(err)) if err.to_string().contains("compacted") => {}
+                    Ok(Err(err)) => tracing::warn!(revision, error = %err, "compaction failed"),
+                    Err(_) => tracing::warn!(revision, "compaction timed out"),
+                }
+            }
+            previous = Some(current);
+        }
     }
 
     async fn deadline<T>(

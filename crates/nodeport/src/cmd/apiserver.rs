@@ -30,6 +30,10 @@ pub struct Args {
     /// API server pointed at it, instead of in --data-dir.
     #[arg(long)]
     etcd_servers: Option<String>,
+    /// How often etcd's history is compacted (to the revision of one interval before), like
+    /// kube-apiserver's flag: "5m", "300s", "1h"; "0" disables it.
+    #[arg(long, default_value = "5m")]
+    etcd_compaction_interval: String,
     /// Seconds between checks that the allocation bitmaps equal what the stored Services hold
     /// (leaks are freed); also checked at start.
     #[arg(long, default_value_t = 180)]
@@ -50,6 +54,22 @@ pub struct Args {
 
 fn usage(message: impl Into<String>) -> anyhow::Error {
     UsageError(message.into()).into()
+}
+
+/// A duration as `<number><unit>` with unit `s`, `m` or `h` (a bare `0` is zero).
+fn duration(text: &str) -> Option<std::time::Duration> {
+    if text == "0" {
+        return Some(std::time::Duration::ZERO);
+    }
+    let unit = text.chars().last()?;
+    let number: u64 = text[..text.len() - unit.len_utf8()].parse().ok()?;
+    let seconds = match unit {
+        's' => number,
+        'm' => number.checked_mul(60)?,
+        'h' => number.checked_mul(3600)?,
+        _ => return None,
+    };
+    Some(std::time::Duration::from_secs(seconds))
 }
 
 /// Turns the flags into a [`Config`], or a one-line usage error.
@@ -101,6 +121,12 @@ fn config(args: &Args) -> anyhow::Result<Config> {
             )));
         }
     }
+    let etcd_compaction_interval = duration(&args.etcd_compaction_interval).ok_or_else(|| {
+        usage(format!(
+            "--etcd-compaction-interval {:?} is not a duration (like 5m, 300s, 1h or 0)",
+            args.etcd_compaction_interval
+        ))
+    })?;
     if args.allocation_check_interval == 0 {
         return Err(usage(
             "--allocation-check-interval must be at least 1 second",
@@ -134,6 +160,7 @@ fn config(args: &Args) -> anyhow::Result<Config> {
         tls_private_key_file: args.tls_private_key_file.clone(),
         token_auth_file: args.token_auth_file.clone(),
         etcd_servers,
+        etcd_compaction_interval,
         allocation_check_interval: std::time::Duration::from_secs(args.allocation_check_interval),
         ..Config::default()
     };
