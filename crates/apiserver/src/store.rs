@@ -2,18 +2,24 @@
 //!
 //! Why one writer: the NodePort and ClusterIP bitmaps are two hot keys that every Service write
 //! reads and changes. With optimistic compare-and-swap from many concurrent requests, nearly all
-//! of them would lose the race and retry. Instead each request hands a closure (a [`Mutation`])
+//! of them would lose the race and retry. Instead each request hands a closure (see [`Store::mutate`])
 //! to one writer task, which
 //!
-//! 1. takes every mutation that is queued (up to [`MAX_BATCH`]),
+//! 1. takes every mutation that is queued (up to [`MAX_BATCH`], and within the backend's limit of
+//!    keys per transaction), waiting briefly for the clients it has just answered to come back
+//!    (at most 1 ms, see `LINGER_MAX`),
 //! 2. reads the keys they declared, plus both range keys, at one revision,
-//! 3. runs the mutations one after the other against a view ([`Txn`]) that shows the writes of the
-//!    earlier ones and holds the decoded allocators (cached between batches by the range keys'
-//!    `mod_revision`, so the bitmaps are decoded only when another writer changed them),
-//! 4. commits the writes of all of them, and the new bitmaps, in **one** backend transaction whose
-//!    compares are the `mod_revision`s of every key read. On the embedded backend that is one redb
-//!    write transaction and one fsync for the whole batch (group commit). On a lost race (only
-//!    possible when several API servers share etcd) the batch is read again and re-run.
+//! 3. runs the mutations one after the other against a view ([`Txn`]) that holds the decoded
+//!    allocators (kept between batches while the stored bitmaps are the bytes they were encoded
+//!    into, so the bitmaps are decoded only when another writer changed them); a mutation that
+//!    declared a key an earlier one in the batch wrote, or writes such a key again, is deferred to
+//!    the next batch, so that it reads real revisions and no key is written twice in one
+//!    transaction,
+//! 4. commits the writes of all of them, and the bitmaps that changed, in **one** backend
+//!    transaction whose compares are the `mod_revision`s of every key read. On the embedded
+//!    backend that is one redb write transaction and one fsync for the whole batch (group commit).
+//!    On a lost race (only possible when several API servers share etcd) the batch, with whatever
+//!    queued meanwhile, is read again and re-run.
 //!
 //! A mutation that fails leaves nothing behind: its writes and its allocator changes are made on a
 //! working copy that is dropped. So a rejected request, a lost race or a crash (nothing is
@@ -40,9 +46,10 @@ pub const MAX_BATCH: usize = 256;
 /// "sync delay": without it, with 8 clients the batches alternate between the clients answered by
 /// one commit and those that queued during it, about 4 requests each instead of 8.
 const LINGER_MAX: std::time::Duration = std::time::Duration::from_micros(1000);
-/// How often a batch is re-run after losing a race before the requests fail. Between attempts
-/// the writer sleeps a random time up to 1, 2, 4, ... 32 ms, so that API servers racing for the
-/// bitmaps stop colliding in lockstep; 64 attempts take about 1.5 s at most.
+/// How often a batch is re-run after losing a race before the requests fail. The first re-run
+/// goes at once; before each later one the writer sleeps a random time up to 1, 2, 4, ... 32 ms,
+/// so that API servers racing for the bitmaps stop colliding in lockstep; 64 attempts wait about
+/// 1 s on average, under 2 s at most.
 const MAX_CONFLICT_RETRIES: u32 = 64;
 
 /// The NodePort and ClusterIP allocators as one batch (or one mutation) sees them.
@@ -217,7 +224,7 @@ pub struct Done<T> {
 /// Counters of the writer, for `/metrics` and the benchmarks.
 #[derive(Debug, Default)]
 pub struct Stats {
-    /// Batches committed (or failed).
+    /// Transactions tried: each attempt of a batch, lost races included.
     pub batches: AtomicU64,
     /// Mutations run in committed batches.
     pub mutations: AtomicU64,
