@@ -16,6 +16,7 @@ declare -A packages=(
   [etcd]=etcd-server
   [ipset]=ipset
   [curl]=curl
+  [protoc]=protobuf-compiler
 )
 missing=()
 for cmd in "${!packages[@]}"; do
