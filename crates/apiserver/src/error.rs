@@ -375,6 +375,18 @@ impl ApiError {
         .with_subject(subject, name)
     }
 
+    /// Adds a cause to `details.causes` (e.g. the `NamespaceTerminating` cause of a create in a
+    /// namespace that is being deleted).
+    pub fn with_cause(mut self, reason: &str, message: impl Into<String>, field: &str) -> Self {
+        let details = self.details.get_or_insert_with(Box::default);
+        details.causes.push(Cause {
+            reason: Some(reason.to_owned()),
+            message: Some(message.into()),
+            field: Some(field.to_owned()),
+        });
+        self
+    }
+
     /// 405 `MethodNotAllowed`.
     pub fn method_not_supported(subject: Subject, action: &str) -> Self {
         Self::new(

@@ -21,8 +21,9 @@
 //! - a duplicate nodePort inside one update is a 422 `Duplicate value` rather than a 500;
 //! - a `dryRun=All` create shows the port and address that would really be allocated instead of
 //!   kube-apiserver's placeholders (32769..., the network address);
-//! - deleting a namespace removes its Services, Endpoints and EndpointSlices at once (no
-//!   `Terminating` phase); server-side apply is answered with 415.
+//! - the namespace controller's work (deleting a Terminating namespace's contents, then the
+//!   namespace) runs inside the API server (see [`registry::namespace`]); server-side apply is
+//!   answered with 415.
 
 pub mod auth;
 pub mod error;
@@ -237,6 +238,24 @@ async fn state_over(backend: Arc<dyn Backend>, config: &Config) -> Result<AppSta
         Ok(_) => {}
         Err(err) => tracing::error!(error = %err, "allocation check failed"),
     }
+    // kube-controller-manager's namespace controller, for namespaces whose deletion an API server
+    // left unfinished: at start and every few minutes (a DELETE starts its own work at once).
+    let sweeper = registry.clone();
+    let sweep_loop = async move {
+        let mut ticker = tokio::time::interval(registry::namespace::SYNC_PERIOD);
+        loop {
+            ticker.tick().await;
+            match sweeper.sweep_terminating_namespaces().await {
+                Ok(0) => {}
+                Ok(started) => tracing::info!(started, "finishing Terminating namespaces"),
+                Err(err) => tracing::debug!(error = %err, "cannot look for Terminating namespaces"),
+            }
+        }
+    };
+    tokio::spawn(tracing::Instrument::instrument(
+        sweep_loop,
+        tracing::info_span!("namespace_sweep"),
+    ));
     let checker = registry.clone();
     let interval = config.allocation_check_interval;
     let check_loop = async move {

@@ -299,6 +299,16 @@ impl Store {
         T: Send + 'static,
         F: FnMut(&mut Txn<'_>) -> Result<T, ApiError> + Send + 'static,
     {
+        // Every caller keeps to the limit (large deletes are one request per object); a request
+        // over it could never commit on etcd, so it is refused before it reaches the writer.
+        let limit = self.backend.max_batch_keys();
+        if keys.len() > limit {
+            return Err(ApiError::internal(format!(
+                "one write may touch at most {limit} keys on {}; this one touches {}",
+                self.backend.name(),
+                keys.len()
+            )));
+        }
         let (reply, rx) = oneshot::channel();
         let job = Job {
             keys,

@@ -889,6 +889,7 @@ async fn other_kinds_create_list_and_delete() {
     .await;
     let r = delete(&s, "/api/v1/namespaces/team").await;
     assert_eq!(r.status, StatusCode::OK);
+    wait_gone(&s, "/api/v1/namespaces/team").await;
     assert_eq!(
         get(&s, "/api/v1/namespaces/team/services/t").await.status,
         StatusCode::NOT_FOUND
@@ -936,4 +937,204 @@ async fn unknown_paths_and_verbs_get_status_errors() {
     )
     .await;
     assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
+}
+
+/// Waits (up to 10 s) until `uri` answers 404.
+async fn wait_gone(state: &AppState, uri: &str) {
+    for _ in 0..1000 {
+        if get(state, uri).await.status == StatusCode::NOT_FOUND {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    panic!("{uri} still exists");
+}
+
+fn namespace(name: &str, finalizers: &[&str]) -> Value {
+    json!({"apiVersion":"v1","kind":"Namespace","metadata":{"name":name},
+           "spec":{"finalizers":finalizers}})
+}
+
+#[tokio::test]
+async fn deleting_a_namespace_makes_it_terminating_then_removes_its_contents_and_it() {
+    // kube-apiserver's namespace REST: the first DELETE answers 200 with the namespace, now with
+    // a deletionTimestamp and phase Terminating; the namespace controller empties and removes it.
+    let s = server().await;
+    assert_eq!(
+        post(&s, "/api/v1/namespaces", namespace("team", &[]))
+            .await
+            .status,
+        StatusCode::CREATED
+    );
+    for i in 0..40 {
+        let r = post(
+            &s,
+            "/api/v1/namespaces/team/services",
+            node_port_svc(&format!("s{i}"), None),
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    }
+    let r = delete(&s, "/api/v1/namespaces/team").await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body["kind"], "Namespace");
+    assert_eq!(r.body["status"]["phase"], "Terminating");
+    assert!(r.body["metadata"]["deletionTimestamp"].is_string());
+    assert_eq!(r.body["spec"]["finalizers"], json!(["kubernetes"]));
+    wait_gone(&s, "/api/v1/namespaces/team").await;
+    let left = get(&s, "/api/v1/namespaces/team/services").await;
+    assert_eq!(left.body["items"], json!([]));
+    verify_consistent(&s).await;
+}
+
+#[tokio::test]
+async fn a_terminating_namespace_refuses_creates_with_namespace_lifecycles_403_until_finalized() {
+    // An extra finalizer keeps the namespace Terminating once the controller has removed its own
+    // (`kubernetes`) and the contents, as in kube-apiserver.
+    let s = server().await;
+    let r = post(
+        &s,
+        "/api/v1/namespaces",
+        namespace("held", &["example.com/hold"]),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    assert_eq!(
+        r.body["spec"]["finalizers"],
+        json!(["example.com/hold", "kubernetes"])
+    );
+    let r = post(
+        &s,
+        "/api/v1/namespaces/held/services",
+        node_port_svc("web", None),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    assert_eq!(
+        delete(&s, "/api/v1/namespaces/held").await.status,
+        StatusCode::OK
+    );
+    // The controller deletes the Service and drops its finalizer; the namespace stays.
+    wait_gone(&s, "/api/v1/namespaces/held/services/web").await;
+    let mut ns = get(&s, "/api/v1/namespaces/held").await.body;
+    for _ in 0..1000 {
+        if ns["spec"]["finalizers"] == json!(["example.com/hold"]) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        ns = get(&s, "/api/v1/namespaces/held").await.body;
+    }
+    assert_eq!(
+        ns["spec"]["finalizers"],
+        json!(["example.com/hold"]),
+        "{ns}"
+    );
+    assert_eq!(ns["status"]["phase"], "Terminating");
+
+    for (uri, body) in [
+        (
+            "/api/v1/namespaces/held/services",
+            node_port_svc("late", None),
+        ),
+        (
+            "/api/v1/namespaces/held/endpoints",
+            json!({"apiVersion":"v1","kind":"Endpoints","metadata":{"name":"late"}}),
+        ),
+    ] {
+        let r = post(&s, uri, body).await;
+        assert_eq!(r.status, StatusCode::FORBIDDEN, "{}", r.body);
+        assert_eq!(r.body["reason"], "Forbidden");
+        assert!(
+            r.body["message"].as_str().unwrap().ends_with(
+                "\"late\" is forbidden: unable to create new content in namespace held because it is being terminated"
+            ),
+            "{}",
+            r.body
+        );
+        assert_eq!(
+            r.body["details"]["causes"][0]["reason"],
+            "NamespaceTerminating"
+        );
+    }
+    // Create-on-update (PUT of a missing Service) is a create too.
+    let r = put(
+        &s,
+        "/api/v1/namespaces/held/services/late",
+        node_port_svc("late", None),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN, "{}", r.body);
+
+    // A second DELETE while a finalizer is pending answers with the namespace, unchanged.
+    let r = delete(&s, "/api/v1/namespaces/held").await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(
+        r.body["metadata"]["resourceVersion"],
+        ns["metadata"]["resourceVersion"]
+    );
+
+    // Removing the last finalizer through `finalize` removes the namespace.
+    let mut finalized = ns.clone();
+    finalized["spec"]["finalizers"] = json!([]);
+    let r = put(&s, "/api/v1/namespaces/held/finalize", finalized).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(
+        get(&s, "/api/v1/namespaces/held").await.status,
+        StatusCode::NOT_FOUND
+    );
+    verify_consistent(&s).await;
+}
+
+#[tokio::test]
+async fn namespace_finalizers_need_a_domain_unless_standard_and_change_only_through_finalize() {
+    let s = server().await;
+    let r = post(&s, "/api/v1/namespaces", namespace("bad", &["hold"])).await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        r.body["message"],
+        "Namespace \"bad\" is invalid: spec.finalizers: Invalid value: \"hold\": name is neither a standard finalizer name nor is it fully qualified"
+    );
+    post(&s, "/api/v1/namespaces", namespace("ok", &[])).await;
+    // An ordinary update keeps the finalizers (the namespace strategy's PrepareForUpdate).
+    let mut ns = get(&s, "/api/v1/namespaces/ok").await.body;
+    ns["spec"]["finalizers"] = json!([]);
+    ns["metadata"]["labels"]["team"] = json!("a");
+    let r = put(&s, "/api/v1/namespaces/ok", ns).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body["spec"]["finalizers"], json!(["kubernetes"]));
+    assert_eq!(r.body["metadata"]["labels"]["team"], "a");
+    let r = call(
+        &s,
+        Method::PATCH,
+        "/api/v1/namespaces/ok/finalize",
+        "application/merge-patch+json",
+        b"{}".to_vec(),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
+}
+
+#[tokio::test]
+async fn deletecollection_of_three_hundred_services_frees_every_port_and_address() {
+    let s = server().await;
+    for i in 0..300 {
+        let mut svc = node_port_svc(&format!("bulk-{i}"), None);
+        svc["metadata"]["labels"] = json!({"set": "bulk"});
+        let r = post(&s, SERVICES, svc).await;
+        assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    }
+    let r = delete(&s, &format!("{SERVICES}?labelSelector=set%3Dbulk")).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body["items"].as_array().unwrap().len(), 300);
+    let left = get(&s, SERVICES).await;
+    let names: Vec<&str> = left.body["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["metadata"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["kubernetes"]);
+    verify_consistent(&s).await;
+    let np = get(&s, "/ranges").await.body;
+    assert_eq!(np["nodePorts"]["dynamic"]["used"], 0, "{np}");
 }

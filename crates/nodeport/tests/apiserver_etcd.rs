@@ -703,3 +703,179 @@ fn the_verification_loop_frees_a_leak_made_by_hand_and_only_reports_a_missing_bi
     assert_eq!(verify(&etcd, "30000-32767").missing_ports, vec![held]);
     assert_eq!(services(&servers[0]), before, "no Service was changed");
 }
+
+/// Creates `count` objects through `port`, 8 clients at once: `body(i)` is POSTed to `path`.
+fn create_many(port: u16, path: &str, count: usize, body: impl Fn(usize) -> String + Sync) {
+    let next = AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        for _ in 0..8 {
+            scope.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= count {
+                        return;
+                    }
+                    let (status, text) = http(port, "POST", path, Some(&body(i))).unwrap();
+                    assert_eq!(status, 201, "{text}");
+                }
+            });
+        }
+    });
+}
+
+fn labelled_service(name: &str) -> String {
+    format!(
+        r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"{name}","labels":{{"set":"bulk"}}}},"spec":{{"type":"NodePort","ports":[{{"port":80}}]}}}}"#
+    )
+}
+
+#[test]
+fn kubectl_deletes_a_namespace_of_three_hundred_and_fifty_objects_on_etcd_and_every_port_is_freed()
+{
+    if !etcd_available() || !apiserver_support::kubectl_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(&dir.path().join("etcd"));
+    let servers = replicas(&etcd, dir.path(), 2, &[]);
+    let port = servers[0].port;
+    let (status, body) = http(
+        port,
+        "POST",
+        "/api/v1/namespaces",
+        Some(r#"{"apiVersion":"v1","kind":"Namespace","metadata":{"name":"bulk"}}"#),
+    )
+    .unwrap();
+    assert_eq!(status, 201, "{body}");
+    // 300 Services (each also with Endpoints) and 50 EndpointSlices: far over etcd's 128
+    // operations per transaction.
+    create_many(port, "/api/v1/namespaces/bulk/services", 300, |i| {
+        labelled_service(&format!("s-{i}"))
+    });
+    create_many(port, "/api/v1/namespaces/bulk/endpoints", 300, |i| {
+        format!(
+            r#"{{"apiVersion":"v1","kind":"Endpoints","metadata":{{"name":"s-{i}"}},"subsets":[{{"addresses":[{{"ip":"10.244.0.{}"}}],"ports":[{{"port":80}}]}}]}}"#,
+            i % 250 + 1
+        )
+    });
+    create_many(
+        port,
+        "/apis/discovery.k8s.io/v1/namespaces/bulk/endpointslices",
+        50,
+        |i| {
+            format!(
+                r#"{{"apiVersion":"discovery.k8s.io/v1","kind":"EndpointSlice","metadata":{{"name":"e-{i}"}},"addressType":"IPv4","endpoints":[{{"addresses":["10.244.1.{}"]}}]}}"#,
+                i + 1
+            )
+        },
+    );
+    assert_eq!(services(&servers[1]).len(), 301);
+
+    // Through the other replica: kubectl waits until the namespace is gone.
+    let out = servers[1].kubectl(&["delete", "namespace", "bulk", "--timeout=60s"]);
+    let (stdout, stderr) = apiserver_support::text(&out);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert_eq!(stdout.trim(), "namespace \"bulk\" deleted");
+    let (status, _) = http(port, "GET", "/api/v1/namespaces/bulk", None).unwrap();
+    assert_eq!(status, 404);
+    for path in [
+        "/api/v1/namespaces/bulk/services",
+        "/api/v1/namespaces/bulk/endpoints",
+        "/apis/discovery.k8s.io/v1/namespaces/bulk/endpointslices",
+    ] {
+        let (_, body) = http(port, "GET", path, None).unwrap();
+        assert_eq!(json(&body)["items"], serde_json::json!([]), "{path}");
+    }
+    let report = verify(&etcd, "30000-32767");
+    assert!(report.is_consistent(), "{report:?}");
+    assert_eq!(report.services, 1, "only default/kubernetes is left");
+}
+
+#[test]
+fn deletecollection_of_three_hundred_services_on_etcd_leaves_the_bitmaps_equal_to_the_services() {
+    if !etcd_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(&dir.path().join("etcd"));
+    let servers = replicas(&etcd, dir.path(), 1, &[]);
+    let port = servers[0].port;
+    create_many(port, "/api/v1/namespaces/default/services", 320, |i| {
+        labelled_service(&format!("s-{i}"))
+    });
+    for i in 0..5 {
+        let (status, body) = create(port, &format!("keep-{i}"), None).unwrap();
+        assert_eq!(status, 201, "{body}");
+    }
+    let (status, body) = http(
+        port,
+        "DELETE",
+        "/api/v1/namespaces/default/services?labelSelector=set%3Dbulk",
+        None,
+    )
+    .unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(json(&body)["items"].as_array().unwrap().len(), 320);
+    let mut left: Vec<String> = services(&servers[0])
+        .iter()
+        .map(|s| s["metadata"]["name"].as_str().unwrap().to_owned())
+        .collect();
+    left.sort();
+    assert_eq!(
+        left,
+        [
+            "keep-0",
+            "keep-1",
+            "keep-2",
+            "keep-3",
+            "keep-4",
+            "kubernetes"
+        ]
+    );
+    let report = verify(&etcd, "30000-32767");
+    assert!(report.is_consistent(), "{report:?}");
+    assert_eq!(report.services, 6);
+}
+
+#[test]
+fn missing_bitmaps_are_rebuilt_on_etcd_from_three_hundred_services() {
+    if !etcd_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(&dir.path().join("etcd"));
+    let mut servers = replicas(&etcd, dir.path(), 1, &[]);
+    create_many(
+        servers[0].port,
+        "/api/v1/namespaces/default/services",
+        300,
+        |i| labelled_service(&format!("s-{i}")),
+    );
+    let before = services(&servers[0]);
+    servers[0].kill();
+    // Both bitmaps gone, as on a cluster whose ranges were never initialised.
+    for key in [
+        "/registry/ranges/servicenodeports",
+        "/registry/ranges/serviceips",
+    ] {
+        etcd.gateway(
+            "/v3/kv/deleterange",
+            &format!(r#"{{"key":"{}"}}"#, base64(key.as_bytes())),
+        );
+    }
+    assert!(!verify(&etcd, "30000-32767").is_consistent());
+    let servers = replicas(&etcd, dir.path(), 1, &[]);
+    let report = verify(&etcd, "30000-32767");
+    assert!(report.is_consistent(), "{report:?}");
+    assert_eq!(report.services, 301);
+    assert_eq!(services(&servers[0]), before, "no Service was changed");
+    // And allocation goes on from the rebuilt bitmaps without doubling anything.
+    create_many(
+        servers[0].port,
+        "/api/v1/namespaces/default/services",
+        20,
+        |i| labelled_service(&format!("after-{i}")),
+    );
+    assert_no_duplicates(&services(&servers[0]));
+    assert!(verify(&etcd, "30000-32767").is_consistent());
+}

@@ -71,7 +71,9 @@ pub fn validate(object: &Object) -> Vec<FieldError> {
     match object {
         Object::Service(svc) => super::service::validate(svc),
         Object::Namespace(ns) => {
-            validation::object_meta(&ns.metadata, false, NameRule::Dns1123Label)
+            let mut errs = validation::object_meta(&ns.metadata, false, NameRule::Dns1123Label);
+            errs.extend(super::namespace::validate_finalizers(ns));
+            errs
         }
         Object::Node(node) => {
             validation::object_meta(&node.metadata, false, NameRule::Dns1123Subdomain)

@@ -9,6 +9,7 @@
 //! `mod_revision` is written into it, as kube-apiserver's etcd3 store does.
 
 pub mod kinds;
+pub mod namespace;
 pub mod object;
 pub mod patch;
 pub mod selector;
@@ -170,6 +171,13 @@ impl Verification {
     }
 }
 
+/// Allocators rebuilt from the stored Services, and the bitmaps' revisions they were read beside.
+struct Rebuilt {
+    allocators: Allocators,
+    bitmap_revisions: (Option<Revision>, Option<Revision>),
+    services: usize,
+}
+
 /// The namespaces that exist from the first start (kube-apiserver's system namespaces).
 pub const SYSTEM_NAMESPACES: [&str; 3] = ["default", "kube-system", "kube-public"];
 
@@ -178,6 +186,8 @@ pub const SYSTEM_NAMESPACES: [&str; 3] = ["default", "kube-system", "kube-public
 pub struct Registry {
     store: Store,
     ranges: Arc<ServiceRanges>,
+    /// Namespaces whose deletion this server is finishing.
+    finalizing: Arc<namespace::InProgress>,
 }
 
 fn now() -> Time {
@@ -318,6 +328,7 @@ impl Registry {
         Registry {
             store,
             ranges: Arc::new(ranges),
+            finalizing: Arc::default(),
         }
     }
 
@@ -544,10 +555,8 @@ impl Registry {
         let done = self
             .store
             .mutate(keys, move |txn| {
-                if let (Some(ns_key), Some(ns)) = (&ns_key, &ns)
-                    && txn.get(ns_key).is_none()
-                {
-                    return Err(ApiError::not_found(Kind::Namespace.subject(), ns));
+                if let (Some(ns_key), Some(ns)) = (&ns_key, &ns) {
+                    check_namespace_open(txn, ns_key, ns, kind, &name)?;
                 }
                 if txn.get(&key).is_some() {
                     return Err(ApiError::already_exists(kind.subject(), &name));
@@ -615,10 +624,8 @@ impl Registry {
                     if !kind.allow_create_on_update() || status_only {
                         return Err(ApiError::not_found(kind.subject(), &name));
                     }
-                    if let (Some(ns_key), Some(ns)) = (&ns_key, &namespace)
-                        && txn.get(ns_key).is_none()
-                    {
-                        return Err(ApiError::not_found(Kind::Namespace.subject(), ns));
+                    if let (Some(ns_key), Some(ns)) = (&ns_key, &namespace) {
+                        check_namespace_open(txn, ns_key, ns, kind, &name)?;
                     }
                     let mut object = object.clone();
                     {
@@ -763,26 +770,11 @@ impl Registry {
                         "this namespace may not be deleted",
                     ));
                 }
-                // Our namespace deletion is immediate: what the namespace controller would
-                // remove goes in the same transaction.
-                for k in [Kind::Service, Kind::Endpoints, Kind::EndpointSlice] {
-                    let page = self
-                        .store
-                        .backend()
-                        .list(ListRequest {
-                            prefix: k.list_prefix(self.store.prefix(), Some(name)),
-                            start: None,
-                            revision: None,
-                            limit: None,
-                        })
-                        .await?;
-                    extra.extend(page.kvs.into_iter().map(|kv| kv.key));
-                }
+                return self.delete_namespace(name, preconditions, options).await;
             }
             _ => {}
         }
         keys.extend(extra.iter().cloned());
-        let service_prefix = Kind::Service.list_prefix(self.store.prefix(), None);
         let name = name.to_owned();
         let done = self
             .store
@@ -796,13 +788,7 @@ impl Registry {
                     service::release(&svc, txn.allocators()?);
                 }
                 for extra_key in &extra {
-                    if let Some(entry) = txn.get(extra_key) {
-                        if extra_key.starts_with(&service_prefix)
-                            && let Object::Service(svc) =
-                                typed_from_entry(Kind::Service, &entry.value)?
-                        {
-                            service::release(&svc, txn.allocators()?);
-                        }
+                    if txn.get(extra_key).is_some() {
                         txn.delete(extra_key.clone());
                     }
                 }
@@ -841,109 +827,111 @@ impl Registry {
                 },
             )
             .await?;
-        let mut keys = Vec::new();
-        for item in &matched.items {
-            let ns = item.pointer("/metadata/namespace").and_then(Value::as_str);
-            let name = item
-                .pointer("/metadata/name")
-                .and_then(Value::as_str)
-                .unwrap_or("");
-            keys.push(self.key(kind, ns, name));
-            if kind == Kind::Service {
-                keys.push(self.key(Kind::Endpoints, ns, name));
+        // One delete per object, as kube-apiserver's `DeleteCollection` does: each commits with
+        // the release of what it held, and the writer batches them into transactions that fit
+        // the backend (etcd takes at most 128 operations in one).
+        let names: Vec<(Option<String>, String)> = matched
+            .items
+            .iter()
+            .map(|item| {
+                (
+                    item.pointer("/metadata/namespace")
+                        .and_then(Value::as_str)
+                        .map(str::to_owned),
+                    item.pointer("/metadata/name")
+                        .and_then(Value::as_str)
+                        .unwrap_or("")
+                        .to_owned(),
+                )
+            })
+            .collect();
+        let results = self.delete_each(kind, names, options).await;
+        let mut deleted = Vec::with_capacity(results.len());
+        for result in results {
+            match result {
+                Ok(object) => deleted.push(object),
+                // Deleted by someone else meanwhile: kube-apiserver ignores it too.
+                Err(err) if err.code() == 404 => {}
+                Err(err) => return Err(err),
             }
         }
-        let endpoints_prefix = Kind::Endpoints.list_prefix(self.store.prefix(), None);
-        let done = self
-            .store
-            .mutate(keys.clone(), move |txn| {
-                let mut deleted = Vec::new();
-                for key in &keys {
-                    let Some(entry) = txn.get(key) else { continue };
-                    if kind == Kind::Service && key.starts_with(&endpoints_prefix) {
-                        txn.delete(key.clone());
-                        continue;
-                    }
-                    if let Object::Service(svc) = typed_from_entry(kind, &entry.value)? {
-                        service::release(&svc, txn.allocators()?);
-                    }
-                    deleted.push(decode_stored(&entry.value, entry.mod_revision)?);
-                    txn.delete(key.clone());
-                }
-                if options.dry_run {
-                    txn.set_dry_run();
-                }
-                Ok(deleted)
-            })
-            .await?;
-        Ok(done.value)
+        Ok(deleted)
     }
 
     /// Creates what exists from the first start, and the allocation bitmaps: the system
     /// namespaces, `default/kubernetes`, and bitmaps rebuilt from the stored Services when they are
     /// missing or were written for other ranges (the flags changed).
     pub async fn bootstrap(&self) -> Result<(), ApiError> {
-        // The Services are read (and declared) only to rebuild missing bitmaps: on etcd a batch
-        // may declare at most ~126 keys, and a server joining a running cluster finds the
-        // bitmaps there.
-        let range_keys = vec![
-            storage::keys::node_port_range(self.store.prefix()),
-            storage::keys::service_ip_range(self.store.prefix()),
-        ];
-        let ranges_present = self.store.backend().get_many(range_keys).await?.kvs.len() == 2;
-        let service_keys: Vec<String> = if ranges_present {
-            Vec::new()
+        // A rebuild gives up when the bitmaps change between its read and its commit (another
+        // API server rebuilt them, or one with other flags wrote); the next attempt reads again.
+        const ATTEMPTS: usize = 10;
+        for _ in 0..ATTEMPTS {
+            if self.bootstrap_once().await? {
+                return Ok(());
+            }
+        }
+        Err(ApiError::internal(
+            "the allocation bitmaps kept changing while they were being rebuilt",
+        ))
+    }
+
+    /// One attempt of [`Registry::bootstrap`]; `false` if the bitmaps changed under a rebuild.
+    async fn bootstrap_once(&self) -> Result<bool, ApiError> {
+        let np_key = storage::keys::node_port_range(self.store.prefix());
+        let ip_key = storage::keys::service_ip_range(self.store.prefix());
+        let fetched = self
+            .store
+            .backend()
+            .get_many(vec![np_key.clone(), ip_key.clone()])
+            .await?;
+        // Missing or unusable bitmaps are rebuilt from every stored Service, read at one revision
+        // with the bitmaps' own revisions. The Services are not declared as keys of the write (on
+        // etcd a transaction takes at most 128); the bitmaps' revisions stand for them instead:
+        // no Service can change what it holds without changing a bitmap.
+        let rebuilt = if self.bitmaps_usable(&fetched.kvs, &np_key, &ip_key) {
+            None
         } else {
-            let services = self
+            let page = self
                 .store
                 .backend()
                 .list(ListRequest {
-                    prefix: Kind::Service.list_prefix(self.store.prefix(), None),
+                    prefix: format!("{}/", self.store.prefix()),
                     start: None,
                     revision: None,
                     limit: None,
                 })
                 .await?;
-            services.kvs.iter().map(|kv| kv.key.clone()).collect()
+            Some(Arc::new(
+                self.rebuild_allocators(&page.kvs, &np_key, &ip_key)?,
+            ))
         };
-        let mut keys = service_keys.clone();
         let ns_keys: Vec<(String, String)> = SYSTEM_NAMESPACES
             .iter()
             .map(|n| (n.to_string(), self.namespace_key(n)))
             .collect();
-        keys.extend(ns_keys.iter().map(|(_, k)| k.clone()));
+        let mut keys: Vec<String> = ns_keys.iter().map(|(_, k)| k.clone()).collect();
         let kubernetes_key = self.key(Kind::Service, Some("default"), "kubernetes");
         keys.push(kubernetes_key.clone());
         let ranges = self.ranges.clone();
-        self.store
+        let plan = rebuilt.clone();
+        let done = self
+            .store
             .mutate(keys, move |txn| {
+                let mut rebuilt_now = None;
                 if !txn.allocators_initialized() {
-                    let mut fresh = Allocators {
-                        ports: nodeport_alloc::port::Allocator::new(ranges.node_ports),
-                        ips: nodeport_alloc::ip::Allocator::new(ranges.cluster_ips)
-                            .map_err(ApiError::internal)?,
+                    let Some(plan) = &plan else {
+                        // Usable when checked, unusable now: look again.
+                        return Ok(None);
                     };
-                    for key in &service_keys {
-                        let Some(entry) = txn.get(key) else { continue };
-                        let Object::Service(svc) = typed_from_entry(Kind::Service, &entry.value)? else {
-                            continue;
-                        };
-                        let (ips, ports) = service::held(&svc);
-                        for ip in ips {
-                            if let Err(e) = fresh.ips.allocate(ip) {
-                                tracing::warn!(service = key, %ip, error = %e, "ClusterIP not restored into the rebuilt bitmap");
-                            }
-                        }
-                        for port in ports {
-                            if let Err(e) = fresh.ports.allocate(port) {
-                                tracing::warn!(service = key, port, error = %e, "nodePort not restored into the rebuilt bitmap");
-                            }
-                        }
+                    let now = (
+                        txn.get(&np_key).map(|e| e.mod_revision),
+                        txn.get(&ip_key).map(|e| e.mod_revision),
+                    );
+                    if now != plan.bitmap_revisions {
+                        return Ok(None);
                     }
-                    if !service_keys.is_empty() {
-                        tracing::warn!(services = service_keys.len(), "allocation bitmaps rebuilt from the stored Services");
-                    }
-                    txn.replace_allocators(fresh);
+                    txn.replace_allocators(plan.allocators.clone());
+                    rebuilt_now = Some(plan.services);
                 }
                 for (name, key) in &ns_keys {
                     if txn.get(key).is_none() {
@@ -952,7 +940,10 @@ impl Registry {
                                 name: Some(name.clone()),
                                 uid: Some(new_uid()),
                                 creation_timestamp: Some(now()),
-                                labels: Some([("kubernetes.io/metadata.name".to_owned(), name.clone())].into()),
+                                labels: Some(
+                                    [("kubernetes.io/metadata.name".to_owned(), name.clone())]
+                                        .into(),
+                                ),
                                 ..Default::default()
                             },
                             ..Default::default()
@@ -966,12 +957,102 @@ impl Registry {
                     svc.metadata.uid = Some(new_uid());
                     svc.metadata.creation_timestamp = Some(now());
                     service::create(&mut svc, txn.allocators()?, &ranges)?;
-                    txn.put(kubernetes_key.clone(), encode_stored(&Object::Service(Box::new(svc))));
+                    txn.put(
+                        kubernetes_key.clone(),
+                        encode_stored(&Object::Service(Box::new(svc))),
+                    );
                 }
-                Ok(())
+                Ok(Some(rebuilt_now))
             })
             .await?;
-        Ok(())
+        match done.value {
+            None => Ok(false),
+            Some(Some(services)) if services > 0 => {
+                tracing::warn!(
+                    services,
+                    "allocation bitmaps rebuilt from the stored Services"
+                );
+                Ok(true)
+            }
+            Some(_) => Ok(true),
+        }
+    }
+
+    /// Whether both stored bitmaps exist and decode for the configured ranges.
+    fn bitmaps_usable(
+        &self,
+        kvs: &std::collections::HashMap<String, KeyValue>,
+        np_key: &str,
+        ip_key: &str,
+    ) -> bool {
+        let (Some(np), Some(ip)) = (kvs.get(np_key), kvs.get(ip_key)) else {
+            return false;
+        };
+        let Ok(mut allocators) = self.empty_allocators() else {
+            return false;
+        };
+        let restored = |value: &[u8], restore: &mut dyn FnMut(&str, &[u8]) -> bool| {
+            crate::store::decode_range(value).is_ok_and(|snap| restore(&snap.range, &snap.data))
+        };
+        restored(&np.value, &mut |range, data| {
+            allocators.ports.restore(range, data).is_ok()
+        }) && restored(&ip.value, &mut |range, data| {
+            allocators.ips.restore(range, data).is_ok()
+        })
+    }
+
+    fn empty_allocators(&self) -> Result<Allocators, ApiError> {
+        Ok(Allocators {
+            ports: nodeport_alloc::port::Allocator::new(self.ranges.node_ports),
+            ips: nodeport_alloc::ip::Allocator::new(self.ranges.cluster_ips)
+                .map_err(ApiError::internal)?,
+        })
+    }
+
+    /// Allocators holding exactly what the Services in `kvs` (a dump at one revision) hold.
+    fn rebuild_allocators(
+        &self,
+        kvs: &[KeyValue],
+        np_key: &str,
+        ip_key: &str,
+    ) -> Result<Rebuilt, ApiError> {
+        let service_prefix = Kind::Service.list_prefix(self.store.prefix(), None);
+        let mut fresh = self.empty_allocators()?;
+        let mut rebuilt = Rebuilt {
+            allocators: fresh.clone(),
+            bitmap_revisions: (None, None),
+            services: 0,
+        };
+        for kv in kvs {
+            if kv.key == np_key {
+                rebuilt.bitmap_revisions.0 = Some(kv.mod_revision);
+                continue;
+            }
+            if kv.key == ip_key {
+                rebuilt.bitmap_revisions.1 = Some(kv.mod_revision);
+                continue;
+            }
+            if !kv.key.starts_with(&service_prefix) {
+                continue;
+            }
+            let Object::Service(svc) = typed_from_entry(Kind::Service, &kv.value)? else {
+                continue;
+            };
+            rebuilt.services += 1;
+            let (ips, ports) = service::held(&svc);
+            for ip in ips {
+                if let Err(e) = fresh.ips.allocate(ip) {
+                    tracing::warn!(service = %kv.key, %ip, error = %e, "ClusterIP not restored into the rebuilt bitmap");
+                }
+            }
+            for port in ports {
+                if let Err(e) = fresh.ports.allocate(port) {
+                    tracing::warn!(service = %kv.key, port, error = %e, "nodePort not restored into the rebuilt bitmap");
+                }
+            }
+        }
+        rebuilt.allocators = fresh;
+        Ok(rebuilt)
     }
 
     /// Compares the stored bitmaps with what the stored Services hold, at one revision.
@@ -1139,6 +1220,24 @@ pub fn verify_dump(
     Ok(report)
 }
 
+/// kube-apiserver's `NamespaceLifecycle` admission for a create, inside the create's
+/// transaction: the namespace must exist and must not be Terminating.
+fn check_namespace_open(
+    txn: &Txn<'_>,
+    ns_key: &str,
+    namespace: &str,
+    kind: Kind,
+    name: &str,
+) -> Result<(), ApiError> {
+    match txn.get(ns_key) {
+        None => Err(ApiError::not_found(Kind::Namespace.subject(), namespace)),
+        Some(entry) if namespace::is_terminating(&entry.value) => {
+            Err(namespace::terminating_error(kind, name, namespace))
+        }
+        Some(_) => Ok(()),
+    }
+}
+
 fn check_preconditions(
     kind: Kind,
     name: &str,
@@ -1227,6 +1326,17 @@ fn apply_update(
         (Object::Service(new_svc), Object::Service(old_svc)) => {
             if !status_only {
                 service::update(old_svc, new_svc, txn.allocators()?, ranges)?;
+            }
+        }
+        (Object::Namespace(new_ns), Object::Namespace(old_ns)) => {
+            // The namespace strategy's PrepareForUpdate: finalizers change only through
+            // `finalize`, the phase only through `status` (and deletion).
+            if !status_only {
+                new_ns.spec = old_ns.spec.clone();
+            }
+            let errs = kinds::validate(&new);
+            if !errs.is_empty() {
+                return Err(invalid(kind, &name, errs));
             }
         }
         (Object::EndpointSlice(new_slice), Object::EndpointSlice(old_slice)) => {

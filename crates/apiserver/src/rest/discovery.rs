@@ -88,6 +88,15 @@ pub fn api_resource_list(group: &str, version: &str) -> Option<Value> {
                 "verbs": ["get", "patch", "update"],
             }));
         }
+        if kind == Kind::Namespace {
+            resources.push(json!({
+                "name": "namespaces/finalize",
+                "singularName": "",
+                "namespaced": false,
+                "kind": "Namespace",
+                "verbs": ["update"],
+            }));
+        }
     }
     let group_version = if group.is_empty() {
         version.to_owned()

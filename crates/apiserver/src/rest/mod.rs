@@ -231,6 +231,7 @@ fn parse_path(path: &str) -> Result<Option<Target>, ApiError> {
     if let Some(t) = &target
         && let Some(sub) = t.subresource.as_deref()
         && !(sub == "status" && t.kind.has_status())
+        && !(sub == "finalize" && t.kind == Kind::Namespace)
     {
         return Ok(None);
     }
@@ -501,6 +502,18 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
         (&Method::GET, Some(name)) => {
             let object = registry.get(kind, ns, name).await?;
             Ok(object_response(StatusCode::OK, kind, object, &accept))
+        }
+        (&Method::PUT, Some(name)) if target.subresource.as_deref() == Some("finalize") => {
+            let options = write_options(&query)?;
+            let body = decode_body(&ct, &read_body(body).await?)?;
+            let object = registry.finalize_namespace(name, body, options).await?;
+            Ok(object_response(StatusCode::OK, kind, object, &accept))
+        }
+        (_, Some(_)) if target.subresource.as_deref() == Some("finalize") => {
+            Err(ApiError::method_not_supported(
+                kind.subject(),
+                &parts.method.as_str().to_ascii_lowercase(),
+            ))
         }
         (&Method::PUT, Some(name)) => {
             let options = write_options(&query)?;
