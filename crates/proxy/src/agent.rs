@@ -13,13 +13,14 @@ use k8s_openapi::api::networking::v1 as networking;
 use kube::runtime::watcher;
 use tokio::sync::Notify;
 
-use crate::config::NodeConfig;
+use crate::backend::{self, Backend};
+use crate::config::{NodeConfig, ProxyMode};
 use crate::convert;
 use crate::desired::{self, DesiredState, NodeView, StateConfig};
 use crate::health::{HealthCheck, ProxyHealth, ServiceHealthServers};
 use crate::metrics::{Metrics, family_label};
 use crate::model::{IpFamily, Node, ServiceName};
-use crate::nftables::apply::{Applier, Kernel, NftCommand};
+use crate::nftables::apply::NftCommand;
 use crate::nodeaddr::{NodeFacts, NodePortAddresses, Selection};
 use crate::objects::Cluster;
 use crate::watch::{self, Sink};
@@ -27,6 +28,12 @@ use crate::watch::{self, Sink};
 /// A proxy failure that stops it.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    /// `--proxy-mode ipvs`: IPVS is deprecated upstream (KEP-5495) and only rendered here.
+    #[error(
+        "--proxy-mode ipvs: programming IPVS is not supported (deprecated upstream, KEP-5495); \
+         `nodeport render --proxy-mode ipvs` shows what it would program; use nftables or iptables"
+    )]
+    IpvsNotProgrammed,
     /// A health or metrics address could not be bound.
     #[error("binding {what} on {addr}")]
     Bind {
@@ -45,6 +52,8 @@ pub enum Error {
 pub struct ProxyConfig {
     /// `--hostname-override`: this node's name.
     pub node_name: String,
+    /// `--proxy-mode` (default nftables).
+    pub mode: ProxyMode,
     /// Rendering configuration (`--masquerade-all`, `--cluster-cidr`, ...).
     pub node: NodeConfig,
     /// `--nodeport-addresses` (default `primary`).
@@ -67,12 +76,15 @@ pub struct ProxyConfig {
     pub address_poll_interval: Duration,
     /// The `nft` command.
     pub nft: NftCommand,
+    /// The `iptables` tools (iptables mode).
+    pub iptables: crate::iptables::apply::IptablesCommand,
 }
 
 impl Default for ProxyConfig {
     fn default() -> Self {
         ProxyConfig {
             node_name: String::new(),
+            mode: ProxyMode::default(),
             node: NodeConfig::default(),
             nodeport_addresses: NodePortAddresses::default(),
             families: IpFamily::ALL.to_vec(),
@@ -84,6 +96,7 @@ impl Default for ProxyConfig {
             full_sync_period: Duration::from_secs(3600),
             address_poll_interval: Duration::from_secs(1),
             nft: NftCommand::default(),
+            iptables: crate::iptables::apply::IptablesCommand::default(),
         }
     }
 }
@@ -305,7 +318,7 @@ impl Sink<core::Node> for NodeSink {
 
 /// What the sync engine keeps between syncs.
 struct Engine {
-    applier: Applier<Box<dyn Kernel>>,
+    backend: Box<dyn Backend>,
     desired: Option<DesiredState>,
     config: ProxyConfig,
 }
@@ -320,16 +333,13 @@ struct Outcome {
     conntrack: Vec<desired::FamilyState>,
     trigger_times: Vec<SystemTime>,
     no_local: Vec<(IpFamily, i64, i64)>,
+    iptables_rules: Vec<crate::iptables::apply::RuleCount>,
 }
 
 impl Engine {
     /// One sync: take the changes, update the desired state, apply. Runs on a blocking
     /// thread (it may wait for `nft`).
-    fn sync(
-        &mut self,
-        shared: &Shared,
-        full: bool,
-    ) -> Result<Outcome, crate::nftables::apply::Error> {
+    fn sync(&mut self, shared: &Shared, full: bool) -> Result<Outcome, backend::Error> {
         let (changed_ports, conntrack_needed, trigger_times, full) = {
             let mut i = shared.inputs.lock().expect("inputs");
             let changes = i.cluster.take_changes();
@@ -392,7 +402,7 @@ impl Engine {
             )
         };
         let desired = self.desired.as_ref().expect("computed above");
-        let report = self.applier.sync(
+        let report = self.backend.sync(
             desired,
             &self.config.node,
             (!full).then_some(&changed_ports),
@@ -451,6 +461,7 @@ impl Engine {
             },
             trigger_times,
             no_local,
+            iptables_rules: report.iptables_rules,
         })
     }
 }
@@ -462,26 +473,36 @@ pub async fn run(
     config: ProxyConfig,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), Error> {
-    // nf_tables over netlink; `nft` only for the few forms the encoder does not produce.
-    let kernel: Box<dyn Kernel> =
-        match crate::nftables::netlink::NetlinkKernel::new(config.nft.clone()) {
-            Ok(k) => Box::new(k),
-            Err(e) => {
-                tracing::warn!(error = %e, "no nf_tables netlink socket; using the nft command");
-                Box::new(config.nft.clone())
-            }
-        };
-    run_with_kernel(client, config, kernel, shutdown).await
+    let backend: Box<dyn Backend> = match config.mode {
+        ProxyMode::Nftables => {
+            // nf_tables over netlink; `nft` only for the few forms the encoder does not
+            // produce.
+            let kernel: Box<dyn crate::nftables::apply::Kernel> =
+                match crate::nftables::netlink::NetlinkKernel::new(config.nft.clone()) {
+                    Ok(k) => Box::new(k),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "no nf_tables netlink socket; using the nft command");
+                        Box::new(config.nft.clone())
+                    }
+                };
+            Box::new(crate::nftables::apply::Applier::new(kernel))
+        }
+        ProxyMode::Iptables => Box::new(crate::iptables::apply::Applier::new(
+            config.iptables.clone(),
+        )),
+        ProxyMode::Ipvs => return Err(Error::IpvsNotProgrammed),
+    };
+    run_with_backend(client, config, backend, shutdown).await
 }
 
-/// [`run`] with a given kernel.
-pub async fn run_with_kernel(
+/// [`run`] with a given backend.
+pub async fn run_with_backend(
     client: kube::Client,
     config: ProxyConfig,
-    kernel: Box<dyn Kernel>,
+    backend: Box<dyn Backend>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), Error> {
-    let metrics = Arc::new(Metrics::new());
+    let metrics = Arc::new(Metrics::for_mode(backend.mode()));
     let health = Arc::new(ProxyHealth::new(&config.families, config.sync_period * 2));
     let shared = Arc::new(Shared {
         inputs: Mutex::new(Inputs::default()),
@@ -605,7 +626,7 @@ pub async fn run_with_kernel(
     });
 
     let engine = Arc::new(Mutex::new(Engine {
-        applier: Applier::new(kernel),
+        backend,
         desired: None,
         config: config.clone(),
     }));
@@ -666,12 +687,17 @@ async fn sync_loop(shared: Arc<Shared>, engine: Arc<Mutex<Engine>>, config: Prox
             let mut engine = e.lock().expect("engine");
             // Every sync detects drift itself (the nf_tables generation); a kernel interface
             // that cannot tell (the `nft` command) gets a full resync on every period.
-            let full = due || (periodic && !engine.applier.detects_drift());
-            engine.sync(&s, full)
+            let full = due || (periodic && !engine.backend.detects_drift());
+            let partial = !full && !engine.backend.needs_full_sync();
+            (partial, engine.sync(&s, full))
         })
         .await;
         let elapsed = started.elapsed().as_secs_f64();
         let metrics = &shared.metrics;
+        let (partial, result) = match result {
+            Ok((partial, r)) => (partial, Ok(r)),
+            Err(join) => (false, Err(join)),
+        };
         match result {
             Ok(Ok(outcome)) => {
                 backoff = config.min_sync_period.max(Duration::from_millis(500));
@@ -699,6 +725,18 @@ async fn sync_loop(shared: Arc<Shared>, engine: Arc<Mutex<Engine>>, config: Prox
                             .get_or_create(&l)
                             .observe(d.as_secs_f64());
                     }
+                }
+                for rc in &outcome.iptables_rules {
+                    let mut l = family_label(rc.family);
+                    l.push(("table".into(), rc.table.as_str().into()));
+                    metrics
+                        .iptables_rules_total
+                        .get_or_create(&l)
+                        .set(rc.total as i64);
+                    metrics
+                        .iptables_rules_last
+                        .get_or_create(&l)
+                        .set(rc.written as i64);
                 }
                 for (f, internal, external) in &outcome.no_local {
                     let mut l = family_label(*f);
@@ -751,10 +789,21 @@ async fn sync_loop(shared: Arc<Shared>, engine: Arc<Mutex<Engine>>, config: Prox
             }
             Ok(Err(e)) => {
                 for f in &config.families {
-                    metrics
-                        .nftables_sync_failures
-                        .get_or_create(&family_label(*f))
-                        .inc();
+                    let l = family_label(*f);
+                    match &e {
+                        backend::Error::Nftables(_) => {
+                            metrics.nftables_sync_failures.get_or_create(&l).inc();
+                        }
+                        backend::Error::Iptables(_) => {
+                            metrics.iptables_restore_failures.get_or_create(&l).inc();
+                            if partial {
+                                metrics
+                                    .iptables_partial_restore_failures
+                                    .get_or_create(&l)
+                                    .inc();
+                            }
+                        }
+                    }
                 }
                 tracing::error!(error = %e, source = ?std::error::Error::source(&e), retry_in = ?backoff, "sync failed; previous rules stay in place");
                 retry_at = Some(tokio::time::Instant::now() + backoff);

@@ -17,6 +17,39 @@ pub enum EndpointChoice {
     InlineVmap,
 }
 
+/// The dataplane (`--proxy-mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ProxyMode {
+    /// nftables (the default, kube-proxy's recommended mode).
+    #[default]
+    Nftables,
+    /// iptables (`nat` and `filter` tables, `iptables-restore`).
+    Iptables,
+    /// IPVS: deprecated upstream (KEP-5495); rendered only.
+    Ipvs,
+}
+
+impl ProxyMode {
+    /// Parses `nftables`, `iptables` or `ipvs` (kube-proxy's values).
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "nftables" => Some(ProxyMode::Nftables),
+            "iptables" => Some(ProxyMode::Iptables),
+            "ipvs" => Some(ProxyMode::Ipvs),
+            _ => None,
+        }
+    }
+
+    /// The flag value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProxyMode::Nftables => "nftables",
+            ProxyMode::Iptables => "iptables",
+            ProxyMode::Ipvs => "ipvs",
+        }
+    }
+}
+
 /// Configuration that shapes the rendered rules.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeConfig {
@@ -30,6 +63,10 @@ pub struct NodeConfig {
     pub cluster_cidrs: Vec<IpNet>,
     /// How service chains pick an endpoint.
     pub endpoint_choice: EndpointChoice,
+    /// `--iptables-localhost-nodeports` (default true, kube-proxy's): in iptables mode,
+    /// NodePorts also answer on 127.0.0.1 when every IPv4 address accepts NodePorts (the
+    /// iptables mode's default). The nftables mode never serves them.
+    pub localhost_nodeports: bool,
 }
 
 impl Default for NodeConfig {
@@ -40,6 +77,8 @@ impl Default for NodeConfig {
             masquerade_all: false,
             cluster_cidrs: Vec::new(),
             endpoint_choice: EndpointChoice::default(),
+            // kube-proxy's default (iptables.localhostNodePorts).
+            localhost_nodeports: true,
         }
     }
 }

@@ -9,8 +9,9 @@
 //! 3. [`desired`] computes, purely, every service port's categorized endpoints per family,
 //!    the NodePort addresses ([`nodeaddr`]) and the service CIDRs.
 //! 4. A backend renders that state (purely) and applies it in one transaction:
-//!    [`nftables`] today (one folder per backend: `names`, `render`, `ruleset`, `apply`,
-//!    `tracer`; iptables and IPVS are to follow with the same shape). Hashed names shared by
+//!    [`nftables`] (the default), [`iptables`], or [`ipvs`] (rendered only: deprecated
+//!    upstream), one folder per backend with the same files (`names`, `render`, `ruleset`,
+//!    `apply`, `tracer`); [`backend`] is what the agent sees of them. Hashed names shared by
 //!    every backend live in [`names`].
 //! 5. [`agent`] rate-limits syncs, retries failures and runs periodic resyncs;
 //!    [`health`] and [`metrics`] report on it; [`conntrack`] cleans UDP flows whose endpoint
@@ -18,11 +19,14 @@
 
 pub mod addrs;
 pub mod agent;
+pub mod backend;
 pub mod config;
 pub mod conntrack;
 pub mod convert;
 pub mod desired;
 pub mod health;
+pub mod iptables;
+pub mod ipvs;
 pub mod metrics;
 pub mod model;
 pub mod names;

@@ -65,6 +65,15 @@ pub struct Metrics {
     pub nftables_sync_failures: Family<Labels, Counter>,
     /// `kubeproxy_sync_proxy_rules_nftables_cleanup_failures_total{ip_family}`.
     pub nftables_cleanup_failures: Family<Labels, Counter>,
+    /// `kubeproxy_sync_proxy_rules_iptables_restore_failures_total{ip_family}` (iptables mode).
+    pub iptables_restore_failures: Family<Labels, Counter>,
+    /// `kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total{ip_family}`.
+    pub iptables_partial_restore_failures: Family<Labels, Counter>,
+    /// `kubeproxy_sync_proxy_rules_iptables_total{ip_family,table}`: rules programmed.
+    pub iptables_rules_total: Family<Labels, Gauge>,
+    /// `kubeproxy_sync_proxy_rules_iptables_last{ip_family,table}`: rules written by the last
+    /// sync.
+    pub iptables_rules_last: Family<Labels, Gauge>,
     /// `kubeproxy_conntrack_reconciler_sync_duration_seconds{ip_family}`.
     pub conntrack_duration: Family<Labels, Histogram, Buckets>,
     /// `kubeproxy_conntrack_reconciler_deleted_entries_total{ip_family}`.
@@ -87,8 +96,14 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// Registers every metric under the `kubeproxy` prefix.
+    /// Registers every metric of the nftables mode under the `kubeproxy` prefix.
     pub fn new() -> Self {
+        Self::for_mode(crate::config::ProxyMode::Nftables)
+    }
+
+    /// Registers the metrics of `mode`, as kube-proxy's `RegisterMetrics(mode)` does: the
+    /// common ones plus that mode's failure counters (and rule counts for iptables).
+    pub fn for_mode(mode: crate::config::ProxyMode) -> Self {
         let mut registry = Registry::with_prefix("kubeproxy");
         let sync_buckets = Buckets(Arc::new(exponential_buckets(0.001, 2.0, 15).collect()));
         let hist =
@@ -107,6 +122,10 @@ impl Metrics {
             no_local_endpoints: Family::default(),
             nftables_sync_failures: Family::default(),
             nftables_cleanup_failures: Family::default(),
+            iptables_restore_failures: Family::default(),
+            iptables_partial_restore_failures: Family::default(),
+            iptables_rules_total: Family::default(),
+            iptables_rules_last: Family::default(),
             conntrack_duration: hist(&sync_buckets),
             conntrack_deleted: Family::default(),
             healthz_total: Family::default(),
@@ -168,16 +187,39 @@ impl Metrics {
             "Number of services with a Local traffic policy and no endpoints",
             m.no_local_endpoints.clone(),
         );
-        registry.register(
-            "sync_proxy_rules_nftables_sync_failures",
-            "Number of nftables sync failures",
-            m.nftables_sync_failures.clone(),
-        );
-        registry.register(
-            "sync_proxy_rules_nftables_cleanup_failures",
-            "Number of nftables stale chain cleanup failures",
-            m.nftables_cleanup_failures.clone(),
-        );
+        if mode == crate::config::ProxyMode::Iptables {
+            registry.register(
+                "sync_proxy_rules_iptables_restore_failures",
+                "Cumulative proxy iptables restore failures",
+                m.iptables_restore_failures.clone(),
+            );
+            registry.register(
+                "sync_proxy_rules_iptables_partial_restore_failures",
+                "Cumulative proxy iptables partial restore failures",
+                m.iptables_partial_restore_failures.clone(),
+            );
+            registry.register(
+                "sync_proxy_rules_iptables_total",
+                "Total number of iptables rules owned by kube-proxy",
+                m.iptables_rules_total.clone(),
+            );
+            registry.register(
+                "sync_proxy_rules_iptables_last",
+                "Number of iptables rules written by kube-proxy in last sync",
+                m.iptables_rules_last.clone(),
+            );
+        } else {
+            registry.register(
+                "sync_proxy_rules_nftables_sync_failures",
+                "Number of nftables sync failures",
+                m.nftables_sync_failures.clone(),
+            );
+            registry.register(
+                "sync_proxy_rules_nftables_cleanup_failures",
+                "Number of nftables stale chain cleanup failures",
+                m.nftables_cleanup_failures.clone(),
+            );
+        }
         registry.register(
             "conntrack_reconciler_sync_duration_seconds",
             "ReconcileConntrackFlowsLatency latency in seconds",
@@ -257,5 +299,24 @@ mod tests {
         ] {
             assert!(text.contains(name), "{name} missing from:\n{text}");
         }
+    }
+
+    #[test]
+    fn iptables_mode_registers_kube_proxys_iptables_metrics_instead_of_nftables_ones() {
+        let m = Metrics::for_mode(crate::config::ProxyMode::Iptables);
+        m.iptables_restore_failures
+            .get_or_create(&family_label(IpFamily::V4))
+            .inc();
+        let mut l = family_label(IpFamily::V4);
+        l.push(("table".into(), "nat".into()));
+        m.iptables_rules_total.get_or_create(&l).set(12);
+        let text = m.render();
+        for name in [
+            "kubeproxy_sync_proxy_rules_iptables_restore_failures_total{ip_family=\"IPv4\"} 1",
+            "kubeproxy_sync_proxy_rules_iptables_total{ip_family=\"IPv4\",table=\"nat\"} 12",
+        ] {
+            assert!(text.contains(name), "{name} missing from:\n{text}");
+        }
+        assert!(!text.contains("nftables"), "{text}");
     }
 }

@@ -1,0 +1,851 @@
+//! Applying a ruleset: the kernel behind one trait, and the applier that turns "desired
+//! ruleset" into `iptables-restore --noflush` runs, one per family, one transaction per table.
+//!
+//! * [`Kernel`]: restores, lists what the tables hold (`iptables-save`), checks the canary.
+//!   [`IptablesCommand`] runs the `iptables` tools (the nf_tables or legacy variant, behind
+//!   an optional prefix such as `ip netns exec <ns>`); [`FakeKernel`] keeps the tables in
+//!   memory with the kernel's rules for what may fail, for unit tests.
+//! * [`Applier`]: kube-proxy's sync. Every sync rewrites the top-level chains
+//!   (`KUBE-SERVICES`, `KUBE-NODEPORTS`, ...), whose size grows with the number of Services;
+//!   a partial sync rewrites only the per service chains whose content changed (a content
+//!   hash per service port) and deletes the chains that went away; a full sync (start,
+//!   failure, hourly, a missing canary) lists the tables, rewrites every chain, deletes stale
+//!   ones, and prepends the jumps from the built-in chains that are missing.
+
+use std::collections::hash_map::DefaultHasher;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::hash::{Hash, Hasher};
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use super::names::{KUBE_FIREWALL, KUBE_PROXY_CANARY, is_service_chain};
+use super::render::{localhost_nodeports, render_family};
+use super::ruleset::{Line, Restore, Rule, Table, TableRestore, TableView, Target};
+use crate::config::NodeConfig;
+use crate::desired::DesiredState;
+use crate::model::{IpFamily, ServicePortName};
+
+/// A kernel failure.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    /// An `iptables` tool could not be run.
+    #[error("could not run `{program}`")]
+    Spawn {
+        /// The command line.
+        program: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The tool refused (for `iptables-restore`: the failing table was not changed).
+    #[error("`{program}` failed ({status}): {stderr}")]
+    Rejected {
+        /// The command line.
+        program: String,
+        /// Exit status.
+        status: std::process::ExitStatus,
+        /// What it printed.
+        stderr: String,
+    },
+    /// Writing `route_localnet` failed.
+    #[error("setting net.ipv4.conf.all.route_localnet=1")]
+    Sysctl(#[source] std::io::Error),
+    /// The fake kernel refused an operation, as the real one would.
+    #[error("{0}")]
+    Fake(String),
+}
+
+/// What the tables of a family hold now (from `iptables-save`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Existing {
+    /// User-defined chains per table.
+    pub chains: BTreeMap<Table, BTreeSet<String>>,
+    /// Jumps found in built-in chains: `(table, built-in chain, comment, target)`.
+    pub jumps: BTreeSet<(Table, String, Option<String>, String)>,
+}
+
+impl Existing {
+    fn has_chain(&self, table: Table, name: &str) -> bool {
+        self.chains.get(&table).is_some_and(|c| c.contains(name))
+    }
+
+    fn has_jump(&self, table: Table, from: &str, rule: &Rule) -> bool {
+        let Some(target) = rule.jump_target() else {
+            return false;
+        };
+        self.jumps.contains(&(
+            table,
+            from.to_string(),
+            rule.comment().map(str::to_string),
+            target.to_string(),
+        ))
+    }
+}
+
+/// The one place the kernel is touched.
+pub trait Kernel: Send {
+    /// Runs `iptables-restore --noflush` (or `ip6tables-restore`) with `restore`.
+    fn restore(&mut self, restore: &Restore) -> Result<(), KernelError>;
+
+    /// Lists the user chains and the jumps in built-in chains of `filter` and `nat`.
+    fn list(&mut self, family: IpFamily) -> Result<Existing, KernelError>;
+
+    /// Whether the `mangle` canary chain exists (kube-proxy's `iptables.Monitor`).
+    fn canary_present(&mut self, family: IpFamily) -> Result<bool, KernelError>;
+
+    /// Sets `net.ipv4.conf.all.route_localnet=1` (localhost NodePorts).
+    fn enable_route_localnet(&mut self) -> Result<(), KernelError>;
+}
+
+impl Kernel for Box<dyn Kernel> {
+    fn restore(&mut self, restore: &Restore) -> Result<(), KernelError> {
+        (**self).restore(restore)
+    }
+    fn list(&mut self, family: IpFamily) -> Result<Existing, KernelError> {
+        (**self).list(family)
+    }
+    fn canary_present(&mut self, family: IpFamily) -> Result<bool, KernelError> {
+        (**self).canary_present(family)
+    }
+    fn enable_route_localnet(&mut self) -> Result<(), KernelError> {
+        (**self).enable_route_localnet()
+    }
+}
+
+/// Which `iptables` the tools are: Debian's `iptables` is an alternative pointing at one of
+/// the two.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Variant {
+    /// `iptables-restore`, `iptables-save`, `iptables` as installed (the default).
+    #[default]
+    System,
+    /// `iptables-nft-restore` ...: the nf_tables backend.
+    Nft,
+    /// `iptables-legacy-restore` ...: the legacy x_tables backend.
+    Legacy,
+}
+
+impl Variant {
+    /// Parses `nft`, `legacy` or `system`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "system" | "" => Some(Variant::System),
+            "nft" => Some(Variant::Nft),
+            "legacy" => Some(Variant::Legacy),
+            _ => None,
+        }
+    }
+}
+
+/// The `iptables` tools, run with an optional prefix (`ip netns exec <ns>`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct IptablesCommand {
+    /// Program and arguments put before every tool (empty: run the tools directly).
+    pub prefix: Vec<String>,
+    /// Which variant of the tools.
+    pub variant: Variant,
+}
+
+impl IptablesCommand {
+    /// The tools inside network namespace `ns` (through `ip netns exec`).
+    pub fn in_netns(ns: &str) -> Self {
+        IptablesCommand {
+            prefix: vec!["ip".into(), "netns".into(), "exec".into(), ns.into()],
+            variant: Variant::System,
+        }
+    }
+
+    /// The program name of `tool` (`restore`, `save`, or `""` for `iptables` itself).
+    pub fn tool(&self, family: IpFamily, tool: &str) -> String {
+        let base = match family {
+            IpFamily::V4 => "iptables",
+            IpFamily::V6 => "ip6tables",
+        };
+        let variant = match self.variant {
+            Variant::System => "",
+            Variant::Nft => "-nft",
+            Variant::Legacy => "-legacy",
+        };
+        if tool.is_empty() {
+            format!("{base}{variant}")
+        } else {
+            format!("{base}{variant}-{tool}")
+        }
+    }
+
+    fn command(&self, program: &str) -> (Command, String) {
+        let mut words: Vec<String> = self.prefix.clone();
+        words.push(program.to_string());
+        let mut c = Command::new(&words[0]);
+        c.args(&words[1..]);
+        (c, words.join(" "))
+    }
+
+    /// Runs `program args`, feeding `input`; returns stdout.
+    fn run(
+        &self,
+        program: &str,
+        args: &[&str],
+        input: Option<&str>,
+    ) -> Result<String, KernelError> {
+        let (mut cmd, mut line) = self.command(program);
+        for a in args {
+            line.push(' ');
+            line.push_str(a);
+        }
+        let mut child = cmd
+            .args(args)
+            .stdin(if input.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|source| KernelError::Spawn {
+                program: line.clone(),
+                source,
+            })?;
+        if let Some(input) = input {
+            let mut stdin = child.stdin.take().expect("piped stdin");
+            // A write error means the tool exited early; its status and stderr say why.
+            let _ = stdin.write_all(input.as_bytes());
+        }
+        let out = child
+            .wait_with_output()
+            .map_err(|source| KernelError::Spawn {
+                program: line.clone(),
+                source,
+            })?;
+        if !out.status.success() {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            let stderr: String = stderr.lines().take(6).collect::<Vec<_>>().join(" | ");
+            return Err(KernelError::Rejected {
+                program: line,
+                status: out.status,
+                stderr,
+            });
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+}
+
+/// Splits an `iptables-save` rule line into words, keeping double-quoted strings whole.
+fn words(line: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut quoted = false;
+    let mut any = false;
+    for ch in line.chars() {
+        match ch {
+            '"' => {
+                quoted = !quoted;
+                any = true;
+            }
+            c if c.is_whitespace() && !quoted => {
+                if any {
+                    out.push(std::mem::take(&mut cur));
+                    any = false;
+                }
+            }
+            c => {
+                cur.push(c);
+                any = true;
+            }
+        }
+    }
+    if any {
+        out.push(cur);
+    }
+    out
+}
+
+/// Parses `iptables-save` output of one table into `existing`.
+pub fn parse_save(table: Table, text: &str, existing: &mut Existing) {
+    let chains = existing.chains.entry(table).or_default();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix(':') {
+            if let Some(name) = rest.split_whitespace().next()
+                && !table.is_builtin(name)
+            {
+                chains.insert(name.to_string());
+            }
+        } else if line.starts_with("-A ") {
+            let w = words(line);
+            let Some(chain) = w.get(1) else { continue };
+            if !table.is_builtin(chain) {
+                continue;
+            }
+            let after = |flag: &str| {
+                w.iter()
+                    .position(|x| x == flag)
+                    .and_then(|i| w.get(i + 1))
+                    .cloned()
+            };
+            if let Some(target) = after("-j") {
+                existing
+                    .jumps
+                    .insert((table, chain.clone(), after("--comment"), target));
+            }
+        }
+    }
+}
+
+impl Kernel for IptablesCommand {
+    fn restore(&mut self, restore: &Restore) -> Result<(), KernelError> {
+        if restore.is_empty() {
+            return Ok(());
+        }
+        let program = self.tool(restore.family, "restore");
+        self.run(
+            &program,
+            &["--noflush", "--counters", "-w", "5"],
+            Some(&restore.text()),
+        )
+        .map(|_| ())
+    }
+
+    fn list(&mut self, family: IpFamily) -> Result<Existing, KernelError> {
+        let program = self.tool(family, "save");
+        let mut existing = Existing::default();
+        for table in [Table::Filter, Table::Nat] {
+            let text = self.run(&program, &["-t", table.as_str()], None)?;
+            parse_save(table, &text, &mut existing);
+        }
+        Ok(existing)
+    }
+
+    fn canary_present(&mut self, family: IpFamily) -> Result<bool, KernelError> {
+        let program = self.tool(family, "");
+        match self.run(
+            &program,
+            &["-w", "5", "-t", "mangle", "-S", KUBE_PROXY_CANARY],
+            None,
+        ) {
+            Ok(_) => Ok(true),
+            Err(KernelError::Rejected { .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn enable_route_localnet(&mut self) -> Result<(), KernelError> {
+        const PATH: &str = "/proc/sys/net/ipv4/conf/all/route_localnet";
+        if self.prefix.is_empty() {
+            std::fs::write(PATH, "1").map_err(KernelError::Sysctl)
+        } else {
+            self.run("sh", &["-c", &format!("echo 1 > {PATH}")], None)
+                .map(|_| ())
+        }
+    }
+}
+
+/// An in-memory kernel with iptables' rules for what may fail (jumping to or appending to a
+/// missing chain, deleting a referenced or non-empty chain, declaring a built-in chain),
+/// each table section applied whole or not at all; it can be told to fail.
+#[derive(Debug, Clone, Default)]
+pub struct FakeKernel {
+    /// The tables of each family.
+    pub tables: BTreeMap<IpFamily, TableView>,
+    /// Fail this many coming restores.
+    pub fail_next: usize,
+    /// Every restore applied successfully, in order.
+    pub history: Vec<Restore>,
+    /// `route_localnet` was set.
+    pub route_localnet: bool,
+}
+
+impl FakeKernel {
+    /// The tables of a family (empty built-in chains if never touched).
+    pub fn view(&self, family: IpFamily) -> TableView {
+        self.tables
+            .get(&family)
+            .cloned()
+            .unwrap_or_else(TableView::empty)
+    }
+}
+
+fn apply_section(view: &mut TableView, section: &TableRestore) -> Result<(), String> {
+    let table = section.table;
+    let key = |c: &str| (table, c.to_string());
+    for c in &section.declare {
+        if table.is_builtin(c) {
+            return Err(format!("{table}: cannot declare built-in chain {c}"));
+        }
+        view.chains.insert(key(c), Vec::new());
+    }
+    let check_target = |view: &TableView, rule: &Rule| -> Result<(), String> {
+        if let Target::Jump(t) = &rule.target
+            && !view.chains.contains_key(&key(t))
+        {
+            return Err(format!("{table}: Couldn't load target `{t}'"));
+        }
+        Ok(())
+    };
+    for line in &section.lines {
+        match line {
+            Line::Append(chain, rule) | Line::Prepend(chain, rule) => {
+                check_target(view, rule)?;
+                let rules = view
+                    .chains
+                    .get_mut(&key(chain))
+                    .ok_or(format!("{table}: chain `{chain}' does not exist"))?;
+                if matches!(line, Line::Append(..)) {
+                    rules.push(rule.clone());
+                } else {
+                    rules.insert(0, rule.clone());
+                }
+            }
+            Line::DeleteChain(chain) => {
+                if table.is_builtin(chain) {
+                    return Err(format!("{table}: cannot delete built-in chain {chain}"));
+                }
+                let rules = view
+                    .chains
+                    .get(&key(chain))
+                    .ok_or(format!("{table}: -X {chain}: no such chain"))?;
+                if !rules.is_empty() {
+                    return Err(format!("{table}: -X {chain}: directory not empty"));
+                }
+                let referenced = view
+                    .chains
+                    .iter()
+                    .filter(|((t, _), _)| *t == table)
+                    .flat_map(|(_, rules)| rules)
+                    .any(|r| r.jump_target() == Some(chain.as_str()));
+                if referenced {
+                    return Err(format!("{table}: -X {chain}: too many links"));
+                }
+                view.chains.remove(&key(chain));
+            }
+        }
+    }
+    Ok(())
+}
+
+impl Kernel for FakeKernel {
+    fn restore(&mut self, restore: &Restore) -> Result<(), KernelError> {
+        if self.fail_next > 0 {
+            self.fail_next -= 1;
+            return Err(KernelError::Fake("injected failure".to_string()));
+        }
+        let view = self
+            .tables
+            .entry(restore.family)
+            .or_insert_with(TableView::empty);
+        // Each table is its own transaction, as `COMMIT` makes it.
+        for section in &restore.tables {
+            let mut next = view.clone();
+            apply_section(&mut next, section).map_err(KernelError::Fake)?;
+            *view = next;
+        }
+        self.history.push(restore.clone());
+        Ok(())
+    }
+
+    fn list(&mut self, family: IpFamily) -> Result<Existing, KernelError> {
+        let view = self.view(family);
+        let mut existing = Existing::default();
+        for ((table, chain), rules) in &view.chains {
+            if table.is_builtin(chain) {
+                for r in rules {
+                    if let Some(t) = r.jump_target() {
+                        existing.jumps.insert((
+                            *table,
+                            chain.clone(),
+                            r.comment().map(str::to_string),
+                            t.to_string(),
+                        ));
+                    }
+                }
+            } else {
+                existing
+                    .chains
+                    .entry(*table)
+                    .or_default()
+                    .insert(chain.clone());
+            }
+        }
+        Ok(existing)
+    }
+
+    fn canary_present(&mut self, family: IpFamily) -> Result<bool, KernelError> {
+        Ok(self
+            .view(family)
+            .chain(Table::Mangle, KUBE_PROXY_CANARY)
+            .is_some())
+    }
+
+    fn enable_route_localnet(&mut self) -> Result<(), KernelError> {
+        self.route_localnet = true;
+        Ok(())
+    }
+}
+
+/// Rule counts of one table after a sync (kube-proxy's `sync_proxy_rules_iptables_total`
+/// and `sync_proxy_rules_iptables_last`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RuleCount {
+    /// Family.
+    pub family: IpFamily,
+    /// Table.
+    pub table: Table,
+    /// Rules the table holds for us.
+    pub total: usize,
+    /// Rules written by this sync.
+    pub written: usize,
+}
+
+/// What one sync did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SyncReport {
+    /// A full sync (every chain rewritten, tables listed).
+    pub full: bool,
+    /// Lines sent to `iptables-restore` (declarations, rules, deletions).
+    pub lines: usize,
+    /// Service chains written.
+    pub service_chains_written: usize,
+    /// Stale chains deleted.
+    pub deleted_chains: usize,
+    /// Rule counts per family and table.
+    pub rules: Vec<RuleCount>,
+}
+
+/// A failed sync.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// `iptables-restore` refused; the tables keep the previous rules (a table committed
+    /// before the failing one keeps the new ones; the next sync is full).
+    #[error("iptables-restore failed ({family:?})")]
+    RestoreFailed {
+        /// The family.
+        family: IpFamily,
+        /// Why.
+        #[source]
+        source: KernelError,
+    },
+    /// Listing the tables (full sync) failed.
+    #[error("listing the {family:?} iptables tables failed")]
+    ListFailed {
+        /// The family.
+        family: IpFamily,
+        /// Why.
+        #[source]
+        source: KernelError,
+    },
+    /// Enabling localhost NodePorts failed.
+    #[error("enabling localhost NodePorts")]
+    RouteLocalnet(#[source] KernelError),
+}
+
+/// What was applied for one service port: a hash of its chains and their names.
+#[derive(Debug, Clone)]
+struct Applied {
+    hash: u64,
+    chains: Vec<String>,
+}
+
+fn hash_of<T: Hash>(t: &T) -> u64 {
+    let mut h = DefaultHasher::new();
+    t.hash(&mut h);
+    h.finish()
+}
+
+/// Keeps the kernel's iptables equal to the desired ruleset, kube-proxy's way.
+pub struct Applier<K: Kernel> {
+    kernel: K,
+    applied: BTreeMap<IpFamily, HashMap<ServicePortName, Applied>>,
+    need_full: bool,
+    route_localnet: bool,
+}
+
+impl<K: Kernel> Applier<K> {
+    /// An applier that will take over whatever the tables hold at its first sync.
+    pub fn new(kernel: K) -> Self {
+        Applier {
+            kernel,
+            applied: BTreeMap::new(),
+            need_full: true,
+            route_localnet: false,
+        }
+    }
+
+    /// The kernel.
+    pub fn kernel(&self) -> &K {
+        &self.kernel
+    }
+
+    /// The kernel, mutably (tests inject faults).
+    pub fn kernel_mut(&mut self) -> &mut K {
+        &mut self.kernel
+    }
+
+    /// Whether the next sync will be full.
+    pub fn needs_full_sync(&self) -> bool {
+        self.need_full
+    }
+
+    /// Forces the next sync to be full (the hourly resync).
+    pub fn request_full_sync(&mut self) {
+        self.need_full = true;
+    }
+
+    /// Syncs the kernel to `desired`. `changed`: `Some` for a partial sync (the set is not
+    /// needed: per service content hashes tell what changed), `None` for a full one. A
+    /// partial sync turns full when one is needed or the canary is gone.
+    pub fn sync(
+        &mut self,
+        desired: &DesiredState,
+        config: &NodeConfig,
+        changed: Option<&BTreeSet<ServicePortName>>,
+    ) -> Result<SyncReport, Error> {
+        let mut full = self.need_full || changed.is_none();
+        if !full {
+            for state in &desired.families {
+                match self.kernel.canary_present(state.family) {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        tracing::info!(
+                            family = state.family.as_str(),
+                            "iptables canary chain gone (tables flushed?); resyncing fully"
+                        );
+                        full = true;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "checking the iptables canary failed");
+                        full = true;
+                    }
+                }
+            }
+        }
+        if !self.route_localnet
+            && desired
+                .families
+                .iter()
+                .any(|f| localhost_nodeports(f, config))
+        {
+            // kube-proxy sets it at start-up when localhost NodePorts are on (issue 90259).
+            self.kernel
+                .enable_route_localnet()
+                .map_err(Error::RouteLocalnet)?;
+            self.route_localnet = true;
+        }
+        let mut report = SyncReport {
+            full,
+            ..Default::default()
+        };
+        let result = self.sync_families(desired, config, full, &mut report);
+        match result {
+            Ok(()) => {
+                if full {
+                    self.need_full = false;
+                }
+                Ok(report)
+            }
+            Err(e) => {
+                self.need_full = true;
+                Err(e)
+            }
+        }
+    }
+
+    fn sync_families(
+        &mut self,
+        desired: &DesiredState,
+        config: &NodeConfig,
+        full: bool,
+        report: &mut SyncReport,
+    ) -> Result<(), Error> {
+        for state in &desired.families {
+            let family = state.family;
+            let existing = if full {
+                Some(
+                    self.kernel
+                        .list(family)
+                        .map_err(|source| Error::ListFailed { family, source })?,
+                )
+            } else {
+                None
+            };
+            let rules = render_family(state, config);
+            let previous = self.applied.remove(&family).unwrap_or_default();
+            let mut next: HashMap<ServicePortName, Applied> =
+                HashMap::with_capacity(rules.services.len());
+
+            let mut filter = TableRestore::new(Table::Filter);
+            let mut nat = TableRestore::new(Table::Nat);
+            let (mut filter_total, mut nat_total) = (0, 0);
+            for (table, chain) in &rules.top {
+                let section = match table {
+                    Table::Filter => {
+                        filter_total += chain.rules.len();
+                        &mut filter
+                    }
+                    _ => {
+                        nat_total += chain.rules.len();
+                        &mut nat
+                    }
+                };
+                section.declare.push(chain.name.clone());
+                for r in &chain.rules {
+                    section
+                        .lines
+                        .push(Line::Append(chain.name.clone(), r.clone()));
+                }
+            }
+
+            // Per service chains: only those whose content changed, unless full.
+            let mut active: BTreeSet<&str> = BTreeSet::new();
+            for (name, chains) in &rules.services {
+                let hash = hash_of(chains);
+                nat_total += chains.iter().map(|c| c.rules.len()).sum::<usize>();
+                let same = previous.get(name).is_some_and(|a| a.hash == hash);
+                if full || !same {
+                    report.service_chains_written += chains.len();
+                    for c in chains {
+                        nat.declare.push(c.name.clone());
+                        for r in &c.rules {
+                            nat.lines.push(Line::Append(c.name.clone(), r.clone()));
+                        }
+                    }
+                }
+                active.extend(chains.iter().map(|c| c.name.as_str()));
+                next.insert(
+                    name.clone(),
+                    Applied {
+                        hash,
+                        chains: chains.iter().map(|c| c.name.clone()).collect(),
+                    },
+                );
+            }
+
+            // Stale chains: declared (flushed) and deleted after every reference to them
+            // was rewritten above.
+            let stale: BTreeSet<String> = match &existing {
+                Some(e) => e
+                    .chains
+                    .get(&Table::Nat)
+                    .into_iter()
+                    .flatten()
+                    .filter(|c| is_service_chain(c) && !active.contains(c.as_str()))
+                    .cloned()
+                    .collect(),
+                None => previous
+                    .values()
+                    .flat_map(|a| a.chains.iter())
+                    .filter(|c| !active.contains(c.as_str()))
+                    .cloned()
+                    .collect(),
+            };
+            for c in &stale {
+                nat.declare.push(c.clone());
+                nat.lines.push(Line::DeleteChain(c.clone()));
+            }
+            report.deleted_chains += stale.len();
+
+            let mut tables = Vec::new();
+            if let Some(existing) = &existing {
+                // Full sync: the canaries, kubelet's KUBE-FIREWALL if nobody made it yet,
+                // and the jumps from the built-in chains that are missing (kube-proxy's
+                // EnsureChain/EnsureRule(Prepend), here inside the same transaction).
+                let localhost = rules.top_chain(Table::Filter, KUBE_FIREWALL).is_some();
+                if !localhost && !existing.has_chain(Table::Filter, KUBE_FIREWALL) {
+                    filter.declare.push(KUBE_FIREWALL.to_string());
+                }
+                filter.declare.push(KUBE_PROXY_CANARY.to_string());
+                nat.declare.push(KUBE_PROXY_CANARY.to_string());
+                for j in &rules.jumps {
+                    if existing.has_jump(j.table, j.from, &j.rule) {
+                        continue;
+                    }
+                    let section = if j.table == Table::Filter {
+                        &mut filter
+                    } else {
+                        &mut nat
+                    };
+                    section
+                        .lines
+                        .push(Line::Prepend(j.from.to_string(), j.rule.clone()));
+                }
+                let mut mangle = TableRestore::new(Table::Mangle);
+                mangle.declare.push(KUBE_PROXY_CANARY.to_string());
+                tables.push(mangle);
+            }
+            report.rules.push(RuleCount {
+                family,
+                table: Table::Filter,
+                total: filter_total,
+                written: filter.lines.len(),
+            });
+            report.rules.push(RuleCount {
+                family,
+                table: Table::Nat,
+                total: nat_total,
+                written: nat.lines.len(),
+            });
+            tables.insert(0, nat);
+            tables.insert(0, filter);
+            let restore = Restore { family, tables };
+            report.lines += restore.len();
+            if let Err(source) = self.kernel.restore(&restore) {
+                // What we remember may now differ from the kernel: forget it.
+                self.applied.clear();
+                return Err(Error::RestoreFailed { family, source });
+            }
+            self.applied.insert(family, next);
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn iptables_save_output_yields_chains_and_jumps_with_quoted_comments() {
+        let save = r#"# Generated by iptables-save v1.8.9 (nf_tables)
+*nat
+:PREROUTING ACCEPT [0:0]
+:OUTPUT ACCEPT [0:0]
+:KUBE-SERVICES - [0:0]
+:KUBE-SEP-SXIVWICOYRO3J4NJ - [0:0]
+-A PREROUTING -m comment --comment "kubernetes service portals" -j KUBE-SERVICES
+-A OUTPUT -j DOCKER_OUTPUT
+-A KUBE-SERVICES -d 10.96.0.10/32 -p tcp -m comment --comment "ns/web cluster IP" -j KUBE-SVC-X
+COMMIT
+"#;
+        let mut e = Existing::default();
+        parse_save(Table::Nat, save, &mut e);
+        assert_eq!(
+            e.chains[&Table::Nat],
+            BTreeSet::from([
+                "KUBE-SERVICES".to_string(),
+                "KUBE-SEP-SXIVWICOYRO3J4NJ".to_string()
+            ])
+        );
+        assert!(e.jumps.contains(&(
+            Table::Nat,
+            "PREROUTING".into(),
+            Some("kubernetes service portals".into()),
+            "KUBE-SERVICES".into()
+        )));
+        assert!(
+            e.jumps
+                .contains(&(Table::Nat, "OUTPUT".into(), None, "DOCKER_OUTPUT".into()))
+        );
+        assert_eq!(e.jumps.len(), 2, "rules of our own chains are not jumps");
+    }
+
+    #[test]
+    fn tool_names_follow_the_variant_and_family() {
+        let mut c = IptablesCommand::default();
+        assert_eq!(c.tool(IpFamily::V4, "restore"), "iptables-restore");
+        assert_eq!(c.tool(IpFamily::V6, "save"), "ip6tables-save");
+        c.variant = Variant::Legacy;
+        assert_eq!(c.tool(IpFamily::V4, "restore"), "iptables-legacy-restore");
+        assert_eq!(c.tool(IpFamily::V6, ""), "ip6tables-legacy");
+        c.variant = Variant::Nft;
+        assert_eq!(c.tool(IpFamily::V4, "save"), "iptables-nft-save");
+    }
+}
