@@ -153,6 +153,8 @@ pub struct ModeSection {
     pub sync_period: Option<String>,
     /// `minSyncPeriod`.
     pub min_sync_period: Option<String>,
+    /// `localhostNodePorts` (iptables section).
+    pub localhost_node_ports: Option<bool>,
 }
 
 /// A bad configuration file.
@@ -192,22 +194,29 @@ impl KubeProxyConfiguration {
             .or_else(|| self.iptables.as_ref().and_then(|s| s.masquerade_bit))
     }
 
-    /// `syncPeriod`: top-level, else the nftables section's.
+    /// `syncPeriod`: top-level, else the nftables section's, else the iptables one's.
     pub fn sync_period(&self) -> Option<&str> {
         self.sync_period.as_deref().or_else(|| {
-            self.nftables
-                .as_ref()
-                .and_then(|s| s.sync_period.as_deref())
+            [&self.nftables, &self.iptables]
+                .into_iter()
+                .flatten()
+                .find_map(|s| s.sync_period.as_deref())
         })
     }
 
-    /// `minSyncPeriod`: top-level, else the nftables section's.
+    /// `minSyncPeriod`: top-level, else the nftables section's, else the iptables one's.
     pub fn min_sync_period(&self) -> Option<&str> {
         self.min_sync_period.as_deref().or_else(|| {
-            self.nftables
-                .as_ref()
-                .and_then(|s| s.min_sync_period.as_deref())
+            [&self.nftables, &self.iptables]
+                .into_iter()
+                .flatten()
+                .find_map(|s| s.min_sync_period.as_deref())
         })
+    }
+
+    /// `iptables.localhostNodePorts`.
+    pub fn localhost_node_ports(&self) -> Option<bool> {
+        self.iptables.as_ref().and_then(|s| s.localhost_node_ports)
     }
 }
 
