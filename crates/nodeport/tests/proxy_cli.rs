@@ -1,5 +1,6 @@
 //! `nodeport proxy` and `nodeport render` command lines: bad flags exit 64 naming the flag;
-//! render prints the ruleset for a file of objects without touching kernel or server.
+//! render prints the ruleset for a file of objects without touching kernel or server, in
+//! each proxy mode; the IPVS mode refuses to start on a kernel without IPVS.
 
 use std::process::Command;
 
@@ -88,4 +89,99 @@ metadata: {name: ignored}
         assert!(text.contains(line), "missing {line:?} in:\n{text}");
     }
     assert!(String::from_utf8_lossy(&out.stderr).contains("skipping v1 ConfigMap"));
+}
+
+/// Reference 000's `web` Service with its three pods, one on this node (`worker2`).
+const WEB: &str = r#"apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: default}
+spec: {type: NodePort, clusterIP: 10.96.132.141, ports: [{port: 80, nodePort: 30510}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-x, namespace: default, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{port: 80}]
+endpoints: [{addresses: [10.244.1.6]}, {addresses: [10.244.2.7]}, {addresses: [10.244.2.8], nodeName: worker2}]
+"#;
+
+fn render(mode: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("web.yaml");
+    std::fs::write(&file, WEB).unwrap();
+    let out = nodeport(&[
+        "render",
+        "--proxy-mode",
+        mode,
+        "-f",
+        file.to_str().unwrap(),
+        "--node-name",
+        "worker2",
+        "--node-ip",
+        "192.0.2.4",
+        "--cluster-cidr",
+        "10.244.0.0/16",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn render_iptables_prints_the_iptables_restore_input_with_reference_000s_chain_names() {
+    let text = render("iptables");
+    for line in [
+        "# iptables-restore --noflush (IPv4)",
+        "*nat",
+        ":KUBE-SVC-LOLE4ISW44XBNF3G - [0:0]",
+        "-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS",
+        "-A KUBE-NODEPORTS -m comment --comment default/web -m tcp -p tcp --dport 30510 -j KUBE-EXT-LOLE4ISW44XBNF3G",
+        "-A KUBE-SVC-LOLE4ISW44XBNF3G -m comment --comment \"default/web -> 10.244.1.6:80\" -m statistic --mode random --probability 0.3333333333 -j KUBE-SEP-PJHHG4YJTBHVHUTY",
+        "-A KUBE-SVC-LOLE4ISW44XBNF3G -m comment --comment \"default/web -> 10.244.2.8:80\" -j KUBE-SEP-R53NX34J3PCIETEY",
+        "-A KUBE-SEP-4OIMBIYGK4QJUGT7 -m comment --comment default/web -m tcp -p tcp -j DNAT --to-destination 10.244.2.7:80",
+        "-I PREROUTING 1 -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES",
+        "COMMIT",
+        "# ip6tables-restore --noflush (IPv6)",
+    ] {
+        assert!(text.contains(line), "missing {line:?} in:\n{text}");
+    }
+}
+
+#[test]
+fn render_ipvs_prints_virtual_servers_ipsets_and_companion_rules() {
+    let text = render("ipvs");
+    for line in [
+        "# ipvsadm -S -n (IPv4)",
+        "-A -t 192.0.2.4:30510 -s rr",
+        "-a -t 192.0.2.4:30510 -r 10.244.2.8:80 -m -w 1",
+        "create KUBE-NODE-PORT-TCP bitmap:port range 0-65535",
+        "add KUBE-NODE-PORT-TCP 30510",
+        "add KUBE-CLUSTER-IP 10.96.132.141,tcp:80",
+        "-A KUBE-NODE-PORT -p tcp -m comment --comment \"Kubernetes nodeport TCP port for masquerade purpose\" -m set --match-set KUBE-NODE-PORT-TCP dst -j KUBE-MARK-MASQ",
+    ] {
+        assert!(text.contains(line), "missing {line:?} in:\n{text}");
+    }
+}
+
+#[test]
+fn proxy_in_ipvs_mode_exits_at_once_saying_why() {
+    let out = nodeport(&[
+        "proxy",
+        "--proxy-mode",
+        "ipvs",
+        "--master",
+        "http://127.0.0.1:9",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("KEP-5495"), "{stderr}");
+    if !std::path::Path::new("/proc/net/ip_vs").exists() {
+        assert!(
+            stderr.contains("this kernel has no IPVS (/proc/net/ip_vs is missing"),
+            "{stderr}"
+        );
+    }
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use nodeport_proxy::agent::{self, ProxyConfig};
-use nodeport_proxy::config::{KubeProxyConfiguration, NodeConfig, parse_go_duration};
+use nodeport_proxy::config::{KubeProxyConfiguration, NodeConfig, ProxyMode, parse_go_duration};
 use nodeport_proxy::kube;
 use nodeport_proxy::nodeaddr::NodePortAddresses;
 
@@ -28,10 +28,14 @@ pub struct Args {
     /// Dataplane: nftables (default), iptables or ipvs.
     #[arg(long)]
     proxy_mode: Option<String>,
-    /// Which node IPs accept NodePorts: "primary" (default; the Node object's IPs) or a
-    /// comma-separated list of CIDRs.
+    /// Which node IPs accept NodePorts: "primary" (the Node object's IPs; the nftables
+    /// default) or a comma-separated list of CIDRs (iptables default: every address).
     #[arg(long)]
     nodeport_addresses: Option<String>,
+    /// iptables mode: NodePorts also answer on 127.0.0.1 when every IPv4 address accepts
+    /// them (sets net.ipv4.conf.all.route_localnet=1) (default true).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    iptables_localhost_nodeports: Option<bool>,
     /// Pod CIDRs (comma-separated): traffic to ClusterIPs from outside them is masqueraded.
     #[arg(long)]
     cluster_cidr: Option<String>,
@@ -109,15 +113,21 @@ fn configure(args: &Args) -> anyhow::Result<(ProxyConfig, Option<PathBuf>)> {
         .proxy_mode
         .clone()
         .or(file.mode.clone())
+        .filter(|m| !m.is_empty())
         .unwrap_or_else(|| "nftables".into());
-    match mode.as_str() {
-        "nftables" | "" => {}
-        "iptables" | "ipvs" => anyhow::bail!("--proxy-mode {mode} is not built yet; use nftables"),
-        other => {
-            return Err(usage(format!(
-                "invalid value {other:?} for --proxy-mode: must be nftables, iptables or ipvs"
-            )));
-        }
+    let mode = ProxyMode::parse(&mode).ok_or_else(|| {
+        usage(format!(
+            "invalid value {mode:?} for --proxy-mode: must be nftables, iptables or ipvs"
+        ))
+    })?;
+    if mode == ProxyMode::Ipvs {
+        // Stop at once: without IPVS in the kernel there is nothing to program, and IPVS
+        // mode is deprecated upstream (KEP-5495) and only rendered here.
+        nodeport_proxy::ipvs::apply::check_kernel(std::path::Path::new(
+            nodeport_proxy::ipvs::apply::PROC_IP_VS,
+        ))
+        .map_err(|e| anyhow::anyhow!("--proxy-mode ipvs: {e}"))?;
+        return Err(nodeport_proxy::agent::Error::IpvsNotProgrammed.into());
     }
     let nodeport_addresses = match (&args.nodeport_addresses, &file.node_port_addresses) {
         (Some(v), _) => v
@@ -128,6 +138,11 @@ fn configure(args: &Args) -> anyhow::Result<(ProxyConfig, Option<PathBuf>)> {
             NodePortAddresses::from_entries(list.iter().map(String::as_str), &whole)
                 .map_err(|e| usage(e.to_string()))?
         }
+        // kube-proxy's iptables mode defaults to every local address (`-m addrtype
+        // --dst-type LOCAL`); only the nftables mode defaults to `primary`.
+        _ if mode == ProxyMode::Iptables => "0.0.0.0/0,::/0"
+            .parse::<NodePortAddresses>()
+            .expect("valid CIDRs"),
         _ => NodePortAddresses::default(),
     };
     let cluster_cidrs = match args.cluster_cidr.as_ref().or(file.cluster_cidr.as_ref()) {
@@ -191,8 +206,13 @@ fn configure(args: &Args) -> anyhow::Result<(ProxyConfig, Option<PathBuf>)> {
             masquerade_bit,
             masquerade_all: args.masquerade_all || file.masquerade_all().unwrap_or(false),
             cluster_cidrs,
+            localhost_nodeports: args
+                .iptables_localhost_nodeports
+                .or(file.localhost_node_ports())
+                .unwrap_or(true),
             ..NodeConfig::default()
         },
+        mode,
         nodeport_addresses,
         healthz_bind_address: healthz,
         metrics_bind_address: metrics,
@@ -240,8 +260,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let client = client(kubeconfig, args.master.as_deref()).await?;
         tracing::info!(
             node = %config.node_name,
+            mode = config.mode.as_str(),
             nodeport_addresses = %config.nodeport_addresses,
-            "starting nftables proxy"
+            "starting proxy"
         );
         let shutdown = async {
             let mut term =

@@ -6,20 +6,21 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 
 use anyhow::Context;
-use nodeport_proxy::config::NodeConfig;
+use nodeport_proxy::config::{NodeConfig, ProxyMode};
 use nodeport_proxy::desired::{self, NodeView, StateConfig};
 use nodeport_proxy::ipnet::IpNet;
 use nodeport_proxy::model::IpFamily;
-use nodeport_proxy::nftables;
 use nodeport_proxy::nodeaddr::{NodeFacts, NodePortAddresses};
 use nodeport_proxy::objects;
+use nodeport_proxy::{iptables, ipvs, nftables};
 
 use super::UsageError;
 
 /// Flags of `nodeport render`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Dataplane to render for: nftables (iptables and ipvs are not built yet).
+    /// Dataplane to render for: nftables (`nft -f` input), iptables (`iptables-restore`
+    /// input) or ipvs (`ipvsadm -S` lines, ipsets and the companion iptables rules).
     #[arg(long, default_value = "nftables")]
     proxy_mode: String,
     /// Multi-document YAML of Services, EndpointSlices, ServiceCIDRs and optionally a Node
@@ -37,9 +38,14 @@ pub struct Args {
     /// Pod CIDRs (comma-separated), for masquerading off-cluster ClusterIP traffic.
     #[arg(long)]
     cluster_cidr: Option<String>,
-    /// Which node IPs accept NodePorts: "primary" or a comma-separated list of CIDRs.
-    #[arg(long, default_value = "primary")]
-    nodeport_addresses: String,
+    /// Which node IPs accept NodePorts: "primary" or a comma-separated list of CIDRs
+    /// [default: primary for nftables, every address (0.0.0.0/0,::/0) for iptables and ipvs].
+    #[arg(long)]
+    nodeport_addresses: Option<String>,
+    /// iptables mode: NodePorts also answer on 127.0.0.1 when every IPv4 address accepts
+    /// them (default true).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    iptables_localhost_nodeports: Option<bool>,
     /// Masquerade all traffic sent to ClusterIPs.
     #[arg(long)]
     masquerade_all: bool,
@@ -69,16 +75,12 @@ pub fn parse_cluster_cidrs(value: &str) -> anyhow::Result<Vec<IpNet>> {
 
 /// Runs `nodeport render`.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    if args.proxy_mode != "nftables" {
-        return Err(match args.proxy_mode.as_str() {
-            "iptables" | "ipvs" => {
-                anyhow::anyhow!("--proxy-mode {} is not built yet", args.proxy_mode)
-            }
-            other => usage(format!(
-                "invalid value {other:?} for --proxy-mode: must be nftables, iptables or ipvs"
-            )),
-        });
-    }
+    let mode = ProxyMode::parse(&args.proxy_mode).ok_or_else(|| {
+        usage(format!(
+            "invalid value {:?} for --proxy-mode: must be nftables, iptables or ipvs",
+            args.proxy_mode
+        ))
+    })?;
     if args.masquerade_bit > 31 {
         return Err(usage(
             "invalid value for --masquerade-bit: must be within 0-31",
@@ -86,6 +88,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let nodeport_addresses: NodePortAddresses = args
         .nodeport_addresses
+        .as_deref()
+        .unwrap_or(match mode {
+            // kube-proxy's defaults: `primary` in nftables mode, every address otherwise.
+            ProxyMode::Nftables => "primary",
+            ProxyMode::Iptables | ProxyMode::Ipvs => "0.0.0.0/0,::/0",
+        })
         .parse()
         .map_err(|e| usage(format!("{e}")))?;
     let cluster_cidrs = match &args.cluster_cidr {
@@ -140,9 +148,27 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         masquerade_bit: args.masquerade_bit,
         masquerade_all: args.masquerade_all,
         cluster_cidrs,
+        localhost_nodeports: args.iptables_localhost_nodeports.unwrap_or(true),
         ..NodeConfig::default()
     };
-    let ruleset = nftables::render(&desired, &config);
-    print!("{}", nftables::ruleset::create_all(&ruleset).to_nft());
+    match mode {
+        ProxyMode::Nftables => {
+            let ruleset = nftables::render(&desired, &config);
+            print!("{}", nftables::ruleset::create_all(&ruleset).to_nft());
+        }
+        ProxyMode::Iptables => {
+            // One `iptables-restore --noflush` input per family, as a first sync sends it.
+            let ruleset = iptables::render(&desired, &config);
+            for family in &ruleset.families {
+                println!(
+                    "# {} --noflush ({})",
+                    iptables::ruleset::restore_program(family.family),
+                    family.family.as_str()
+                );
+                print!("{}", iptables::ruleset::create_all(family, true).text());
+            }
+        }
+        ProxyMode::Ipvs => print!("{}", ipvs::render(&desired, &config).text()),
+    }
     Ok(())
 }

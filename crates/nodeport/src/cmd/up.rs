@@ -51,9 +51,10 @@ pub struct Args {
     #[arg(long)]
     node_ip: Option<IpAddr>,
     /// Which node IPs accept NodePorts: `primary` (this node's registered IP) or a
-    /// comma-separated list of CIDRs.
-    #[arg(long, default_value = "primary")]
-    nodeport_addresses: String,
+    /// comma-separated list of CIDRs [default: primary for nftables, every address for
+    /// iptables].
+    #[arg(long)]
+    nodeport_addresses: Option<String>,
     /// Pod CIDRs (comma-separated): traffic to ClusterIPs from outside them is masqueraded.
     #[arg(long, value_delimiter = ',')]
     cluster_cidr: Vec<IpNet>,
@@ -98,18 +99,30 @@ fn api_config(args: &Args) -> anyhow::Result<ApiConfig> {
 }
 
 fn proxy_config(args: &Args, node_name: &str) -> anyhow::Result<ProxyConfig> {
-    if args.proxy_mode != ProxyMode::Nftables {
-        return Err(usage(format!(
-            "--proxy-mode {}: not built yet; use nftables",
-            args.proxy_mode.as_str()
-        )));
-    }
+    let mode = match args.proxy_mode {
+        ProxyMode::Nftables => nodeport_proxy::config::ProxyMode::Nftables,
+        ProxyMode::Iptables => nodeport_proxy::config::ProxyMode::Iptables,
+        ProxyMode::Ipvs => {
+            // IPVS is deprecated upstream (KEP-5495) and only rendered here.
+            nodeport_proxy::ipvs::apply::check_kernel(std::path::Path::new(
+                nodeport_proxy::ipvs::apply::PROC_IP_VS,
+            ))
+            .map_err(|e| anyhow::anyhow!("--proxy-mode ipvs: {e}"))?;
+            return Err(nodeport_proxy::agent::Error::IpvsNotProgrammed.into());
+        }
+    };
     let nodeport_addresses: NodePortAddresses = args
         .nodeport_addresses
+        .as_deref()
+        .unwrap_or(match mode {
+            nodeport_proxy::config::ProxyMode::Iptables => "0.0.0.0/0,::/0",
+            _ => "primary",
+        })
         .parse()
         .map_err(|e| usage(format!("{e}")))?;
     Ok(ProxyConfig {
         node_name: node_name.to_owned(),
+        mode,
         node: NodeConfig {
             masquerade_all: args.masquerade_all,
             cluster_cidrs: args.cluster_cidr.iter().map(IpNet::trunc).collect(),

@@ -122,6 +122,20 @@ mod tests {
     }
 
     #[test]
+    fn reference_000s_endpoint_chains_come_out_identical() {
+        // `ipt KUBE-SVC-LOLE4ISW44XBNF3G` in reference 000: pods 10.244.1.6, 10.244.2.7 and
+        // 10.244.2.8 on port 80.
+        let web = ServicePortName::new("default", "web", "", Protocol::Tcp);
+        for (ip, want) in [
+            ("10.244.1.6", "KUBE-SEP-PJHHG4YJTBHVHUTY"),
+            ("10.244.2.7", "KUBE-SEP-4OIMBIYGK4QJUGT7"),
+            ("10.244.2.8", "KUBE-SEP-R53NX34J3PCIETEY"),
+        ] {
+            assert_eq!(endpoint_chain(&web, ip.parse().unwrap(), 80), want, "{ip}");
+        }
+    }
+
+    #[test]
     fn only_per_service_chains_count_as_service_chains() {
         assert!(is_service_chain("KUBE-SEP-SXIVWICOYRO3J4NJ"));
         assert!(is_service_chain("KUBE-FW-NUKIZ6OKUXPJNT4C"));
