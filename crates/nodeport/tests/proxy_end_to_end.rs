@@ -1,30 +1,38 @@
 //! `nodeport proxy` end to end on a real kernel: our API server, kubectl, kube-rs watchers,
-//! nftables in a node namespace, pods in their own namespaces, a client outside.
+//! the dataplane in a node namespace, pods in their own namespaces, a client outside.
 //! Each test builds its own namespaces (see `proxy_support`) and fails loudly without root.
+//!
+//! Every test runs once per proxy mode (`nftables::<test>` and `iptables::<test>`, from
+//! [`in_every_mode!`]): the behaviour is the same, only the rules differ.
 
 mod proxy_support;
 
 use std::collections::BTreeSet;
 use std::net::UdpSocket;
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use nodeport_testbed::require_tools;
 use proxy_support::*;
 
-fn privileged(test: &str) -> bool {
-    require_tools(test, &["nft", "kubectl", "curl"])
+fn privileged(test: &str, mode: Mode) -> bool {
+    let mut tools = vec!["kubectl", "curl"];
+    tools.extend(mode.tools());
+    require_tools(&format!("{test} ({})", mode.as_str()), &tools)
 }
 
 const T: Duration = Duration::from_secs(2);
 
-#[test]
-fn nodeport_reaches_all_three_pods_and_is_refused_once_endpoints_are_gone() {
-    if !privileged("nodeport_reaches_all_three_pods_and_is_refused_once_endpoints_are_gone") {
+fn nodeport_reaches_all_three_pods_and_is_refused_once_endpoints_are_gone(mode: Mode) {
+    if !privileged(
+        "nodeport_reaches_all_three_pods_and_is_refused_once_endpoints_are_gone",
+        mode,
+    ) {
         return;
     }
-    let c = Cluster::start(&[]);
+    let c = Cluster::start(mode, &[]);
     c.apply(&service_yaml("web", 30080, "", &[1, 2, 3]))
         .unwrap();
     let to = format!("{NODE_IP}:30080");
@@ -66,20 +74,20 @@ fn nodeport_reaches_all_three_pods_and_is_refused_once_endpoints_are_gone() {
     });
 }
 
-#[test]
-fn a_rule_deleted_by_hand_is_restored_by_the_periodic_resync() {
-    if !privileged("a_rule_deleted_by_hand_is_restored_by_the_periodic_resync") {
+fn a_rule_deleted_by_hand_is_restored_by_the_periodic_resync(mode: Mode) {
+    if !privileged(
+        "a_rule_deleted_by_hand_is_restored_by_the_periodic_resync",
+        mode,
+    ) {
         return;
     }
-    let c = Cluster::start(&["--sync-period", "2s"]);
+    let c = Cluster::start(mode, &["--sync-period", "2s"]);
     c.apply(&service_yaml("web", 30088, "", &[1])).unwrap();
     let to = format!("{NODE_IP}:30088");
     eventually(&c.client, &to, "the NodePort answers", |r| {
         matches!(r, Reply::Pod { .. })
     });
-    c.node
-        .run(&["nft", "flush", "chain", "ip", "kube-proxy", "services"])
-        .unwrap();
+    c.break_service_dispatch_by_hand();
     assert_eq!(
         get(&c.client, &to, T),
         Reply::Refused,
@@ -90,12 +98,14 @@ fn a_rule_deleted_by_hand_is_restored_by_the_periodic_resync() {
     });
 }
 
-#[test]
-fn nodeport_addresses_follow_an_address_added_to_the_node_without_a_restart() {
-    if !privileged("nodeport_addresses_follow_an_address_added_to_the_node_without_a_restart") {
+fn nodeport_addresses_follow_an_address_added_to_the_node_without_a_restart(mode: Mode) {
+    if !privileged(
+        "nodeport_addresses_follow_an_address_added_to_the_node_without_a_restart",
+        mode,
+    ) {
         return;
     }
-    let c = Cluster::start(&["--nodeport-addresses", "203.0.113.0/24"]);
+    let c = Cluster::start(mode, &["--nodeport-addresses", "203.0.113.0/24"]);
     c.client
         .run(&["ip", "route", "add", "203.0.113.10/32", "via", NODE_IP])
         .unwrap();
@@ -118,12 +128,14 @@ fn nodeport_addresses_follow_an_address_added_to_the_node_without_a_restart() {
     });
 }
 
-#[test]
-fn etp_local_drops_without_a_local_endpoint_and_keeps_the_client_ip_with_one() {
-    if !privileged("etp_local_drops_without_a_local_endpoint_and_keeps_the_client_ip_with_one") {
+fn etp_local_drops_without_a_local_endpoint_and_keeps_the_client_ip_with_one(mode: Mode) {
+    if !privileged(
+        "etp_local_drops_without_a_local_endpoint_and_keeps_the_client_ip_with_one",
+        mode,
+    ) {
         return;
     }
-    let c = Cluster::start(&[]);
+    let c = Cluster::start(mode, &[]);
     let local = "  externalTrafficPolicy: Local";
     c.apply(&service_yaml("web", 30081, local, &[2])).unwrap();
     let to = format!("{NODE_IP}:30081");
@@ -153,12 +165,11 @@ fn etp_local_drops_without_a_local_endpoint_and_keeps_the_client_ip_with_one() {
     );
 }
 
-#[test]
-fn itp_local_clusterip_reaches_only_the_local_pod() {
-    if !privileged("itp_local_clusterip_reaches_only_the_local_pod") {
+fn itp_local_clusterip_reaches_only_the_local_pod(mode: Mode) {
+    if !privileged("itp_local_clusterip_reaches_only_the_local_pod", mode) {
         return;
     }
-    let c = Cluster::start(&[]);
+    let c = Cluster::start(mode, &[]);
     c.apply(&service_yaml(
         "web",
         30082,
@@ -187,12 +198,11 @@ fn itp_local_clusterip_reaches_only_the_local_pod() {
     assert!(seen.len() > 1, "{seen:?}");
 }
 
-#[test]
-fn session_affinity_sends_a_client_to_one_pod() {
-    if !privileged("session_affinity_sends_a_client_to_one_pod") {
+fn session_affinity_sends_a_client_to_one_pod(mode: Mode) {
+    if !privileged("session_affinity_sends_a_client_to_one_pod", mode) {
         return;
     }
-    let c = Cluster::start(&[]);
+    let c = Cluster::start(mode, &[]);
     c.apply(&service_yaml(
         "web",
         30083,
@@ -215,12 +225,11 @@ fn session_affinity_sends_a_client_to_one_pod() {
     }
 }
 
-#[test]
-fn nodeport_addresses_limit_which_node_ip_answers() {
-    if !privileged("nodeport_addresses_limit_which_node_ip_answers") {
+fn nodeport_addresses_limit_which_node_ip_answers(mode: Mode) {
+    if !privileged("nodeport_addresses_limit_which_node_ip_answers", mode) {
         return;
     }
-    let c = Cluster::start(&["--nodeport-addresses", "198.51.100.0/24"]);
+    let c = Cluster::start(mode, &["--nodeport-addresses", "198.51.100.0/24"]);
     c.apply(&service_yaml("web", 30084, "", &[1])).unwrap();
     eventually(
         &c.client,
@@ -235,12 +244,14 @@ fn nodeport_addresses_limit_which_node_ip_answers() {
     );
 }
 
-#[test]
-fn load_balancer_source_ranges_admit_only_listed_clients() {
-    if !privileged("load_balancer_source_ranges_admit_only_listed_clients") {
+fn load_balancer_source_ranges_admit_only_listed_clients(mode: Mode) {
+    if !privileged(
+        "load_balancer_source_ranges_admit_only_listed_clients",
+        mode,
+    ) {
         return;
     }
-    let c = Cluster::start(&[]);
+    let c = Cluster::start(mode, &[]);
     let yaml = service_yaml(
         "lb",
         30085,
@@ -294,12 +305,14 @@ fn udp_from_fixed_port(c: &Cluster, to: &str) -> Option<String> {
         .unwrap()
 }
 
-#[test]
-fn udp_conntrack_entries_to_a_removed_endpoint_are_cleaned() {
-    if !privileged("udp_conntrack_entries_to_a_removed_endpoint_are_cleaned") {
+fn udp_conntrack_entries_to_a_removed_endpoint_are_cleaned(mode: Mode) {
+    if !privileged(
+        "udp_conntrack_entries_to_a_removed_endpoint_are_cleaned",
+        mode,
+    ) {
         return;
     }
-    let c = Cluster::start(&[]);
+    let c = Cluster::start(mode, &[]);
     c.apply(&service_yaml("dns", 30086, "", &[1])).unwrap();
     let to = format!("{NODE_IP}:30186");
     let deadline = std::time::Instant::now() + Duration::from_secs(15);
@@ -330,12 +343,14 @@ fn udp_conntrack_entries_to_a_removed_endpoint_are_cleaned() {
     }
 }
 
-#[test]
-fn proxy_killed_and_restarted_during_a_stream_of_requests_fails_none() {
-    if !privileged("proxy_killed_and_restarted_during_a_stream_of_requests_fails_none") {
+fn proxy_killed_and_restarted_during_a_stream_of_requests_fails_none(mode: Mode) {
+    if !privileged(
+        "proxy_killed_and_restarted_during_a_stream_of_requests_fails_none",
+        mode,
+    ) {
         return;
     }
-    let mut c = Cluster::start(&[]);
+    let mut c = Cluster::start(mode, &[]);
     c.apply(&service_yaml("web", 30087, "", &[1, 2, 3]))
         .unwrap();
     let to = format!("{NODE_IP}:30087");
@@ -385,4 +400,33 @@ fn proxy_killed_and_restarted_during_a_stream_of_requests_fails_none() {
     );
 }
 
-use std::sync::Mutex;
+/// Generates one `#[test]` per proxy mode for each test body `fn name(mode: Mode)`.
+macro_rules! in_every_mode {
+    ($($name:ident),* $(,)?) => {
+        mod nftables {
+            $(#[test]
+            fn $name() {
+                super::$name(super::Mode::Nftables)
+            })*
+        }
+        mod iptables {
+            $(#[test]
+            fn $name() {
+                super::$name(super::Mode::Iptables)
+            })*
+        }
+    };
+}
+
+in_every_mode!(
+    nodeport_reaches_all_three_pods_and_is_refused_once_endpoints_are_gone,
+    a_rule_deleted_by_hand_is_restored_by_the_periodic_resync,
+    nodeport_addresses_follow_an_address_added_to_the_node_without_a_restart,
+    etp_local_drops_without_a_local_endpoint_and_keeps_the_client_ip_with_one,
+    itp_local_clusterip_reaches_only_the_local_pod,
+    session_affinity_sends_a_client_to_one_pod,
+    nodeport_addresses_limit_which_node_ip_answers,
+    load_balancer_source_ranges_admit_only_listed_clients,
+    udp_conntrack_entries_to_a_removed_endpoint_are_cleaned,
+    proxy_killed_and_restarted_during_a_stream_of_requests_fails_none,
+);

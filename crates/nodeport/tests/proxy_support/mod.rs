@@ -9,6 +9,8 @@
 //!  client 198.51.100.100 ─── eth1 198.51.100.10     └─ pod3 10.244.3.2 (nodeName node-c)
 //!                      lan2      apiserver 127.0.0.1:6443, proxy (healthz 127.0.0.1:10256)
 //! ```
+//!
+//! The proxy runs in the [`Mode`] a test asks for.
 
 #![allow(dead_code)]
 
@@ -28,6 +30,33 @@ pub const CLIENT_IP: &str = "192.0.2.100";
 pub const CLIENT2_IP: &str = "192.0.2.101";
 const API: &str = "http://127.0.0.1:6443";
 
+/// The proxy mode a test runs in (`--proxy-mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// `table ip kube-proxy`.
+    Nftables,
+    /// `KUBE-*` chains in iptables' nat and filter tables.
+    Iptables,
+}
+
+impl Mode {
+    /// The flag value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Nftables => "nftables",
+            Mode::Iptables => "iptables",
+        }
+    }
+
+    /// The commands the mode needs on the machine.
+    pub fn tools(self) -> &'static [&'static str] {
+        match self {
+            Mode::Nftables => &["nft"],
+            Mode::Iptables => &["iptables", "iptables-restore", "iptables-save"],
+        }
+    }
+}
+
 /// One node with everything around it; all namespaces and processes go away on drop.
 pub struct Cluster {
     pub client: Netns,
@@ -37,6 +66,7 @@ pub struct Cluster {
     servers: Vec<Server>,
     apiserver: Option<ChildGuard>,
     pub proxy: Option<ChildGuard>,
+    mode: Mode,
     proxy_args: Vec<String>,
     _lans: (Lan, Lan),
     _data: tempfile::TempDir,
@@ -55,8 +85,8 @@ fn wait_until(what: &str, timeout: Duration, mut f: impl FnMut() -> bool) {
 
 impl Cluster {
     /// Builds the topology, starts the API server, registers Node `node-a` and starts the
-    /// proxy with `proxy_args` added to the defaults.
-    pub fn start(proxy_args: &[&str]) -> Cluster {
+    /// proxy in `mode` with `proxy_args` added to the defaults.
+    pub fn start(mode: Mode, proxy_args: &[&str]) -> Cluster {
         let lan1 = Lan::new("lan1").unwrap();
         let lan2 = Lan::new("lan2").unwrap();
         let node = Netns::new("node").unwrap();
@@ -120,6 +150,7 @@ impl Cluster {
             servers,
             apiserver: Some(apiserver),
             proxy: None,
+            mode,
             proxy_args: proxy_args.iter().map(|s| s.to_string()).collect(),
             _lans: (lan1, lan2),
             _data: data,
@@ -151,6 +182,8 @@ impl Cluster {
             "127.0.0.1:10256",
             "--metrics-bind-address",
             "127.0.0.1:10249",
+            "--proxy-mode",
+            self.mode.as_str(),
         ])
         .args(&self.proxy_args)
         .env(
@@ -162,6 +195,17 @@ impl Cluster {
             self.node_http("127.0.0.1:10256", "/healthz")
                 .is_some_and(|(code, _)| code == 200)
         });
+    }
+
+    /// Deletes, by hand, the rule that sends service traffic to the services' chains (what
+    /// an operator's mistake or another tool might do): `nft flush chain ip kube-proxy
+    /// services`, or `iptables -t nat -F KUBE-SERVICES`.
+    pub fn break_service_dispatch_by_hand(&self) {
+        let cmd: &[&str] = match self.mode {
+            Mode::Nftables => &["nft", "flush", "chain", "ip", "kube-proxy", "services"],
+            Mode::Iptables => &["iptables", "-t", "nat", "-F", "KUBE-SERVICES"],
+        };
+        self.node.run(cmd).unwrap();
     }
 
     /// kubectl against our API server, from inside the node namespace.
