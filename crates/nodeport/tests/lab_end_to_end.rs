@@ -10,8 +10,9 @@ use nodeport_testbed::{require_privileged, require_tools};
 
 const NODEPORT: &str = env!("CARGO_BIN_EXE_nodeport");
 
-/// Proxy modes the lab runs end to end; the iptables mode joins when the proxy has it.
-const MODES: &[&str] = &["nftables"];
+/// Proxy modes the lab runs end to end (IPVS needs a kernel with IPVS, which the test
+/// machines lack).
+const MODES: &[&str] = &["nftables", "iptables"];
 
 fn lab(args: &[&str]) -> Output {
     Command::new(NODEPORT)
@@ -149,7 +150,10 @@ fn lab_answers_on_every_node_ip_and_leaves_nothing_behind(mode: &str) {
 
 #[test]
 fn lab_in_every_proxy_mode_answers_on_every_node_ip_and_leaves_nothing_behind() {
-    if !require_tools("lab_answers_on_every_node_ip", &["nft", "kubectl"]) {
+    if !require_tools(
+        "lab_answers_on_every_node_ip",
+        &["nft", "iptables", "iptables-restore", "kubectl"],
+    ) {
         return;
     }
     for mode in MODES {
