@@ -223,6 +223,14 @@ fn bench_size(n: usize, inline: bool) {
         secs(full),
         full.as_secs_f64() / raw.as_secs_f64()
     );
+    if let Some((encode, kernel)) = applier.kernel().inner.last_timing() {
+        println!(
+            "  of which: netlink encoding {}   kernel (send to acknowledgement) {}   the rest (render, plan) {}",
+            secs(encode),
+            secs(kernel),
+            secs(full.saturating_sub(encode + kernel))
+        );
+    }
 
     // The inline form is superlinear: 3 minutes at 10,000 here; not tried beyond.
     if inline && n <= 10_000 {
@@ -237,6 +245,8 @@ fn bench_size(n: usize, inline: bool) {
             secs(raw_vmap)
         );
     }
+
+    commit_costs(n, &mut applier.kernel_mut().inner);
 
     if n >= 10_000 {
         applier.kernel_mut().applies.clear();
@@ -264,6 +274,133 @@ fn bench_size(n: usize, inline: bool) {
         rss_kib() / 1024
     );
     let _ = applier.kernel_mut().list(IpFamily::V4);
+}
+
+/// Median wall time of `f` over `reps` runs.
+fn median_ms(reps: usize, mut f: impl FnMut() -> Duration) -> f64 {
+    let mut v: Vec<f64> = (0..reps).map(|_| f().as_secs_f64() * 1e3).collect();
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+/// What one commit costs on a table of this size, by kind of operation: the kernel
+/// re-validates the whole table (every chain reachable from a base chain) when a transaction
+/// adds a rule with a verdict or expression that has a `validate` hook, or a map element that
+/// jumps; other transactions should cost the same at any table size.
+fn commit_costs(n: usize, kernel: &mut NetlinkKernel) {
+    use nodeport_proxy::nftables::ruleset::{
+        AddrMatch, ElemKey, Element, Expr, Op, Rule, Transaction, Verdict,
+    };
+    let f = IpFamily::V4;
+    let probe = ip(0xC633_6401); // 198.51.100.1
+    let mut run = |ops: Vec<Op>| {
+        let mut tx = Transaction::default();
+        for op in ops {
+            tx.push(f, op);
+        }
+        let t = Instant::now();
+        kernel.apply(&tx).expect("probe transaction");
+        t.elapsed()
+    };
+    let service_chain = format!(
+        "service-{}",
+        nodeport_proxy::names::nft_service_port_base(&ServicePortName::new(
+            "ns0",
+            "svc0",
+            "http",
+            Protocol::Tcp
+        ))
+    );
+    let elem = |set: &'static str, key, value| Element {
+        set,
+        key,
+        value,
+        comment: None,
+    };
+    let addr_key = ElemKey::Addr(probe);
+    let svc_key = ElemKey::AddrProtoPort(probe, Protocol::Tcp, 80);
+    let mut rows = Vec::new();
+    rows.push((
+        "add + delete an element of cluster-ips (plain set)",
+        median_ms(5, || {
+            run(vec![Op::AddElement(elem("cluster-ips", addr_key, None))])
+                + run(vec![Op::DeleteElement("cluster-ips", addr_key)])
+        }) / 2.0,
+    ));
+    run(vec![Op::AddChain("bench-probe".into(), None)]);
+    rows.push((
+        "add a rule without verdict (ip daddr X) to an unreferenced chain",
+        median_ms(5, || {
+            let t = run(vec![Op::AddRule(
+                "bench-probe".into(),
+                Rule::new(vec![Expr::Daddr {
+                    negate: false,
+                    value: AddrMatch::Addr(probe),
+                }]),
+            )]);
+            run(vec![Op::FlushChain("bench-probe".into())]);
+            t
+        }),
+    ));
+    rows.push((
+        "flush a chain (delete its rules)",
+        median_ms(5, || {
+            run(vec![Op::AddRule(
+                "bench-probe".into(),
+                Rule::new(vec![Expr::Daddr {
+                    negate: false,
+                    value: AddrMatch::Addr(probe),
+                }]),
+            )]);
+            run(vec![Op::FlushChain("bench-probe".into())])
+        }),
+    ));
+    rows.push((
+        "add a rule `accept` to an unreferenced chain",
+        median_ms(5, || {
+            let t = run(vec![Op::AddRule(
+                "bench-probe".into(),
+                Rule::new(vec![Expr::Verdict(Verdict::Accept)]),
+            )]);
+            run(vec![Op::FlushChain("bench-probe".into())]);
+            t
+        }),
+    ));
+    rows.push((
+        "add a service-ips element `goto service-...`",
+        median_ms(5, || {
+            let t = run(vec![Op::AddElement(elem(
+                "service-ips",
+                svc_key,
+                Some(Verdict::Goto(service_chain.clone())),
+            ))]);
+            run(vec![Op::DeleteElement("service-ips", svc_key)]);
+            t
+        }),
+    ));
+    rows.push((
+        "delete a service-ips element",
+        median_ms(5, || {
+            run(vec![Op::AddElement(elem(
+                "service-ips",
+                svc_key,
+                Some(Verdict::Goto(service_chain.clone())),
+            ))]);
+            run(vec![Op::DeleteElement("service-ips", svc_key)])
+        }),
+    ));
+    rows.push((
+        "add + delete an empty chain",
+        median_ms(5, || {
+            run(vec![Op::AddChain("bench-probe2".into(), None)])
+                + run(vec![Op::DeleteChain("bench-probe2".into())])
+        }) / 2.0,
+    ));
+    run(vec![Op::DeleteChain("bench-probe".into())]);
+    println!("commit cost by kind of transaction at {n} Services (median of 5):");
+    for (what, ms) in rows {
+        println!("  {what}: {ms:.2} ms");
+    }
 }
 
 /// A kernel that records how long its transactions take.

@@ -895,6 +895,8 @@ pub struct NetlinkKernel {
     fallback: NftCommand,
     /// Transactions that went through `nft -f` instead.
     fallbacks: usize,
+    /// Encoding and kernel time of the last transaction sent over netlink.
+    last_timing: Option<(Duration, Duration)>,
 }
 
 fn io_err(what: &str, e: impl std::fmt::Display) -> KernelError {
@@ -924,6 +926,7 @@ impl NetlinkKernel {
             seq: 1,
             fallback,
             fallbacks: 0,
+            last_timing: None,
         })
     }
 
@@ -945,6 +948,12 @@ impl NetlinkKernel {
     /// How many transactions went through `nft -f` (forms the encoder does not produce).
     pub fn fallbacks(&self) -> usize {
         self.fallbacks
+    }
+
+    /// How long the last netlink transaction took to encode, and from sending it to the
+    /// kernel's acknowledgement (its parsing, validation and commit): for benchmarks.
+    pub fn last_timing(&self) -> Option<(Duration, Duration)> {
+        self.last_timing
     }
 
     fn send(&mut self, bytes: &[u8]) -> Result<(), KernelError> {
@@ -1082,10 +1091,12 @@ impl Kernel for NetlinkKernel {
         if tx.is_empty() {
             return Ok(());
         }
+        let started = std::time::Instant::now();
         let Ok(batch) = encode(tx, self.seq + 1) else {
             self.fallbacks += 1;
             return self.fallback.apply(tx);
         };
+        let encoded = started.elapsed();
         self.seq = batch.last_seq + 2;
         self.send(&batch.buf.b)?;
         let last = batch.last_seq;
@@ -1100,6 +1111,7 @@ impl Kernel for NetlinkKernel {
             // The last operation's acknowledgement (or its error) comes after all others.
             seq == last
         })?;
+        self.last_timing = Some((encoded, started.elapsed() - encoded));
         if errors.is_empty() {
             return Ok(());
         }
