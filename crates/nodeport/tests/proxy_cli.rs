@@ -185,3 +185,157 @@ fn proxy_in_ipvs_mode_exits_at_once_saying_why() {
         );
     }
 }
+
+#[test]
+fn every_invalid_nodeport_addresses_value_exits_64_naming_the_flag_and_the_value() {
+    // Reference 004: the empty string is invalid; so are malformed CIDRs and unknown
+    // keywords, anywhere in the list.
+    for value in [
+        "",
+        ",",
+        "10.0.0.0/33",
+        "300.1.2.3/8",
+        "192.0.2.0/24,",
+        "default_route",
+        "127.0.0.0/8,bogus",
+        "localhost",
+    ] {
+        for cmd in [
+            vec!["proxy", "--nodeport-addresses", value],
+            vec!["render", "-f", "-", "--nodeport-addresses", value],
+            vec![
+                "render",
+                "--proxy-mode",
+                "iptables",
+                "-f",
+                "-",
+                "--nodeport-addresses",
+                value,
+            ],
+        ] {
+            let out = nodeport(&cmd);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(64), "{cmd:?}: {stderr}");
+            assert!(
+                stderr.contains(&format!(
+                    "invalid value \"{value}\" for --nodeport-addresses"
+                )),
+                "{cmd:?}: {stderr}"
+            );
+            assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+        }
+    }
+    // The same list in a KubeProxyConfiguration file.
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config.yaml");
+    std::fs::write(
+        &config,
+        "apiVersion: kubeproxy.config.k8s.io/v1alpha1\nkind: KubeProxyConfiguration\nnodePortAddresses: [\"127.0.0.0/8\", \"nonsense\"]\n",
+    )
+    .unwrap();
+    let out = nodeport(&["proxy", "--config", config.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert!(
+        stderr.contains("--nodeport-addresses: \"nonsense\" is not a CIDR"),
+        "{stderr}"
+    );
+}
+
+/// `nodeport render` with a node of two interfaces: eth0 (holding the default route) and
+/// eth1.
+fn render_selection(mode: &str, nodeport_addresses: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("web.yaml");
+    std::fs::write(&file, WEB).unwrap();
+    let out = nodeport(&[
+        "render",
+        "--proxy-mode",
+        mode,
+        "-f",
+        file.to_str().unwrap(),
+        "--node-name",
+        "worker2",
+        "--node-ip",
+        "192.0.2.4",
+        "--interface",
+        "eth0=192.0.2.4",
+        "--interface",
+        "eth1=198.51.100.4,2001:db8::4",
+        "--default-route-interface",
+        "eth0",
+        "--nodeport-addresses",
+        nodeport_addresses,
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn render_previews_what_each_nodeport_addresses_value_selects_in_nftables_mode() {
+    let set = |ip: &str| format!("add element ip kube-proxy nodeport-ips {{ {ip} }}");
+    let text = render_selection("nftables", "default-route");
+    assert!(text.contains(&set("192.0.2.4")), "{text}");
+    assert!(!text.contains("198.51.100.4"), "{text}");
+    let text = render_selection("nftables", "192.168.0.0/16,198.51.100.0/24");
+    assert!(text.contains(&set("198.51.100.4")), "{text}");
+    assert!(!text.contains(&set("192.0.2.4")), "{text}");
+    let text = render_selection("nftables", "127.0.0.0/8,default-route");
+    assert!(text.contains(&set("127.0.0.1")), "{text}");
+    assert!(text.contains(&set("192.0.2.4")), "{text}");
+    assert!(
+        text.contains("add rule ip kube-proxy filter-input ct state new jump localnet-check"),
+        "{text}"
+    );
+    let text = render_selection("nftables", "0.0.0.0/0");
+    assert!(
+        text.contains("services fib daddr type local ip daddr != 127.0.0.0/8"),
+        "{text}"
+    );
+    assert!(!text.contains("localnet-check"), "{text}");
+    // IPv6 entries apply to the ip6 table only.
+    let text = render_selection("nftables", "198.51.100.0/24,2001:db8::/64");
+    assert!(
+        text.contains("add element ip6 kube-proxy nodeport-ips { 2001:db8::4 }"),
+        "{text}"
+    );
+    assert!(text.contains(&set("198.51.100.4")), "{text}");
+}
+
+#[test]
+fn render_previews_what_each_nodeport_addresses_value_selects_in_iptables_mode() {
+    let jump = |ip: &str| format!("-d {ip} -j KUBE-NODEPORTS");
+    let text = render_selection("iptables", "default-route");
+    assert!(text.contains(&jump("192.0.2.4")), "{text}");
+    assert!(!text.contains(&jump("198.51.100.4")), "{text}");
+    let text = render_selection("iptables", "127.0.0.0/8,198.51.100.0/24");
+    assert!(text.contains(&jump("127.0.0.1")), "{text}");
+    assert!(text.contains(&jump("198.51.100.4")), "{text}");
+    assert!(!text.contains(&jump("192.0.2.4")), "{text}");
+    assert!(
+        text.contains("-A KUBE-FIREWALL -m comment --comment \"block incoming localnet connections\" -d 127.0.0.0/8 ! -s 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP"),
+        "{text}"
+    );
+    let text = render_selection("iptables", "0.0.0.0/0");
+    assert!(text.contains("-m addrtype --dst-type LOCAL"), "{text}");
+}
+
+#[test]
+fn render_refuses_a_default_route_interface_it_was_not_given() {
+    let out = nodeport(&[
+        "render",
+        "-f",
+        "-",
+        "--interface",
+        "eth0=192.0.2.4",
+        "--default-route-interface",
+        "eth9",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{stderr}");
+    assert!(stderr.contains("--default-route-interface"), "{stderr}");
+}

@@ -1,56 +1,155 @@
-//! This node's interface addresses, from a netlink (rtnetlink) address dump.
+//! This node's interface addresses and default-route interfaces, from rtnetlink dumps.
 //!
-//! `--nodeport-addresses` CIDRs select among them; the proxy dumps them periodically so that
-//! an address added or removed on the node is followed without a restart (reference 004,
-//! "in case of something like DHCP").
+//! `--nodeport-addresses` CIDRs select among the addresses and `default-route` among those
+//! of the interfaces holding a default route; the proxy dumps both periodically so that an
+//! address added or removed on the node, or a default route moved to another interface, is
+//! followed without a restart (reference 004, "in case of something like DHCP").
 
-use std::net::IpAddr;
+use std::collections::BTreeSet;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use futures::TryStreamExt;
+use futures::{Stream, TryStreamExt};
 use netlink_packet_route::address::AddressAttribute;
+use netlink_packet_route::route::{RouteAttribute, RouteHeader, RouteMessage, RouteType};
+use rtnetlink::RouteMessageBuilder;
 
-/// An address dump failure.
+use crate::model::IpFamily;
+
+/// An address or route dump failure.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The rtnetlink socket could not be opened.
     #[error("opening an rtnetlink socket")]
     Socket(#[source] std::io::Error),
-    /// The dump failed.
+    /// The address dump failed.
     #[error("dumping interface addresses")]
     Dump(#[source] rtnetlink::Error),
+    /// The route dump failed.
+    #[error("dumping {family} routes")]
+    RouteDump {
+        /// `IPv4` or `IPv6`.
+        family: &'static str,
+        /// Why.
+        #[source]
+        source: rtnetlink::Error,
+    },
+}
+
+/// What one dump found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeAddresses {
+    /// Every address configured on an interface of this network namespace, sorted.
+    pub local_ips: Vec<IpAddr>,
+    /// The addresses of the interfaces that hold a default route of the main table, each
+    /// family by its own default route (an IPv4 default route on `eth0` selects `eth0`'s
+    /// IPv4 addresses only), sorted. Multipath default routes count every next hop.
+    pub default_route_ips: Vec<IpAddr>,
 }
 
 /// Every address configured on an interface of this network namespace, sorted.
 pub async fn local_addresses() -> Result<Vec<IpAddr>, Error> {
+    Ok(node_addresses().await?.local_ips)
+}
+
+/// Dumps the addresses and the default routes of this network namespace.
+pub async fn node_addresses() -> Result<NodeAddresses, Error> {
     let (connection, handle, _) = rtnetlink::new_connection().map_err(Error::Socket)?;
     let task = tokio::spawn(connection);
-    let mut stream = handle.address().get().execute();
-    let mut out = Vec::new();
-    let result = loop {
-        match stream.try_next().await {
-            Ok(Some(msg)) => {
-                // IFA_LOCAL is the address itself on point-to-point links; IFA_ADDRESS otherwise.
-                let local = msg.attributes.iter().find_map(|a| match a {
-                    AddressAttribute::Local(ip) => Some(*ip),
-                    _ => None,
-                });
-                let addr = msg.attributes.iter().find_map(|a| match a {
-                    AddressAttribute::Address(ip) => Some(*ip),
-                    _ => None,
-                });
-                if let Some(ip) = local.or(addr) {
-                    out.push(ip);
-                }
-            }
-            Ok(None) => break Ok(()),
-            Err(e) => break Err(Error::Dump(e)),
-        }
-    };
-    drop(stream);
+    let result = dump(&handle).await;
     drop(handle);
     task.abort();
-    result?;
-    out.sort();
-    out.dedup();
+    result
+}
+
+async fn dump(handle: &rtnetlink::Handle) -> Result<NodeAddresses, Error> {
+    // (interface index, address)
+    let mut addrs: Vec<(u32, IpAddr)> = Vec::new();
+    let mut stream = handle.address().get().execute();
+    while let Some(msg) = stream.try_next().await.map_err(Error::Dump)? {
+        // IFA_LOCAL is the address itself on point-to-point links; IFA_ADDRESS otherwise.
+        let local = msg.attributes.iter().find_map(|a| match a {
+            AddressAttribute::Local(ip) => Some(*ip),
+            _ => None,
+        });
+        let addr = msg.attributes.iter().find_map(|a| match a {
+            AddressAttribute::Address(ip) => Some(*ip),
+            _ => None,
+        });
+        if let Some(ip) = local.or(addr) {
+            addrs.push((msg.header.index, ip));
+        }
+    }
+    drop(stream);
+
+    let v4 = handle
+        .route()
+        .get(RouteMessageBuilder::<Ipv4Addr>::new().build())
+        .execute();
+    let mut default_ifs = default_route_interfaces(v4, IpFamily::V4).await?;
+    let v6 = handle
+        .route()
+        .get(RouteMessageBuilder::<Ipv6Addr>::new().build())
+        .execute();
+    default_ifs.extend(default_route_interfaces(v6, IpFamily::V6).await?);
+
+    let mut local_ips: Vec<IpAddr> = addrs.iter().map(|(_, ip)| *ip).collect();
+    local_ips.sort();
+    local_ips.dedup();
+    let mut default_route_ips: Vec<IpAddr> = addrs
+        .iter()
+        .filter(|(index, ip)| default_ifs.contains(&(IpFamily::of(*ip), *index)))
+        .map(|(_, ip)| *ip)
+        .collect();
+    default_route_ips.sort();
+    default_route_ips.dedup();
+    Ok(NodeAddresses {
+        local_ips,
+        default_route_ips,
+    })
+}
+
+/// The `(family, interface index)` pairs of the default routes in a route dump.
+async fn default_route_interfaces(
+    routes: impl Stream<Item = Result<RouteMessage, rtnetlink::Error>>,
+    family: IpFamily,
+) -> Result<BTreeSet<(IpFamily, u32)>, Error> {
+    futures::pin_mut!(routes);
+    let mut out = BTreeSet::new();
+    while let Some(route) = routes.try_next().await.map_err(|source| Error::RouteDump {
+        family: family.as_str(),
+        source,
+    })? {
+        for index in default_route_oifs(&route) {
+            out.insert((family, index));
+        }
+    }
     Ok(out)
+}
+
+/// The output interfaces of a route if it is a usable default route of the main table
+/// (`default via ... dev X`, `default dev X`, or a multipath default); none otherwise.
+fn default_route_oifs(route: &RouteMessage) -> Vec<u32> {
+    let table = route
+        .attributes
+        .iter()
+        .find_map(|a| match a {
+            RouteAttribute::Table(t) => Some(*t),
+            _ => None,
+        })
+        .unwrap_or(u32::from(route.header.table));
+    if route.header.destination_prefix_length != 0
+        || table != u32::from(RouteHeader::RT_TABLE_MAIN)
+        || route.header.kind != RouteType::Unicast
+    {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    for a in &route.attributes {
+        match a {
+            RouteAttribute::Oif(index) => out.push(*index),
+            RouteAttribute::MultiPath(hops) => out.extend(hops.iter().map(|h| h.interface_index)),
+            _ => {}
+        }
+    }
+    out
 }

@@ -107,6 +107,8 @@ struct Inputs {
     cluster: Cluster,
     node: Option<Node>,
     local_ips: Vec<IpAddr>,
+    /// Addresses of the interfaces holding a default route (`default-route`).
+    default_route_ips: Vec<IpAddr>,
     /// Node object or addresses changed.
     node_changed: bool,
     services_synced: bool,
@@ -321,7 +323,15 @@ struct Engine {
     backend: Box<dyn Backend>,
     desired: Option<DesiredState>,
     config: ProxyConfig,
+    /// nftables mode: `route_localnet` was set for localhost NodePorts (the iptables
+    /// applier keeps its own).
+    route_localnet: bool,
 }
+
+/// `net.ipv4.conf.all.route_localnet`: lets packets with a 127.0.0.0/8 source or
+/// destination be routed off the loopback interface, which a localhost NodePort DNATed to a
+/// pod needs (kube-proxy sets it for its iptables mode's `localhostNodePorts`).
+const ROUTE_LOCALNET: &str = "/proc/sys/net/ipv4/conf/all/route_localnet";
 
 /// What one sync hands back to the async side.
 struct Outcome {
@@ -361,7 +371,11 @@ impl Engine {
             };
             let state_config = StateConfig {
                 families: self.config.families.clone(),
-                nodeport_addresses: self.config.nodeport_addresses.clone(),
+                nodeport_addresses: self
+                    .config
+                    .nodeport_addresses
+                    .clone()
+                    .with_default_route(&i.default_route_ips),
             };
             let view = NodeView {
                 name: &self.config.node_name,
@@ -402,6 +416,30 @@ impl Engine {
             )
         };
         let desired = self.desired.as_ref().expect("computed above");
+        if self.backend.mode() == ProxyMode::Nftables
+            && !self.route_localnet
+            && desired
+                .families
+                .iter()
+                .any(crate::nftables::render::localhost_nodeports)
+        {
+            // Set once and never reset, as kube-proxy does: another component may rely on it.
+            match std::fs::write(ROUTE_LOCALNET, "1") {
+                Ok(()) => {
+                    tracing::info!(
+                        "set net.ipv4.conf.all.route_localnet=1 for localhost NodePorts \
+                         (--nodeport-addresses selects 127.0.0.1); incoming connections to \
+                         127.0.0.0/8 are dropped by the localnet-check chain (CVE-2020-8558)"
+                    );
+                    self.route_localnet = true;
+                }
+                Err(e) => tracing::error!(
+                    error = %e,
+                    "setting net.ipv4.conf.all.route_localnet=1 failed; localhost NodePorts \
+                     will not reach pods (retried on the next sync)"
+                ),
+            }
+        }
         let report = self.backend.sync(
             desired,
             &self.config.node,
@@ -597,23 +635,33 @@ pub async fn run_with_backend(
         }
     });
 
-    // Node addresses.
+    // Node addresses and default routes, re-read every --address-poll-interval (1 s) so
+    // that DHCP-style address changes and a moved default route are followed within a
+    // sync period, without a restart (reference 004).
     let s = shared.clone();
     let interval = config.address_poll_interval;
+    let npa = config.nodeport_addresses.clone();
     tasks.spawn(async move {
         loop {
-            match crate::addrs::local_addresses().await {
-                Ok(ips) => {
+            match crate::addrs::node_addresses().await {
+                Ok(found) => {
                     let mut i = s.inputs.lock().expect("inputs");
-                    if !i.addrs_synced {
+                    let first = !i.addrs_synced;
+                    if first
+                        || i.local_ips != found.local_ips
+                        || i.default_route_ips != found.default_route_ips
+                    {
+                        if !first {
+                            tracing::info!(
+                                addresses = ?found.local_ips,
+                                default_route = ?found.default_route_ips,
+                                "node addresses changed"
+                            );
+                        }
+                        log_selection(&npa, &found, i.node.as_ref());
                         i.addrs_synced = true;
-                        i.local_ips = ips;
-                        i.node_changed = true;
-                        drop(i);
-                        s.request_sync();
-                    } else if i.local_ips != ips {
-                        tracing::info!(addresses = ?ips, "node addresses changed");
-                        i.local_ips = ips;
+                        i.local_ips = found.local_ips;
+                        i.default_route_ips = found.default_route_ips;
                         i.node_changed = true;
                         drop(i);
                         s.request_sync();
@@ -629,6 +677,7 @@ pub async fn run_with_backend(
         backend,
         desired: None,
         config: config.clone(),
+        route_localnet: false,
     }));
     let sync_loop = sync_loop(shared.clone(), engine, config);
     tokio::select! {
@@ -637,6 +686,37 @@ pub async fn run_with_backend(
     }
     tasks.abort_all();
     Ok(())
+}
+
+/// Logs what `--nodeport-addresses` selects now that the addresses changed: a CIDR that
+/// matches none of them is allowed (reference 004: an address may appear later) but said,
+/// as is a `default-route` without a default route.
+fn log_selection(
+    npa: &NodePortAddresses,
+    found: &crate::addrs::NodeAddresses,
+    node: Option<&Node>,
+) {
+    let facts = NodeFacts {
+        node_ips: node.map(|n| n.addresses.clone()).unwrap_or_default(),
+        local_ips: found.local_ips.clone(),
+    };
+    for cidr in npa.unmatched_cidrs(&facts) {
+        tracing::info!(
+            %cidr,
+            "--nodeport-addresses: no node address in this CIDR yet; NodePorts open on it \
+             when one appears"
+        );
+    }
+    if npa.uses_default_route() {
+        if found.default_route_ips.is_empty() {
+            tracing::warn!(
+                "--nodeport-addresses default-route: no interface holds a default route; \
+                 default-route selects no address until one does"
+            );
+        } else {
+            tracing::info!(addresses = ?found.default_route_ips, "--nodeport-addresses default-route");
+        }
+    }
 }
 
 async fn sync_loop(shared: Arc<Shared>, engine: Arc<Mutex<Engine>>, config: ProxyConfig) {

@@ -2,9 +2,21 @@
 //!
 //! Reference 004 specifies the flag; kube-proxy's nftables mode defaults it to `primary`
 //! (the node's own IPs from its Node object). A value is a comma-separated list of entries;
-//! each entry selects addresses, and the union is what `nodeport-ips` holds. New kinds of
-//! entry (the `default-route` of reference 004, loopback handling) are new [`Selector`]
-//! variants plus an arm in [`NodePortAddresses::select`].
+//! each entry selects addresses, and the union is what `nodeport-ips` holds (nftables) or
+//! what the per-address `KUBE-NODEPORTS` jumps match (iptables).
+//!
+//! Entries:
+//! - a CIDR: the node's interface addresses inside it, of the CIDR's family only. A CIDR
+//!   that matches no address is allowed (reference 004's DHCP case): it starts matching as
+//!   soon as an address inside it appears. `0.0.0.0/0` (`::/0`) matches every address.
+//! - `default-route`: the addresses of the interface(s) that hold a default route, per
+//!   family (reference 004; kube-apiserver's `--advertise-address` heuristic).
+//! - `primary`: the Node object's primary IP of each family (kube-proxy's nftables default).
+//!
+//! IPv4 loopback addresses are selected only by a CIDR that contains them (`127.0.0.0/8`,
+//! `127.0.0.1/32`): localhost NodePorts, which need `route_localnet` and the CVE-2020-8558
+//! guard (see `docs/ARCHITECTURE.md`, "NodePort addresses"). IPv6 loopback never is: the
+//! kernel has no `route_localnet` for IPv6, so `::1` cannot be DNATed off the node.
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -26,7 +38,7 @@ pub enum Error {
     },
     /// An entry is neither a keyword nor a CIDR.
     #[error(
-        "invalid value \"{value}\" for --nodeport-addresses: \"{entry}\" is not a CIDR or \"primary\""
+        "invalid value \"{value}\" for --nodeport-addresses: \"{entry}\" is not a CIDR, \"primary\" or \"default-route\""
     )]
     BadEntry {
         /// The whole value as given.
@@ -45,13 +57,23 @@ pub enum Selector {
     /// A CIDR: the node's interface addresses inside it. `0.0.0.0/0` (`::/0`) matches every
     /// address of the node, expressed with `fib daddr type local` instead of a set.
     Cidr(IpNet),
+    /// `default-route`: the addresses of the interfaces holding a default route, per family
+    /// (reference 004). What it stands for is read from the routing table, not from the
+    /// value: see [`NodePortAddresses::default_route_ips`].
+    DefaultRoute,
 }
+
+/// The keyword of [`Selector::DefaultRoute`].
+pub const DEFAULT_ROUTE: &str = "default-route";
+/// The keyword of [`Selector::Primary`].
+pub const PRIMARY: &str = "primary";
 
 impl fmt::Display for Selector {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Selector::Primary => f.write_str("primary"),
+            Selector::Primary => f.write_str(PRIMARY),
             Selector::Cidr(net) => write!(f, "{net}"),
+            Selector::DefaultRoute => f.write_str(DEFAULT_ROUTE),
         }
     }
 }
@@ -61,6 +83,12 @@ impl fmt::Display for Selector {
 pub struct NodePortAddresses {
     /// The entries, in the order given.
     pub selectors: Vec<Selector>,
+    /// What `default-route` stands for at this moment: the addresses of the interfaces that
+    /// hold a default route (in the main table), each family by its own default route. Not
+    /// part of the flag's value: the proxy fills it from the routing table before every
+    /// selection (so a moved default route is followed without a restart), `nodeport render`
+    /// from its `--default-route-interface` flags. Empty until then.
+    pub default_route_ips: Vec<IpAddr>,
 }
 
 impl Default for NodePortAddresses {
@@ -69,6 +97,7 @@ impl Default for NodePortAddresses {
     fn default() -> Self {
         NodePortAddresses {
             selectors: vec![Selector::Primary],
+            default_route_ips: Vec::new(),
         }
     }
 }
@@ -103,8 +132,10 @@ impl NodePortAddresses {
                     value: whole.to_string(),
                 });
             }
-            let selector = if entry == "primary" {
+            let selector = if entry == PRIMARY {
                 Selector::Primary
+            } else if entry == DEFAULT_ROUTE {
+                Selector::DefaultRoute
             } else {
                 let net: IpNet = entry.parse().map_err(|_| Error::BadEntry {
                     value: whole.to_string(),
@@ -121,16 +152,50 @@ impl NodePortAddresses {
                 value: whole.to_string(),
             });
         }
-        Ok(NodePortAddresses { selectors })
+        Ok(NodePortAddresses {
+            selectors,
+            default_route_ips: Vec::new(),
+        })
+    }
+
+    /// This value with `default-route` standing for `ips` (the addresses of the interfaces
+    /// holding a default route).
+    pub fn with_default_route(mut self, ips: &[IpAddr]) -> Self {
+        self.default_route_ips = ips.to_vec();
+        self
+    }
+
+    /// Whether some entry is `default-route`.
+    pub fn uses_default_route(&self) -> bool {
+        self.selectors.contains(&Selector::DefaultRoute)
+    }
+
+    /// The CIDR entries that match none of the node's addresses (of their family): allowed,
+    /// as reference 004 asks (an address inside may appear later, e.g. from DHCP), but worth
+    /// a log line since such an entry opens nothing yet.
+    pub fn unmatched_cidrs(&self, facts: &NodeFacts) -> Vec<IpNet> {
+        self.selectors
+            .iter()
+            .filter_map(|s| match s {
+                Selector::Cidr(net) if net.prefix_len() > 0 => Some(*net),
+                _ => None,
+            })
+            .filter(|net| !facts.local_ips.iter().any(|ip| net.contains(ip)))
+            .collect()
     }
 
     /// Selects the NodePort addresses of `family` from what is known of the node.
     ///
     /// Mirrors kube-proxy's `NewNodePortAddresses`: entries of the other family are ignored;
     /// a family left with no entry at all (e.g. IPv6 with `primary` on an IPv4-only node)
-    /// matches every local address, as does a zero CIDR.
+    /// matches every local address, as does a zero CIDR. `default-route` is an entry of both
+    /// families: a family without a default route selects nothing through it.
+    ///
+    /// IPv4 loopback addresses are kept when a CIDR selects them (localhost NodePorts; each
+    /// backend decides whether it serves them), IPv6 loopback never is.
     pub fn select(&self, family: IpFamily, facts: &NodeFacts) -> Selection {
         let mut cidrs: Vec<IpNet> = Vec::new();
+        let mut default_route = false;
         for selector in &self.selectors {
             match selector {
                 Selector::Primary => {
@@ -143,21 +208,26 @@ impl NodePortAddresses {
                         cidrs.push(*net);
                     }
                 }
+                Selector::DefaultRoute => default_route = true,
             }
         }
-        if cidrs.is_empty() || cidrs.iter().any(|c| c.prefix_len() == 0) {
+        if (cidrs.is_empty() && !default_route) || cidrs.iter().any(|c| c.prefix_len() == 0) {
             return Selection::MatchAll;
         }
+        let by_default_route = |ip: &IpAddr| {
+            // The default route's interface may hold its loopback-range addresses only in
+            // odd setups; a localhost NodePort must be asked for with a CIDR.
+            default_route && !ip.is_loopback() && self.default_route_ips.contains(ip)
+        };
         let ips = facts
             .local_ips
             .iter()
             .copied()
             .filter(|ip| IpFamily::of(*ip) == family)
-            // nftables mode never DNATs localhost NodePorts (no route_localnet); kube-proxy
-            // logs "--nodeport-addresses includes localhost but localhost NodePorts are not
-            // supported" and leaves them out.
-            .filter(|ip| !ip.is_loopback())
-            .filter(|ip| cidrs.iter().any(|c| c.contains(ip)))
+            // kube-proxy: "--nodeport-addresses includes localhost but localhost NodePorts
+            // are not supported on IPv6".
+            .filter(|ip| !(ip.is_loopback() && family == IpFamily::V6))
+            .filter(|ip| cidrs.iter().any(|c| c.contains(ip)) || by_default_route(ip))
             .collect();
         Selection::Ips(ips)
     }
@@ -196,10 +266,21 @@ impl NodeFacts {
 /// The NodePort addresses of one family.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Selection {
-    /// Every local address (`fib daddr type local`, except loopback).
+    /// Every local address (`fib daddr type local` / `-m addrtype --dst-type LOCAL`),
+    /// loopback only where a backend says so (iptables' `localhostNodePorts`).
     MatchAll,
     /// Exactly these addresses (the `nodeport-ips` set).
     Ips(BTreeSet<IpAddr>),
+}
+
+impl Selection {
+    /// Whether an IPv4 loopback address is selected: localhost NodePorts are asked for.
+    pub fn has_ipv4_loopback(&self) -> bool {
+        match self {
+            Selection::MatchAll => false,
+            Selection::Ips(ips) => ips.iter().any(|ip| ip.is_ipv4() && ip.is_loopback()),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -246,9 +327,91 @@ mod tests {
     }
 
     #[test]
-    fn loopback_addresses_are_never_nodeport_addresses_in_nftables_mode() {
+    fn ipv4_loopback_is_selected_only_by_a_cidr_that_contains_it() {
         let npa: NodePortAddresses = "127.0.0.0/8".parse().unwrap();
+        let sel = npa.select(IpFamily::V4, &facts());
+        assert_eq!(sel, ips(&["127.0.0.1"]));
+        assert!(sel.has_ipv4_loopback());
+        let npa: NodePortAddresses = "192.0.2.0/24".parse().unwrap();
+        assert!(!npa.select(IpFamily::V4, &facts()).has_ipv4_loopback());
+        // 0.0.0.0/0 is kube-proxy's MatchAll: localhost only where a backend adds it.
+        let npa: NodePortAddresses = "0.0.0.0/0".parse().unwrap();
+        assert!(!npa.select(IpFamily::V4, &facts()).has_ipv4_loopback());
+    }
+
+    #[test]
+    fn ipv6_loopback_is_never_a_nodeport_address() {
+        let mut f = facts();
+        f.local_ips.push("::1".parse().unwrap());
+        let npa: NodePortAddresses = "::1/128,fd00::/64".parse().unwrap();
+        assert_eq!(npa.select(IpFamily::V6, &f), ips(&["fd00::10"]));
+    }
+
+    #[test]
+    fn mixed_lists_apply_each_entry_to_its_own_family() {
+        let npa: NodePortAddresses = "127.0.0.0/8,198.51.100.0/24,fd00::/64".parse().unwrap();
+        assert_eq!(
+            npa.select(IpFamily::V4, &facts()),
+            ips(&["127.0.0.1", "198.51.100.10"])
+        );
+        assert_eq!(npa.select(IpFamily::V6, &facts()), ips(&["fd00::10"]));
+        // No IPv6 entry at all: that family matches every address, as in kube-proxy.
+        let npa: NodePortAddresses = "198.51.100.0/24".parse().unwrap();
+        assert_eq!(npa.select(IpFamily::V6, &facts()), Selection::MatchAll);
+    }
+
+    #[test]
+    fn default_route_selects_the_addresses_of_the_default_route_interface_per_family() {
+        let npa: NodePortAddresses = "default-route".parse().unwrap();
+        assert_eq!(npa.to_string(), "default-route");
+        assert!(npa.uses_default_route());
+        // No default route known: nothing, in either family (not every address).
         assert_eq!(npa.select(IpFamily::V4, &facts()), ips(&[]));
+        assert_eq!(npa.select(IpFamily::V6, &facts()), ips(&[]));
+        let public: IpAddr = "198.51.100.10".parse().unwrap();
+        let npa = npa.with_default_route(&[public]);
+        assert_eq!(npa.select(IpFamily::V4, &facts()), ips(&["198.51.100.10"]));
+        assert_eq!(npa.select(IpFamily::V6, &facts()), ips(&[]));
+        // The route moved: the selection follows.
+        let npa = npa.with_default_route(&["192.0.2.10".parse().unwrap()]);
+        assert_eq!(npa.select(IpFamily::V4, &facts()), ips(&["192.0.2.10"]));
+    }
+
+    #[test]
+    fn default_route_combines_with_cidrs() {
+        let npa: NodePortAddresses = "127.0.0.1/32,default-route".parse().unwrap();
+        let npa = npa.with_default_route(&["192.0.2.10".parse().unwrap()]);
+        assert_eq!(
+            npa.select(IpFamily::V4, &facts()),
+            ips(&["127.0.0.1", "192.0.2.10"])
+        );
+    }
+
+    #[test]
+    fn every_value_of_reference_004_parses() {
+        for v in [
+            "0.0.0.0/0",
+            "127.0.0.0/8",
+            "default-route",
+            "127.0.0.1/32,default-route",
+            "127.0.0.0/8,192.168.0.0/16",
+            "::/0",
+            "primary",
+        ] {
+            let npa: NodePortAddresses = v.parse().unwrap();
+            assert_eq!(npa.to_string(), v);
+        }
+    }
+
+    #[test]
+    fn cidrs_matching_no_address_are_reported() {
+        let npa: NodePortAddresses = "0.0.0.0/0,203.0.113.0/24,198.51.100.0/24,default-route"
+            .parse()
+            .unwrap();
+        assert_eq!(
+            npa.unmatched_cidrs(&facts()),
+            vec!["203.0.113.0/24".parse::<IpNet>().unwrap()]
+        );
     }
 
     #[test]
@@ -272,9 +435,16 @@ mod tests {
             .unwrap_err();
         assert_eq!(
             bad.to_string(),
-            "invalid value \"10.0.0.0/8,nonsense\" for --nodeport-addresses: \"nonsense\" is not a CIDR or \"primary\""
+            "invalid value \"10.0.0.0/8,nonsense\" for --nodeport-addresses: \"nonsense\" is not a CIDR, \"primary\" or \"default-route\""
         );
-        assert!("10.0.0.0/33".parse::<NodePortAddresses>().is_err());
-        assert!("10.0.0.0/8,".parse::<NodePortAddresses>().is_err());
+        for bad in [
+            "10.0.0.0/33",
+            "10.0.0.0/8,",
+            "default_route",
+            "300.0.0.0/8",
+            " , ",
+        ] {
+            assert!(bad.parse::<NodePortAddresses>().is_err(), "{bad}");
+        }
     }
 }

@@ -1,6 +1,6 @@
 //! `nodeport proxy`: the node agent (kube-proxy's flags and `--config` file).
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -8,7 +8,7 @@ use anyhow::Context;
 use nodeport_proxy::agent::{self, ProxyConfig};
 use nodeport_proxy::config::{KubeProxyConfiguration, NodeConfig, ProxyMode, parse_go_duration};
 use nodeport_proxy::kube;
-use nodeport_proxy::nodeaddr::NodePortAddresses;
+use nodeport_proxy::nodeaddr::{NodePortAddresses, Selector};
 
 use super::UsageError;
 
@@ -28,8 +28,11 @@ pub struct Args {
     /// Dataplane: nftables (default), iptables or ipvs.
     #[arg(long)]
     proxy_mode: Option<String>,
-    /// Which node IPs accept NodePorts: "primary" (the Node object's IPs; the nftables
-    /// default) or a comma-separated list of CIDRs (iptables default: every address).
+    /// Which node IPs accept NodePorts, a comma-separated list of: CIDRs (the node's
+    /// addresses inside them; 0.0.0.0/0 and ::/0 every address, the iptables default;
+    /// 127.0.0.0/8 localhost NodePorts), "default-route" (the addresses of the interfaces
+    /// holding the default route, followed when it moves) and "primary" (the Node object's
+    /// IPs, the nftables default).
     #[arg(long)]
     nodeport_addresses: Option<String>,
     /// iptables mode: NodePorts also answer on 127.0.0.1 when every IPv4 address accepts
@@ -264,6 +267,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             nodeport_addresses = %config.nodeport_addresses,
             "starting proxy"
         );
+        let loopback = config.nodeport_addresses.selectors.iter().any(|s| {
+            matches!(s, Selector::Cidr(net) if net.prefix_len() > 0 && net.contains(&IpAddr::from(Ipv4Addr::LOCALHOST)))
+        });
+        if loopback && config.mode == ProxyMode::Iptables && !config.node.localhost_nodeports {
+            // kube-proxy's wording.
+            tracing::error!(
+                "--nodeport-addresses includes localhost but --iptables-localhost-nodeports=false was passed"
+            );
+        }
         let shutdown = async {
             let mut term =
                 tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())

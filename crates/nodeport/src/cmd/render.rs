@@ -2,7 +2,7 @@
 //! touching neither the kernel nor any server.
 
 use std::io::Read;
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::PathBuf;
 
 use anyhow::Context;
@@ -38,10 +38,20 @@ pub struct Args {
     /// Pod CIDRs (comma-separated), for masquerading off-cluster ClusterIP traffic.
     #[arg(long)]
     cluster_cidr: Option<String>,
-    /// Which node IPs accept NodePorts: "primary" or a comma-separated list of CIDRs
+    /// Which node IPs accept NodePorts: a comma-separated list of CIDRs (127.0.0.0/8 for
+    /// localhost NodePorts), "default-route" and "primary", as `nodeport proxy` takes it
     /// [default: primary for nftables, every address (0.0.0.0/0,::/0) for iptables and ipvs].
     #[arg(long)]
     nodeport_addresses: Option<String>,
+    /// One of the node's interfaces and its addresses, NAME=IP[,IP...] (repeatable), to
+    /// preview which addresses --nodeport-addresses selects (default: the node IPs, as if
+    /// on one interface). The loopback interface (127.0.0.1, ::1) is always there.
+    #[arg(long = "interface", value_name = "NAME=IP[,IP...]")]
+    interfaces: Vec<String>,
+    /// An interface (named by --interface) that holds the default route, for
+    /// --nodeport-addresses default-route (repeatable; both families).
+    #[arg(long = "default-route-interface", value_name = "NAME")]
+    default_route_interfaces: Vec<String>,
     /// iptables mode: NodePorts also answer on 127.0.0.1 when every IPv4 address accepts
     /// them (default true).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
@@ -56,6 +66,28 @@ pub struct Args {
 
 fn usage(message: impl Into<String>) -> anyhow::Error {
     UsageError(message.into()).into()
+}
+
+/// Parses `--interface NAME=IP[,IP...]` values.
+fn parse_interfaces(values: &[String]) -> anyhow::Result<Vec<(String, Vec<IpAddr>)>> {
+    values
+        .iter()
+        .map(|v| {
+            let bad = |why: &str| usage(format!("invalid value {v:?} for --interface: {why}"));
+            let (name, ips) = v
+                .split_once('=')
+                .ok_or_else(|| bad("must be NAME=IP[,IP...]"))?;
+            if name.is_empty() {
+                return Err(bad("empty interface name"));
+            }
+            let ips = ips
+                .split(',')
+                .map(|ip| ip.trim().parse::<IpAddr>())
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|_| bad("not an IP address"))?;
+            Ok((name.to_string(), ips))
+        })
+        .collect()
 }
 
 /// Parses `--cluster-cidr` (shared with `nodeport proxy`).
@@ -130,14 +162,44 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if node_ips.is_empty() {
         node_ips = node.addresses.clone();
     }
-    // Without interfaces to look at, the node's IPs are its local addresses.
+    // Without --interface, the node's IPs are its local addresses. Every node has loopback.
+    let mut interfaces = parse_interfaces(&args.interfaces)?;
+    if interfaces.is_empty() {
+        interfaces.push(("eth0".into(), node_ips.clone()));
+    }
+    if !interfaces.iter().any(|(name, _)| name == "lo") {
+        interfaces.push((
+            "lo".into(),
+            vec![Ipv4Addr::LOCALHOST.into(), Ipv6Addr::LOCALHOST.into()],
+        ));
+    }
+    let mut default_route_ips = Vec::new();
+    for name in &args.default_route_interfaces {
+        let (_, ips) = interfaces.iter().find(|(n, _)| n == name).ok_or_else(|| {
+            usage(format!(
+                "invalid value {name:?} for --default-route-interface: no such --interface"
+            ))
+        })?;
+        default_route_ips.extend(ips.iter().copied());
+    }
+    if nodeport_addresses.uses_default_route() && default_route_ips.is_empty() {
+        eprintln!(
+            "warning: --nodeport-addresses default-route selects nothing without --default-route-interface"
+        );
+    }
+    let mut local_ips: Vec<IpAddr> = interfaces.into_iter().flat_map(|(_, ips)| ips).collect();
+    local_ips.sort();
+    local_ips.dedup();
     let facts = NodeFacts {
-        node_ips: node_ips.clone(),
-        local_ips: node_ips,
+        node_ips,
+        local_ips,
     };
+    for cidr in nodeport_addresses.unmatched_cidrs(&facts) {
+        eprintln!("warning: --nodeport-addresses {cidr} matches none of the node's addresses");
+    }
     let state_config = StateConfig {
         families: IpFamily::ALL.to_vec(),
-        nodeport_addresses,
+        nodeport_addresses: nodeport_addresses.with_default_route(&default_route_ips),
     };
     let view = NodeView {
         name: &node_name,

@@ -50,9 +50,9 @@ pub struct Args {
     /// non-loopback IPv4 address].
     #[arg(long)]
     node_ip: Option<IpAddr>,
-    /// Which node IPs accept NodePorts: `primary` (this node's registered IP) or a
-    /// comma-separated list of CIDRs [default: primary for nftables, every address for
-    /// iptables].
+    /// Which node IPs accept NodePorts, as `nodeport proxy` takes it: CIDRs, `default-route`
+    /// and `primary` (this node's registered IP), comma-separated [default: primary for
+    /// nftables, every address for iptables].
     #[arg(long)]
     nodeport_addresses: Option<String>,
     /// Pod CIDRs (comma-separated): traffic to ClusterIPs from outside them is masqueraded.

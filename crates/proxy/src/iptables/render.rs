@@ -70,11 +70,15 @@ pub fn render_family(state: &FamilyState, config: &NodeConfig) -> FamilyRules {
 
 /// Whether localhost NodePorts are served for this family: kube-proxy's
 /// `localhostNodePorts`, which it turns off unless the NodePort addresses include IPv4
-/// loopback (here: every address), and which never applies to IPv6.
+/// loopback (every address, or a CIDR such as `127.0.0.0/8` that selected 127.0.0.1), and
+/// which never applies to IPv6.
 pub fn localhost_nodeports(state: &FamilyState, config: &NodeConfig) -> bool {
     config.localhost_nodeports
         && state.family == IpFamily::V4
-        && state.nodeport_ips == Selection::MatchAll
+        && match &state.nodeport_ips {
+            Selection::MatchAll => true,
+            ips @ Selection::Ips(_) => ips.has_ipv4_loopback(),
+        }
 }
 
 fn loopback(family: IpFamily) -> IpNet {
@@ -290,6 +294,11 @@ fn top_chains<'a>(
         }
         Selection::Ips(ips) => {
             for ip in ips {
+                if ip.is_loopback() && !localhost {
+                    // kube-proxy: "--nodeport-addresses includes localhost but
+                    // --iptables-localhost-nodeports=false was passed" (logged by the agent).
+                    continue;
+                }
                 services.push(Rule::new(
                     vec![comment(nodeports_comment), dst(*ip)],
                     jump(KUBE_NODEPORTS),

@@ -922,3 +922,70 @@ fn kubelets_firewall_chain_is_left_alone_when_localhost_nodeports_are_off() {
     assert_eq!(view.chain(Table::Filter, KUBE_FIREWALL).unwrap(), [kubelet]);
     assert!(!a.kernel().route_localnet);
 }
+
+#[test]
+fn a_loopback_cidr_serves_localhost_nodeports_with_kube_proxys_per_address_jumps() {
+    // kube-proxy: `localhostNodePorts` stays on when the NodePort CIDRs contain IPv4
+    // loopback; GetNodeIPs returns 127.0.0.1, which gets its own `-d` jump.
+    let mut w = World::new(&web("", THREE_ENDPOINTS));
+    w.facts.local_ips.push("127.0.0.1".parse().unwrap());
+    w.state.nodeport_addresses = "127.0.0.0/8,198.51.100.0/24".parse().unwrap();
+    let text = w.text();
+    for line in [
+        "-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\" -d 127.0.0.1 -j KUBE-NODEPORTS",
+        "-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\" -d 198.51.100.10 -j KUBE-NODEPORTS",
+        "-A KUBE-FIREWALL -m comment --comment \"block incoming localnet connections\" -d 127.0.0.0/8 ! -s 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP",
+    ] {
+        assert!(
+            text.lines().any(|l| l == line),
+            "missing {line:?} in:\n{text}"
+        );
+    }
+    assert!(!text.contains("-d 192.0.2.10 -j KUBE-NODEPORTS"), "{text}");
+    let t = w.trace(Packet::local(
+        "127.0.0.1",
+        "127.0.0.1",
+        Protocol::Tcp,
+        30080,
+    ));
+    assert_eq!(t.endpoints().len(), 3, "{t}");
+    assert!(t.all_masqueraded(true), "{t}");
+    assert_eq!(
+        w.trace(tcp(CLIENT, "127.0.0.1", 22)).only(),
+        &Fate::Dropped(KUBE_FIREWALL.into())
+    );
+    let (a, _) = applier_with(&w);
+    assert!(
+        a.kernel().route_localnet,
+        "localhost NodePorts need route_localnet"
+    );
+
+    // --iptables-localhost-nodeports=false wins: no loopback jump, no guard.
+    w.config.localhost_nodeports = false;
+    let text = w.text();
+    assert!(!text.contains("-d 127.0.0.1 -j KUBE-NODEPORTS"), "{text}");
+    assert!(!text.contains("-A KUBE-FIREWALL"), "{text}");
+    assert!(
+        text.contains("-d 198.51.100.10 -j KUBE-NODEPORTS"),
+        "{text}"
+    );
+}
+
+#[test]
+fn default_route_renders_one_jump_per_address_of_the_default_route_interface() {
+    let mut w = World::new(&web("", THREE_ENDPOINTS));
+    w.state.nodeport_addresses = "default-route"
+        .parse::<NodePortAddresses>()
+        .unwrap()
+        .with_default_route(&[NODE_IP2.parse().unwrap()]);
+    let text = w.text();
+    assert!(
+        text.contains("-d 198.51.100.10 -j KUBE-NODEPORTS"),
+        "{text}"
+    );
+    assert!(!text.contains("-d 192.0.2.10 -j KUBE-NODEPORTS"), "{text}");
+    assert!(!text.contains("--dst-type LOCAL"), "{text}");
+    assert!(!text.contains("-A KUBE-FIREWALL"), "{text}");
+    assert_eq!(w.trace(tcp(CLIENT, NODE_IP2, 30080)).endpoints().len(), 3);
+    assert!(w.trace(tcp(CLIENT, NODE_IP, 30080)).endpoints().is_empty());
+}

@@ -41,6 +41,9 @@ pub const SERVICE_ENDPOINTS_CHECK: &str = "service-endpoints-check";
 pub const NODEPORT_ENDPOINTS_CHECK: &str = "nodeport-endpoints-check";
 /// Looks up `firewall-ips`.
 pub const FIREWALL_CHECK: &str = "firewall-check";
+/// Drops connections to 127.0.0.0/8 from outside the node when localhost NodePorts are on
+/// (CVE-2020-8558). Ours: kube-proxy's nftables mode has no localhost NodePorts.
+pub const LOCALNET_CHECK: &str = "localnet-check";
 /// `reject`, the target of no-endpoint verdicts.
 pub const REJECT_CHAIN: &str = "reject-chain";
 

@@ -68,6 +68,49 @@ fn base(name: &str, kind: ChainType, hook: Hook, priority: i32, rules: Vec<Rule>
     }
 }
 
+/// Whether this family serves localhost NodePorts: a CIDR of `--nodeport-addresses` selected
+/// an IPv4 loopback address (`127.0.0.0/8`, `127.0.0.1/32`).
+///
+/// Upstream kube-proxy's nftables mode does not do this: it leaves loopback addresses out of
+/// `nodeport-ips` ("localhost NodePorts are not supported", KEP-3866) and never sets
+/// `route_localnet`. We serve them anyway, as issue #8 asks, the way the iptables mode
+/// does: `127.0.0.1` in `nodeport-ips` (DNAT in `nat-output`), the loopback source
+/// masqueraded by the external chain, `net.ipv4.conf.all.route_localnet=1` set by the
+/// proxy, and [`LOCALNET_CHECK`] as the CVE-2020-8558 guard.
+pub fn localhost_nodeports(state: &FamilyState) -> bool {
+    state.family == IpFamily::V4 && state.nodeport_ips.has_ipv4_loopback()
+}
+
+/// The CVE-2020-8558 guard: kube-proxy's (kubelet's) iptables rule
+/// `-A KUBE-FIREWALL -m comment --comment "block incoming localnet connections"
+/// -d 127.0.0.0/8 ! -s 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP`,
+/// written for nftables. It hangs off `filter-input` behind `ct state new`: with
+/// `route_localnet=1` the kernel would otherwise deliver a packet from another host to a
+/// service listening on 127.0.0.1. At the input hook a DNATed packet no longer has a
+/// 127.0.0.0/8 destination (endpoints are never loopback; a NodePort reached through
+/// 127.0.0.1 is forwarded, not input), so "new and still to 127.0.0.0/8" is the iptables
+/// rule's "not RELATED, ESTABLISHED or DNAT" for connections.
+fn localnet_check() -> Chain {
+    let lo = loopback(IpFamily::V4);
+    Chain::regular(
+        LOCALNET_CHECK,
+        vec![Rule::commented(
+            vec![
+                Expr::Daddr {
+                    negate: false,
+                    value: AddrMatch::Net(lo),
+                },
+                Expr::Saddr {
+                    negate: true,
+                    value: AddrMatch::Net(lo),
+                },
+                Expr::Verdict(Verdict::Drop),
+            ],
+            "block incoming localnet connections",
+        )],
+    )
+}
+
 /// The static part of a table: kube-proxy's `setupNFTables`.
 pub fn render_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
     let family = state.family;
@@ -81,6 +124,15 @@ pub fn render_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
         comment: Some(comment.to_string()),
     };
     let match_all = state.nodeport_ips == Selection::MatchAll;
+    let localhost = localhost_nodeports(state);
+    let mut filter_input = Vec::new();
+    if localhost {
+        filter_input.push(new_jump(LOCALNET_CHECK));
+    }
+    filter_input.extend([
+        new_jump(NODEPORT_ENDPOINTS_CHECK),
+        new_jump(SERVICE_ENDPOINTS_CHECK),
+    ]);
 
     let mut sets = vec![Set {
         name: CLUSTER_IPS.to_string(),
@@ -145,10 +197,7 @@ pub fn render_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
             ChainType::Filter,
             Hook::Input,
             0,
-            vec![
-                new_jump(NODEPORT_ENDPOINTS_CHECK),
-                new_jump(SERVICE_ENDPOINTS_CHECK),
-            ],
+            filter_input,
         ),
         base(
             FILTER_FORWARD,
@@ -290,6 +339,10 @@ pub fn render_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
             }])],
         ),
     ]);
+
+    if localhost {
+        chains.push(localnet_check());
+    }
 
     let elements = match &state.nodeport_ips {
         Selection::MatchAll => Vec::new(),

@@ -744,3 +744,87 @@ fn another_tool_committing_to_nftables_is_seen_as_drift_and_our_own_syncs_are_no
     a.sync(&d, &w.config, None).unwrap();
     assert!(!a.drifted());
 }
+
+/// Issue #8: `--nodeport-addresses 127.0.0.0/8,...` serves localhost NodePorts, which
+/// upstream kube-proxy's nftables mode does not (see `render::localhost_nodeports`).
+fn localhost_world() -> World {
+    let mut w = World::new(&web("", THREE_ENDPOINTS));
+    w.facts.local_ips.push("127.0.0.1".parse().unwrap());
+    w.state.nodeport_addresses = "127.0.0.0/8,198.51.100.0/24".parse().unwrap();
+    w
+}
+
+#[test]
+fn localhost_nodeports_render_127_0_0_1_in_nodeport_ips_and_the_localnet_guard() {
+    let text = create_all(&localhost_world().ruleset()).to_nft();
+    for line in [
+        "add chain ip kube-proxy localnet-check",
+        "add rule ip kube-proxy filter-input ct state new jump localnet-check",
+        "add rule ip kube-proxy localnet-check ip daddr 127.0.0.0/8 ip saddr != 127.0.0.0/8 drop comment \"block incoming localnet connections\"",
+        "add element ip kube-proxy nodeport-ips { 127.0.0.1 }",
+        "add element ip kube-proxy nodeport-ips { 198.51.100.10 }",
+    ] {
+        assert!(
+            text.lines().any(|l| l == line),
+            "missing {line:?} in:\n{text}"
+        );
+    }
+    // The guard comes before the NodePort checks of filter-input.
+    let first = text
+        .lines()
+        .find(|l| l.starts_with("add rule ip kube-proxy filter-input"))
+        .unwrap();
+    assert!(first.ends_with("jump localnet-check"), "{first}");
+    // No loopback CIDR, no guard and no 127.0.0.1.
+    let w = World::new(&web("", THREE_ENDPOINTS));
+    let text = create_all(&w.ruleset()).to_nft();
+    assert!(!text.contains("localnet-check"), "{text}");
+    assert!(!text.contains("127.0.0.1"), "{text}");
+}
+
+#[test]
+fn localhost_nodeport_from_a_node_process_reaches_every_endpoint_masqueraded() {
+    let w = localhost_world();
+    let t = w.trace(Packet::local(
+        "127.0.0.1",
+        "127.0.0.1",
+        Protocol::Tcp,
+        30080,
+    ));
+    assert_eq!(t.endpoints().len(), 3, "{t}");
+    assert!(t.all_masqueraded(true), "{t}");
+    // The other selected address still answers; the unselected one does not.
+    assert_eq!(w.trace(tcp(CLIENT, NODE_IP2, 30080)).endpoints().len(), 3);
+    assert!(w.trace(tcp(CLIENT, NODE_IP, 30080)).endpoints().is_empty());
+}
+
+#[test]
+fn a_new_connection_to_127_0_0_1_from_another_host_is_dropped_cve_2020_8558() {
+    let w = localhost_world();
+    let t = w.trace(tcp(CLIENT, "127.0.0.1", 10249));
+    assert_eq!(t.only(), &Fate::Dropped("localnet-check".into()), "{t}");
+    // A NodePort reached through 127.0.0.1 from outside is DNATed first: not dropped
+    // (kube-proxy's `! --ctstate DNAT`).
+    assert_eq!(
+        w.trace(tcp(CLIENT, "127.0.0.1", 30080)).endpoints().len(),
+        3
+    );
+}
+
+#[test]
+fn default_route_fills_nodeport_ips_with_the_default_route_interfaces_addresses() {
+    let mut w = World::new(&web("", THREE_ENDPOINTS));
+    w.state.nodeport_addresses = "default-route"
+        .parse::<NodePortAddresses>()
+        .unwrap()
+        .with_default_route(&[NODE_IP2.parse().unwrap()]);
+    let text = create_all(&w.ruleset()).to_nft();
+    assert!(
+        text.lines()
+            .any(|l| l == "add element ip kube-proxy nodeport-ips { 198.51.100.10 }"),
+        "{text}"
+    );
+    assert!(!text.contains("nodeport-ips { 192.0.2.10 }"), "{text}");
+    assert_eq!(w.trace(tcp(CLIENT, NODE_IP2, 30080)).endpoints().len(), 3);
+    assert!(w.trace(tcp(CLIENT, NODE_IP, 30080)).endpoints().is_empty());
+}
