@@ -98,9 +98,9 @@ fn a_rule_deleted_by_hand_is_restored_by_the_periodic_resync(mode: Mode) {
     });
 }
 
-fn nodeport_addresses_follow_an_address_added_to_the_node_without_a_restart(mode: Mode) {
+fn nodeport_addresses_follow_an_address_added_to_the_node_and_drop_a_removed_one(mode: Mode) {
     if !privileged(
-        "nodeport_addresses_follow_an_address_added_to_the_node_without_a_restart",
+        "nodeport_addresses_follow_an_address_added_to_the_node_and_drop_a_removed_one",
         mode,
     ) {
         return;
@@ -126,6 +126,172 @@ fn nodeport_addresses_follow_an_address_added_to_the_node_without_a_restart(mode
     eventually(&c.client, to, "still served after moving interfaces", |r| {
         matches!(r, Reply::Pod { .. })
     });
+    // Removed: the address leaves the NodePort addresses. A stale `nodeport-ips` element
+    // (or `-d` jump) would still DNAT the forwarded packet to the pod.
+    c.node
+        .run(&["ip", "addr", "del", "203.0.113.10/32", "dev", "eth1"])
+        .unwrap();
+    eventually(&c.client, to, "a removed address stops serving", |r| {
+        !matches!(r, Reply::Pod { .. })
+    });
+}
+
+/// Reference 004's `default-route`: a node with a "public" interface holding the default
+/// route (eth0, 192.0.2.10) and a "private" one (eth1, 198.51.100.10).
+fn default_route_answers_only_on_the_public_interface_and_follows_a_moved_route(mode: Mode) {
+    if !privileged(
+        "default_route_answers_only_on_the_public_interface_and_follows_a_moved_route",
+        mode,
+    ) {
+        return;
+    }
+    let c = Cluster::start(mode, &["--nodeport-addresses", "default-route"]);
+    c.node
+        .run(&[
+            "ip",
+            "route",
+            "add",
+            "default",
+            "via",
+            "192.0.2.1",
+            "dev",
+            "eth0",
+        ])
+        .unwrap();
+    c.apply(&service_yaml("web", 30090, "", &[1])).unwrap();
+    let public = format!("{NODE_IP}:30090");
+    let private = format!("{NODE_IP2}:30090");
+    eventually(
+        &c.client,
+        &public,
+        "the default-route interface answers",
+        |r| matches!(r, Reply::Pod { .. }),
+    );
+    assert_eq!(get(&c.client, &private, T), Reply::Refused);
+    // Move the default route to the private interface: the NodePort follows within the
+    // polling deadline (15 s), less than one --sync-period (30 s), without a restart.
+    c.node
+        .run(&[
+            "ip",
+            "route",
+            "replace",
+            "default",
+            "via",
+            "198.51.100.1",
+            "dev",
+            "eth1",
+        ])
+        .unwrap();
+    eventually(
+        &c.client,
+        &private,
+        "the NodePort follows the default route",
+        |r| matches!(r, Reply::Pod { .. }),
+    );
+    eventually(
+        &c.client,
+        &public,
+        "the old interface stops answering",
+        |r| *r == Reply::Refused,
+    );
+}
+
+/// `127.0.0.0/8` in a mixed list: localhost NodePorts for node processes (masqueraded, with
+/// route_localnet) and kube-proxy's CVE-2020-8558 guard against 127.0.0.1 from outside.
+fn localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropped(mode: Mode) {
+    if !privileged(
+        "localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropped",
+        mode,
+    ) {
+        return;
+    }
+    let c = Cluster::start(
+        mode,
+        &["--nodeport-addresses", "127.0.0.0/8,198.51.100.0/24"],
+    );
+    c.apply(&service_yaml("here", 30093, "", &[1])).unwrap();
+    c.apply(&service_yaml("there", 30094, "", &[2])).unwrap();
+    // From a process on the node: a pod on this node (pod1) and one on another (pod2).
+    for (port, want) in [(30093, "pod1"), (30094, "pod2")] {
+        let to = format!("127.0.0.1:{port}");
+        let reply = eventually(&c.node, &to, "the localhost NodePort answers", |r| {
+            matches!(r, Reply::Pod { .. })
+        });
+        let Reply::Pod { pod, client } = reply else {
+            unreachable!()
+        };
+        assert_eq!(pod, want);
+        // The loopback source cannot leave the node: masqueraded to the node's address.
+        assert!(client.starts_with("10.244."), "pod saw {client}");
+    }
+    assert_eq!(
+        c.node
+            .run(&["sysctl", "-n", "net.ipv4.conf.all.route_localnet"])
+            .unwrap()
+            .trim(),
+        "1"
+    );
+    // The rest of the mixed list: the private address answers, the other does not.
+    eventually(
+        &c.client,
+        &format!("{NODE_IP2}:30093"),
+        "198.51.100.0/24",
+        |r| matches!(r, Reply::Pod { .. }),
+    );
+    assert_eq!(
+        get(&c.client, &format!("{NODE_IP}:30093"), T),
+        Reply::Refused
+    );
+
+    // A service of the node itself on 127.0.0.1, which route_localnet would expose.
+    let _node_local = nodeport_testbed::server::Server::start_in(
+        &c.node,
+        nodeport_testbed::server::ServerConfig {
+            bind: "127.0.0.1".parse().unwrap(),
+            ..nodeport_testbed::server::ServerConfig::http("node-lo", 18080)
+        },
+    )
+    .unwrap();
+    assert!(matches!(
+        get(&c.node, "127.0.0.1:18080", T),
+        Reply::Pod { pod, .. } if pod == "node-lo"
+    ));
+    // The client sends packets for 127.0.0.1 to the node over the LAN (its `local` table
+    // moved behind a rule that routes 127.0.0.1 via the node), and accepts answers from
+    // 127.0.0.1 (route_localnet), so they arrive on the node's eth0.
+    c.client
+        .sh(&format!(
+            "ip rule add pref 100 lookup local && ip rule del pref 0 && \
+             ip rule add pref 10 to 127.0.0.1/32 lookup 100 && \
+             ip route add 127.0.0.1/32 via {NODE_IP} dev eth0 table 100 && \
+             sysctl -qw net.ipv4.conf.all.route_localnet=1"
+        ))
+        .unwrap();
+    // The trick works: a NodePort through 127.0.0.1 is DNATed first, which the guard
+    // lets through (`! --ctstate DNAT`).
+    eventually(&c.client, "127.0.0.1:30093", "127.0.0.1 via the LAN", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+    // The node's own 127.0.0.1 service is not reachable from outside: dropped.
+    let short = Duration::from_millis(1500);
+    assert_eq!(get(&c.client, "127.0.0.1:18080", short), Reply::Timeout);
+    // And it is the guard that drops it: without it, the same connection goes through.
+    let cmd: &[&str] = match mode {
+        Mode::Nftables => &[
+            "nft",
+            "flush",
+            "chain",
+            "ip",
+            "kube-proxy",
+            "localnet-check",
+        ],
+        Mode::Iptables => &["iptables", "-t", "filter", "-F", "KUBE-FIREWALL"],
+    };
+    c.node.run(cmd).unwrap();
+    assert!(
+        matches!(get(&c.client, "127.0.0.1:18080", T), Reply::Pod { pod, .. } if pod == "node-lo"),
+        "without the guard, route_localnet exposes 127.0.0.1"
+    );
 }
 
 fn etp_local_drops_without_a_local_endpoint_and_keeps_the_client_ip_with_one(mode: Mode) {
@@ -421,11 +587,13 @@ macro_rules! in_every_mode {
 in_every_mode!(
     nodeport_reaches_all_three_pods_and_is_refused_once_endpoints_are_gone,
     a_rule_deleted_by_hand_is_restored_by_the_periodic_resync,
-    nodeport_addresses_follow_an_address_added_to_the_node_without_a_restart,
+    nodeport_addresses_follow_an_address_added_to_the_node_and_drop_a_removed_one,
     etp_local_drops_without_a_local_endpoint_and_keeps_the_client_ip_with_one,
     itp_local_clusterip_reaches_only_the_local_pod,
     session_affinity_sends_a_client_to_one_pod,
     nodeport_addresses_limit_which_node_ip_answers,
+    default_route_answers_only_on_the_public_interface_and_follows_a_moved_route,
+    localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropped,
     load_balancer_source_ranges_admit_only_listed_clients,
     udp_conntrack_entries_to_a_removed_endpoint_are_cleaned,
     proxy_killed_and_restarted_during_a_stream_of_requests_fails_none,
