@@ -36,8 +36,9 @@
 //! `ns/name[:port]` + protocol)), `KUBE-SEP-` also hashing `ip:port` ([`crate::names`]).
 //!
 //! Unlike the nftables mode, the default `--nodeport-addresses` is every local address, and
-//! with it NodePorts answer on `127.0.0.1` too (`--iptables-localhost-nodeports`, default
-//! true): the proxy sets `net.ipv4.conf.all.route_localnet=1` and installs kube-proxy's
+//! with it (or with a CIDR such as `127.0.0.0/8` that selects `127.0.0.1`, which then gets
+//! its own `-d 127.0.0.1` jump) NodePorts answer on `127.0.0.1` too
+//! (`--iptables-localhost-nodeports`, default true): the proxy sets `net.ipv4.conf.all.route_localnet=1` and installs kube-proxy's
 //! `KUBE-FIREWALL` guard against martian packets to 127/8 (CVE-2020-8558). As in kube-proxy's
 //! iptables mode there is no rule for unused ports of ClusterIPs or unallocated ClusterIPs.
 //!
