@@ -339,3 +339,50 @@ fn render_refuses_a_default_route_interface_it_was_not_given() {
     assert_eq!(out.status.code(), Some(64), "{stderr}");
     assert!(stderr.contains("--default-route-interface"), "{stderr}");
 }
+
+#[test]
+fn render_reads_the_nodes_interfaces_and_default_route_from_the_objects_file() {
+    let node = r#"apiVersion: v1
+kind: Node
+metadata:
+  name: worker2
+  annotations:
+    nodeport.render/interfaces: "eth0=192.0.2.4 eth1=198.51.100.4"
+    nodeport.render/default-route-interfaces: eth1
+status: {addresses: [{type: InternalIP, address: 192.0.2.4}]}
+---
+"#;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("web.yaml");
+    std::fs::write(&file, format!("{node}{WEB}")).unwrap();
+    let out = nodeport(&[
+        "render",
+        "-f",
+        file.to_str().unwrap(),
+        "--nodeport-addresses",
+        "default-route",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("add element ip kube-proxy nodeport-ips { 198.51.100.4 }"),
+        "{text}"
+    );
+    assert!(!text.contains("nodeport-ips { 192.0.2.4 }"), "{text}");
+    // A flag wins over the annotation.
+    let out = nodeport(&[
+        "render",
+        "-f",
+        file.to_str().unwrap(),
+        "--nodeport-addresses",
+        "default-route",
+        "--default-route-interface",
+        "eth0",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("add element ip kube-proxy nodeport-ips { 192.0.2.4 }"),
+        "{text}"
+    );
+}

@@ -44,12 +44,14 @@ pub struct Args {
     #[arg(long)]
     nodeport_addresses: Option<String>,
     /// One of the node's interfaces and its addresses, NAME=IP[,IP...] (repeatable), to
-    /// preview which addresses --nodeport-addresses selects (default: the node IPs, as if
-    /// on one interface). The loopback interface (127.0.0.1, ::1) is always there.
+    /// preview which addresses --nodeport-addresses selects (default: the file's Node
+    /// annotation nodeport.render/interfaces, else the node IPs as if on one interface).
+    /// The loopback interface (127.0.0.1, ::1) is always there.
     #[arg(long = "interface", value_name = "NAME=IP[,IP...]")]
     interfaces: Vec<String>,
     /// An interface (named by --interface) that holds the default route, for
-    /// --nodeport-addresses default-route (repeatable; both families).
+    /// --nodeport-addresses default-route (repeatable; both families) (default: the file's
+    /// Node annotation nodeport.render/default-route-interfaces).
     #[arg(long = "default-route-interface", value_name = "NAME")]
     default_route_interfaces: Vec<String>,
     /// iptables mode: NodePorts also answer on 127.0.0.1 when every IPv4 address accepts
@@ -68,12 +70,50 @@ fn usage(message: impl Into<String>) -> anyhow::Error {
     UsageError(message.into()).into()
 }
 
-/// Parses `--interface NAME=IP[,IP...]` values.
-fn parse_interfaces(values: &[String]) -> anyhow::Result<Vec<(String, Vec<IpAddr>)>> {
+/// Annotation of the file's Node standing in for `--interface`: `NAME=IP[,IP...]` entries
+/// separated by spaces (`eth0=192.0.2.4 eth1=198.51.100.4,2001:db8::4`). Read by
+/// `nodeport render` only; flags win.
+pub const INTERFACES_ANNOTATION: &str = "nodeport.render/interfaces";
+/// Annotation of the file's Node standing in for `--default-route-interface`: interface
+/// names separated by spaces.
+pub const DEFAULT_ROUTE_ANNOTATION: &str = "nodeport.render/default-route-interfaces";
+
+/// The render annotations of the Node named `node` in the objects file, split into entries:
+/// (interfaces, default-route interfaces). Documents that do not parse were reported by
+/// `objects::load` already.
+fn node_annotations(text: &str, node: &str) -> (Vec<String>, Vec<String>) {
+    use serde::Deserialize;
+    let words = |v: &serde_json::Value, key: &str| -> Vec<String> {
+        v.get(key)
+            .and_then(|a| a.as_str())
+            .map(|a| a.split_whitespace().map(str::to_string).collect())
+            .unwrap_or_default()
+    };
+    for doc in yaml_serde::Deserializer::from_str(text) {
+        let Ok(value) = serde_json::Value::deserialize(doc) else {
+            continue;
+        };
+        let is_node = value.get("kind").and_then(|k| k.as_str()) == Some("Node");
+        let name = value.pointer("/metadata/name").and_then(|n| n.as_str());
+        if is_node && name == Some(node) {
+            let Some(annotations) = value.pointer("/metadata/annotations") else {
+                break;
+            };
+            return (
+                words(annotations, INTERFACES_ANNOTATION),
+                words(annotations, DEFAULT_ROUTE_ANNOTATION),
+            );
+        }
+    }
+    (Vec::new(), Vec::new())
+}
+
+/// Parses `--interface NAME=IP[,IP...]` values (`what` names their source in errors).
+fn parse_interfaces(values: &[String], what: &str) -> anyhow::Result<Vec<(String, Vec<IpAddr>)>> {
     values
         .iter()
         .map(|v| {
-            let bad = |why: &str| usage(format!("invalid value {v:?} for --interface: {why}"));
+            let bad = |why: &str| usage(format!("invalid value {v:?} for {what}: {why}"));
             let (name, ips) = v
                 .split_once('=')
                 .ok_or_else(|| bad("must be NAME=IP[,IP...]"))?;
@@ -162,8 +202,26 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if node_ips.is_empty() {
         node_ips = node.addresses.clone();
     }
-    // Without --interface, the node's IPs are its local addresses. Every node has loopback.
-    let mut interfaces = parse_interfaces(&args.interfaces)?;
+    // Interfaces from the flags, else from the file's Node annotations, else the node's IPs
+    // on one interface. Every node has loopback.
+    let (annotated, annotated_default) = node_annotations(&text, &node.name);
+    let mut interfaces = if args.interfaces.is_empty() {
+        parse_interfaces(&annotated, &format!("annotation {INTERFACES_ANNOTATION}"))?
+    } else {
+        parse_interfaces(&args.interfaces, "--interface")?
+    };
+    let (default_route_interfaces, default_route_source) =
+        if args.default_route_interfaces.is_empty() {
+            (
+                annotated_default,
+                format!("annotation {DEFAULT_ROUTE_ANNOTATION}"),
+            )
+        } else {
+            (
+                args.default_route_interfaces.clone(),
+                "--default-route-interface".to_string(),
+            )
+        };
     if interfaces.is_empty() {
         interfaces.push(("eth0".into(), node_ips.clone()));
     }
@@ -174,17 +232,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         ));
     }
     let mut default_route_ips = Vec::new();
-    for name in &args.default_route_interfaces {
+    for name in &default_route_interfaces {
         let (_, ips) = interfaces.iter().find(|(n, _)| n == name).ok_or_else(|| {
             usage(format!(
-                "invalid value {name:?} for --default-route-interface: no such --interface"
+                "invalid value {name:?} for {default_route_source}: no such interface"
             ))
         })?;
         default_route_ips.extend(ips.iter().copied());
     }
     if nodeport_addresses.uses_default_route() && default_route_ips.is_empty() {
         eprintln!(
-            "warning: --nodeport-addresses default-route selects nothing without --default-route-interface"
+            "warning: --nodeport-addresses default-route selects nothing without \
+             --default-route-interface (or the Node annotation {DEFAULT_ROUTE_ANNOTATION})"
         );
     }
     let mut local_ips: Vec<IpAddr> = interfaces.into_iter().flat_map(|(_, ips)| ips).collect();
