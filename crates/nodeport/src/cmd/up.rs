@@ -328,4 +328,27 @@ mod tests {
             "{err}"
         );
     }
+
+    #[test]
+    fn an_invalid_nodeport_addresses_value_is_a_usage_error_naming_the_flag_and_value() {
+        use clap::Parser;
+        #[derive(Debug, clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: Args,
+        }
+        for value in ["", "default_route", "10.0.0.0/33", "127.0.0.0/8,"] {
+            let cli = Cli::parse_from(["up", "--nodeport-addresses", value]);
+            let err = proxy_config(&cli.args, "node-a").unwrap_err();
+            assert!(err.downcast_ref::<UsageError>().is_some(), "{err}");
+            assert!(
+                err.to_string().starts_with(&format!(
+                    "invalid value \"{value}\" for --nodeport-addresses"
+                )),
+                "{err}"
+            );
+        }
+        let cli = Cli::parse_from(["up", "--nodeport-addresses", "127.0.0.1/32,default-route"]);
+        assert!(proxy_config(&cli.args, "node-a").is_ok());
+    }
 }
