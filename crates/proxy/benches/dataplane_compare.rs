@@ -1,0 +1,499 @@
+//! nftables versus iptables on the real kernel: first-connection latency through a NodePort
+//! and sync time, with 1 to 30,000 Services programmed (the comparison of the Kubernetes
+//! blog "NFTables mode for kube-proxy", 2025-02-28).
+//!
+//! For every size and mode, in throwaway network namespaces:
+//!
+//! ```text
+//!  client 192.0.2.100 ── eth0 192.0.2.10  node (the proxy's rules) ── vpod 10.244.0.1 ── pod 10.244.0.2:8080
+//! ```
+//!
+//! The node holds `n` Services programmed through the backend's applier (the proxy's own
+//! sync code, with the kernel interface it uses by default: netlink for nftables,
+//! `iptables-restore` for iptables). iptables mode runs twice, once with each variant of the
+//! tools: `iptables-legacy` (x_tables, what the Kubernetes blog's iptables figures grew up
+//! on) and `iptables-nft` (iptables rules translated into nf_tables, Debian's default); the
+//! latter only up to `NODEPORT_BENCH_IPTABLES_NFT_MAX` Services (default 1,000), because its
+//! restore is superlinear (a 10,000-Service restore had not finished after 13 minutes).
+//! Every Service has a ClusterIP and endpoints (3 by
+//! default); the first 2,767 are NodePorts (the default range holds no more) and the rest
+//! ClusterIP-only. The measured Service is a NodePort Service whose only endpoint is the
+//! pod's server; it sorts last, so it is the last rule iptables walks in `KUBE-SERVICES`'
+//! NodePort jump and `KUBE-NODEPORTS` (the worst case; a NodePort packet walks every
+//! ClusterIP rule first whatever its position).
+//!
+//! Measured:
+//! * full sync: the first sync into empty tables (render, plan, kernel);
+//! * one change: another Service's endpoints changed, the partial sync (median of 5);
+//! * latency: TCP `connect()` from the client to `192.0.2.10:<NodePort>` until the handshake
+//!   completes, a new connection (new conntrack entry, so the first packet walks the rules)
+//!   each time. All setups stay up and are measured in interleaved rounds, so that the
+//!   machine's load drifts over all of them alike.
+//!
+//! Run (root): `cargo bench -p nodeport-proxy --bench dataplane_compare` (sizes as arguments,
+//! default `1 1000 10000 30000`). `NODEPORT_BENCH_CONNECTIONS` (default 20000),
+//! `NODEPORT_BENCH_ENDPOINTS` (default 3), `NODEPORT_BENCH_IPTABLES_NFT_MAX` (default 1000),
+//! `NODEPORT_BENCH_CSV` (another output file). Writes `docs/nft-vs-iptables.csv`, which
+//! `docs/plots/nft_vs_iptables.py` turns into `docs/nft-vs-iptables.png`.
+
+use std::io::Write as _;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use nodeport_proxy::backend::Backend;
+use nodeport_proxy::config::NodeConfig;
+use nodeport_proxy::desired::{self, DesiredState, NodeView, StateConfig};
+use nodeport_proxy::iptables::apply::{IptablesCommand, Variant};
+use nodeport_proxy::model::{
+    Endpoint, EndpointPort, EndpointSlice, IpFamily, Protocol, Service, ServiceName, ServicePort,
+    ServicePortName,
+};
+use nodeport_proxy::nftables::apply::NftCommand;
+use nodeport_proxy::nftables::netlink::NetlinkKernel;
+use nodeport_proxy::nodeaddr::NodeFacts;
+use nodeport_proxy::objects::Cluster;
+use nodeport_testbed::{Netns, veth};
+
+const NODE_IP: &str = "192.0.2.10";
+const CLIENT_IP: &str = "192.0.2.100";
+const POD_IP: &str = "10.244.0.2";
+const POD_PORT: u16 = 8080;
+/// The measured Service's NodePort: the top of the default range (the others use the rest).
+const MEASURED_NODE_PORT: u16 = 32767;
+/// Connections per setup per round.
+const ROUND: usize = 100;
+
+fn ip(a: u32) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::from(a))
+}
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn endpoint(ip: IpAddr) -> Endpoint {
+    Endpoint {
+        ip,
+        ready: true,
+        serving: true,
+        terminating: false,
+        node_name: Some("node-1".into()),
+        zone: None,
+        zone_hints: vec![],
+        node_hints: vec![],
+    }
+}
+
+/// Service `i` (ClusterIP in 172.16.0.0/12, endpoints in 10.0.0.0/8 that nothing answers on,
+/// a NodePort while the default range lasts), or with `i == n - 1` the measured one.
+fn service(
+    i: usize,
+    n: usize,
+    endpoints: usize,
+    generation: u32,
+) -> (ServiceName, Service, ServiceName, EndpointSlice) {
+    let measured = i + 1 == n;
+    let (ns, name) = if measured {
+        ("zz-measured".to_string(), "web".to_string())
+    } else {
+        (format!("ns{}", i / 100), format!("svc{i}"))
+    };
+    let node_port = if measured {
+        Some(MEASURED_NODE_PORT)
+    } else {
+        Some(30000 + i as u16).filter(|p| *p < MEASURED_NODE_PORT && i < 2767)
+    };
+    let port = Arc::new(ServicePort {
+        name: ServicePortName::new(&ns, &name, "http", Protocol::Tcp),
+        cluster_ips: vec![ip(0xAC10_0000 + i as u32)],
+        port: 80,
+        node_port,
+        external_ips: vec![],
+        load_balancer_ips: vec![],
+        load_balancer_source_ranges: vec![],
+        external_policy_local: false,
+        internal_policy_local: false,
+        session_affinity_seconds: None,
+        health_check_node_port: None,
+    });
+    let eps = if measured {
+        vec![endpoint(POD_IP.parse().unwrap())]
+    } else {
+        (0..endpoints)
+            .map(|e| {
+                endpoint(ip(0x0A00_0000
+                    + (i * 16 + e) as u32
+                    + generation * 0x0100_0000))
+            })
+            .collect()
+    };
+    (
+        ServiceName::new(&ns, &name),
+        Service { ports: vec![port] },
+        ServiceName::new(&ns, &format!("{name}-abcde")),
+        EndpointSlice {
+            service: ServiceName::new(&ns, &name),
+            family: IpFamily::V4,
+            ports: vec![EndpointPort {
+                name: "http".into(),
+                port: if measured { POD_PORT } else { 8080 },
+                protocol: Protocol::Tcp,
+            }],
+            endpoints: eps,
+        },
+    )
+}
+
+fn cluster(n: usize, endpoints: usize) -> Cluster {
+    let mut c = Cluster::new();
+    for i in 0..n {
+        let (sk, s, ek, e) = service(i, n, endpoints, 0);
+        c.update_service(sk, Some(s));
+        c.update_slice(ek, Some(e));
+    }
+    c.take_changes();
+    c
+}
+
+fn facts() -> NodeFacts {
+    NodeFacts {
+        node_ips: vec![NODE_IP.parse().unwrap()],
+        local_ips: vec![NODE_IP.parse().unwrap(), "10.244.0.1".parse().unwrap()],
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Nftables,
+    /// iptables mode through `iptables-legacy-restore` (x_tables: one blob per table).
+    IptablesLegacy,
+    /// iptables mode through `iptables-nft-restore` (the machine's default `iptables`).
+    IptablesNft,
+}
+
+impl Mode {
+    fn as_str(self) -> &'static str {
+        match self {
+            Mode::Nftables => "nftables",
+            Mode::IptablesLegacy => "iptables-legacy",
+            Mode::IptablesNft => "iptables-nft",
+        }
+    }
+}
+
+/// One node with `n` Services programmed, its client and pod, and what its syncs took.
+struct Setup {
+    mode: Mode,
+    services: usize,
+    full_sync: Duration,
+    one_change: Duration,
+    samples: Vec<Duration>,
+    client: Netns,
+    _node: Netns,
+    _pod: Netns,
+    stop: Arc<AtomicBool>,
+    server: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Setup {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        // Wake the accept loop.
+        let _ = self.client.enter(|| {
+            TcpStream::connect_timeout(
+                &SocketAddr::new(NODE_IP.parse().unwrap(), MEASURED_NODE_PORT),
+                Duration::from_millis(200),
+            )
+        });
+        if let Some(t) = self.server.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn topology() -> (Netns, Netns, Netns) {
+    let client = Netns::new("cmp-client").unwrap();
+    let node = Netns::new("cmp-node").unwrap();
+    let pod = Netns::new("cmp-pod").unwrap();
+    veth(&client, "eth0", &node, "eth0").unwrap();
+    client.add_addr("eth0", &format!("{CLIENT_IP}/24")).unwrap();
+    node.add_addr("eth0", &format!("{NODE_IP}/24")).unwrap();
+    veth(&node, "vpod", &pod, "eth0").unwrap();
+    node.add_addr("vpod", "10.244.0.1/24").unwrap();
+    pod.add_addr("eth0", &format!("{POD_IP}/24")).unwrap();
+    pod.run(&["ip", "route", "add", "default", "via", "10.244.0.1"])
+        .unwrap();
+    node.sysctl("net.ipv4.ip_forward", "1").unwrap();
+    (client, node, pod)
+}
+
+/// A TCP server in the pod that accepts and closes connections until `stop`.
+fn serve(pod: &Netns, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
+    let listener = pod
+        .enter(|| TcpListener::bind((POD_IP, POD_PORT)))
+        .unwrap()
+        .unwrap();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            if stop.load(Ordering::Relaxed) {
+                break;
+            }
+            drop(conn);
+        }
+    })
+}
+
+fn backend(mode: Mode, node: &Netns) -> Box<dyn Backend> {
+    match mode {
+        Mode::Nftables => {
+            let nft = NftCommand {
+                program: "ip".into(),
+                args: vec![
+                    "netns".into(),
+                    "exec".into(),
+                    node.name().into(),
+                    "nft".into(),
+                ],
+            };
+            let kernel = NetlinkKernel::in_namespace(
+                &std::path::Path::new("/run/netns").join(node.name()),
+                nft,
+            )
+            .expect("netlink socket in the node namespace");
+            Box::new(nodeport_proxy::nftables::apply::Applier::new(kernel))
+        }
+        Mode::IptablesLegacy | Mode::IptablesNft => {
+            let mut tools = IptablesCommand::in_netns(node.name());
+            tools.variant = if mode == Mode::IptablesLegacy {
+                Variant::Legacy
+            } else {
+                Variant::Nft
+            };
+            Box::new(nodeport_proxy::iptables::apply::Applier::new(tools))
+        }
+    }
+}
+
+fn setup(mode: Mode, n: usize, endpoints: usize) -> Setup {
+    let (client, node, pod) = topology();
+    let stop = Arc::new(AtomicBool::new(false));
+    let server = serve(&pod, stop.clone());
+    let mut c = cluster(n, endpoints);
+    let state = StateConfig {
+        families: vec![IpFamily::V4],
+        // Each mode's default: the Node's IP (a set lookup) for nftables, every local
+        // address (`-m addrtype --dst-type LOCAL`) for iptables.
+        nodeport_addresses: match mode {
+            Mode::Nftables => "primary".parse().unwrap(),
+            Mode::IptablesLegacy | Mode::IptablesNft => "0.0.0.0/0".parse().unwrap(),
+        },
+    };
+    let view = NodeView::named("node-0");
+    let mut d: DesiredState = desired::build(&c, view, &facts(), &state);
+    let config = NodeConfig {
+        cluster_cidrs: vec!["10.244.0.0/16".parse().unwrap()],
+        ..Default::default()
+    };
+    let mut b = backend(mode, &node);
+    let t = Instant::now();
+    assert!(b.sync(&d, &config, None).expect("full sync").full);
+    let full_sync = t.elapsed();
+
+    // One change: Service 0's endpoints move. With `n > 1` that is another Service than the
+    // measured one; alone, it is the measured one, its endpoint put back by the last (even)
+    // generation.
+    let mut changes = Vec::new();
+    for generation in 1..=6u32 {
+        let (_, _, ek, mut e) = service(0, n, endpoints, generation % 2);
+        if n == 1 {
+            e.endpoints[0].ip = if generation % 2 == 1 {
+                "10.244.0.3".parse().unwrap()
+            } else {
+                POD_IP.parse().unwrap()
+            };
+        }
+        c.update_slice(ek, Some(e));
+        let ch = c.take_changes();
+        let touched = d.refresh_services(&c, view, &ch.services);
+        let t = Instant::now();
+        let r = b.sync(&d, &config, Some(&touched)).expect("partial sync");
+        let took = t.elapsed();
+        assert!(!r.full, "a partial sync");
+        if generation > 1 {
+            changes.push(took);
+        }
+    }
+    changes.sort();
+    let one_change = changes[changes.len() / 2];
+    println!(
+        "  {:<15} {:>6} Services: full sync {:>8.3} s, one change {:>8.1} ms",
+        mode.as_str(),
+        n,
+        full_sync.as_secs_f64(),
+        one_change.as_secs_f64() * 1e3
+    );
+    let _ = std::io::stdout().flush();
+    let s = Setup {
+        mode,
+        services: n,
+        full_sync,
+        one_change,
+        samples: Vec::new(),
+        client,
+        _node: node,
+        _pod: pod,
+        stop,
+        server: Some(server),
+    };
+    // Warm up: neighbour entries, route caches.
+    s.connect(50);
+    s
+}
+
+impl Setup {
+    /// `count` new TCP connections to the NodePort; handshake times.
+    fn connect(&self, count: usize) -> Vec<Duration> {
+        let to = SocketAddr::new(NODE_IP.parse().unwrap(), MEASURED_NODE_PORT);
+        self.client
+            .enter(|| {
+                (0..count)
+                    .map(|_| {
+                        let t = Instant::now();
+                        let s = TcpStream::connect_timeout(&to, Duration::from_secs(2))
+                            .unwrap_or_else(|e| panic!("connect to {to}: {e}"));
+                        let took = t.elapsed();
+                        // Close with a reset: no TIME_WAIT piles up in the client.
+                        let _ = nix::sys::socket::setsockopt(
+                            &s,
+                            nix::sys::socket::sockopt::Linger,
+                            &nix::libc::linger {
+                                l_onoff: 1,
+                                l_linger: 0,
+                            },
+                        );
+                        drop(s);
+                        took
+                    })
+                    .collect()
+            })
+            .unwrap()
+    }
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 * p) as usize).min(sorted.len() - 1);
+    sorted[i].as_secs_f64() * 1e6
+}
+
+fn main() {
+    let sizes: Vec<usize> = std::env::args()
+        .skip(1)
+        .filter_map(|a| a.parse().ok())
+        .collect();
+    let sizes = if sizes.is_empty() {
+        vec![1, 1000, 10_000, 30_000]
+    } else {
+        sizes
+    };
+    let connections = env_usize("NODEPORT_BENCH_CONNECTIONS", 20_000);
+    let endpoints = env_usize("NODEPORT_BENCH_ENDPOINTS", 3);
+    // iptables-nft-restore is superlinear in the number of chains: 3 s at 1,000 Services, a
+    // 10,000-Service restore was stopped after 13 minutes. Larger sizes only with this raised.
+    let nft_backend_max = env_usize("NODEPORT_BENCH_IPTABLES_NFT_MAX", 1000);
+    let started = Instant::now();
+    println!(
+        "nftables vs iptables: {sizes:?} Services x {endpoints} endpoints, {connections} connections each"
+    );
+    println!("programming (each setup in its own namespaces):");
+    let mut setups = Vec::new();
+    for &n in &sizes {
+        for mode in [Mode::Nftables, Mode::IptablesLegacy, Mode::IptablesNft] {
+            if mode == Mode::IptablesNft && n > nft_backend_max {
+                println!(
+                    "  {:<15} {n:>6} Services: skipped (above NODEPORT_BENCH_IPTABLES_NFT_MAX={nft_backend_max})",
+                    mode.as_str()
+                );
+                continue;
+            }
+            setups.push(setup(mode, n, endpoints));
+        }
+    }
+    let programmed = started.elapsed();
+    println!("measuring in interleaved rounds of {ROUND} connections:");
+    let rounds = connections.div_ceil(ROUND);
+    for round in 0..rounds {
+        for s in setups.iter_mut() {
+            let more = s.connect(ROUND);
+            s.samples.extend(more);
+        }
+        if (round + 1) % 5 == 0 {
+            println!("  round {}/{rounds}", round + 1);
+        }
+    }
+    let total = started.elapsed();
+
+    let csv_path = std::env::var("NODEPORT_BENCH_CSV").unwrap_or_else(|_| {
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../docs/nft-vs-iptables.csv"
+        )
+        .to_string()
+    });
+    let mut csv = String::from(
+        "mode,services,endpoints_per_service,connections,p01_us,p50_us,p90_us,p99_us,full_sync_s,one_change_ms\n",
+    );
+    println!();
+    println!("| mode | Services | p01 µs | p50 µs | p90 µs | p99 µs | full sync | one change |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
+    let mut by_mode: std::collections::BTreeMap<&str, Vec<(usize, f64)>> = Default::default();
+    for s in &mut setups {
+        s.samples.sort();
+        let (p01, p50, p90, p99) = (
+            percentile(&s.samples, 0.01),
+            percentile(&s.samples, 0.50),
+            percentile(&s.samples, 0.90),
+            percentile(&s.samples, 0.99),
+        );
+        by_mode
+            .entry(s.mode.as_str())
+            .or_default()
+            .push((s.services, p50));
+        println!(
+            "| {} | {} | {p01:.0} | {p50:.0} | {p90:.0} | {p99:.0} | {:.2} s | {:.0} ms |",
+            s.mode.as_str(),
+            s.services,
+            s.full_sync.as_secs_f64(),
+            s.one_change.as_secs_f64() * 1e3
+        );
+        csv.push_str(&format!(
+            "{},{},{endpoints},{},{p01:.1},{p50:.1},{p90:.1},{p99:.1},{:.3},{:.1}\n",
+            s.mode.as_str(),
+            s.services,
+            s.samples.len(),
+            s.full_sync.as_secs_f64(),
+            s.one_change.as_secs_f64() * 1e3
+        ));
+    }
+    for (mode, points) in &by_mode {
+        if let (Some(first), Some(last)) = (points.first(), points.last()) {
+            println!(
+                "{mode}: p50 at {} Services is {:.2}x the p50 at {}",
+                last.0,
+                last.1 / first.1,
+                first.0
+            );
+        }
+    }
+    std::fs::write(&csv_path, csv).expect("writing the CSV");
+    println!(
+        "programming {:.0} s, measuring {:.0} s, whole run {:.0} s; figures in {csv_path}",
+        programmed.as_secs_f64(),
+        (total - programmed).as_secs_f64(),
+        total.as_secs_f64()
+    );
+}
