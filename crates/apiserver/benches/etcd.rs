@@ -2,8 +2,9 @@
 //! API servers sharing one etcd, beside the raw etcd rate of comparable transactions measured in
 //! the same run.
 //!
-//! `cargo bench -p nodeport-apiserver --bench etcd` (needs `/usr/bin/etcd`; figures in
-//! docs/BENCHMARKS.md). etcd runs on a free loopback port with its data in a temporary directory
+//! `cargo bench -p nodeport-apiserver --bench etcd [-- 1x8 1x64 3x8 3x64]` (needs `/usr/bin/etcd`;
+//! figures in docs/BENCHMARKS.md; rows named after `--` run alone, `NODEPORT_LOG=debug` shows the
+//! API servers' logs). etcd runs on a free loopback port with its data in a temporary directory
 //! on the same disk as everything else; the API servers run in this process (each its own
 //! writer and etcd client), the clients too, so everything shares the machine's 2 cores.
 //!
@@ -251,10 +252,11 @@ async fn raw_shared(client: &Client, clients: usize, total: usize, round: usize)
     total as f64 / start.elapsed().as_secs_f64()
 }
 
-/// (transactions tried, requests, lost races) summed over the servers' `/metrics`.
-async fn counters(bases: &[String]) -> (f64, f64, f64) {
+/// (transactions tried, requests, lost races, commit seconds, read seconds) summed over the
+/// servers' `/metrics`.
+async fn counters(bases: &[String]) -> (f64, f64, f64, f64, f64) {
     let client = http();
-    let mut sum = (0.0, 0.0, 0.0);
+    let mut sum = (0.0, 0.0, 0.0, 0.0, 0.0);
     for base in bases {
         let (_, body) = request(&client, "GET", &format!("{base}/metrics"), String::new()).await;
         let text = String::from_utf8_lossy(&body);
@@ -266,12 +268,21 @@ async fn counters(bases: &[String]) -> (f64, f64, f64) {
         sum.0 += read("nodeport_apiserver_storage_batches_total ");
         sum.1 += read("nodeport_apiserver_storage_mutations_total ");
         sum.2 += read("nodeport_apiserver_storage_conflicts_total ");
+        sum.3 += read("nodeport_apiserver_storage_commit_seconds_total ");
+        sum.4 += read("nodeport_apiserver_storage_read_seconds_total ");
     }
     sum
 }
 
 #[tokio::main]
 async fn main() {
+    // NODEPORT_LOG=debug shows the API servers' logs.
+    if let Ok(filter) = std::env::var("NODEPORT_LOG") {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let dir = tempfile::tempdir().unwrap();
     let (_etcd, url) = start_etcd(&dir.path().join("etcd"));
     let client = loop {
@@ -312,12 +323,20 @@ async fn main() {
 
     println!("## Service creates on etcd beside raw etcd transactions (same run)");
     println!(
-        "| API servers | clients | creates/s | raw etcd txns/s, own bitmaps | ratio | raw, shared bitmaps | requests per transaction | lost races per transaction |"
+        "| API servers | clients | creates/s | raw etcd txns/s, own bitmaps | ratio | raw, shared bitmaps | requests per transaction | lost races per transaction | read, commit ms per transaction |"
     );
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    // `-- 3x8` (or any of 1x8, 1x64, 3x8, 3x64) runs only the rows named.
+    let only: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a.contains('x'))
+        .collect();
     let mut round = 0;
     for (replicas, clients, total) in [(1, 8, 2000), (1, 64, 4000), (3, 8, 2000), (3, 64, 4000)] {
         round += 1;
+        if !only.is_empty() && !only.contains(&format!("{replicas}x{clients}")) {
+            continue;
+        }
         let raw_rate = raw(&client, clients, total, round).await;
         let shared_rate = raw_shared(&client, clients, total / 4, round).await;
         let used = &bases[..replicas];
@@ -326,10 +345,12 @@ async fn main() {
         let after = counters(used).await;
         let batches = after.0 - before.0;
         println!(
-            "| {replicas} | {clients} | {rate:.0} | {raw_rate:.0} | {:.0} % | {shared_rate:.0} | {:.1} | {:.2} |",
+            "| {replicas} | {clients} | {rate:.0} | {raw_rate:.0} | {:.0} % | {shared_rate:.0} | {:.1} | {:.2} | {:.1}, {:.1} |",
             rate / raw_rate * 100.0,
             (after.1 - before.1) / batches,
             (after.2 - before.2) / batches,
+            (after.4 - before.4) / batches * 1e3,
+            (after.3 - before.3) / batches * 1e3,
         );
     }
 }

@@ -156,5 +156,10 @@ pub async fn metrics(registry: &Registry) -> Result<String, ApiError> {
         "Time spent committing batches to storage",
         format!("{:.6}", load(&stats.commit_nanos) as f64 / 1e9),
     );
+    counter(
+        "nodeport_apiserver_storage_read_seconds_total",
+        "Time the writer spent reading the keys of its batches",
+        format!("{:.6}", load(&stats.read_nanos) as f64 / 1e9),
+    );
     Ok(out)
 }

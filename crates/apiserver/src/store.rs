@@ -232,6 +232,8 @@ pub struct Stats {
     pub conflicts: AtomicU64,
     /// Time spent in backend commits, in nanoseconds.
     pub commit_nanos: AtomicU64,
+    /// Time the writer spent reading the keys of its batches, in nanoseconds.
+    pub read_nanos: AtomicU64,
     /// Rounds of the allocation verification loop.
     pub verifications: AtomicU64,
     /// Differences the last verification found (a gauge).
@@ -534,7 +536,12 @@ impl Writer {
         keys.insert(self.node_port_key.clone());
         keys.insert(self.ip_key.clone());
         let keys: Vec<String> = keys.into_iter().collect();
-        let fetched = self.backend.get_many_for_write(keys.clone()).await?;
+        let read_started = std::time::Instant::now();
+        let fetched = self.backend.get_many_for_write(keys.clone()).await;
+        self.stats
+            .read_nanos
+            .fetch_add(read_started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let fetched = fetched?;
         let compares: Vec<Compare> = keys
             .iter()
             .map(|key| Compare {
