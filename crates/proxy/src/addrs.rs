@@ -153,3 +153,83 @@ fn default_route_oifs(route: &RouteMessage) -> Vec<u32> {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use netlink_packet_route::route::RouteNextHop;
+
+    use super::*;
+
+    fn route(
+        prefix: u8,
+        table: u8,
+        kind: RouteType,
+        attributes: Vec<RouteAttribute>,
+    ) -> RouteMessage {
+        let mut m = RouteMessage::default();
+        m.header.destination_prefix_length = prefix;
+        m.header.table = table;
+        m.header.kind = kind;
+        m.attributes = attributes;
+        m
+    }
+
+    #[test]
+    fn only_unicast_default_routes_of_the_main_table_name_interfaces() {
+        let main = RouteHeader::RT_TABLE_MAIN;
+        assert_eq!(
+            default_route_oifs(&route(
+                0,
+                main,
+                RouteType::Unicast,
+                vec![RouteAttribute::Oif(2)]
+            )),
+            vec![2]
+        );
+        // Not a default route, another table, an unreachable default: none.
+        assert!(
+            default_route_oifs(&route(
+                24,
+                main,
+                RouteType::Unicast,
+                vec![RouteAttribute::Oif(2)]
+            ))
+            .is_empty()
+        );
+        assert!(
+            default_route_oifs(&route(
+                0,
+                100,
+                RouteType::Unicast,
+                vec![RouteAttribute::Oif(2)]
+            ))
+            .is_empty()
+        );
+        assert!(default_route_oifs(&route(0, main, RouteType::Unreachable, vec![])).is_empty());
+        // A table id above 255 comes as an attribute.
+        assert!(
+            default_route_oifs(&route(
+                0,
+                252,
+                RouteType::Unicast,
+                vec![RouteAttribute::Table(1000), RouteAttribute::Oif(2)]
+            ))
+            .is_empty()
+        );
+        // Multipath: every next hop's interface.
+        let hop = |index| {
+            let mut h = RouteNextHop::default();
+            h.interface_index = index;
+            h
+        };
+        assert_eq!(
+            default_route_oifs(&route(
+                0,
+                main,
+                RouteType::Unicast,
+                vec![RouteAttribute::MultiPath(vec![hop(3), hop(4)])]
+            )),
+            vec![3, 4]
+        );
+    }
+}
