@@ -136,6 +136,30 @@ fn nodeport_addresses_follow_an_address_added_to_the_node_and_drop_a_removed_one
     });
 }
 
+/// Reference 004's `0.0.0.0/0`: every address of the node. Loopback follows kube-proxy's
+/// MatchAll: served in iptables mode (`--iptables-localhost-nodeports`, default true), left
+/// out in nftables mode, where localhost NodePorts must be asked for with `127.0.0.0/8`.
+fn zero_cidr_answers_on_every_node_address(mode: Mode) {
+    if !privileged("zero_cidr_answers_on_every_node_address", mode) {
+        return;
+    }
+    let c = Cluster::start(mode, &["--nodeport-addresses", "0.0.0.0/0"]);
+    c.apply(&service_yaml("web", 30095, "", &[1])).unwrap();
+    for ip in [NODE_IP, NODE_IP2] {
+        eventually(
+            &c.client,
+            &format!("{ip}:30095"),
+            "every address answers",
+            |r| matches!(r, Reply::Pod { .. }),
+        );
+    }
+    let local = get(&c.node, "127.0.0.1:30095", T);
+    match mode {
+        Mode::Iptables => assert!(matches!(local, Reply::Pod { .. }), "{local:?}"),
+        Mode::Nftables => assert_eq!(local, Reply::Refused),
+    }
+}
+
 /// Reference 004's `default-route`: a node with a "public" interface holding the default
 /// route (eth0, 192.0.2.10) and a "private" one (eth1, 198.51.100.10).
 fn default_route_answers_only_on_the_public_interface_and_follows_a_moved_route(mode: Mode) {
@@ -592,6 +616,7 @@ in_every_mode!(
     itp_local_clusterip_reaches_only_the_local_pod,
     session_affinity_sends_a_client_to_one_pod,
     nodeport_addresses_limit_which_node_ip_answers,
+    zero_cidr_answers_on_every_node_address,
     default_route_answers_only_on_the_public_interface_and_follows_a_moved_route,
     localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropped,
     load_balancer_source_ranges_admit_only_listed_clients,
