@@ -15,22 +15,27 @@ pub enum Kind {
     Node,
     /// `core/v1` Namespace (cluster-scoped, `status` subresource).
     Namespace,
+    /// `networking.k8s.io/v1` ServiceCIDR (cluster-scoped, read-only here: the default
+    /// `kubernetes` object, which mirrors `--service-cluster-ip-range`).
+    ServiceCidr,
 }
 
 impl Kind {
     /// Every served resource.
-    pub const ALL: [Kind; 5] = [
+    pub const ALL: [Kind; 6] = [
         Kind::Namespace,
         Kind::Service,
         Kind::Endpoints,
         Kind::Node,
         Kind::EndpointSlice,
+        Kind::ServiceCidr,
     ];
 
     /// The API group (`""` for core).
     pub fn group(self) -> &'static str {
         match self {
             Kind::EndpointSlice => "discovery.k8s.io",
+            Kind::ServiceCidr => "networking.k8s.io",
             _ => "",
         }
     }
@@ -44,6 +49,7 @@ impl Kind {
     pub fn api_version(self) -> &'static str {
         match self {
             Kind::EndpointSlice => "discovery.k8s.io/v1",
+            Kind::ServiceCidr => "networking.k8s.io/v1",
             _ => "v1",
         }
     }
@@ -56,6 +62,7 @@ impl Kind {
             Kind::EndpointSlice => "EndpointSlice",
             Kind::Node => "Node",
             Kind::Namespace => "Namespace",
+            Kind::ServiceCidr => "ServiceCIDR",
         }
     }
 
@@ -72,6 +79,7 @@ impl Kind {
             Kind::EndpointSlice => "endpointslices",
             Kind::Node => "nodes",
             Kind::Namespace => "namespaces",
+            Kind::ServiceCidr => "servicecidrs",
         }
     }
 
@@ -83,6 +91,7 @@ impl Kind {
             Kind::EndpointSlice => "endpointslice",
             Kind::Node => "node",
             Kind::Namespace => "namespace",
+            Kind::ServiceCidr => "servicecidr",
         }
     }
 
@@ -91,7 +100,7 @@ impl Kind {
         match self {
             Kind::Service => &["svc"],
             Kind::Endpoints => &["ep"],
-            Kind::EndpointSlice => &[],
+            Kind::EndpointSlice | Kind::ServiceCidr => &[],
             Kind::Node => &["no"],
             Kind::Namespace => &["ns"],
         }
@@ -99,7 +108,15 @@ impl Kind {
 
     /// Whether objects live in a namespace.
     pub fn namespaced(self) -> bool {
-        !matches!(self, Kind::Node | Kind::Namespace)
+        !matches!(self, Kind::Node | Kind::Namespace | Kind::ServiceCidr)
+    }
+
+    /// Whether the resource is served for reading only (get, list, watch): ServiceCIDRs, whose
+    /// one object this server keeps in step with its flags (see `Registry::bootstrap`). Other
+    /// verbs are answered 405 `MethodNotAllowed`, as kube-apiserver answers a verb a resource
+    /// does not support.
+    pub fn read_only(self) -> bool {
+        self == Kind::ServiceCidr
     }
 
     /// Whether the resource has a `status` subresource.
@@ -120,6 +137,7 @@ impl Kind {
             Kind::EndpointSlice => "endpointslices",
             Kind::Node => "minions",
             Kind::Namespace => "namespaces",
+            Kind::ServiceCidr => "servicecidrs",
         }
     }
 
@@ -189,6 +207,10 @@ mod tests {
         assert_eq!(
             Kind::Namespace.key("/registry", None, "default"),
             "/registry/namespaces/default"
+        );
+        assert_eq!(
+            Kind::ServiceCidr.key("/registry", None, "kubernetes"),
+            "/registry/servicecidrs/kubernetes"
         );
     }
 }

@@ -939,6 +939,74 @@ async fn unknown_paths_and_verbs_get_status_errors() {
     assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
 }
 
+/// kube-apiserver >= 1.33 serves `networking.k8s.io/v1` ServiceCIDRs and keeps one named
+/// `kubernetes` for `--service-cluster-ip-range`, Ready (its default-ServiceCIDR controller);
+/// kube-proxy reads it to drop traffic to unallocated ClusterIPs.
+#[tokio::test]
+async fn the_default_service_cidr_mirrors_the_cluster_ip_range_and_is_read_only() {
+    let s = server_with(Config {
+        cluster_ip_range: "10.43.0.0/16".parse().unwrap(),
+        ..Config::default()
+    })
+    .await;
+    let groups = get(&s, "/apis").await;
+    let names: Vec<&str> = groups.body["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g["name"].as_str().unwrap())
+        .collect();
+    assert!(names.contains(&"networking.k8s.io"), "{names:?}");
+    let group = get(&s, "/apis/networking.k8s.io").await;
+    assert_eq!(group.status, StatusCode::OK);
+    assert_eq!(
+        group.body["preferredVersion"]["groupVersion"],
+        "networking.k8s.io/v1"
+    );
+    let resources = get(&s, "/apis/networking.k8s.io/v1").await;
+    assert_eq!(
+        resources.body["resources"],
+        json!([{"name":"servicecidrs","singularName":"servicecidr","namespaced":false,
+                "kind":"ServiceCIDR","verbs":["get","list","watch"]}])
+    );
+
+    const CIDRS: &str = "/apis/networking.k8s.io/v1/servicecidrs";
+    let one = get(&s, &format!("{CIDRS}/kubernetes")).await;
+    assert_eq!(one.status, StatusCode::OK, "{}", one.body);
+    assert_eq!(one.body["apiVersion"], "networking.k8s.io/v1");
+    assert_eq!(one.body["kind"], "ServiceCIDR");
+    assert_eq!(one.body["spec"]["cidrs"], json!(["10.43.0.0/16"]));
+    let ready = &one.body["status"]["conditions"][0];
+    assert_eq!(ready["type"], "Ready");
+    assert_eq!(ready["status"], "True");
+    assert_eq!(ready["message"], "Kubernetes default Service CIDR is ready");
+    assert!(ready["lastTransitionTime"].is_string());
+    assert!(one.body["metadata"]["resourceVersion"].is_string());
+
+    let list = get(&s, CIDRS).await;
+    assert_eq!(list.body["kind"], "ServiceCIDRList");
+    assert_eq!(list.body["items"].as_array().unwrap().len(), 1);
+    let missing = get(&s, &format!("{CIDRS}/other")).await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        missing.body["message"],
+        "servicecidrs.networking.k8s.io \"other\" not found"
+    );
+
+    // Writes are not served: the one object follows the flags.
+    let cidr = json!({"apiVersion":"networking.k8s.io/v1","kind":"ServiceCIDR",
+        "metadata":{"name":"extra"},"spec":{"cidrs":["10.44.0.0/16"]}});
+    let r = post(&s, CIDRS, cidr).await;
+    assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED, "{}", r.body);
+    assert_eq!(r.body["reason"], "MethodNotAllowed");
+    let r = delete(&s, &format!("{CIDRS}/kubernetes")).await;
+    assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(
+        get(&s, CIDRS).await.body["items"].as_array().unwrap().len(),
+        1
+    );
+}
+
 /// Waits (up to 10 s) until `uri` answers 404.
 async fn wait_gone(state: &AppState, uri: &str) {
     for _ in 0..1000 {

@@ -228,3 +228,65 @@ fn kubectl_minio_scenario_of_the_static_band() {
     let ranges = ok(&server, &["get", "--raw", "/ranges"]);
     assert!(ranges.contains("\"range\":\"30000-32767\""), "{ranges}");
 }
+
+#[test]
+fn kubectl_gets_the_default_service_cidr_of_the_cluster_ip_range() {
+    // kube-apiserver >= 1.33: `kubectl get servicecidrs` shows `kubernetes` with the range of
+    // --service-cluster-ip-range, Ready; kube-proxy watches it.
+    if !kubectl_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(
+        &dir.path().join("data"),
+        &["--service-cluster-ip-range", "10.43.0.0/16"],
+    );
+    let table = ok(&server, &["get", "servicecidrs"]);
+    let lines: Vec<Vec<&str>> = table
+        .lines()
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(lines.len(), 2, "{table}");
+    assert_eq!(lines[0], ["NAME", "CIDRS", "AGE"], "{table}");
+    assert_eq!(lines[1][..2], ["kubernetes", "10.43.0.0/16"], "{table}");
+    assert_eq!(
+        ok(
+            &server,
+            &[
+                "get",
+                "servicecidr",
+                "kubernetes",
+                "-o",
+                "jsonpath={.status.conditions[?(@.type==\"Ready\")].status}",
+            ],
+        ),
+        "True"
+    );
+    // `get -w` lists and then watches: the header, then the object as ADDED.
+    let mut watch = server
+        .kubectl_command(&["get", "servicecidrs", "-w", "--output-watch-events"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(watch.stdout.take().unwrap()).lines();
+    let header = lines.next().unwrap().unwrap();
+    let added = lines.next().unwrap().unwrap();
+    let _ = watch.kill();
+    let _ = watch.wait();
+    assert!(header.starts_with("EVENT"), "{header:?}");
+    assert_eq!(
+        added.split_whitespace().take(3).collect::<Vec<_>>(),
+        ["ADDED", "kubernetes", "10.43.0.0/16"],
+        "{added:?}"
+    );
+    // Read-only: the object follows the flags.
+    let out = server.kubectl(&["delete", "servicecidr", "kubernetes"]);
+    assert!(!out.status.success());
+    assert!(
+        text(&out).1.contains("MethodNotAllowed") || text(&out).1.contains("not supported"),
+        "{}",
+        text(&out).1
+    );
+    ok(&server, &["get", "servicecidr", "kubernetes"]);
+}

@@ -30,7 +30,7 @@ pub fn prepare_create(object: &mut Object) {
         Object::EndpointSlice(slice) => {
             slice.metadata.generation = Some(1);
         }
-        Object::Node(_) | Object::Endpoints(_) => {}
+        Object::Node(_) | Object::Endpoints(_) | Object::ServiceCidr(_) => {}
     }
 }
 
@@ -77,6 +77,10 @@ pub fn validate(object: &Object) -> Vec<FieldError> {
         }
         Object::Node(node) => {
             validation::object_meta(&node.metadata, false, NameRule::Dns1123Subdomain)
+        }
+        // Not writable through the API (see `Kind::read_only`); the server writes only its own.
+        Object::ServiceCidr(cidr) => {
+            validation::object_meta(&cidr.metadata, false, NameRule::Dns1123Subdomain)
         }
         Object::Endpoints(ep) => {
             let mut errs = validation::object_meta(&ep.metadata, true, NameRule::Dns1123Subdomain);

@@ -14,6 +14,7 @@ pub mod object;
 pub mod patch;
 pub mod selector;
 pub mod service;
+pub mod service_cidr;
 pub mod validation;
 
 use std::collections::BTreeSet;
@@ -859,7 +860,7 @@ impl Registry {
     }
 
     /// Creates what exists from the first start, and the allocation bitmaps: the system
-    /// namespaces, `default/kubernetes`, and bitmaps rebuilt from the stored Services when they are
+    /// namespaces, `default/kubernetes`, the default ServiceCIDR `kubernetes`, and bitmaps rebuilt from the stored Services when they are
     /// missing or were written for other ranges (the flags changed).
     pub async fn bootstrap(&self) -> Result<(), ApiError> {
         // A rebuild gives up when the bitmaps change between its read and its commit (another
@@ -912,6 +913,8 @@ impl Registry {
         let mut keys: Vec<String> = ns_keys.iter().map(|(_, k)| k.clone()).collect();
         let kubernetes_key = self.key(Kind::Service, Some("default"), "kubernetes");
         keys.push(kubernetes_key.clone());
+        let cidr_key = self.key(Kind::ServiceCidr, None, service_cidr::DEFAULT_NAME);
+        keys.push(cidr_key.clone());
         let ranges = self.ranges.clone();
         let plan = rebuilt.clone();
         let done = self
@@ -961,6 +964,29 @@ impl Registry {
                         kubernetes_key.clone(),
                         encode_stored(&Object::Service(Box::new(svc))),
                     );
+                }
+                match txn.get(&cidr_key) {
+                    None => {
+                        let cidr = service_cidr::default_service_cidr(&ranges, new_uid(), now());
+                        txn.put(
+                            cidr_key.clone(),
+                            encode_stored(&Object::ServiceCidr(Box::new(cidr))),
+                        );
+                    }
+                    Some(entry) => {
+                        // Left as it is, as kube-apiserver leaves it; every API server must
+                        // run with the range it holds.
+                        if let Ok(Object::ServiceCidr(cidr)) =
+                            typed_from_entry(Kind::ServiceCidr, &entry.value)
+                            && service_cidr::cidrs(&cidr) != [ranges.cluster_ips.to_string()]
+                        {
+                            tracing::warn!(
+                                stored = ?service_cidr::cidrs(&cidr),
+                                flag = %ranges.cluster_ips,
+                                "the default ServiceCIDR does not match --service-cluster-ip-range"
+                            );
+                        }
+                    }
                 }
                 Ok(Some(rebuilt_now))
             })

@@ -2,6 +2,7 @@
 
 use k8s_openapi::api::core::v1::{Endpoints, Namespace, Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::networking::v1::ServiceCIDR;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::Value;
 
@@ -21,6 +22,8 @@ pub enum Object {
     Node(Box<Node>),
     /// A Namespace.
     Namespace(Box<Namespace>),
+    /// A ServiceCIDR.
+    ServiceCidr(Box<ServiceCIDR>),
 }
 
 /// A decoded object and the input fields the typed object does not know.
@@ -54,6 +57,7 @@ impl Object {
             Kind::EndpointSlice => Object::EndpointSlice(Box::new(typed(kind, value)?)),
             Kind::Node => Object::Node(Box::new(typed(kind, value)?)),
             Kind::Namespace => Object::Namespace(Box::new(typed(kind, value)?)),
+            Kind::ServiceCidr => Object::ServiceCidr(Box::new(typed(kind, value)?)),
         };
         let mut unknown_fields = Vec::new();
         let round_trip = object.to_value();
@@ -72,6 +76,7 @@ impl Object {
             Object::EndpointSlice(_) => Kind::EndpointSlice,
             Object::Node(_) => Kind::Node,
             Object::Namespace(_) => Kind::Namespace,
+            Object::ServiceCidr(_) => Kind::ServiceCidr,
         }
     }
 
@@ -83,6 +88,7 @@ impl Object {
             Object::EndpointSlice(o) => &o.metadata,
             Object::Node(o) => &o.metadata,
             Object::Namespace(o) => &o.metadata,
+            Object::ServiceCidr(o) => &o.metadata,
         }
     }
 
@@ -94,6 +100,7 @@ impl Object {
             Object::EndpointSlice(o) => &mut o.metadata,
             Object::Node(o) => &mut o.metadata,
             Object::Namespace(o) => &mut o.metadata,
+            Object::ServiceCidr(o) => &mut o.metadata,
         }
     }
 
@@ -110,6 +117,7 @@ impl Object {
             Object::EndpointSlice(o) => serde_json::to_value(o),
             Object::Node(o) => serde_json::to_value(o),
             Object::Namespace(o) => serde_json::to_value(o),
+            Object::ServiceCidr(o) => serde_json::to_value(o),
         }
         .expect("k8s-openapi objects serialize");
         if let Value::Object(map) = &mut value {
@@ -129,6 +137,7 @@ impl Object {
             (Object::Service(a), Object::Service(b)) => a.status = b.status.clone(),
             (Object::Node(a), Object::Node(b)) => a.status = b.status.clone(),
             (Object::Namespace(a), Object::Namespace(b)) => a.status = b.status.clone(),
+            (Object::ServiceCidr(a), Object::ServiceCidr(b)) => a.status = b.status.clone(),
             _ => {}
         }
     }

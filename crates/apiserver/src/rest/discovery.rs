@@ -14,6 +14,9 @@ use serde_json::{Value, json};
 use crate::resource::Kind;
 
 fn verbs(kind: Kind) -> Vec<&'static str> {
+    if kind.read_only() {
+        return vec!["get", "list", "watch"];
+    }
     let mut v = vec!["create", "delete"];
     if kind != Kind::Namespace {
         v.push("deletecollection");
@@ -39,19 +42,33 @@ fn discovery_group() -> Value {
     })
 }
 
+fn networking_group() -> Value {
+    json!({
+        "name": "networking.k8s.io",
+        "versions": [{"groupVersion": "networking.k8s.io/v1", "version": "v1"}],
+        "preferredVersion": {"groupVersion": "networking.k8s.io/v1", "version": "v1"},
+    })
+}
+
 /// `/apis`.
 pub fn api_group_list() -> Value {
-    json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": [discovery_group()]})
+    json!({
+        "kind": "APIGroupList",
+        "apiVersion": "v1",
+        "groups": [discovery_group(), networking_group()],
+    })
 }
 
 /// `/apis/<group>`.
 pub fn api_group(group: &str) -> Option<Value> {
-    (group == "discovery.k8s.io").then(|| {
-        let mut g = discovery_group();
-        g["kind"] = json!("APIGroup");
-        g["apiVersion"] = json!("v1");
-        g
-    })
+    let mut g = match group {
+        "discovery.k8s.io" => discovery_group(),
+        "networking.k8s.io" => networking_group(),
+        _ => return None,
+    };
+    g["kind"] = json!("APIGroup");
+    g["apiVersion"] = json!("v1");
+    Some(g)
 }
 
 /// `/api/v1` or `/apis/<group>/<version>`.

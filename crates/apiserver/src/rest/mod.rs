@@ -426,6 +426,12 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
         .cloned()
         .unwrap_or_else(|| "Metadata".into());
 
+    if kind.read_only() && parts.method != Method::GET {
+        return Err(ApiError::method_not_supported(
+            kind.subject(),
+            &parts.method.as_str().to_ascii_lowercase(),
+        ));
+    }
     match (&parts.method, target.name.as_deref()) {
         (&Method::GET, None) => {
             let options = list_options(kind, &query)?;

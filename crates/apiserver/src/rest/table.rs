@@ -60,6 +60,15 @@ fn columns(kind: Kind) -> Vec<(&'static str, &'static str, i32)> {
             ("Internal-IP", "List of internal IPs (if available).", 1),
         ],
         Kind::Namespace => vec![name, ("Status", "The status of the namespace", 0), age],
+        Kind::ServiceCidr => vec![
+            name,
+            (
+                "CIDRs",
+                "CIDRs defines the IP blocks in CIDR notation (e.g. \"192.168.0.0/24\" or \"2001:db8::/64\") from which to assign service cluster IPs.",
+                0,
+            ),
+            age,
+        ],
     }
 }
 
@@ -329,6 +338,20 @@ fn node_cells(node: &Value) -> Vec<Value> {
     ]
 }
 
+/// kube's `printServiceCIDR`: the CIDRs joined with commas.
+fn service_cidr_cells(cidr: &Value) -> Vec<Value> {
+    let cidrs: Vec<&str> = cidr
+        .pointer("/spec/cidrs")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
+    vec![
+        json!(s(cidr, "/metadata/name")),
+        json!(cidrs.join(",")),
+        json!(age(cidr)),
+    ]
+}
+
 fn namespace_cells(ns: &Value) -> Vec<Value> {
     vec![
         json!(s(ns, "/metadata/name")),
@@ -345,6 +368,7 @@ pub fn row(kind: Kind, object: &Value, include_object: &str) -> Value {
         Kind::EndpointSlice => endpointslice_cells(object),
         Kind::Node => node_cells(object),
         Kind::Namespace => namespace_cells(object),
+        Kind::ServiceCidr => service_cidr_cells(object),
     };
     let embedded = match include_object {
         "None" => Value::Null,
