@@ -509,9 +509,11 @@ impl From<storage::Error> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        if self.code >= 500 {
+        if self.code >= 500 && !matches!(self.code, 503 | 504) {
             tracing::error!(code = self.code, reason = self.reason, "{}", self.message);
         } else {
+            // 503 and 504 mean the storage does not answer: the backend logs each outage once
+            // (`storage::outage`), not each request that fails during it.
             tracing::debug!(code = self.code, reason = self.reason, "{}", self.message);
         }
         let status = StatusCode::from_u16(self.code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);

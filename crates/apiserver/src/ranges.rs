@@ -161,5 +161,21 @@ pub async fn metrics(registry: &Registry) -> Result<String, ApiError> {
         "Time the writer spent reading the keys of its batches",
         format!("{:.6}", load(&stats.read_nanos) as f64 / 1e9),
     );
+    if let Some(outages) = registry.store().backend().outages() {
+        counter(
+            "nodeport_apiserver_storage_outages_total",
+            "Times the storage (etcd) stopped answering",
+            outages.outages.to_string(),
+        );
+        counter(
+            "nodeport_apiserver_storage_unavailable_calls_total",
+            "Storage calls that failed because the storage did not answer (503/504)",
+            outages.failed_calls.to_string(),
+        );
+        out.push_str(&format!(
+            "# HELP nodeport_apiserver_storage_reachable Whether the storage answered the last call\n# TYPE nodeport_apiserver_storage_reachable gauge\nnodeport_apiserver_storage_reachable {}\n",
+            u8::from(outages.reachable)
+        ));
+    }
     Ok(out)
 }

@@ -509,7 +509,15 @@ impl Writer {
                     }
                 }
                 Err(err) => {
-                    tracing::error!(error = %crate::report(&err), "commit failed");
+                    if matches!(
+                        err,
+                        storage::Error::Unavailable { .. } | storage::Error::Timeout { .. }
+                    ) {
+                        // Logged once per outage by the backend.
+                        tracing::debug!(error = %crate::report(&err), "commit failed");
+                    } else {
+                        tracing::error!(error = %crate::report(&err), "commit failed");
+                    }
                     let api = ApiError::from(err);
                     for job in jobs {
                         let _ = job.reply.send(Err(api.clone()));

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
-use apiserver_support::etcd::{Etcd, base64, etcd_available, replicas, unbase64};
+use apiserver_support::etcd::{Etcd, base64, etcd_available, replicas, replicas_logging, unbase64};
 use apiserver_support::{Server, http};
 use nodeport_apiserver::registry::{Verification, service::ServiceRanges, verify_dump};
 use nodeport_apiserver::storage::etcd::{Config as EtcdConfig, EtcdBackend};
@@ -520,7 +520,7 @@ fn etcd_stopped_and_restarted_under_load_gives_503_or_504_then_full_service_with
     }
     let dir = tempfile::tempdir().unwrap();
     let mut etcd = Etcd::start(&dir.path().join("etcd"));
-    let servers = replicas(&etcd, dir.path(), 2, &[]);
+    let servers = replicas_logging(&etcd, dir.path(), 2, &[], true);
     let ports: Vec<u16> = servers.iter().map(|s| s.port).collect();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let clients: Vec<_> = (0..4)
@@ -612,6 +612,44 @@ fn etcd_stopped_and_restarted_under_load_gives_503_or_504_then_full_service_with
     }
     let report = verify(&etcd, "30000-32767");
     assert!(report.is_consistent(), "{report:?}");
+
+    // Each outage is logged once when it starts and once when it ends (with how long and how
+    // many calls failed), not once per failed request; /metrics counts both.
+    for (i, server) in servers.iter().enumerate() {
+        let (_, metrics) = server.try_http("GET", "/metrics", None).unwrap();
+        let metric = |name: &str| -> u64 {
+            metrics
+                .lines()
+                .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+                .unwrap_or_else(|| panic!("{name} missing from /metrics:\n{metrics}"))
+        };
+        let outages = metric("nodeport_apiserver_storage_outages_total ");
+        let failed = metric("nodeport_apiserver_storage_unavailable_calls_total ");
+        assert_eq!(metric("nodeport_apiserver_storage_reachable "), 1);
+        let log = std::fs::read_to_string(dir.path().join(format!("replica{i}.log"))).unwrap();
+        let errors: Vec<&str> = log.lines().filter(|l| l.contains("ERROR")).collect();
+        let lost = log
+            .lines()
+            .filter(|l| l.contains("storage is unreachable"))
+            .count() as u64;
+        let back: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("storage is reachable again"))
+            .collect();
+        assert!(
+            (1..=3).contains(&outages),
+            "replica {i}: {outages} outages for one stop of etcd\n{log}"
+        );
+        assert!(failed > outages, "replica {i}: {failed} failed calls");
+        assert_eq!(lost, outages, "replica {i}:\n{log}");
+        assert_eq!(errors.len() as u64, outages, "replica {i}: {errors:#?}");
+        assert_eq!(back.len() as u64, outages, "replica {i}:\n{log}");
+        assert!(
+            back.iter()
+                .all(|l| l.contains("down_for") && l.contains("failed_calls")),
+            "{back:#?}"
+        );
+    }
 }
 
 /// The NodePort bitmap as stored, read from etcd's gateway.

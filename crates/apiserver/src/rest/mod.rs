@@ -100,7 +100,15 @@ async fn ready(State(state): State<AppState>) -> Response {
     match backend.check().await {
         Ok(()) => (StatusCode::OK, "ok").into_response(),
         Err(err) => {
-            tracing::warn!(error = %crate::report(&err), "readiness check failed");
+            if matches!(
+                err,
+                crate::storage::Error::Unavailable { .. } | crate::storage::Error::Timeout { .. }
+            ) {
+                // An outage, logged once by the backend.
+                tracing::debug!(error = %crate::report(&err), "readiness check failed");
+            } else {
+                tracing::warn!(error = %crate::report(&err), "readiness check failed");
+            }
             (
                 StatusCode::INTERNAL_SERVER_ERROR,
                 format!(

@@ -109,6 +109,8 @@ pub struct EtcdBackend {
     root: String,
     config: Arc<Config>,
     hub: Arc<Hub>,
+    /// Whether etcd answers, from every call: one log line per outage, not one per request.
+    outages: Arc<super::outage::Outages>,
 }
 
 /// Events the hub keeps for watchers that start a little in the past.
@@ -302,6 +304,7 @@ impl EtcdBackend {
             root: format!("{prefix}/"),
             config: Arc::new(config),
             hub: Arc::default(),
+            outages: Arc::new(super::outage::Outages::new("etcd")),
         };
         if !backend.config.compaction_interval.is_zero() {
             let compactor = backend.clone();
@@ -351,12 +354,14 @@ impl EtcdBackend {
         operation: &'static str,
         call: impl std::future::Future<Output = Result<T, Error>>,
     ) -> Result<T, Error> {
-        tokio::time::timeout(self.config.request_timeout, call)
+        let result = tokio::time::timeout(self.config.request_timeout, call)
             .await
             .unwrap_or(Err(Error::Timeout {
                 backend: "etcd",
                 operation,
-            }))
+            }));
+        self.outages.record(operation, &result);
+        result
     }
 
     /// Every key and value under the prefix (offline checks and tests).
@@ -900,7 +905,7 @@ impl Backend for EtcdBackend {
 
     fn check(&self) -> BoxFuture<'_, Result<(), Error>> {
         async move {
-            tokio::time::timeout(
+            let result = tokio::time::timeout(
                 Duration::from_secs(2).min(self.config.request_timeout),
                 self.current_revision_now(),
             )
@@ -909,9 +914,15 @@ impl Backend for EtcdBackend {
                 backend: "etcd",
                 operation: "health check",
             }))
-            .map(|_| ())
+            .map(|_| ());
+            self.outages.record("health check", &result);
+            result
         }
         .boxed()
+    }
+
+    fn outages(&self) -> Option<super::outage::OutageStats> {
+        Some(self.outages.stats())
     }
 }
 

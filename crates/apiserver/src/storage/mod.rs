@@ -15,6 +15,7 @@
 
 pub mod etcd;
 pub mod keys;
+pub mod outage;
 pub mod redb;
 
 use std::collections::HashMap;
@@ -330,6 +331,12 @@ pub trait Backend: Send + Sync + 'static {
     /// The most keys one batch may declare (the writer adds both range keys to them).
     fn max_batch_keys(&self) -> usize {
         usize::MAX
+    }
+
+    /// Outages of a backend that can be unreachable (etcd): whether it answers now, how often
+    /// it stopped, and how many calls failed meanwhile. `None` for the embedded store.
+    fn outages(&self) -> Option<outage::OutageStats> {
+        None
     }
 
     /// Whether the backend answers (`/readyz`).

@@ -157,12 +157,28 @@ pub fn unbase64(text: &str) -> Vec<u8> {
 
 /// `nodeport apiserver` replicas on one etcd, each with `extra` flags.
 pub fn replicas(etcd: &Etcd, dir: &Path, count: usize, extra: &[&str]) -> Vec<super::Server> {
+    replicas_logging(etcd, dir, count, extra, false)
+}
+
+/// [`replicas`]; with `logs`, replica `i` logs to `dir/replica<i>.log`.
+pub fn replicas_logging(
+    etcd: &Etcd,
+    dir: &Path,
+    count: usize,
+    extra: &[&str],
+    logs: bool,
+) -> Vec<super::Server> {
     let url = etcd.url();
     (0..count)
         .map(|i| {
             let mut args: Vec<&str> = vec!["--etcd-servers", &url];
             args.extend_from_slice(extra);
-            super::Server::start(&dir.join(format!("replica{i}")), &args)
+            let log = dir.join(format!("replica{i}.log"));
+            super::Server::start_logging(
+                &dir.join(format!("replica{i}")),
+                &args,
+                logs.then_some(log.as_path()),
+            )
         })
         .collect()
 }

@@ -51,14 +51,24 @@ pub fn kubectl_available() -> bool {
 impl Server {
     /// Starts the server with its data in `data_dir` and waits until it answers `/readyz`.
     pub fn start(data_dir: &Path, extra: &[&str]) -> Server {
+        Self::start_logging(data_dir, extra, None)
+    }
+
+    /// [`Server::start`], with the server's log (`warn` and up) written to `log` instead of the
+    /// test's stderr when given.
+    pub fn start_logging(data_dir: &Path, extra: &[&str], log: Option<&Path>) -> Server {
         let port = free_port();
+        let stderr = match log {
+            Some(path) => Stdio::from(std::fs::File::create(path).expect("create the log file")),
+            None => Stdio::inherit(),
+        };
         let child = Command::new(env!("CARGO_BIN_EXE_nodeport"))
             .args(["apiserver", "--port", &port.to_string(), "--data-dir"])
             .arg(data_dir)
             .args(extra)
             .env("NODEPORT_LOG", "warn")
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+            .stderr(stderr)
             .spawn()
             .expect("start nodeport apiserver");
         let kubeconfig = data_dir.with_extension("kubeconfig");
