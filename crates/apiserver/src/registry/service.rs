@@ -314,19 +314,20 @@ fn allocate_node_ports_create(svc: &mut Service, allocs: &mut Allocators) -> Res
         }
         match by_port_number.get(&ports[i].port).copied() {
             None => {
+                // `findRequestedNodePort`: a nodePort asked for by this entry or a later one of
+                // the same port number (TCP and UDP of port 53 share it). A failure is reported
+                // at this entry, as kube-apiserver reports it, even if a later one asked.
                 let wanted = if requested != 0 {
-                    Some((i, requested))
+                    Some(requested)
                 } else {
                     ports[i..]
                         .iter()
-                        .enumerate()
-                        .find(|(_, p)| p.port == ports[i].port && p.node_port.unwrap_or(0) != 0)
-                        .map(|(j, p)| (i + j, p.node_port.unwrap_or(0)))
+                        .find(|p| p.port == ports[i].port && p.node_port.unwrap_or(0) != 0)
+                        .and_then(|p| p.node_port)
                 };
                 let np = match wanted {
-                    Some((index, np)) => {
-                        allocate_port(allocs, np)
-                            .map_err(|e| node_port_error(&name, index, np, &e))?;
+                    Some(np) => {
+                        allocate_port(allocs, np).map_err(|e| node_port_error(&name, i, np, &e))?;
                         np
                     }
                     None => i32::from(allocs.ports.allocate_next().map_err(|e| {
