@@ -288,7 +288,7 @@ fn render_previews_what_each_nodeport_addresses_value_selects_in_nftables_mode()
     assert!(text.contains(&set("127.0.0.1")), "{text}");
     assert!(text.contains(&set("192.0.2.4")), "{text}");
     assert!(
-        text.contains("add rule ip kube-proxy filter-input ct state new jump localnet-check"),
+        text.contains("add rule ip kube-proxy filter-input jump localnet-check"),
         "{text}"
     );
     let text = render_selection("nftables", "0.0.0.0/0");

@@ -299,7 +299,21 @@ fn localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropp
     // The node's own 127.0.0.1 service is not reachable from outside: dropped.
     let short = Duration::from_millis(1500);
     assert_eq!(get(&c.client, "127.0.0.1:18080", short), Reply::Timeout);
-    // And it is the guard that drops it: without it, the same connection goes through.
+    // Nor when conntrack does not track it: kube-proxy's guard drops everything that is
+    // not RELATED, ESTABLISHED or DNAT, so UNTRACKED (and INVALID) packets too. A guard
+    // that only looked at new connections would let this one through.
+    c.node
+        .sh(&format!(
+            "nft add table ip np-test-notrack && \
+             nft add chain ip np-test-notrack prerouting \
+               '{{ type filter hook prerouting priority raw ; }}' && \
+             nft add rule ip np-test-notrack prerouting \
+               ip saddr {CLIENT_IP} ip daddr 127.0.0.1 notrack"
+        ))
+        .unwrap();
+    assert_eq!(get(&c.client, "127.0.0.1:18080", short), Reply::Timeout);
+    // And it is the guard that drops both: without it, the same connection goes through
+    // (untracked, the notrack rule is still there).
     let cmd: &[&str] = match mode {
         Mode::Nftables => &[
             "nft",

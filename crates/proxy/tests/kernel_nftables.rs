@@ -458,3 +458,38 @@ fn netlink_errors_name_the_operation_and_change_nothing() {
     );
     assert_eq!(listing(&ns), before);
 }
+
+#[test]
+fn netlink_encodes_the_localnet_guard_exactly_as_nft_does() {
+    if !require_privileged("netlink_encodes_the_localnet_guard_exactly_as_nft_does") {
+        return;
+    }
+    let ns = Netns::new("nftlocalnet").unwrap();
+    let yaml = objects(&["10.244.1.1"], false)
+        .replace("  loadBalancerSourceRanges: [203.0.113.0/24]\n", "");
+    let mut s = Setup::new(&yaml);
+    s.facts.local_ips.push("127.0.0.1".parse().unwrap());
+    s.state.nodeport_addresses = "127.0.0.0/8,192.0.2.0/24".parse().unwrap();
+    let d = s.desired();
+    let mut a = Applier::new(netlink_with(&ns, no_nft()));
+    a.sync(&d, &s.config, None)
+        .expect("localhost NodePorts over netlink alone");
+    assert_same(
+        &listing(&ns),
+        &reference_listing(&s),
+        "the localnet guard over netlink",
+    );
+    // And nft reads the ct matches back as the render writes them.
+    let chain = ns
+        .run(&["nft", "list", "chain", "ip", "kube-proxy", "localnet-check"])
+        .unwrap();
+    for rule in [
+        "ip daddr 127.0.0.0/8 ip saddr != 127.0.0.0/8 ct state invalid,untracked drop comment \"block incoming localnet connections\"",
+        "ip daddr 127.0.0.0/8 ip saddr != 127.0.0.0/8 ct state ! established,related ct status ! dnat drop comment \"block incoming localnet connections\"",
+    ] {
+        assert!(
+            chain.lines().any(|l| l.trim() == rule),
+            "missing {rule:?} in:\n{chain}"
+        );
+    }
+}

@@ -10,7 +10,7 @@
 //! | --- | --- | --- | --- | --- |
 //! | `filter-prerouting-pre-dnat` | filter | prerouting | dstnat - 10 | `firewall-check` (new) |
 //! | `filter-output-pre-dnat` | filter | output | -110 | `firewall-check` (new) |
-//! | `filter-input` | filter | input | filter | `localnet-check` (with localhost NodePorts), `nodeport-endpoints-check`, `service-endpoints-check` (new) |
+//! | `filter-input` | filter | input | filter | `localnet-check` (with localhost NodePorts, every packet), `nodeport-endpoints-check`, `service-endpoints-check` (new) |
 //! | `filter-forward` | filter | forward | filter | `service-endpoints-check`, `cluster-ips-check` (new) |
 //! | `filter-output` | filter | output | filter | `service-endpoints-check`, `cluster-ips-check` (new) |
 //! | `nat-prerouting` | nat | prerouting | dstnat | `services` |
@@ -33,9 +33,9 @@
 //! Localhost NodePorts (ours; upstream's nftables mode has none): when a
 //! `--nodeport-addresses` CIDR such as `127.0.0.0/8` selects `127.0.0.1`, it goes into
 //! `nodeport-ips`, the proxy sets `net.ipv4.conf.all.route_localnet=1`, and `filter-input`
-//! first jumps (new connections) to `localnet-check`, which drops packets to 127.0.0.0/8 from
-//! non-loopback sources: kube-proxy's iptables CVE-2020-8558 guard, see
-//! `render::localhost_nodeports`.
+//! first jumps (every packet) to `localnet-check`, which drops packets to 127.0.0.0/8 from
+//! non-loopback sources unless they are established, related or DNATed: kube-proxy's
+//! iptables CVE-2020-8558 guard, see `render::localhost_nodeports`.
 //!
 //! # Contract with other tools
 //!

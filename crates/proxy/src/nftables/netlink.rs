@@ -25,8 +25,8 @@ use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 
 use super::apply::{Existing, Kernel, KernelError, NftCommand};
 use super::ruleset::{
-    AddrMatch, ChainType, ElemKey, Element, Expr, Hook, KeyType, MapKey, Op, Rule, Set, TABLE,
-    TABLE_COMMENT, Transaction, Verdict,
+    AddrMatch, ChainType, CtKey, ElemKey, Element, Expr, Hook, KeyType, MapKey, Op, Rule, Set,
+    TABLE, TABLE_COMMENT, Transaction, Verdict, ct_state,
 };
 use crate::model::{IpFamily, Protocol};
 
@@ -316,6 +316,11 @@ fn bitwise(b: &mut Buf, reg: u32, mask: &[u8], xor: &[u8]) {
     });
 }
 
+const NFTA_CT_DREG: u16 = 1;
+const NFTA_CT_KEY: u16 = 2;
+const NFT_CT_STATE: u32 = 0;
+const NFT_CT_STATUS: u32 = 2;
+
 const NFTA_META_DREG: u16 = 1;
 const NFTA_META_KEY: u16 = 2;
 const NFTA_META_SREG: u16 = 3;
@@ -404,11 +409,26 @@ fn rule_exprs(b: &mut Buf, family: IpFamily, rule: &Rule) -> Result<(), Unsuppor
         match e {
             Expr::CtStateNew => {
                 b.expr("ct", |b| {
-                    b.u32be(1, REG_1); // NFTA_CT_DREG
-                    b.u32be(2, 0); // NFTA_CT_KEY = NFT_CT_STATE
+                    b.u32be(NFTA_CT_DREG, REG_1);
+                    b.u32be(NFTA_CT_KEY, NFT_CT_STATE);
                 });
-                bitwise(b, REG_1, &8u32.to_ne_bytes(), &0u32.to_ne_bytes()); // IP_CT_NEW bit
+                bitwise(b, REG_1, &ct_state::NEW.to_ne_bytes(), &0u32.to_ne_bytes());
                 cmp(b, REG_1, true, &0u32.to_ne_bytes());
+            }
+            Expr::Ct { key, negate, bits } => {
+                // `ct load <key> => reg 1`, then the bits kept and compared with zero:
+                // `ct state ! established,related` is `& 0x6 == 0`, `ct state
+                // invalid,untracked` is `& 0x41 != 0` (nft --debug=netlink).
+                let key = match key {
+                    CtKey::State => NFT_CT_STATE,
+                    CtKey::Status => NFT_CT_STATUS,
+                };
+                b.expr("ct", |b| {
+                    b.u32be(NFTA_CT_DREG, REG_1);
+                    b.u32be(NFTA_CT_KEY, key);
+                });
+                bitwise(b, REG_1, &bits.to_ne_bytes(), &0u32.to_ne_bytes());
+                cmp(b, REG_1, !*negate, &0u32.to_ne_bytes());
             }
             Expr::Daddr { negate, value } => addr_match(b, family, true, *negate, value)?,
             Expr::Saddr { negate, value } => addr_match(b, family, false, *negate, value)?,

@@ -8,8 +8,8 @@ use ipnet::IpNet;
 
 use super::names::*;
 use super::ruleset::{
-    AddrMatch, BaseHook, BaseObjects, Chain, ChainType, ElemKey, Element, Expr, Hook, KeyType,
-    MapKey, Rule, Ruleset, ServiceObjects, Set, Table, Verdict,
+    AddrMatch, BaseHook, BaseObjects, Chain, ChainType, CtKey, ElemKey, Element, Expr, Hook,
+    KeyType, MapKey, Rule, Ruleset, ServiceObjects, Set, Table, Verdict, ct_state, ct_status,
 };
 use crate::config::{EndpointChoice, NodeConfig};
 use crate::desired::{DesiredState, EndpointTarget, FamilyState, ServicePortState};
@@ -84,30 +84,62 @@ pub fn localhost_nodeports(state: &FamilyState) -> bool {
 /// The CVE-2020-8558 guard: kube-proxy's (kubelet's) iptables rule
 /// `-A KUBE-FIREWALL -m comment --comment "block incoming localnet connections"
 /// -d 127.0.0.0/8 ! -s 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP`,
-/// written for nftables. It hangs off `filter-input` behind `ct state new`: with
-/// `route_localnet=1` the kernel would otherwise deliver a packet from another host to a
-/// service listening on 127.0.0.1. At the input hook a DNATed packet no longer has a
-/// 127.0.0.0/8 destination (endpoints are never loopback; a NodePort reached through
-/// 127.0.0.1 is forwarded, not input), so "new and still to 127.0.0.0/8" is the iptables
-/// rule's "not RELATED, ESTABLISHED or DNAT" for connections.
+/// written for nftables. With `route_localnet=1` the kernel would otherwise deliver a packet
+/// from another host to a service listening on 127.0.0.1.
+///
+/// The iptables rule drops every packet that is neither RELATED, ESTABLISHED nor DNATed:
+/// new connections, and also packets conntrack calls INVALID or that are UNTRACKED. nft
+/// cannot say that in one rule: `ct status` fails to match a packet without a conntrack
+/// entry (nf_tables' ct expression breaks for every key but `state`), so
+/// `ct state ! established,related ct status ! dnat` alone would let invalid and untracked
+/// packets through. Hence two rules, which together drop exactly what the iptables rule
+/// drops:
+///
+/// ```text
+/// ip daddr 127.0.0.0/8 ip saddr != 127.0.0.0/8 ct state invalid,untracked drop
+/// ip daddr 127.0.0.0/8 ip saddr != 127.0.0.0/8 ct state ! established,related ct status ! dnat drop
+/// ```
+///
+/// `filter-input` jumps here for every packet (not only `ct state new` ones), as the
+/// iptables `INPUT` chain jumps to `KUBE-FIREWALL`.
 fn localnet_check() -> Chain {
     let lo = loopback(IpFamily::V4);
+    let guard = |ct: Vec<Expr>| {
+        let mut exprs = vec![
+            Expr::Daddr {
+                negate: false,
+                value: AddrMatch::Net(lo),
+            },
+            Expr::Saddr {
+                negate: true,
+                value: AddrMatch::Net(lo),
+            },
+        ];
+        exprs.extend(ct);
+        exprs.push(Expr::Verdict(Verdict::Drop));
+        Rule::commented(exprs, "block incoming localnet connections")
+    };
     Chain::regular(
         LOCALNET_CHECK,
-        vec![Rule::commented(
-            vec![
-                Expr::Daddr {
-                    negate: false,
-                    value: AddrMatch::Net(lo),
-                },
-                Expr::Saddr {
+        vec![
+            guard(vec![Expr::Ct {
+                key: CtKey::State,
+                negate: false,
+                bits: ct_state::INVALID | ct_state::UNTRACKED,
+            }]),
+            guard(vec![
+                Expr::Ct {
+                    key: CtKey::State,
                     negate: true,
-                    value: AddrMatch::Net(lo),
+                    bits: ct_state::ESTABLISHED | ct_state::RELATED,
                 },
-                Expr::Verdict(Verdict::Drop),
-            ],
-            "block incoming localnet connections",
-        )],
+                Expr::Ct {
+                    key: CtKey::Status,
+                    negate: true,
+                    bits: ct_status::DNAT,
+                },
+            ]),
+        ],
     )
 }
 
@@ -127,7 +159,7 @@ pub fn render_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
     let localhost = localhost_nodeports(state);
     let mut filter_input = Vec::new();
     if localhost {
-        filter_input.push(new_jump(LOCALNET_CHECK));
+        filter_input.push(Rule::new(vec![jump(LOCALNET_CHECK)]));
     }
     filter_input.extend([
         new_jump(NODEPORT_ENDPOINTS_CHECK),

@@ -78,11 +78,80 @@ pub enum MapKey {
     ProtoPort,
 }
 
+/// The conntrack field a [`Expr::Ct`] match tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CtKey {
+    /// `ct state`: one bit per state (`NF_CT_STATE_*_BIT`; `invalid` and `untracked` for
+    /// packets without a conntrack entry).
+    State,
+    /// `ct status`: the entry's `IPS_*` status bits (`dnat`, `snat`, ...).
+    Status,
+}
+
+/// `ct state` bits (linux/netfilter/nf_conntrack_common.h, `NF_CT_STATE_BIT`).
+pub mod ct_state {
+    /// No conntrack entry and not untracked.
+    pub const INVALID: u32 = 1;
+    /// `IP_CT_ESTABLISHED`.
+    pub const ESTABLISHED: u32 = 1 << 1;
+    /// `IP_CT_RELATED`.
+    pub const RELATED: u32 = 1 << 2;
+    /// `IP_CT_NEW`.
+    pub const NEW: u32 = 1 << 3;
+    /// `NF_CT_STATE_UNTRACKED_BIT` (`notrack`).
+    pub const UNTRACKED: u32 = 1 << 6;
+}
+
+/// `ct status` bits (`IPS_*` in linux/netfilter/nf_conntrack_common.h).
+pub mod ct_status {
+    /// `IPS_SRC_NAT`.
+    pub const SNAT: u32 = 1 << 4;
+    /// `IPS_DST_NAT`: the connection was DNATed.
+    pub const DNAT: u32 = 1 << 5;
+}
+
+impl CtKey {
+    fn as_str(self) -> &'static str {
+        match self {
+            CtKey::State => "state",
+            CtKey::Status => "status",
+        }
+    }
+
+    /// The bit names nft prints, lowest bit first.
+    fn names(self) -> &'static [(u32, &'static str)] {
+        match self {
+            CtKey::State => &[
+                (ct_state::INVALID, "invalid"),
+                (ct_state::ESTABLISHED, "established"),
+                (ct_state::RELATED, "related"),
+                (ct_state::NEW, "new"),
+                (ct_state::UNTRACKED, "untracked"),
+            ],
+            CtKey::Status => &[(ct_status::SNAT, "snat"), (ct_status::DNAT, "dnat")],
+        }
+    }
+}
+
 /// One piece of a rule: a match or a statement, in nft's left-to-right order.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Expr {
     /// `ct state new`.
     CtStateNew,
+    /// `ct <key> <bits>` (any of `bits` set) or `ct <key> ! <bits>` (none of them set), as
+    /// nft lists a bitmask match: `ct state ! established,related`, `ct status ! dnat`.
+    ///
+    /// nf_tables only has a `ct state` for packets without a conntrack entry (`invalid`,
+    /// `untracked`); every other key makes such a packet fail the match, whatever the
+    /// negation: `ct status ! dnat` never matches an untracked packet.
+    Ct {
+        /// The field.
+        key: CtKey,
+        /// True: none of `bits` may be set (`!`); false: at least one must be.
+        negate: bool,
+        /// The bits, a union of [`ct_state`] or [`ct_status`] constants.
+        bits: u32,
+    },
     /// `ip daddr [!=] <match>`.
     Daddr {
         /// Negated (`!=`).
@@ -210,6 +279,24 @@ fn write_expr(out: &mut String, e: &Expr, family: IpFamily) {
     let ip = addr_keyword(family);
     match e {
         Expr::CtStateNew => out.push_str("ct state new"),
+        Expr::Ct { key, negate, bits } => {
+            let _ = write!(out, "ct {} ", key.as_str());
+            if *negate {
+                out.push_str("! ");
+            }
+            let names: Vec<&str> = key
+                .names()
+                .iter()
+                .filter(|(bit, _)| bits & bit != 0)
+                .map(|(_, name)| *name)
+                .collect();
+            debug_assert_eq!(
+                names.len(),
+                bits.count_ones() as usize,
+                "every bit of a ct match has a name"
+            );
+            out.push_str(&names.join(","));
+        }
         Expr::Daddr { negate, value } | Expr::Saddr { negate, value } => {
             let field = if matches!(e, Expr::Daddr { .. }) {
                 "daddr"

@@ -759,8 +759,12 @@ fn localhost_nodeports_render_127_0_0_1_in_nodeport_ips_and_the_localnet_guard()
     let text = create_all(&localhost_world().ruleset()).to_nft();
     for line in [
         "add chain ip kube-proxy localnet-check",
-        "add rule ip kube-proxy filter-input ct state new jump localnet-check",
-        "add rule ip kube-proxy localnet-check ip daddr 127.0.0.0/8 ip saddr != 127.0.0.0/8 drop comment \"block incoming localnet connections\"",
+        // Every packet, not only new connections: kube-proxy's `-A INPUT -j KUBE-FIREWALL`.
+        "add rule ip kube-proxy filter-input jump localnet-check",
+        // `! --ctstate RELATED,ESTABLISHED,DNAT` in two rules: packets without a conntrack
+        // entry, which `ct status` cannot match, then new connections that were not DNATed.
+        "add rule ip kube-proxy localnet-check ip daddr 127.0.0.0/8 ip saddr != 127.0.0.0/8 ct state invalid,untracked drop comment \"block incoming localnet connections\"",
+        "add rule ip kube-proxy localnet-check ip daddr 127.0.0.0/8 ip saddr != 127.0.0.0/8 ct state ! established,related ct status ! dnat drop comment \"block incoming localnet connections\"",
         "add element ip kube-proxy nodeport-ips { 127.0.0.1 }",
         "add element ip kube-proxy nodeport-ips { 198.51.100.10 }",
     ] {

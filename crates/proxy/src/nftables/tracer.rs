@@ -12,7 +12,10 @@ use std::collections::BTreeSet;
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 
-use super::ruleset::{AddrMatch, ChainType, ElemKey, Expr, Hook, MapKey, Ruleset, Table, Verdict};
+use super::ruleset::{
+    AddrMatch, ChainType, CtKey, ElemKey, Expr, Hook, MapKey, Ruleset, Table, Verdict, ct_state,
+    ct_status,
+};
 use crate::model::{IpFamily, Protocol};
 
 /// Where the packet comes from.
@@ -378,6 +381,18 @@ impl Tracer<'_> {
         for (k, e) in exprs.iter().enumerate().skip(at) {
             match e {
                 Expr::CtStateNew => {}
+                Expr::Ct { key, negate, bits } => {
+                    // A traced packet opens a tracked connection: its state is `new`, and
+                    // its status has `dnat` once a NAT chain rewrote its destination.
+                    let have = match key {
+                        CtKey::State => ct_state::NEW,
+                        CtKey::Status if state.dnat.is_some() => ct_status::DNAT,
+                        CtKey::Status => 0,
+                    };
+                    if (have & bits != 0) == *negate {
+                        return RuleResult::NoMatch;
+                    }
+                }
                 Expr::Daddr { negate, value } => {
                     if self.addr_matches(state.dst, value) == *negate {
                         return RuleResult::NoMatch;
