@@ -7,7 +7,8 @@
 //! - [`store`]: the single writer that runs every mutation against the latest state and commits
 //!   batches of them, with the allocation bitmaps, in one transaction (group commit);
 //! - [`registry`]: kube-apiserver's generic store for Services, Endpoints, EndpointSlices, Nodes and
-//!   Namespaces, with the Service rules (defaulting, allocation, validation) in [`registry::service`];
+//!   Namespaces, with the Service rules (defaulting, allocation, validation) in [`registry::service`],
+//!   and the default ServiceCIDR (read-only) in [`registry::service_cidr`];
 //! - [`rest`]: the HTTP API (`router`), discovery, Table output, watch, patch;
 //! - [`ranges`]: `GET /ranges` (NodePort and ClusterIP occupancy per band) and `/metrics`;
 //! - [`tls`] and [`auth`]: serving over TLS and bearer tokens from `--token-auth-file`, which a
@@ -23,7 +24,11 @@
 //!   kube-apiserver's placeholders (32769..., the network address);
 //! - the namespace controller's work (deleting a Terminating namespace's contents, then the
 //!   namespace) runs inside the API server (see [`registry::namespace`]); server-side apply is
-//!   answered with 415.
+//!   answered with 415;
+//! - `networking.k8s.io/v1` ServiceCIDRs are served read-only: the one named `kubernetes` holds
+//!   `--service-cluster-ip-range` (Ready); more ranges cannot be added through the API;
+//! - an etcd outage is logged once when it starts and once when it ends (`storage::outage`), with
+//!   503/504 answers meanwhile, not one ERROR line per failed request.
 
 pub mod auth;
 pub mod error;
