@@ -26,6 +26,10 @@ fn invalid_proxy_flags_exit_64_naming_the_flag() {
         (vec!["proxy", "--sync-period", "10"], "--sync-period"),
         (vec!["proxy", "--proxy-mode", "userspace"], "--proxy-mode"),
         (
+            vec!["proxy", "--iptables-variant", "system"],
+            "--iptables-variant",
+        ),
+        (
             vec!["render", "-f", "-", "--nodeport-addresses", "x"],
             "--nodeport-addresses",
         ),

@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use nodeport_proxy::config::NodeConfig;
 use nodeport_proxy::desired::{self, DesiredState, NodeView, StateConfig};
-use nodeport_proxy::iptables::apply::{Applier, IptablesCommand, Kernel, Variant};
+use nodeport_proxy::iptables::apply::{Applier, IptablesCommand, Kernel, Variant, detect_variant};
 use nodeport_proxy::iptables::ruleset::create_all;
 use nodeport_proxy::model::{IpFamily, ServiceName, ServicePortName};
 use nodeport_proxy::nodeaddr::NodeFacts;
@@ -394,6 +394,66 @@ fn the_legacy_iptables_variant_is_programmed_the_same_way() {
     let text = ns.run(&["iptables-legacy-save", "-t", "nat"]).unwrap();
     assert!(text.contains("-A KUBE-NODEPORTS"), "{text}");
     assert!(text.contains("--rcheck --seconds 10800 --reap"), "{text}");
+}
+
+/// Every tool `--iptables-variant auto` runs, and the ones the test uses to plant chains.
+const VARIANT_TOOLS: [&str; 6] = [
+    "iptables-nft",
+    "iptables-legacy",
+    "iptables-nft-save",
+    "ip6tables-nft-save",
+    "iptables-legacy-save",
+    "ip6tables-legacy-save",
+];
+
+#[test]
+fn auto_variant_picks_legacy_when_only_the_legacy_tables_hold_the_kubernetes_chains() {
+    if !require_tools(
+        "auto_variant_picks_legacy_when_only_the_legacy_tables_hold_the_kubernetes_chains",
+        &VARIANT_TOOLS,
+    ) {
+        return;
+    }
+    let ns = Netns::new("iptvariant").unwrap();
+    let prefix = IptablesCommand::in_netns(ns.name()).prefix;
+    let detected = || detect_variant(&prefix).variant;
+    assert_eq!(detected(), Variant::Nft, "nothing anywhere: nf_tables");
+    // kubelet on a legacy node leaves its hint chain in the legacy mangle table.
+    ns.run(&[
+        "iptables-legacy",
+        "-t",
+        "mangle",
+        "-N",
+        "KUBE-IPTABLES-HINT",
+    ])
+    .unwrap();
+    assert_eq!(detected(), Variant::Legacy);
+    // iptables-wrappers looks at nf_tables first: chains there win.
+    ns.run(&["iptables-nft", "-t", "mangle", "-N", "KUBE-KUBELET-CANARY"])
+        .unwrap();
+    assert_eq!(detected(), Variant::Nft);
+}
+
+#[test]
+fn a_restarted_proxy_detects_the_legacy_tables_it_programmed_itself() {
+    if !require_tools(
+        "a_restarted_proxy_detects_the_legacy_tables_it_programmed_itself",
+        &[
+            &VARIANT_TOOLS[..],
+            &["iptables-legacy-restore", "ip6tables-legacy-restore"],
+        ]
+        .concat(),
+    ) {
+        return;
+    }
+    let ns = Netns::new("iptvarself").unwrap();
+    let s = Setup::new(&objects(&["10.244.1.1"], false));
+    let mut k = IptablesCommand::in_netns(ns.name());
+    let prefix = k.prefix.clone();
+    k.variant = Variant::Legacy;
+    Applier::new(k).sync(&s.desired(), &s.config, None).unwrap();
+    // No kubelet here: our own KUBE-PROXY-CANARY in the legacy tables decides.
+    assert_eq!(detect_variant(&prefix).variant, Variant::Legacy);
 }
 
 #[test]

@@ -7,7 +7,9 @@ use std::time::Duration;
 use anyhow::Context;
 use nodeport_proxy::agent::{self, ProxyConfig};
 use nodeport_proxy::config::{KubeProxyConfiguration, NodeConfig, ProxyMode, parse_go_duration};
+use nodeport_proxy::iptables::apply::{VariantChoice, resolve_variant};
 use nodeport_proxy::kube;
+use nodeport_proxy::model::IpFamily;
 use nodeport_proxy::nodeaddr::{NodePortAddresses, Selector};
 
 use super::UsageError;
@@ -39,6 +41,12 @@ pub struct Args {
     /// them (sets net.ipv4.conf.all.route_localnet=1) (default true).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     iptables_localhost_nodeports: Option<bool>,
+    /// iptables mode: which iptables tools to run: "auto" (default: legacy when only the
+    /// legacy tables hold the Kubernetes chains, else nft, as kube-proxy's images decide),
+    /// "nft" or "legacy". iptables-nft-restore slows down close to quadratically with
+    /// thousands of Services; "legacy" avoids that.
+    #[arg(long, value_name = "auto|nft|legacy")]
+    iptables_variant: Option<String>,
     /// Pod CIDRs (comma-separated): traffic to ClusterIPs from outside them is masqueraded.
     #[arg(long)]
     cluster_cidr: Option<String>,
@@ -93,7 +101,7 @@ fn duration(flag: &str, value: &str) -> anyhow::Result<Duration> {
 }
 
 /// Turns flags and file into the proxy's configuration (and the client's source).
-fn configure(args: &Args) -> anyhow::Result<(ProxyConfig, Option<PathBuf>)> {
+fn configure(args: &Args) -> anyhow::Result<(ProxyConfig, Option<PathBuf>, VariantChoice)> {
     let file = match &args.config {
         Some(path) => {
             let text = std::fs::read_to_string(path).map_err(|e| {
@@ -123,6 +131,14 @@ fn configure(args: &Args) -> anyhow::Result<(ProxyConfig, Option<PathBuf>)> {
             "invalid value {mode:?} for --proxy-mode: must be nftables, iptables or ipvs"
         ))
     })?;
+    let variant = match args.iptables_variant.as_deref() {
+        Some(v) => VariantChoice::parse(v).ok_or_else(|| {
+            usage(format!(
+                "invalid value {v:?} for --iptables-variant: must be auto, nft or legacy"
+            ))
+        })?,
+        None => VariantChoice::Auto,
+    };
     if mode == ProxyMode::Ipvs {
         // Stop at once: without IPVS in the kernel there is nothing to program, and IPVS
         // mode is deprecated upstream (KEP-5495) and only rendered here.
@@ -223,7 +239,7 @@ fn configure(args: &Args) -> anyhow::Result<(ProxyConfig, Option<PathBuf>)> {
         min_sync_period,
         ..defaults
     };
-    Ok((config, kubeconfig))
+    Ok((config, kubeconfig, variant))
 }
 
 fn source_text(e: &dyn std::error::Error) -> String {
@@ -257,7 +273,18 @@ async fn client(kubeconfig: Option<PathBuf>, master: Option<&str>) -> anyhow::Re
 
 /// Runs `nodeport proxy` until SIGTERM or SIGINT.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let (config, kubeconfig) = configure(&args)?;
+    let (mut config, kubeconfig, variant) = configure(&args)?;
+    if config.mode == ProxyMode::Iptables {
+        // kube-proxy's images decide once, at start (iptables-wrappers); so do we.
+        let chosen = resolve_variant(variant, &config.iptables.prefix);
+        config.iptables.variant = chosen.variant;
+        tracing::info!(
+            iptables_variant = variant.as_str(),
+            tools = %config.iptables.tool(IpFamily::V4, "restore"),
+            reason = chosen.reason,
+            "iptables tools chosen"
+        );
+    }
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async move {
         let client = client(kubeconfig, args.master.as_deref()).await?;

@@ -137,6 +137,151 @@ impl Variant {
     }
 }
 
+/// `--iptables-variant`: which `iptables` tools the iptables mode runs.
+///
+/// `auto` (the default) decides at start-up the way kube-proxy's container images do
+/// ([`decide_variant`]); `nft` and `legacy` force one. On this machine
+/// `iptables-nft-restore` grows close to quadratically with the size of the input (about 23 s
+/// for 4,000 Services, minutes at 10,000: `docs/BENCHMARKS.md`, "nftables vs iptables"), so a
+/// node with thousands of Services in iptables mode wants `--iptables-variant legacy` (or,
+/// better, the nftables mode).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum VariantChoice {
+    /// Detect from what the kernel's tables hold ([`detect_variant`]).
+    #[default]
+    Auto,
+    /// `iptables-nft*`.
+    Nft,
+    /// `iptables-legacy*`.
+    Legacy,
+}
+
+impl VariantChoice {
+    /// Parses `auto`, `nft` or `legacy`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "auto" => Some(VariantChoice::Auto),
+            "nft" => Some(VariantChoice::Nft),
+            "legacy" => Some(VariantChoice::Legacy),
+            _ => None,
+        }
+    }
+
+    /// The flag value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            VariantChoice::Auto => "auto",
+            VariantChoice::Nft => "nft",
+            VariantChoice::Legacy => "legacy",
+        }
+    }
+}
+
+/// The chains whose presence tells which `iptables` a node uses: kubelet's
+/// `KUBE-IPTABLES-HINT` and `KUBE-KUBELET-CANARY` (in `mangle`, since Kubernetes 1.17), the
+/// two iptables-wrappers looks for, and our own (kube-proxy's) `KUBE-PROXY-CANARY`, so that a
+/// restarted proxy stays with the tables it programmed even on a node without kubelet.
+pub const VARIANT_HINT_CHAINS: [&str; 3] = [
+    "KUBE-IPTABLES-HINT",
+    "KUBE-KUBELET-CANARY",
+    KUBE_PROXY_CANARY,
+];
+
+/// Whether `iptables-save` output declares one of [`VARIANT_HINT_CHAINS`] (a `:NAME` line).
+pub fn has_hint_chains(save: &str) -> bool {
+    save.lines().any(|line| {
+        line.strip_prefix(':')
+            .and_then(|rest| rest.split_whitespace().next())
+            .is_some_and(|name| VARIANT_HINT_CHAINS.contains(&name))
+    })
+}
+
+/// What [`detect_variant`] read: `iptables-save` outputs (IPv4 and IPv6) of each backend;
+/// a tool that is missing or failed gives an empty string.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct VariantListings {
+    /// `iptables-nft-save -t mangle`, `ip6tables-nft-save -t mangle`.
+    pub nft: [String; 2],
+    /// `iptables-legacy-save`, `ip6tables-legacy-save` (every table).
+    pub legacy: [String; 2],
+}
+
+/// The choice `auto` makes, and why (for the start-up log line).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Detected {
+    /// The tools to run.
+    pub variant: Variant,
+    /// One line saying which listing decided.
+    pub reason: &'static str,
+}
+
+/// Decides between the nft and the legacy tools as kube-proxy's images do: their
+/// `iptables` is kubernetes-sigs/iptables-wrappers, whose `DetectMode`
+/// (pkg/xtables/detect.go) uses nft when the nft `mangle` tables (IPv4, then IPv6) hold
+/// kubelet's chains, else legacy when the legacy tables do, else nft. So legacy is chosen
+/// only when the legacy tables hold the Kubernetes chains and the nft ones do not. We also
+/// count our own canary chain ([`VARIANT_HINT_CHAINS`]).
+pub fn decide_variant(listings: &VariantListings) -> Detected {
+    if listings.nft.iter().any(|s| has_hint_chains(s)) {
+        return Detected {
+            variant: Variant::Nft,
+            reason: "the nf_tables iptables tables hold the Kubernetes chains",
+        };
+    }
+    if listings.legacy.iter().any(|s| has_hint_chains(s)) {
+        return Detected {
+            variant: Variant::Legacy,
+            reason: "the legacy iptables tables hold the Kubernetes chains and the nf_tables ones do not",
+        };
+    }
+    Detected {
+        variant: Variant::Nft,
+        reason: "no Kubernetes chains in either backend: nf_tables, the default",
+    }
+}
+
+/// Reads what [`decide_variant`] needs with the tools behind `prefix` (as
+/// iptables-wrappers does: `-t mangle` for nft; every table for legacy, because naming
+/// `mangle` would make the legacy kernel module create that table) and decides. Errors are
+/// ignored, as upstream ignores them: a missing tool lists nothing.
+pub fn detect_variant(prefix: &[String]) -> Detected {
+    let with = |variant| IptablesCommand {
+        prefix: prefix.to_vec(),
+        variant,
+    };
+    let (nft, legacy) = (with(Variant::Nft), with(Variant::Legacy));
+    let read = |c: &IptablesCommand, family, args: &[&str]| {
+        c.run(&c.tool(family, "save"), args, None)
+            .unwrap_or_default()
+    };
+    let listings = VariantListings {
+        nft: [
+            read(&nft, IpFamily::V4, &["-t", "mangle"]),
+            read(&nft, IpFamily::V6, &["-t", "mangle"]),
+        ],
+        legacy: [
+            read(&legacy, IpFamily::V4, &[]),
+            read(&legacy, IpFamily::V6, &[]),
+        ],
+    };
+    decide_variant(&listings)
+}
+
+/// The tools to run for `choice`: detected for `auto`, with the reason.
+pub fn resolve_variant(choice: VariantChoice, prefix: &[String]) -> Detected {
+    match choice {
+        VariantChoice::Auto => detect_variant(prefix),
+        VariantChoice::Nft => Detected {
+            variant: Variant::Nft,
+            reason: "--iptables-variant nft",
+        },
+        VariantChoice::Legacy => Detected {
+            variant: Variant::Legacy,
+            reason: "--iptables-variant legacy",
+        },
+    }
+}
+
 /// The `iptables` tools, run with an optional prefix (`ip netns exec <ns>`).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct IptablesCommand {
@@ -835,6 +980,54 @@ COMMIT
                 .contains(&(Table::Nat, "OUTPUT".into(), None, "DOCKER_OUTPUT".into()))
         );
         assert_eq!(e.jumps.len(), 2, "rules of our own chains are not jumps");
+    }
+
+    fn listings(nft: [&str; 2], legacy: [&str; 2]) -> VariantListings {
+        VariantListings {
+            nft: nft.map(str::to_string),
+            legacy: legacy.map(str::to_string),
+        }
+    }
+
+    const HINT: &str = "# Generated by iptables-save\n*mangle\n:PREROUTING ACCEPT [0:0]\n\
+                        :KUBE-IPTABLES-HINT - [0:0]\nCOMMIT\n";
+    const CANARY_ONLY: &str = "*mangle\n:KUBE-PROXY-CANARY - [0:0]\nCOMMIT\n";
+    const OTHERS: &str = "*filter\n:INPUT ACCEPT [0:0]\n:DOCKER - [0:0]\n\
+                          -A INPUT -m comment --comment \":KUBE-IPTABLES-HINT\" -j DOCKER\nCOMMIT\n";
+
+    #[test]
+    fn auto_picks_legacy_only_when_the_legacy_tables_hold_the_kubernetes_chains_and_nft_ones_do_not()
+     {
+        let d = |l| decide_variant(&l).variant;
+        // iptables-wrappers' DetectMode: nft first, then legacy, else nft.
+        assert_eq!(d(listings(["", ""], ["", ""])), Variant::Nft);
+        assert_eq!(d(listings(["", ""], [HINT, ""])), Variant::Legacy);
+        assert_eq!(
+            d(listings(["", ""], ["", HINT])),
+            Variant::Legacy,
+            "IPv6 only"
+        );
+        assert_eq!(d(listings([HINT, ""], [HINT, HINT])), Variant::Nft);
+        assert_eq!(d(listings(["", HINT], [HINT, ""])), Variant::Nft);
+        // Our own canary counts as kube-proxy's chains.
+        assert_eq!(d(listings(["", ""], [CANARY_ONLY, ""])), Variant::Legacy);
+        // Only a chain declaration counts, not the name inside a rule or another chain.
+        assert_eq!(d(listings(["", ""], [OTHERS, OTHERS])), Variant::Nft);
+    }
+
+    #[test]
+    fn explicit_variants_are_not_detected_and_unknown_values_are_refused() {
+        for (text, want) in [("nft", Variant::Nft), ("legacy", Variant::Legacy)] {
+            let choice = VariantChoice::parse(text).unwrap();
+            assert_eq!(choice.as_str(), text);
+            // The prefix would fail if run: resolving an explicit choice runs nothing.
+            let r = resolve_variant(choice, &["/nonexistent/prefix".to_string()]);
+            assert_eq!(r.variant, want);
+        }
+        assert_eq!(VariantChoice::parse("auto"), Some(VariantChoice::Auto));
+        assert_eq!(VariantChoice::default(), VariantChoice::Auto);
+        assert_eq!(VariantChoice::parse("system"), None);
+        assert_eq!(VariantChoice::parse(""), None);
     }
 
     #[test]

@@ -49,8 +49,13 @@
 //! per table (`COMMIT`). The jumps are at the top of the built-in chains; tools that must see
 //! packets first insert above them. `KUBE-PROXY-CANARY` in `mangle`, `nat` and `filter` is
 //! ours: its disappearance means the tables were flushed (a firewalld reload), and the next
-//! sync rewrites everything. The mark bit is not API. Debian's `iptables` is the nf_tables
-//! variant; both variants work ([`apply::Variant`]), but one node must use one of them.
+//! sync rewrites everything. The mark bit is not API. Both variants of the tools work
+//! ([`apply::Variant`]), but one node must use one of them: `--iptables-variant auto` (the
+//! default) picks them at start-up as kube-proxy's images do (iptables-wrappers: legacy when
+//! only the legacy tables hold kubelet's or kube-proxy's chains, else nft,
+//! [`apply::decide_variant`]); `nft` or `legacy` force one. With thousands of Services,
+//! `legacy` is the way around `iptables-nft-restore`'s near-quadratic restore time
+//! ([`apply::VariantChoice`]).
 //!
 //! # Syncing
 //!
