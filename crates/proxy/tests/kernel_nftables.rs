@@ -178,6 +178,51 @@ fn listing(ns: &Netns) -> Vec<String> {
     out
 }
 
+/// The kernel's rules as nf_tables bytecode (`nft --debug=netlink list ruleset`): one entry
+/// per rule, `<family> kube-proxy <chain>` and its expressions, handles dropped, sorted.
+/// Equal bytecode is the strict form of "programs exactly what nft would".
+fn bytecode(ns: &Netns) -> Vec<String> {
+    let text = ns
+        .run(&["nft", "--debug=netlink", "list", "ruleset"])
+        .unwrap();
+    let mut rules = Vec::new();
+    let mut current: Option<String> = None;
+    for line in text.lines() {
+        if line.starts_with("ip kube-proxy ") || line.starts_with("ip6 kube-proxy ") {
+            rules.extend(current.take());
+            // `ip kube-proxy <chain> <handle>`
+            let head: Vec<&str> = line.split_whitespace().take(3).collect();
+            current = Some(head.join(" "));
+        } else if let Some(rule) = current.as_mut()
+            && (line.starts_with("  [") || line.starts_with("  userdata"))
+        {
+            rule.push('\n');
+            rule.push_str(line.trim());
+        } else {
+            rules.extend(current.take());
+        }
+    }
+    rules.extend(current);
+    rules.sort();
+    rules
+}
+
+/// The bytecode `nft -f` produces for the rendered ruleset in a fresh namespace.
+fn reference_bytecode(s: &Setup) -> Vec<String> {
+    let fresh = Netns::new("nftrefbc").unwrap();
+    let tx = nodeport_proxy::nftables::ruleset::create_all(&nodeport_proxy::nftables::render(
+        &s.desired(),
+        &s.config,
+    ));
+    nft_in(&fresh).apply(&tx).expect("rendered ruleset loads");
+    let rules = bytecode(&fresh);
+    assert!(
+        rules.len() > 10,
+        "nft --debug=netlink printed rules: {rules:?}"
+    );
+    rules
+}
+
 /// What `nft` prints for the rendered ruleset loaded into a fresh namespace.
 fn reference_listing(s: &Setup) -> Vec<String> {
     let fresh = Netns::new("nftref").unwrap();
@@ -392,6 +437,11 @@ fn netlink_batches_program_exactly_what_nft_would() {
         &reference_listing(&s),
         "after the first netlink sync",
     );
+    assert_same(
+        &bytecode(&ns),
+        &reference_bytecode(&s),
+        "bytecode after the first netlink sync",
+    );
     for (eps, affinity) in [
         (vec!["10.244.1.1"], true),
         (vec!["10.244.1.1", "10.244.1.5"], false),
@@ -408,6 +458,11 @@ fn netlink_batches_program_exactly_what_nft_would() {
             &listing(&ns),
             &reference_listing(&s),
             &format!("after partial netlink sync to {eps:?}"),
+        );
+        assert_same(
+            &bytecode(&ns),
+            &reference_bytecode(&s),
+            &format!("bytecode after partial netlink sync to {eps:?}"),
         );
     }
     // Drift: nothing moved after our own commits; a hand edit moves the generation.
@@ -478,6 +533,11 @@ fn netlink_encodes_the_localnet_guard_exactly_as_nft_does() {
         &listing(&ns),
         &reference_listing(&s),
         "the localnet guard over netlink",
+    );
+    assert_same(
+        &bytecode(&ns),
+        &reference_bytecode(&s),
+        "the bytecode of the localnet guard over netlink",
     );
     // And nft reads the ct matches back as the render writes them.
     let chain = ns

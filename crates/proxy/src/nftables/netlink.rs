@@ -8,7 +8,9 @@
 //!
 //! The encoding is the one `nft` itself produces (the same expressions, registers, set key
 //! types and user data), so `nft list ruleset` prints our rules exactly as if `nft -f` had
-//! loaded them; the kernel tests compare both listings. The few forms this encoder does not
+//! loaded them; the kernel tests compare both listings and the rules' bytecode
+//! (`nft --debug=netlink list ruleset`), so that even nft's shortcuts are reproduced (a
+//! byte-aligned prefix such as `127.0.0.0/8` loads and compares only its leading bytes). The few forms this encoder does not
 //! produce (anonymous sets: kube-proxy's inline `numgen ... vmap { }` and the firewall
 //! chain's `ip saddr != { ... }`) make the whole transaction go through `nft -f` instead.
 //!
@@ -375,32 +377,54 @@ fn addr_match(
     m: &AddrMatch,
 ) -> Result<(), Unsupported> {
     let (offset, len) = addr_field(family, dst);
-    payload(b, REG_1, NFT_PAYLOAD_NETWORK_HEADER, offset, len);
     match m {
-        AddrMatch::Addr(ip) => cmp(b, REG_1, negate, &ip_bytes(*ip)),
-        AddrMatch::Net(net) if net.prefix_len() == net.max_prefix_len() => {
-            cmp(b, REG_1, negate, &ip_bytes(net.addr()))
+        AddrMatch::Addr(ip) => {
+            payload(b, REG_1, NFT_PAYLOAD_NETWORK_HEADER, offset, len);
+            cmp(b, REG_1, negate, &ip_bytes(*ip));
         }
-        AddrMatch::Net(net) => {
-            let mask = ip_bytes(net.netmask());
-            bitwise(b, REG_1, &mask, &vec![0; mask.len()]);
-            cmp(b, REG_1, negate, &ip_bytes(net.network()));
+        AddrMatch::Net(net) => prefix_match(b, offset, negate, net),
+        AddrMatch::Set(name) => {
+            payload(b, REG_1, NFT_PAYLOAD_NETWORK_HEADER, offset, len);
+            lookup(b, name, REG_1, None, negate);
         }
-        AddrMatch::Set(name) => lookup(b, name, REG_1, None, negate),
         // nft turns a one-element anonymous set into a plain comparison.
-        AddrMatch::Nets(nets) if nets.len() == 1 => {
-            let net = nets[0];
-            if net.prefix_len() == net.max_prefix_len() {
-                cmp(b, REG_1, negate, &ip_bytes(net.addr()));
-            } else {
-                let mask = ip_bytes(net.netmask());
-                bitwise(b, REG_1, &mask, &vec![0; mask.len()]);
-                cmp(b, REG_1, negate, &ip_bytes(net.network()));
-            }
-        }
+        AddrMatch::Nets(nets) if nets.len() == 1 => prefix_match(b, offset, negate, &nets[0]),
         AddrMatch::Nets(_) => return Err(Unsupported),
     }
     Ok(())
+}
+
+/// An address compared with a prefix, as nft encodes it: the whole address for a host
+/// prefix; only the prefix's bytes when it ends on a byte boundary (`127.0.0.0/8` loads one
+/// byte); else the whole address, masked.
+fn prefix_match(b: &mut Buf, offset: u32, negate: bool, net: &ipnet::IpNet) {
+    let network = ip_bytes(net.network());
+    let bits = usize::from(net.prefix_len());
+    if net.prefix_len() == net.max_prefix_len() {
+        payload(
+            b,
+            REG_1,
+            NFT_PAYLOAD_NETWORK_HEADER,
+            offset,
+            network.len() as u32,
+        );
+        cmp(b, REG_1, negate, &ip_bytes(net.addr()));
+    } else if bits > 0 && bits % 8 == 0 {
+        let n = bits / 8;
+        payload(b, REG_1, NFT_PAYLOAD_NETWORK_HEADER, offset, n as u32);
+        cmp(b, REG_1, negate, &network[..n]);
+    } else {
+        payload(
+            b,
+            REG_1,
+            NFT_PAYLOAD_NETWORK_HEADER,
+            offset,
+            network.len() as u32,
+        );
+        let mask = ip_bytes(net.netmask());
+        bitwise(b, REG_1, &mask, &vec![0; mask.len()]);
+        cmp(b, REG_1, negate, &network);
+    }
 }
 
 /// Encodes a rule's expressions as nft does.
