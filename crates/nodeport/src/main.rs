@@ -3,6 +3,7 @@
 mod cmd;
 mod lab;
 
+use std::io::IsTerminal as _;
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -22,6 +23,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        // Colour only for a terminal: logs redirected to a file or a journal stay plain text.
+        .with_ansi(std::io::stderr().is_terminal())
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("NODEPORT_LOG")
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),

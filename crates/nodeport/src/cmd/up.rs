@@ -151,7 +151,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             usage("cannot find this node's IP (no non-loopback IPv4 address); pass --node-ip")
         })?,
     };
-    let proxy_config = proxy_config(&args, &node_name)?;
+    let mut proxy_config = proxy_config(&args, &node_name)?;
+    if proxy_config.mode == nodeport_proxy::config::ProxyMode::Iptables {
+        // The same choice of iptables tools as `nodeport proxy --iptables-variant auto`.
+        let chosen = nodeport_proxy::iptables::apply::resolve_variant(
+            nodeport_proxy::iptables::apply::VariantChoice::Auto,
+            &proxy_config.iptables.prefix,
+        );
+        proxy_config.iptables.variant = chosen.variant;
+        tracing::info!(reason = chosen.reason, "iptables tools chosen");
+    }
     let runtime = tokio::runtime::Runtime::new().context("start the async runtime")?;
     runtime.block_on(async move {
         let listener = nodeport_apiserver::bind(&config).await?;
