@@ -143,6 +143,17 @@ fn lab_answers_on_every_node_ip_and_leaves_nothing_behind(mode: &str) {
     for step in 1..=9 {
         assert!(stdout.contains(&format!("[{step}/9] ")), "{stdout}");
     }
+    if mode == "nftables" {
+        // Our API server serves the default ServiceCIDR `kubernetes` (kube-apiserver >= 1.33),
+        // and the proxy turns it into kube-proxy's drop rule for unallocated ClusterIPs: the
+        // whole chain API server -> ServiceCIDR watch -> rule, with our own parts.
+        assert!(
+            stdout.contains(
+                "ip daddr 10.96.0.0/16 drop comment \"Drop traffic to unallocated ClusterIPs\""
+            ),
+            "{stdout}"
+        );
+    }
     let veths = pod_veths(&stdout);
     assert_eq!(veths.len(), 3, "{stdout}");
     assert_nothing_left(&lab_id(&stdout), &veths);
