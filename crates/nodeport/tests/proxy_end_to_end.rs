@@ -182,6 +182,22 @@ fn default_route_answers_only_on_the_public_interface_and_follows_a_moved_route(
             "eth0",
         ])
         .unwrap();
+    // A backup default route on the private interface (DHCP on both NICs): a higher metric,
+    // so not the route the kernel uses, and not what `default-route` selects.
+    c.node
+        .run(&[
+            "ip",
+            "route",
+            "add",
+            "default",
+            "via",
+            "198.51.100.1",
+            "dev",
+            "eth1",
+            "metric",
+            "200",
+        ])
+        .unwrap();
     c.apply(&service_yaml("web", 30090, "", &[1])).unwrap();
     let public = format!("{NODE_IP}:30090");
     let private = format!("{NODE_IP2}:30090");

@@ -42,7 +42,8 @@ pub struct NodeAddresses {
     pub local_ips: Vec<IpAddr>,
     /// The addresses of the interfaces that hold a default route of the main table, each
     /// family by its own default route (an IPv4 default route on `eth0` selects `eth0`'s
-    /// IPv4 addresses only), sorted. Multipath default routes count every next hop.
+    /// IPv4 addresses only), sorted. Only the lowest-metric default routes count (a backup
+    /// route with a higher metric is not used); multipath ones count every next hop.
     pub default_route_ips: Vec<IpAddr>,
 }
 
@@ -108,22 +109,50 @@ async fn dump(handle: &rtnetlink::Handle) -> Result<NodeAddresses, Error> {
     })
 }
 
-/// The `(family, interface index)` pairs of the default routes in a route dump.
+/// The `(family, interface index)` pairs of the default routes in a route dump that the
+/// kernel uses: those with the lowest metric. A node that got a default route on each of
+/// its interfaces (DHCP on both NICs, the backup with a higher metric) sends through the
+/// best one only, and only that interface "has the default route" (kube-apiserver's
+/// `ChooseHostInterface` also takes the first, best, default route of the routing table).
+/// Equal-metric routes all count (multipath, IPv6 next hops listed as separate routes).
 async fn default_route_interfaces(
     routes: impl Stream<Item = Result<RouteMessage, rtnetlink::Error>>,
     family: IpFamily,
 ) -> Result<BTreeSet<(IpFamily, u32)>, Error> {
     futures::pin_mut!(routes);
+    let mut best: Option<u32> = None;
     let mut out = BTreeSet::new();
     while let Some(route) = routes.try_next().await.map_err(|source| Error::RouteDump {
         family: family.as_str(),
         source,
     })? {
-        for index in default_route_oifs(&route) {
-            out.insert((family, index));
+        let oifs = default_route_oifs(&route);
+        if oifs.is_empty() {
+            continue;
         }
+        let metric = route_metric(&route);
+        if best.is_some_and(|b| metric > b) {
+            continue;
+        }
+        if best.is_none_or(|b| metric < b) {
+            best = Some(metric);
+            out.clear();
+        }
+        out.extend(oifs.into_iter().map(|index| (family, index)));
     }
     Ok(out)
+}
+
+/// A route's metric (`RTA_PRIORITY`; absent means 0, as `ip route` shows it).
+fn route_metric(route: &RouteMessage) -> u32 {
+    route
+        .attributes
+        .iter()
+        .find_map(|a| match a {
+            RouteAttribute::Priority(p) => Some(*p),
+            _ => None,
+        })
+        .unwrap_or(0)
 }
 
 /// The output interfaces of a route if it is a usable default route of the main table
@@ -231,5 +260,49 @@ mod tests {
             )),
             vec![3, 4]
         );
+    }
+
+    fn with_metric(oif: u32, metric: Option<u32>) -> RouteMessage {
+        let mut attributes = vec![RouteAttribute::Oif(oif)];
+        attributes.extend(metric.map(RouteAttribute::Priority));
+        route(
+            0,
+            RouteHeader::RT_TABLE_MAIN,
+            RouteType::Unicast,
+            attributes,
+        )
+    }
+
+    fn interfaces(routes: Vec<RouteMessage>) -> Vec<u32> {
+        let stream = futures::stream::iter(routes.into_iter().map(Ok));
+        futures::executor::block_on(default_route_interfaces(stream, IpFamily::V4))
+            .unwrap()
+            .into_iter()
+            .map(|(_, index)| index)
+            .collect()
+    }
+
+    #[test]
+    fn only_the_lowest_metric_default_route_names_interfaces() {
+        // A backup default route (higher metric) on the private interface is not the
+        // default route: the kernel never sends through it while the best one is there.
+        let public = with_metric(2, Some(100));
+        let backup = with_metric(3, Some(200));
+        assert_eq!(interfaces(vec![public.clone(), backup.clone()]), vec![2]);
+        assert_eq!(interfaces(vec![backup.clone(), public.clone()]), vec![2]);
+        // No metric attribute is metric 0, the best.
+        assert_eq!(
+            interfaces(vec![backup.clone(), with_metric(4, None)]),
+            vec![4]
+        );
+        // Equal metrics: both interfaces hold the default route.
+        assert_eq!(
+            interfaces(vec![with_metric(2, Some(100)), with_metric(3, Some(100))]),
+            vec![2, 3]
+        );
+        // Routes that are not default routes do not compete.
+        let mut other = with_metric(5, Some(0));
+        other.header.destination_prefix_length = 24;
+        assert_eq!(interfaces(vec![public, other]), vec![2]);
     }
 }
