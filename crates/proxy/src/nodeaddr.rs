@@ -9,8 +9,9 @@
 //! - a CIDR: the node's interface addresses inside it, of the CIDR's family only. A CIDR
 //!   that matches no address is allowed (reference 004's DHCP case): it starts matching as
 //!   soon as an address inside it appears. `0.0.0.0/0` (`::/0`) matches every address.
-//! - `default-route`: the addresses of the interface(s) that hold a default route, per
-//!   family (reference 004; kube-apiserver's `--advertise-address` heuristic).
+//! - `default-route`: the addresses of the interface(s) that hold the default route (the
+//!   lowest-metric one), per family, link-local ones left out (reference 004;
+//!   kube-apiserver's `--advertise-address` heuristic).
 //! - `primary`: the Node object's primary IP of each family (kube-proxy's nftables default).
 //!
 //! IPv4 loopback addresses are selected only by a CIDR that contains them (`127.0.0.0/8`,
@@ -216,8 +217,14 @@ impl NodePortAddresses {
         }
         let by_default_route = |ip: &IpAddr| {
             // The default route's interface may hold its loopback-range addresses only in
-            // odd setups; a localhost NodePort must be asked for with a CIDR.
-            default_route && !ip.is_loopback() && self.default_route_ips.contains(ip)
+            // odd setups; a localhost NodePort must be asked for with a CIDR. Its link-local
+            // addresses (every IPv6 interface has an fe80:: one) are not what the heuristic
+            // of reference 004 picks either: kube-apiserver's `ChooseHostInterface` takes
+            // global unicast addresses only. A CIDR can still ask for them.
+            default_route
+                && !ip.is_loopback()
+                && !is_link_local(ip)
+                && self.default_route_ips.contains(ip)
         };
         let ips = facts
             .local_ips
@@ -230,6 +237,14 @@ impl NodePortAddresses {
             .filter(|ip| cidrs.iter().any(|c| c.contains(ip)) || by_default_route(ip))
             .collect();
         Selection::Ips(ips)
+    }
+}
+
+/// `169.254.0.0/16` or `fe80::/10`.
+fn is_link_local(ip: &IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => v4.is_link_local(),
+        IpAddr::V6(v6) => v6.is_unicast_link_local(),
     }
 }
 
@@ -375,6 +390,25 @@ mod tests {
         // The route moved: the selection follows.
         let npa = npa.with_default_route(&["192.0.2.10".parse().unwrap()]);
         assert_eq!(npa.select(IpFamily::V4, &facts()), ips(&["192.0.2.10"]));
+    }
+
+    #[test]
+    fn default_route_leaves_out_the_link_local_addresses_of_the_interface() {
+        let mut f = facts();
+        f.local_ips
+            .extend(["fe80::10", "169.254.0.10"].map(|s| s.parse::<IpAddr>().unwrap()));
+        let on_eth0: Vec<IpAddr> = ["198.51.100.10", "169.254.0.10", "fd00::10", "fe80::10"]
+            .map(|s| s.parse().unwrap())
+            .to_vec();
+        let npa = "default-route"
+            .parse::<NodePortAddresses>()
+            .unwrap()
+            .with_default_route(&on_eth0);
+        assert_eq!(npa.select(IpFamily::V4, &f), ips(&["198.51.100.10"]));
+        assert_eq!(npa.select(IpFamily::V6, &f), ips(&["fd00::10"]));
+        // Asked for by a CIDR, they are selected.
+        let npa: NodePortAddresses = "fe80::/10".parse().unwrap();
+        assert_eq!(npa.select(IpFamily::V6, &f), ips(&["fe80::10"]));
     }
 
     #[test]
