@@ -245,7 +245,7 @@ fn localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropp
     ) {
         return;
     }
-    let c = Cluster::start(
+    let mut c = Cluster::start(
         mode,
         &["--nodeport-addresses", "127.0.0.0/8,198.51.100.0/24"],
     );
@@ -346,6 +346,20 @@ fn localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropp
         matches!(get(&c.client, "127.0.0.1:18080", T), Reply::Pod { pod, .. } if pod == "node-lo"),
         "without the guard, route_localnet exposes 127.0.0.1"
     );
+    // route_localnet is never reset. A proxy restarted without localhost NodePorts must put
+    // the guard back: 127.0.0.0/8 is still routable from outside.
+    c.restart_proxy_with(&["--nodeport-addresses", "198.51.100.0/24"]);
+    assert_eq!(
+        c.node
+            .run(&["cat", "/proc/sys/net/ipv4/conf/all/route_localnet"])
+            .unwrap()
+            .trim(),
+        "1"
+    );
+    let reply = eventually(&c.client, "127.0.0.1:18080", "the guard is back", |r| {
+        *r == Reply::Timeout
+    });
+    assert_eq!(reply, Reply::Timeout);
 }
 
 fn etp_local_drops_without_a_local_endpoint_and_keeps_the_client_ip_with_one(mode: Mode) {

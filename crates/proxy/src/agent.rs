@@ -323,15 +323,17 @@ struct Engine {
     backend: Box<dyn Backend>,
     desired: Option<DesiredState>,
     config: ProxyConfig,
-    /// nftables mode: `route_localnet` was set for localhost NodePorts (the iptables
-    /// applier keeps its own).
-    route_localnet: bool,
 }
 
 /// `net.ipv4.conf.all.route_localnet`: lets packets with a 127.0.0.0/8 source or
 /// destination be routed off the loopback interface, which a localhost NodePort DNATed to a
 /// pod needs (kube-proxy sets it for its iptables mode's `localhostNodePorts`).
 const ROUTE_LOCALNET: &str = "/proc/sys/net/ipv4/conf/all/route_localnet";
+
+/// Whether `route_localnet` is on in this network namespace (unreadable: taken as off).
+fn route_localnet_is_on() -> bool {
+    std::fs::read_to_string(ROUTE_LOCALNET).is_ok_and(|v| v.trim() == "1")
+}
 
 /// What one sync hands back to the async side.
 struct Outcome {
@@ -416,14 +418,22 @@ impl Engine {
             )
         };
         let desired = self.desired.as_ref().expect("computed above");
+        let report = self.backend.sync(
+            desired,
+            &self.config.node,
+            (!full).then_some(&changed_ports),
+        )?;
+        // Only once the sync that holds the localnet-check guard is in the kernel: turned on
+        // before, a failed sync would leave 127.0.0.0/8 routable from outside, unguarded.
         if self.backend.mode() == ProxyMode::Nftables
-            && !self.route_localnet
+            && !self.config.node.route_localnet
             && desired
                 .families
                 .iter()
                 .any(crate::nftables::render::localhost_nodeports)
         {
             // Set once and never reset, as kube-proxy does: another component may rely on it.
+            // From now on the guard is rendered whatever --nodeport-addresses selects.
             match std::fs::write(ROUTE_LOCALNET, "1") {
                 Ok(()) => {
                     tracing::info!(
@@ -431,7 +441,7 @@ impl Engine {
                          (--nodeport-addresses selects 127.0.0.1); incoming connections to \
                          127.0.0.0/8 are dropped by the localnet-check chain (CVE-2020-8558)"
                     );
-                    self.route_localnet = true;
+                    self.config.node.route_localnet = true;
                 }
                 Err(e) => tracing::error!(
                     error = %e,
@@ -440,11 +450,6 @@ impl Engine {
                 ),
             }
         }
-        let report = self.backend.sync(
-            desired,
-            &self.config.node,
-            (!full).then_some(&changed_ports),
-        )?;
 
         let mut checks: Vec<HealthCheck> = Vec::new();
         for fam in &desired.families {
@@ -673,11 +678,20 @@ pub async fn run_with_backend(
         }
     });
 
+    let mut engine_config = config.clone();
+    if route_localnet_is_on() {
+        // Left on by an earlier run (or someone else): keep the guard from the first sync.
+        tracing::info!(
+            "net.ipv4.conf.all.route_localnet is 1: the CVE-2020-8558 guard (nftables \
+             localnet-check, iptables KUBE-FIREWALL) is kept whatever --nodeport-addresses \
+             selects"
+        );
+        engine_config.node.route_localnet = true;
+    }
     let engine = Arc::new(Mutex::new(Engine {
         backend,
         desired: None,
-        config: config.clone(),
-        route_localnet: false,
+        config: engine_config,
     }));
     let sync_loop = sync_loop(shared.clone(), engine, config);
     tokio::select! {

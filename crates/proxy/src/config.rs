@@ -67,6 +67,11 @@ pub struct NodeConfig {
     /// NodePorts also answer on 127.0.0.1 when every IPv4 address accepts NodePorts (the
     /// iptables mode's default). The nftables mode never serves them.
     pub localhost_nodeports: bool,
+    /// `net.ipv4.conf.all.route_localnet` is 1 on this node, set by this proxy
+    /// or an earlier run for localhost NodePorts (or by someone else). The sysctl is never
+    /// reset, so the CVE-2020-8558 guard must stay while it is on, even once
+    /// `--nodeport-addresses` no longer selects 127.0.0.1.
+    pub route_localnet: bool,
 }
 
 impl Default for NodeConfig {
@@ -79,6 +84,7 @@ impl Default for NodeConfig {
             endpoint_choice: EndpointChoice::default(),
             // kube-proxy's default (iptables.localhostNodePorts).
             localhost_nodeports: true,
+            route_localnet: false,
         }
     }
 }

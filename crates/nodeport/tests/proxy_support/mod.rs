@@ -167,6 +167,15 @@ impl Cluster {
         cluster
     }
 
+    /// Stops the proxy and starts it again with `proxy_args` instead of the ones it had.
+    pub fn restart_proxy_with(&mut self, proxy_args: &[&str]) {
+        if let Some(mut proxy) = self.proxy.take() {
+            proxy.kill();
+        }
+        self.proxy_args = proxy_args.iter().map(|s| s.to_string()).collect();
+        self.start_proxy();
+    }
+
     /// Starts (or restarts) the proxy and waits until it reports healthy.
     pub fn start_proxy(&mut self) {
         let mut cmd = self.node.command(env!("CARGO_BIN_EXE_nodeport"));

@@ -212,7 +212,9 @@ fn top_chains<'a>(
         (KUBE_NODEPORTS, Vec::new()),
         (KUBE_PROXY_FIREWALL, Vec::new()),
     ];
-    if localhost {
+    // The guard is written while 127.0.0.1 serves NodePorts, and also while route_localnet
+    // is on without them (never reset: a restart with another --nodeport-addresses).
+    if localhost || (family == IpFamily::V4 && config.route_localnet) {
         // CVE-2020-8558: with route_localnet on, nothing from outside may reach 127/8
         // except connections DNATed to a NodePort's endpoint.
         let lo = loopback(family);

@@ -156,9 +156,12 @@ pub fn render_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
         comment: Some(comment.to_string()),
     };
     let match_all = state.nodeport_ips == Selection::MatchAll;
-    let localhost = localhost_nodeports(state);
+    // The guard is there while 127.0.0.1 serves NodePorts, and also while `route_localnet`
+    // is on without them (a restart with another --nodeport-addresses leaves it on).
+    let localnet_guard =
+        localhost_nodeports(state) || (state.family == IpFamily::V4 && config.route_localnet);
     let mut filter_input = Vec::new();
-    if localhost {
+    if localnet_guard {
         filter_input.push(Rule::new(vec![jump(LOCALNET_CHECK)]));
     }
     filter_input.extend([
@@ -372,7 +375,7 @@ pub fn render_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
         ),
     ]);
 
-    if localhost {
+    if localnet_guard {
         chains.push(localnet_check());
     }
 

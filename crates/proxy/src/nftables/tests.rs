@@ -787,6 +787,32 @@ fn localhost_nodeports_render_127_0_0_1_in_nodeport_ips_and_the_localnet_guard()
 }
 
 #[test]
+fn the_localnet_guard_stays_while_route_localnet_is_on_without_localhost_nodeports() {
+    // A proxy restarted without 127.0.0.0/8 in --nodeport-addresses finds route_localnet=1
+    // (never reset, as kube-proxy never resets it): 127.0.0.0/8 stays routable from outside,
+    // so the CVE-2020-8558 guard must stay, though 127.0.0.1 no longer serves NodePorts.
+    let mut w = World::new(&web("", THREE_ENDPOINTS));
+    w.facts.local_ips.push("127.0.0.1".parse().unwrap());
+    w.config.route_localnet = true;
+    let text = create_all(&w.ruleset()).to_nft();
+    assert!(
+        text.lines()
+            .any(|l| l == "add rule ip kube-proxy filter-input jump localnet-check"),
+        "{text}"
+    );
+    assert!(
+        text.contains("add chain ip kube-proxy localnet-check"),
+        "{text}"
+    );
+    assert!(!text.contains("nodeport-ips { 127.0.0.1 }"), "{text}");
+    let t = w.trace(tcp(CLIENT, "127.0.0.1", 10249));
+    assert_eq!(t.only(), &Fate::Dropped("localnet-check".into()), "{t}");
+    // Without route_localnet and without localhost NodePorts: no guard, as before.
+    w.config.route_localnet = false;
+    assert!(!create_all(&w.ruleset()).to_nft().contains("localnet-check"));
+}
+
+#[test]
 fn localhost_nodeport_from_a_node_process_reaches_every_endpoint_masqueraded() {
     let w = localhost_world();
     let t = w.trace(Packet::local(
