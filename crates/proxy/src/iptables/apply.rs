@@ -498,6 +498,8 @@ pub struct FakeKernel {
     pub history: Vec<Restore>,
     /// `route_localnet` was set.
     pub route_localnet: bool,
+    /// Make setting `route_localnet` fail with this message (a read-only `/proc/sys`).
+    pub route_localnet_fault: Option<String>,
 }
 
 impl FakeKernel {
@@ -622,6 +624,9 @@ impl Kernel for FakeKernel {
     }
 
     fn enable_route_localnet(&mut self) -> Result<(), KernelError> {
+        if let Some(fault) = &self.route_localnet_fault {
+            return Err(KernelError::Fake(fault.clone()));
+        }
         self.route_localnet = true;
         Ok(())
     }
@@ -678,9 +683,6 @@ pub enum Error {
         #[source]
         source: KernelError,
     },
-    /// Enabling localhost NodePorts failed.
-    #[error("enabling localhost NodePorts")]
-    RouteLocalnet(#[source] KernelError),
 }
 
 /// What was applied for one service port: a hash of its chains and their names.
@@ -696,12 +698,26 @@ fn hash_of<T: Hash>(t: &T) -> u64 {
     h.finish()
 }
 
+/// An error and its sources on one line (`a: b: c`), to log and to compare.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
 /// Keeps the kernel's iptables equal to the desired ruleset, kube-proxy's way.
 pub struct Applier<K: Kernel> {
     kernel: K,
     applied: BTreeMap<IpFamily, HashMap<ServicePortName, Applied>>,
     need_full: bool,
     route_localnet: bool,
+    /// The last `route_localnet` failure logged, so that a lasting one is logged once.
+    route_localnet_failure: Option<String>,
 }
 
 impl<K: Kernel> Applier<K> {
@@ -712,6 +728,7 @@ impl<K: Kernel> Applier<K> {
             applied: BTreeMap::new(),
             need_full: true,
             route_localnet: false,
+            route_localnet_failure: None,
         }
     }
 
@@ -728,6 +745,12 @@ impl<K: Kernel> Applier<K> {
     /// Whether the next sync will be full.
     pub fn needs_full_sync(&self) -> bool {
         self.need_full
+    }
+
+    /// Why setting `route_localnet` failed at the last attempt, if it did (localhost
+    /// NodePorts do not reach pods meanwhile; the rules are synced all the same).
+    pub fn route_localnet_failure(&self) -> Option<&str> {
+        self.route_localnet_failure.as_deref()
     }
 
     /// Forces the next sync to be full (the hourly resync).
@@ -763,18 +786,6 @@ impl<K: Kernel> Applier<K> {
                 }
             }
         }
-        if !self.route_localnet
-            && desired
-                .families
-                .iter()
-                .any(|f| localhost_nodeports(f, config))
-        {
-            // kube-proxy sets it at start-up when localhost NodePorts are on (issue 90259).
-            self.kernel
-                .enable_route_localnet()
-                .map_err(Error::RouteLocalnet)?;
-            self.route_localnet = true;
-        }
         let mut report = SyncReport {
             full,
             ..Default::default()
@@ -785,11 +796,53 @@ impl<K: Kernel> Applier<K> {
                 if full {
                     self.need_full = false;
                 }
+                // Only once the rules holding the KUBE-FIREWALL localnet guard are in: set
+                // before, a failed sync would leave 127.0.0.0/8 routable from outside,
+                // unguarded (CVE-2020-8558).
+                self.enable_route_localnet_if_needed(desired, config);
                 Ok(report)
             }
             Err(e) => {
                 self.need_full = true;
                 Err(e)
+            }
+        }
+    }
+
+    /// Sets `route_localnet` when localhost NodePorts are served. kube-proxy sets it at
+    /// start-up (issue 90259) and, when the write fails, only logs it: the rules are synced
+    /// all the same and localhost NodePorts do not reach pods, as in the nftables mode. The
+    /// write is retried on every sync; a failure is logged when it first happens or changes,
+    /// and the recovery once, not every sync.
+    fn enable_route_localnet_if_needed(&mut self, desired: &DesiredState, config: &NodeConfig) {
+        if self.route_localnet
+            || !desired
+                .families
+                .iter()
+                .any(|f| localhost_nodeports(f, config))
+        {
+            return;
+        }
+        match self.kernel.enable_route_localnet() {
+            Ok(()) => {
+                self.route_localnet = true;
+                if self.route_localnet_failure.take().is_some() {
+                    tracing::info!(
+                        "set net.ipv4.conf.all.route_localnet=1; localhost NodePorts now reach pods"
+                    );
+                }
+            }
+            Err(e) => {
+                let failure = error_chain(&e);
+                if self.route_localnet_failure.as_deref() != Some(failure.as_str()) {
+                    tracing::error!(
+                        error = %failure,
+                        "setting net.ipv4.conf.all.route_localnet=1 failed; localhost NodePorts \
+                         will not reach pods (retried every sync, logged again only if the \
+                         error changes)"
+                    );
+                }
+                self.route_localnet_failure = Some(failure);
             }
         }
     }

@@ -740,6 +740,54 @@ fn first_sync_programs_the_same_behaviour_as_the_rendered_rules() {
 }
 
 #[test]
+fn a_failed_route_localnet_write_is_logged_and_the_rules_still_sync_as_kube_proxy_does() {
+    // kube-proxy (and our nftables mode) only logs a failed route_localnet write:
+    // localhost NodePorts then do not reach pods, everything else keeps being synced.
+    let w = World::new(&web("", THREE_ENDPOINTS));
+    let kernel = FakeKernel {
+        route_localnet_fault: Some("read-only file system".to_string()),
+        ..FakeKernel::default()
+    };
+    let mut a = Applier::new(kernel);
+    let r = a
+        .sync(&w.desired(), &w.config, None)
+        .expect("the sync goes on without route_localnet");
+    assert!(r.full);
+    assert!(!a.kernel().route_localnet);
+    assert!(
+        a.route_localnet_failure()
+            .is_some_and(|f| f.contains("read-only file system")),
+        "{:?}",
+        a.route_localnet_failure()
+    );
+    assert_eq!(
+        kernel_trace(&a, &w, tcp(CLIENT, NODE_IP, 30080))
+            .endpoints()
+            .len(),
+        3
+    );
+
+    // Later changes still reach the kernel (the `?` used to end every sync here).
+    let w = World::new(&web("", "- {addresses: [10.244.1.1], nodeName: node-a}"));
+    let changed = BTreeSet::from([web_port()]);
+    let r = a
+        .sync(&w.desired(), &w.config, Some(&changed))
+        .expect("a partial sync goes on too");
+    assert!(!r.full, "the failure does not force full syncs");
+    assert_eq!(
+        kernel_trace(&a, &w, tcp(CLIENT, NODE_IP, 30080)).only(),
+        &delivered("10.244.1.1:8080", true)
+    );
+
+    // Once the write works, it is made and the failure forgotten.
+    a.kernel_mut().route_localnet_fault = None;
+    a.sync(&w.desired(), &w.config, Some(&BTreeSet::new()))
+        .unwrap();
+    assert!(a.kernel().route_localnet);
+    assert_eq!(a.route_localnet_failure(), None);
+}
+
+#[test]
 fn a_sync_without_changes_rewrites_only_the_top_level_chains() {
     let w = World::new(&web("", THREE_ENDPOINTS));
     let (mut a, d) = applier_with(&w);
