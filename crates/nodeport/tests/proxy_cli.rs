@@ -193,7 +193,7 @@ fn proxy_in_ipvs_mode_exits_at_once_saying_why() {
 #[test]
 fn every_invalid_nodeport_addresses_value_exits_64_naming_the_flag_and_the_value() {
     // Reference 004: the empty string is invalid; so are malformed CIDRs and unknown
-    // keywords, anywhere in the list.
+    // keywords, anywhere in the list, and what kube-proxy's validation refuses.
     for value in [
         "",
         ",",
@@ -203,6 +203,12 @@ fn every_invalid_nodeport_addresses_value_exits_64_naming_the_flag_and_the_value
         "default_route",
         "127.0.0.0/8,bogus",
         "localhost",
+        // kube-proxy's validateKubeProxyNodePortAddress: "primary" only alone; entries
+        // with spaces around them are not CIDRs (pflag keeps the spaces).
+        "primary,192.0.2.0/24",
+        "default-route,primary",
+        "192.0.2.0/24, 127.0.0.0/8",
+        " primary",
     ] {
         for cmd in [
             vec!["proxy", "--nodeport-addresses", value],

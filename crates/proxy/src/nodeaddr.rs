@@ -13,6 +13,10 @@
 //!   lowest-metric one), per family, link-local ones left out (reference 004;
 //!   kube-apiserver's `--advertise-address` heuristic).
 //! - `primary`: the Node object's primary IP of each family (kube-proxy's nftables default).
+//!   As in kube-proxy's `validateKubeProxyNodePortAddress`, it must be the only entry.
+//!
+//! Entries are taken as written: one with spaces around it is refused, as kube-proxy's
+//! flag parsing (pflag keeps them) and validation (not a CIDR) do.
 //!
 //! IPv4 loopback addresses are selected only by a CIDR that contains them (`127.0.0.0/8`,
 //! `127.0.0.1/32`): localhost NodePorts, which need `route_localnet` and the CVE-2020-8558
@@ -46,6 +50,26 @@ pub enum Error {
         value: String,
         /// The entry that failed to parse.
         entry: String,
+    },
+    /// An entry has spaces around it. kube-proxy takes each comma-separated entry as
+    /// written (pflag's CSV reader keeps spaces) and `ParseCIDRSloppy` rejects it.
+    #[error(
+        "invalid value \"{value}\" for --nodeport-addresses: \"{entry}\" has spaces around it (entries are separated by a comma alone)"
+    )]
+    Spaces {
+        /// The whole value as given.
+        value: String,
+        /// The entry, spaces included.
+        entry: String,
+    },
+    /// `primary` is not the only entry (kube-proxy's `validateKubeProxyNodePortAddress`
+    /// refuses it: "can't use both 'primary' and CIDRs").
+    #[error(
+        "invalid value \"{value}\" for --nodeport-addresses: \"primary\" must be the only entry (can't use both 'primary' and CIDRs)"
+    )]
+    PrimaryNotAlone {
+        /// The whole value as given.
+        value: String,
     },
 }
 
@@ -125,11 +149,27 @@ impl NodePortAddresses {
         entries: impl IntoIterator<Item = &'a str>,
         whole: &str,
     ) -> Result<Self, Error> {
+        let entries: Vec<&str> = entries.into_iter().collect();
         let mut selectors = Vec::new();
-        for entry in entries {
-            let entry = entry.trim();
-            if entry.is_empty() {
+        for (i, &entry) in entries.iter().enumerate() {
+            if entry.trim().is_empty() {
                 return Err(Error::Empty {
+                    value: whole.to_string(),
+                });
+            }
+            // kube-proxy: pflag's StringSlice keeps the spaces around an entry, and
+            // validateKubeProxyNodePortAddress (pkg/proxy/apis/config/validation) rejects
+            // " 10.0.0.0/8" as not a valid CIDR; so do we, rather than guess.
+            if entry.trim() != entry {
+                return Err(Error::Spaces {
+                    value: whole.to_string(),
+                    entry: entry.to_string(),
+                });
+            }
+            // validateKubeProxyNodePortAddress: "primary" is valid only as the one entry
+            // ("can't use both 'primary' and CIDRs"); default-route is no exception.
+            if entry == PRIMARY && (i != 0 || entries.len() != 1) {
+                return Err(Error::PrimaryNotAlone {
                     value: whole.to_string(),
                 });
             }
@@ -419,6 +459,62 @@ mod tests {
             npa.select(IpFamily::V4, &facts()),
             ips(&["127.0.0.1", "192.0.2.10"])
         );
+    }
+
+    #[test]
+    fn primary_combined_with_other_entries_is_refused_as_validate_kube_proxy_node_port_address_does()
+     {
+        for v in [
+            "primary,10.0.0.0/8",
+            "10.0.0.0/8,primary",
+            "primary,default-route",
+            "primary,primary",
+        ] {
+            let err = v.parse::<NodePortAddresses>().unwrap_err();
+            assert_eq!(
+                err.to_string(),
+                format!(
+                    "invalid value \"{v}\" for --nodeport-addresses: \"primary\" must be the only entry (can't use both 'primary' and CIDRs)"
+                )
+            );
+        }
+        // An earlier malformed entry is reported first, as kube's loop does.
+        assert!(matches!(
+            "bogus,primary".parse::<NodePortAddresses>(),
+            Err(Error::BadEntry { .. })
+        ));
+        let err =
+            NodePortAddresses::from_entries(["primary", "192.0.2.0/24"], "primary,192.0.2.0/24")
+                .unwrap_err();
+        assert!(matches!(err, Error::PrimaryNotAlone { .. }), "{err}");
+    }
+
+    #[test]
+    fn entries_with_spaces_around_them_are_refused_as_kube_proxys_flag_parsing_does() {
+        // pflag's StringSlice keeps " 10.0.0.0/8"; ParseCIDRSloppy then rejects it.
+        for (v, entry) in [
+            ("10.0.0.0/8, 192.0.2.0/24", " 192.0.2.0/24"),
+            (" primary", " primary"),
+            ("default-route ", "default-route "),
+            ("10.0.0.0/8,\t127.0.0.0/8", "\t127.0.0.0/8"),
+        ] {
+            let err = v.parse::<NodePortAddresses>().unwrap_err();
+            assert_eq!(
+                err,
+                Error::Spaces {
+                    value: v.to_string(),
+                    entry: entry.to_string()
+                }
+            );
+            assert!(
+                err.to_string().starts_with(&format!(
+                    "invalid value \"{v}\" for --nodeport-addresses: \"{entry}\" has spaces"
+                )),
+                "{err}"
+            );
+        }
+        let err = NodePortAddresses::from_entries([" 10.0.0.0/8"], " 10.0.0.0/8").unwrap_err();
+        assert!(matches!(err, Error::Spaces { .. }), "{err}");
     }
 
     #[test]
