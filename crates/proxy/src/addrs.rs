@@ -5,7 +5,7 @@
 //! address added or removed on the node, or a default route moved to another interface, is
 //! followed without a restart (reference 004, "in case of something like DHCP").
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use futures::{Stream, TryStreamExt};
@@ -43,7 +43,9 @@ pub struct NodeAddresses {
     /// The addresses of the interfaces that hold a default route of the main table, each
     /// family by its own default route (an IPv4 default route on `eth0` selects `eth0`'s
     /// IPv4 addresses only), sorted. Only the lowest-metric default routes count (a backup
-    /// route with a higher metric is not used); multipath ones count every next hop.
+    /// route with a higher metric is not used) unless their interfaces have no global
+    /// address of the family: then the next default route does (see
+    /// [`choose_default_route_ips`]); multipath ones count every next hop.
     pub default_route_ips: Vec<IpAddr>,
 }
 
@@ -86,21 +88,18 @@ async fn dump(handle: &rtnetlink::Handle) -> Result<NodeAddresses, Error> {
         .route()
         .get(RouteMessageBuilder::<Ipv4Addr>::new().build())
         .execute();
-    let mut default_ifs = default_route_interfaces(v4, IpFamily::V4).await?;
+    let v4_routes = default_routes_by_metric(v4, IpFamily::V4).await?;
     let v6 = handle
         .route()
         .get(RouteMessageBuilder::<Ipv6Addr>::new().build())
         .execute();
-    default_ifs.extend(default_route_interfaces(v6, IpFamily::V6).await?);
+    let v6_routes = default_routes_by_metric(v6, IpFamily::V6).await?;
 
     let mut local_ips: Vec<IpAddr> = addrs.iter().map(|(_, ip)| *ip).collect();
     local_ips.sort();
     local_ips.dedup();
-    let mut default_route_ips: Vec<IpAddr> = addrs
-        .iter()
-        .filter(|(index, ip)| default_ifs.contains(&(IpFamily::of(*ip), *index)))
-        .map(|(_, ip)| *ip)
-        .collect();
+    let mut default_route_ips = choose_default_route_ips(IpFamily::V4, &v4_routes, &addrs);
+    default_route_ips.extend(choose_default_route_ips(IpFamily::V6, &v6_routes, &addrs));
     default_route_ips.sort();
     default_route_ips.dedup();
     Ok(NodeAddresses {
@@ -109,38 +108,58 @@ async fn dump(handle: &rtnetlink::Handle) -> Result<NodeAddresses, Error> {
     })
 }
 
-/// The `(family, interface index)` pairs of the default routes in a route dump that the
-/// kernel uses: those with the lowest metric. A node that got a default route on each of
-/// its interfaces (DHCP on both NICs, the backup with a higher metric) sends through the
-/// best one only, and only that interface "has the default route" (kube-apiserver's
-/// `ChooseHostInterface` also takes the first, best, default route of the routing table).
-/// Equal-metric routes all count (multipath, IPv6 next hops listed as separate routes).
-async fn default_route_interfaces(
+/// The output interfaces of the default routes of one family in a route dump, by metric
+/// (lowest, the one the kernel uses, first). Equal-metric routes share an entry
+/// (multipath, IPv6 next hops listed as separate routes).
+async fn default_routes_by_metric(
     routes: impl Stream<Item = Result<RouteMessage, rtnetlink::Error>>,
     family: IpFamily,
-) -> Result<BTreeSet<(IpFamily, u32)>, Error> {
+) -> Result<BTreeMap<u32, BTreeSet<u32>>, Error> {
     futures::pin_mut!(routes);
-    let mut best: Option<u32> = None;
-    let mut out = BTreeSet::new();
+    let mut out: BTreeMap<u32, BTreeSet<u32>> = BTreeMap::new();
     while let Some(route) = routes.try_next().await.map_err(|source| Error::RouteDump {
         family: family.as_str(),
         source,
     })? {
         let oifs = default_route_oifs(&route);
-        if oifs.is_empty() {
-            continue;
+        if !oifs.is_empty() {
+            out.entry(route_metric(&route)).or_default().extend(oifs);
         }
-        let metric = route_metric(&route);
-        if best.is_some_and(|b| metric > b) {
-            continue;
-        }
-        if best.is_none_or(|b| metric < b) {
-            best = Some(metric);
-            out.clear();
-        }
-        out.extend(oifs.into_iter().map(|index| (family, index)));
     }
     Ok(out)
+}
+
+/// The addresses `default-route` stands for in `family`: those of the interfaces of the
+/// best (lowest-metric) default routes that have a usable address of the family, global
+/// ones only (no loopback, no link-local). When the best default route's interfaces have
+/// none (an IPv6 default route over an interface with only its `fe80::` address), the next
+/// default route is tried, and so on: kube-apiserver's `ChooseHostInterface`
+/// (`chooseHostInterfaceFromRoute` in k8s.io/apimachinery/pkg/util/net) walks the default
+/// routes of a family the same way and stops at the first interface with a global
+/// address. A node sending through the best route alone still answers only there; a
+/// backup default route is used only when the better ones have nothing to offer.
+pub fn choose_default_route_ips(
+    family: IpFamily,
+    routes_by_metric: &BTreeMap<u32, BTreeSet<u32>>,
+    addrs: &[(u32, IpAddr)],
+) -> Vec<IpAddr> {
+    for oifs in routes_by_metric.values() {
+        let mut ips: Vec<IpAddr> = addrs
+            .iter()
+            .filter(|(index, ip)| {
+                IpFamily::of(*ip) == family
+                    && oifs.contains(index)
+                    && crate::nodeaddr::is_default_route_candidate(ip)
+            })
+            .map(|(_, ip)| *ip)
+            .collect();
+        if !ips.is_empty() {
+            ips.sort();
+            ips.dedup();
+            return ips;
+        }
+    }
+    Vec::new()
 }
 
 /// A route's metric (`RTA_PRIORITY`; absent means 0, as `ip route` shows it).
@@ -273,13 +292,100 @@ mod tests {
         )
     }
 
-    fn interfaces(routes: Vec<RouteMessage>) -> Vec<u32> {
-        let stream = futures::stream::iter(routes.into_iter().map(Ok));
-        futures::executor::block_on(default_route_interfaces(stream, IpFamily::V4))
-            .unwrap()
-            .into_iter()
-            .map(|(_, index)| index)
+    /// The addresses each test interface `n` has: `192.0.2.n`, `2001:db8::n` and
+    /// `fe80::n`.
+    fn every_interface_addressed(indexes: &[u32]) -> Vec<(u32, IpAddr)> {
+        indexes
+            .iter()
+            .flat_map(|&i| {
+                [
+                    format!("192.0.2.{i}"),
+                    format!("2001:db8::{i}"),
+                    format!("fe80::{i}"),
+                ]
+                .map(|a| (i, a.parse().unwrap()))
+            })
             .collect()
+    }
+
+    fn by_metric(routes: Vec<RouteMessage>) -> BTreeMap<u32, BTreeSet<u32>> {
+        let stream = futures::stream::iter(routes.into_iter().map(Ok));
+        futures::executor::block_on(default_routes_by_metric(stream, IpFamily::V4)).unwrap()
+    }
+
+    /// The interfaces whose IPv4 addresses `default-route` selects when every interface
+    /// has one.
+    fn interfaces(routes: Vec<RouteMessage>) -> Vec<u32> {
+        let addrs = every_interface_addressed(&[1, 2, 3, 4, 5]);
+        choose_default_route_ips(IpFamily::V4, &by_metric(routes), &addrs)
+            .into_iter()
+            .map(|ip| {
+                addrs
+                    .iter()
+                    .find(|(_, a)| *a == ip)
+                    .map(|(i, _)| *i)
+                    .unwrap()
+            })
+            .collect()
+    }
+
+    fn ips(list: &[&str]) -> Vec<IpAddr> {
+        list.iter().map(|s| s.parse().unwrap()).collect()
+    }
+
+    #[test]
+    fn default_route_moves_on_to_the_next_default_route_when_the_best_ones_interface_has_no_address_of_the_family()
+     {
+        // kube-apiserver's ChooseHostInterface walks the default routes of a family and
+        // takes the first interface with a global address of that family.
+        let best = with_metric(2, Some(100));
+        let backup = with_metric(3, Some(200));
+        let worst = with_metric(4, Some(300));
+        let routes = by_metric(vec![worst, backup, best]);
+        // Interface 2 has only IPv6 addresses; 3 has an IPv4 one; 4 too.
+        let mut addrs: Vec<(u32, IpAddr)> = vec![
+            (2, "2001:db8::2".parse().unwrap()),
+            (2, "fe80::2".parse().unwrap()),
+        ];
+        addrs.extend(every_interface_addressed(&[3, 4]));
+        assert_eq!(
+            choose_default_route_ips(IpFamily::V4, &routes, &addrs),
+            ips(&["192.0.2.3"])
+        );
+        // Per family: for IPv6 the best default route's interface has a global address.
+        assert_eq!(
+            choose_default_route_ips(IpFamily::V6, &routes, &addrs),
+            ips(&["2001:db8::2"])
+        );
+        // A link-local or loopback-range address does not count as one: fe80:: only on
+        // interface 2 passes IPv6 on to interface 3; 169.254/16 only on 2 does for IPv4.
+        let addrs: Vec<(u32, IpAddr)> = [
+            (2, "fe80::2"),
+            (2, "169.254.0.2"),
+            (2, "127.0.0.2"),
+            (3, "198.51.100.3"),
+            (3, "2001:db8::3"),
+        ]
+        .iter()
+        .map(|(i, a)| (*i, a.parse().unwrap()))
+        .collect();
+        assert_eq!(
+            choose_default_route_ips(IpFamily::V4, &routes, &addrs),
+            ips(&["198.51.100.3"])
+        );
+        assert_eq!(
+            choose_default_route_ips(IpFamily::V6, &routes, &addrs),
+            ips(&["2001:db8::3"])
+        );
+        // No default route's interface has one: nothing.
+        assert_eq!(
+            choose_default_route_ips(IpFamily::V4, &routes, &[(2, "fe80::2".parse().unwrap())]),
+            ips(&[])
+        );
+        assert_eq!(
+            choose_default_route_ips(IpFamily::V4, &BTreeMap::new(), &addrs),
+            ips(&[])
+        );
     }
 
     #[test]

@@ -11,7 +11,9 @@
 //!   soon as an address inside it appears. `0.0.0.0/0` (`::/0`) matches every address.
 //! - `default-route`: the addresses of the interface(s) that hold the default route (the
 //!   lowest-metric one), per family, link-local ones left out (reference 004;
-//!   kube-apiserver's `--advertise-address` heuristic).
+//!   kube-apiserver's `--advertise-address` heuristic). When that interface has no such
+//!   address of the family, the next default route's interface is taken, as
+//!   `ChooseHostInterface` does (see `addrs::choose_default_route_ips`).
 //! - `primary`: the Node object's primary IP of each family (kube-proxy's nftables default).
 //!   As in kube-proxy's `validateKubeProxyNodePortAddress`, it must be the only entry.
 //!
@@ -261,10 +263,7 @@ impl NodePortAddresses {
             // addresses (every IPv6 interface has an fe80:: one) are not what the heuristic
             // of reference 004 picks either: kube-apiserver's `ChooseHostInterface` takes
             // global unicast addresses only. A CIDR can still ask for them.
-            default_route
-                && !ip.is_loopback()
-                && !is_link_local(ip)
-                && self.default_route_ips.contains(ip)
+            default_route && is_default_route_candidate(ip) && self.default_route_ips.contains(ip)
         };
         let ips = facts
             .local_ips
@@ -278,6 +277,13 @@ impl NodePortAddresses {
             .collect();
         Selection::Ips(ips)
     }
+}
+
+/// Whether `default-route` may select `ip` on a default route's interface: a global
+/// address, neither loopback nor link-local (kube-apiserver's `ChooseHostInterface` takes
+/// global unicast addresses only).
+pub(crate) fn is_default_route_candidate(ip: &IpAddr) -> bool {
+    !ip.is_loopback() && !is_link_local(ip)
 }
 
 /// `169.254.0.0/16` or `fe80::/10`.
