@@ -47,6 +47,14 @@ pub enum KernelError {
         /// What it printed.
         stderr: String,
     },
+    /// The tool did not finish in time and was killed.
+    #[error("`{program}` did not finish within {after:?}; killed")]
+    TimedOut {
+        /// The command line.
+        program: String,
+        /// The time it was given.
+        after: std::time::Duration,
+    },
     /// Writing `route_localnet` failed.
     #[error("setting net.ipv4.conf.all.route_localnet=1")]
     Sysctl(#[source] std::io::Error),
@@ -197,13 +205,16 @@ pub fn has_hint_chains(save: &str) -> bool {
 }
 
 /// What [`detect_variant`] read: `iptables-save` outputs (IPv4 and IPv6) of each backend;
-/// a tool that is missing or failed gives an empty string.
+/// a tool that is missing, failed or timed out gives an empty string.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct VariantListings {
     /// `iptables-nft-save -t mangle`, `ip6tables-nft-save -t mangle`.
     pub nft: [String; 2],
     /// `iptables-legacy-save`, `ip6tables-legacy-save` (every table).
     pub legacy: [String; 2],
+    /// `iptables-nft-save`, `ip6tables-nft-save` (every table): read only when no backend
+    /// holds the hint chains, to count rules.
+    pub nft_all: [String; 2],
 }
 
 /// The choice `auto` makes, and why (for the start-up log line).
@@ -215,12 +226,27 @@ pub struct Detected {
     pub reason: &'static str,
 }
 
-/// Decides between the nft and the legacy tools as kube-proxy's images do: their
-/// `iptables` is kubernetes-sigs/iptables-wrappers, whose `DetectMode`
-/// (pkg/xtables/detect.go) uses nft when the nft `mangle` tables (IPv4, then IPv6) hold
-/// kubelet's chains, else legacy when the legacy tables do, else nft. So legacy is chosen
-/// only when the legacy tables hold the Kubernetes chains and the nft ones do not. We also
-/// count our own canary chain ([`VARIANT_HINT_CHAINS`]).
+/// The number of rules in `iptables-save` outputs: the lines that start with `-` (`-A ...`),
+/// as the wrappers' `grep '^-' | wc -l` counts them.
+pub fn count_rules<'a>(saves: impl IntoIterator<Item = &'a String>) -> usize {
+    saves
+        .into_iter()
+        .flat_map(|s| s.lines())
+        .filter(|l| l.starts_with('-'))
+        .count()
+}
+
+/// Decides between the nft and the legacy tools as kube-proxy's images do. Their `iptables`
+/// is kubernetes-sigs/iptables-wrappers: its `DetectMode` (pkg/xtables/detect.go) uses nft
+/// when the nft `mangle` tables (IPv4, then IPv6) hold kubelet's hint chains, else legacy
+/// when the legacy tables do. When neither does, that Go version falls back to nft; the
+/// wrapper script it replaced (`iptables-wrapper-installer.sh`, also in kube-proxy images
+/// built by kubernetes/release) instead counts the rules (`grep '^-' | wc -l`) of every
+/// table of both families in each backend and takes legacy only when the legacy tables hold
+/// strictly more (`-gt`), nft otherwise (a tie, nothing anywhere). We keep that count: a
+/// node without kubelet's chains whose firewall is in the legacy tables is a legacy node,
+/// and programming nf_tables beside it would split the rules between two backends. We also
+/// count our own canary chain as a hint ([`VARIANT_HINT_CHAINS`]).
 pub fn decide_variant(listings: &VariantListings) -> Detected {
     if listings.nft.iter().any(|s| has_hint_chains(s)) {
         return Detected {
@@ -234,27 +260,46 @@ pub fn decide_variant(listings: &VariantListings) -> Detected {
             reason: "the legacy iptables tables hold the Kubernetes chains and the nf_tables ones do not",
         };
     }
+    if count_rules(&listings.legacy) > count_rules(&listings.nft_all) {
+        return Detected {
+            variant: Variant::Legacy,
+            reason: "no Kubernetes chains in either backend, and the legacy tables hold more rules",
+        };
+    }
     Detected {
         variant: Variant::Nft,
-        reason: "no Kubernetes chains in either backend: nf_tables, the default",
+        reason: "no Kubernetes chains in either backend, and the legacy tables hold no more rules: nf_tables",
     }
 }
 
+/// How long each `*-save` run of the detection may take before it is killed and counts as
+/// empty: the iptables-wrappers script's `timeout 5` around the nft saves (iptables-nft
+/// 1.8.3 could loop forever), given here to every detection save so that a stuck tool
+/// cannot hang the proxy's start.
+pub const DETECT_SAVE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Reads what [`decide_variant`] needs with the tools behind `prefix` (as
 /// iptables-wrappers does: `-t mangle` for nft; every table for legacy, because naming
-/// `mangle` would make the legacy kernel module create that table) and decides. Errors are
-/// ignored, as upstream ignores them: a missing tool lists nothing.
+/// `mangle` would make the legacy kernel module create that table; every nft table only if
+/// no hint chain was found, to count rules) and decides. Each save gets
+/// [`DETECT_SAVE_TIMEOUT`]. Errors are ignored, as upstream ignores them: a missing tool
+/// lists nothing.
 pub fn detect_variant(prefix: &[String]) -> Detected {
+    detect_variant_within(prefix, DETECT_SAVE_TIMEOUT)
+}
+
+/// [`detect_variant`] with each save given `timeout`.
+pub fn detect_variant_within(prefix: &[String], timeout: std::time::Duration) -> Detected {
     let with = |variant| IptablesCommand {
         prefix: prefix.to_vec(),
         variant,
     };
     let (nft, legacy) = (with(Variant::Nft), with(Variant::Legacy));
     let read = |c: &IptablesCommand, family, args: &[&str]| {
-        c.run(&c.tool(family, "save"), args, None)
+        c.run_bounded(&c.tool(family, "save"), args, timeout)
             .unwrap_or_default()
     };
-    let listings = VariantListings {
+    let mut listings = VariantListings {
         nft: [
             read(&nft, IpFamily::V4, &["-t", "mangle"]),
             read(&nft, IpFamily::V6, &["-t", "mangle"]),
@@ -263,7 +308,16 @@ pub fn detect_variant(prefix: &[String]) -> Detected {
             read(&legacy, IpFamily::V4, &[]),
             read(&legacy, IpFamily::V6, &[]),
         ],
+        nft_all: Default::default(),
     };
+    let hinted = listings
+        .nft
+        .iter()
+        .chain(&listings.legacy)
+        .any(|s| has_hint_chains(s));
+    if !hinted {
+        listings.nft_all = [read(&nft, IpFamily::V4, &[]), read(&nft, IpFamily::V6, &[])];
+    }
     decide_variant(&listings)
 }
 
@@ -324,6 +378,73 @@ impl IptablesCommand {
         let mut c = Command::new(&words[0]);
         c.args(&words[1..]);
         (c, words.join(" "))
+    }
+
+    /// Runs `program args` without input, killing it after `timeout`; returns stdout
+    /// (stderr is discarded, as the wrappers' `2>/dev/null` does).
+    fn run_bounded(
+        &self,
+        program: &str,
+        args: &[&str],
+        timeout: std::time::Duration,
+    ) -> Result<String, KernelError> {
+        let (mut cmd, mut line) = self.command(program);
+        for a in args {
+            line.push(' ');
+            line.push_str(a);
+        }
+        let mut child = cmd
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|source| KernelError::Spawn {
+                program: line.clone(),
+                source,
+            })?;
+        // Read stdout on a thread: a large listing would otherwise fill the pipe and stall
+        // the tool while we wait for it.
+        let mut stdout = child.stdout.take().expect("piped stdout");
+        let reader = std::thread::spawn(move || {
+            let mut text = Vec::new();
+            let _ = std::io::Read::read_to_end(&mut stdout, &mut text);
+            text
+        });
+        let deadline = std::time::Instant::now() + timeout;
+        let status = loop {
+            match child.try_wait() {
+                Ok(Some(status)) => break Ok(status),
+                Ok(None) if std::time::Instant::now() >= deadline => {
+                    // Our own child, by its handle.
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break Err(KernelError::TimedOut {
+                        program: line.clone(),
+                        after: timeout,
+                    });
+                }
+                Ok(None) => std::thread::sleep(std::time::Duration::from_millis(5)),
+                Err(source) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break Err(KernelError::Spawn {
+                        program: line.clone(),
+                        source,
+                    });
+                }
+            }
+        };
+        let text = reader.join().unwrap_or_default();
+        let status = status?;
+        if !status.success() {
+            return Err(KernelError::Rejected {
+                program: line,
+                status,
+                stderr: String::new(),
+            });
+        }
+        Ok(String::from_utf8_lossy(&text).into_owned())
     }
 
     /// Runs `program args`, feeding `input`; returns stdout.
@@ -1039,6 +1160,7 @@ COMMIT
         VariantListings {
             nft: nft.map(str::to_string),
             legacy: legacy.map(str::to_string),
+            nft_all: Default::default(),
         }
     }
 
@@ -1065,7 +1187,98 @@ COMMIT
         // Our own canary counts as kube-proxy's chains.
         assert_eq!(d(listings(["", ""], [CANARY_ONLY, ""])), Variant::Legacy);
         // Only a chain declaration counts, not the name inside a rule or another chain.
-        assert_eq!(d(listings(["", ""], [OTHERS, OTHERS])), Variant::Nft);
+        let mut others = listings(["", ""], [OTHERS, OTHERS]);
+        others.nft_all = [OTHERS.to_string(), OTHERS.to_string()];
+        assert_eq!(d(others), Variant::Nft);
+    }
+
+    /// An `iptables-save` listing of the filter table with `n` rules.
+    fn with_rules(n: usize) -> String {
+        let mut s = String::from("# Generated by iptables-save\n*filter\n:INPUT ACCEPT [0:0]\n");
+        for i in 0..n {
+            s.push_str(&format!("-A INPUT -s 192.0.2.{i}/32 -j DROP\n"));
+        }
+        s.push_str("COMMIT\n");
+        s
+    }
+
+    #[test]
+    fn without_hint_chains_auto_counts_rules_and_picks_legacy_only_when_it_holds_more_as_iptables_wrappers_does()
+     {
+        // iptables-wrapper-installer.sh: no KUBE-IPTABLES-HINT / KUBE-KUBELET-CANARY in
+        // either backend: `grep '^-' | wc -l` over IPv4 and IPv6 saves of every table,
+        // legacy if `num_legacy_lines -gt num_nft_lines`, else nft.
+        let case = |legacy: [usize; 2], nft: [usize; 2]| {
+            let l = VariantListings {
+                nft: [String::new(), String::new()],
+                legacy: legacy.map(with_rules),
+                nft_all: nft.map(with_rules),
+            };
+            decide_variant(&l)
+        };
+        let legacy = case([3, 0], [2, 0]);
+        assert_eq!(legacy.variant, Variant::Legacy);
+        assert!(legacy.reason.contains("more rules"), "{}", legacy.reason);
+        // Both families add up: 2 + 2 legacy rules beat 3 nft ones.
+        assert_eq!(case([2, 2], [3, 0]).variant, Variant::Legacy);
+        // A tie, nothing anywhere, or more nft rules: nft.
+        assert_eq!(case([2, 0], [0, 2]).variant, Variant::Nft);
+        assert_eq!(case([0, 0], [0, 0]).variant, Variant::Nft);
+        assert_eq!(case([1, 0], [5, 0]).variant, Variant::Nft);
+        // Only rule lines count: chain declarations, comments and COMMIT do not.
+        assert_eq!(count_rules(&[with_rules(0), with_rules(4)]), 4);
+        // Hint chains decide before any count: nft hints win over many legacy rules.
+        let hinted = VariantListings {
+            nft: [HINT.to_string(), String::new()],
+            legacy: [with_rules(50), String::new()],
+            nft_all: Default::default(),
+        };
+        assert_eq!(decide_variant(&hinted).variant, Variant::Nft);
+    }
+
+    #[test]
+    fn a_detection_save_that_hangs_is_killed_after_the_timeout_and_lists_nothing() {
+        // The wrappers run the nft saves under `timeout 5`. A prefix that ignores the tool
+        // and sleeps stands for a stuck iptables-nft-save.
+        let stuck = IptablesCommand {
+            prefix: vec![
+                "sh".into(),
+                "-c".into(),
+                "exec sleep 30".into(),
+                "sh".into(),
+            ],
+            variant: Variant::Nft,
+        };
+        let started = std::time::Instant::now();
+        let err = stuck
+            .run_bounded(
+                "iptables-nft-save",
+                &[],
+                std::time::Duration::from_millis(100),
+            )
+            .unwrap_err();
+        assert!(matches!(err, KernelError::TimedOut { .. }), "{err}");
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(20),
+            "the sleeping tool was not killed"
+        );
+        // detect_variant_within treats it as an empty listing: nothing anywhere, nft.
+        let d = detect_variant_within(&stuck.prefix, std::time::Duration::from_millis(50));
+        assert_eq!(d.variant, Variant::Nft);
+        // A tool that finishes in time is read whole.
+        let echo = IptablesCommand {
+            prefix: vec![
+                "sh".into(),
+                "-c".into(),
+                "printf '*filter\\n-A INPUT -j DROP\\nCOMMIT\\n'".into(),
+                "sh".into(),
+            ],
+            variant: Variant::Legacy,
+        };
+        let out = echo
+            .run_bounded("iptables-legacy-save", &[], DETECT_SAVE_TIMEOUT)
+            .unwrap();
+        assert_eq!(out, "*filter\n-A INPUT -j DROP\nCOMMIT\n");
     }
 
     #[test]

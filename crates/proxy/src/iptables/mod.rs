@@ -52,8 +52,9 @@
 //! sync rewrites everything. The mark bit is not API. Both variants of the tools work
 //! ([`apply::Variant`]), but one node must use one of them: `--iptables-variant auto` (the
 //! default) picks them at start-up as kube-proxy's images do (iptables-wrappers: legacy when
-//! only the legacy tables hold kubelet's or kube-proxy's chains, else nft,
-//! [`apply::decide_variant`]); `nft` or `legacy` force one. With thousands of Services,
+//! only the legacy tables hold kubelet's or kube-proxy's chains; with no such chain anywhere,
+//! legacy when the legacy tables hold more rules; else nft, [`apply::decide_variant`]);
+//! `nft` or `legacy` force one. With thousands of Services,
 //! `legacy` is the way around `iptables-nft-restore`'s near-quadratic restore time
 //! ([`apply::VariantChoice`]).
 //!
