@@ -724,8 +724,9 @@ fn log_selection(
     if npa.uses_default_route() {
         if found.default_route_ips.is_empty() {
             tracing::warn!(
-                "--nodeport-addresses default-route: no interface holds a default route; \
-                 default-route selects no address until one does"
+                "--nodeport-addresses default-route: no default route's interface has a \
+                 global address (or there is no default route); default-route selects no \
+                 address until one does"
             );
         } else {
             tracing::info!(addresses = ?found.default_route_ips, "--nodeport-addresses default-route");
