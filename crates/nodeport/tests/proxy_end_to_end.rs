@@ -527,7 +527,15 @@ fn udp_from_fixed_port(c: &Cluster, to: &str) -> Option<String> {
     let to: std::net::SocketAddr = to.parse().unwrap();
     c.client
         .enter(|| {
-            let s = UdpSocket::bind(format!("{CLIENT_IP}:40053")).unwrap();
+            // A bind that fails (seen once under load, cause unknown) is one lost query:
+            // the callers retry until their deadline, and say so if it passes.
+            let s = match UdpSocket::bind(format!("{CLIENT_IP}:40053")) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("udp_from_fixed_port: bind {CLIENT_IP}:40053: {e}");
+                    return None;
+                }
+            };
             s.set_read_timeout(Some(Duration::from_millis(700)))
                 .unwrap();
             s.send_to(b"q", to).unwrap();
