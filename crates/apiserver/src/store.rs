@@ -8,7 +8,11 @@
 //! 1. takes every mutation that is queued (up to [`MAX_BATCH`], and within the backend's limit of
 //!    keys per transaction), waiting briefly for the clients it has just answered to come back
 //!    (at most 1 ms, see `LINGER_MAX`),
-//! 2. reads the keys they declared, plus both range keys, at one revision,
+//! 2. reads the keys they declared, plus both range keys, at one revision; on etcd, where a read
+//!    is a network round trip, it skips the read and takes the keys as it last saw them (from its
+//!    own commits, its reads and the keys a lost commit gives back, absent if it never saw them),
+//!    which is as safe because step 4 compares every one of them at the revision taken, and costs
+//!    one failed commit (no more than the read) when another writer changed one meanwhile,
 //! 3. runs the mutations one after the other against a view ([`Txn`]) that holds the decoded
 //!    allocators (kept between batches while the stored bitmaps are the bytes they were encoded
 //!    into, so the bitmaps are decoded only when another writer changed them); a mutation that
@@ -19,7 +23,8 @@
 //!    transaction whose compares are the `mod_revision`s of every key read. On the embedded
 //!    backend that is one redb write transaction and one fsync for the whole batch (group commit).
 //!    On a lost race (only possible when several API servers share etcd) the batch, with whatever
-//!    queued meanwhile, is read again and re-run.
+//!    queued meanwhile, is re-run on the keys the failed commit gave back (at once the first
+//!    time, after a random pause later).
 //!
 //! A mutation that fails leaves nothing behind: its writes and its allocator changes are made on a
 //! working copy that is dropped. So a rejected request, a lost race or a crash (nothing is
@@ -37,7 +42,7 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument;
 
 use crate::error::ApiError;
-use crate::storage::{self, Backend, Batch, Commit, Compare, KeyValue, Op, Revision};
+use crate::storage::{self, Backend, Batch, Commit, Compare, Fetched, KeyValue, Op, Revision};
 
 /// Most mutations committed in one batch.
 pub const MAX_BATCH: usize = 256;
@@ -51,6 +56,9 @@ const LINGER_MAX: std::time::Duration = std::time::Duration::from_micros(1000);
 /// so that API servers racing for the bitmaps stop colliding in lockstep; 64 attempts wait about
 /// 1 s on average, under 2 s at most.
 const MAX_CONFLICT_RETRIES: u32 = 64;
+/// Most keys the writer remembers as stored (see `Writer::known`); past that it forgets all but
+/// the range keys.
+const KNOWN_MAX: usize = 4096;
 
 /// The NodePort and ClusterIP allocators as one batch (or one mutation) sees them.
 #[derive(Debug, Clone)]
@@ -263,6 +271,8 @@ impl Store {
             ip_key: storage::keys::service_ip_range(prefix),
             ranges,
             cache: None,
+            speculate: backend.reads_on_conflict(),
+            known: HashMap::new(),
         };
         tokio::spawn(
             writer
@@ -339,6 +349,17 @@ struct Writer {
     ranges: Ranges,
     /// The allocators decoded from (or encoded into) the stored bitmaps.
     cache: Option<CachedAllocators>,
+    /// Whether batches are committed without reading their keys first (see `known`): on a
+    /// backend that gives the compared keys back when a commit loses (etcd), where a read is a
+    /// network round trip.
+    speculate: bool,
+    /// Keys as this writer last saw them stored, with their revisions: from its reads, from the
+    /// failure branch of its lost commits and from its own commits. A key not in the map is taken
+    /// as absent. A batch may be run on these instead of on a fresh read because its commit
+    /// compares every key it ran on at the revision taken here (absent: version 0); when another
+    /// writer changed one meanwhile, the commit fails, gives the keys back as they are now, and
+    /// the batch is re-run on those.
+    known: HashMap<String, KeyValue>,
 }
 
 /// Decoded allocators and the stored bitmaps they equal.
@@ -468,8 +489,19 @@ impl Writer {
         carry: &mut Option<Job>,
         max_keys: usize,
     ) -> Vec<Job> {
-        for attempt in 0..MAX_CONFLICT_RETRIES {
-            match self.try_batch(&mut jobs).await {
+        // Lost races, counted only for attempts run on what was stored a moment before (a fresh
+        // read, or the keys a lost commit just gave back): an attempt run on what this writer
+        // remembered from earlier can fail only because that was stale, which costs what the read
+        // it replaces would have.
+        let mut lost = 0;
+        // Whether `known` holds what the store held a moment ago.
+        let mut fresh = false;
+        while lost < MAX_CONFLICT_RETRIES {
+            let speculate = self.speculate
+                && self.known.contains_key(&self.node_port_key)
+                && self.known.contains_key(&self.ip_key);
+            let ran_on_fresh = fresh || !speculate;
+            match self.try_batch(&mut jobs, speculate).await {
                 Ok(Some((outcomes, revisions))) => {
                     let mut deferred = Vec::new();
                     for (job, outcome) in jobs.into_iter().zip(outcomes) {
@@ -487,13 +519,19 @@ impl Writer {
                 }
                 Ok(None) => {
                     tracing::debug!(jobs = jobs.len(), "batch lost a race; re-running it");
-                    // The first re-run goes at once: the winner's commit is done, and it is
-                    // gathering its next batch. Later ones back off, at random, so that writers
-                    // do not collide in lockstep.
-                    if attempt > 0 {
-                        let ceiling = 1u64 << (attempt - 1).min(5);
-                        let pause = rand::random_range(0..ceiling * 1000);
-                        tokio::time::sleep(std::time::Duration::from_micros(pause)).await;
+                    // What the lost commit gave back is current.
+                    fresh = self.speculate;
+                    if ran_on_fresh {
+                        lost += 1;
+                        // The first re-run goes at once: the winner's commit is done, and it is
+                        // gathering its next batch. Later ones back off, at random, so that
+                        // writers do not collide in lockstep.
+                        if lost > 1 {
+                            let ceiling = 1u64 << (lost - 2).min(5);
+                            let pause = rand::random_range(0..ceiling * 1000);
+                            tokio::time::sleep(std::time::Duration::from_micros(pause)).await;
+                            fresh = false;
+                        }
                     }
                     // Whatever queued meanwhile joins the re-run: one commit for all of it.
                     if carry.is_none() {
@@ -523,6 +561,7 @@ impl Writer {
                         let _ = job.reply.send(Err(api.clone()));
                     }
                     self.cache = None;
+                    self.known.clear();
                     return Vec::new();
                 }
             }
@@ -535,21 +574,37 @@ impl Writer {
         Vec::new()
     }
 
-    /// Runs the batch once. `Ok(None)` when the commit lost a race.
+    /// Runs the batch once: on a fresh read of its keys, or, if `speculate`, on what the writer
+    /// knows of them (see [`Writer::known`]). `Ok(None)` when the commit lost a race.
     async fn try_batch(
         &mut self,
         jobs: &mut [Job],
+        speculate: bool,
     ) -> Result<Option<(Vec<Outcome>, Vec<Revision>)>, storage::Error> {
         let mut keys: BTreeSet<String> = jobs.iter().flat_map(|j| j.keys.iter().cloned()).collect();
         keys.insert(self.node_port_key.clone());
         keys.insert(self.ip_key.clone());
         let keys: Vec<String> = keys.into_iter().collect();
-        let read_started = std::time::Instant::now();
-        let fetched = self.backend.get_many_for_write(keys.clone()).await;
-        self.stats
-            .read_nanos
-            .fetch_add(read_started.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        let fetched = fetched?;
+        let fetched = if speculate {
+            Fetched {
+                revision: 0,
+                kvs: keys
+                    .iter()
+                    .filter_map(|k| self.known.get(k).map(|kv| (k.clone(), kv.clone())))
+                    .collect(),
+            }
+        } else {
+            let read_started = std::time::Instant::now();
+            let fetched = self.backend.get_many_for_write(keys.clone()).await;
+            self.stats
+                .read_nanos
+                .fetch_add(read_started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            let fetched = fetched?;
+            if self.speculate {
+                self.remember(&keys, &fetched);
+            }
+            fetched
+        };
         let compares: Vec<Compare> = keys
             .iter()
             .map(|key| Compare {
@@ -679,17 +734,31 @@ impl Writer {
         }
 
         let started = std::time::Instant::now();
-        let committed = self.backend.commit(Batch { compares, groups }).await;
+        let batch = Batch { compares, groups };
+        let committed = self.backend.commit(batch.clone()).await;
         self.stats
             .commit_nanos
             .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         self.stats.batches.fetch_add(1, Ordering::Relaxed);
         match committed? {
-            Commit::Conflict => {
+            Commit::Conflict(current) => {
                 self.stats.conflicts.fetch_add(1, Ordering::Relaxed);
+                if self.speculate {
+                    match current {
+                        Some(current) => self.remember(&keys, &current),
+                        None => self.known.clear(),
+                    }
+                }
                 Ok(None)
             }
-            Commit::Committed { revisions, .. } => {
+            Commit::Committed {
+                revisions,
+                put_revisions,
+                ..
+            } => {
+                if self.speculate {
+                    self.remember_writes(&batch.groups, &put_revisions);
+                }
                 if let (Some(allocs), (Some(np), Some(ip))) = (allocators, stored_ranges) {
                     self.cache = Some(CachedAllocators { np, ip, allocs });
                 }
@@ -698,6 +767,60 @@ impl Writer {
                     .fetch_add(outcomes.len() as u64, Ordering::Relaxed);
                 Ok(Some((outcomes, revisions)))
             }
+        }
+    }
+
+    /// Takes `keys` as `fetched` has them (absent if not in it).
+    fn remember(&mut self, keys: &[String], fetched: &Fetched) {
+        for key in keys {
+            match fetched.kvs.get(key) {
+                Some(kv) => {
+                    self.known.insert(key.clone(), kv.clone());
+                }
+                None => {
+                    self.known.remove(key);
+                }
+            }
+        }
+        self.bound_known();
+    }
+
+    /// Takes the writes of a committed batch as stored, at the revisions the commit gave them.
+    fn remember_writes(&mut self, groups: &[Vec<Op>], put_revisions: &HashMap<String, Revision>) {
+        for op in groups.iter().flatten() {
+            match op {
+                Op::Put { key, value } => match put_revisions.get(key) {
+                    Some(&mod_revision) => {
+                        let create_revision = self
+                            .known
+                            .get(key)
+                            .map_or(mod_revision, |kv| kv.create_revision);
+                        self.known.insert(
+                            key.clone(),
+                            KeyValue {
+                                key: key.clone(),
+                                value: value.clone(),
+                                create_revision,
+                                mod_revision,
+                            },
+                        );
+                    }
+                    None => {
+                        self.known.remove(key);
+                    }
+                },
+                Op::Delete { key } => {
+                    self.known.remove(key);
+                }
+            }
+        }
+        self.bound_known();
+    }
+
+    fn bound_known(&mut self) {
+        if self.known.len() > KNOWN_MAX {
+            let (np, ip) = (&self.node_port_key, &self.ip_key);
+            self.known.retain(|key, _| key == np || key == ip);
         }
     }
 

@@ -489,6 +489,7 @@ impl EtcdBackend {
             .collect();
         let mut ops = Vec::new();
         let mut first_positions = Vec::with_capacity(batch.groups.len());
+        let mut put_positions = Vec::new();
         for group in &batch.groups {
             let mut first = None;
             for op in group {
@@ -496,6 +497,7 @@ impl EtcdBackend {
                     Op::Put { key, value } => {
                         let position = ops.len() as i64;
                         first.get_or_insert(position);
+                        put_positions.push((key.as_str(), position));
                         ops.push(TxnOp::put(
                             key.as_bytes(),
                             encode_value(position, value),
@@ -541,19 +543,40 @@ impl EtcdBackend {
         // Even a batch that writes nothing is sent with its compares: its answers (404,
         // AlreadyExists, ...) come from a serializable read, which must be confirmed current.
         let writes = !ops.is_empty();
+        // A lost race reads every compared key in the same round trip (the failure branch), so
+        // that the writer can re-run the batch on what is stored now without reading again.
+        let reads: Vec<TxnOp> = batch
+            .compares
+            .iter()
+            .map(|c| TxnOp::get(c.key.as_bytes(), None))
+            .collect();
         let response = self
             .client
             .kv_client()
-            .txn(Txn::new().when(compares).and_then(ops))
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .txn(Txn::new().when(compares).and_then(ops).or_else(reads))
             .await
             .map_err(|e| etcd_error("commit", None, e))?;
         if !response.succeeded() {
-            return Ok(Commit::Conflict);
+            let mut current = Fetched {
+                revision: after_revision(response.header().map_or(0, |h| h.revision())),
+                ..Fetched::default()
+            };
+            for op in response.op_responses() {
+                if let TxnOpResponse::Get(get) = op {
+                    for kv in get.kvs() {
+                        let kv = key_value(kv)?;
+                        current.kvs.insert(kv.key.clone(), kv);
+                    }
+                }
+            }
+            return Ok(Commit::Conflict(Some(current)));
         }
         if !writes {
             return Ok(Commit::Committed {
                 revisions: vec![0; batch.groups.len()],
                 revision: 0,
+                put_revisions: std::collections::HashMap::new(),
             });
         }
         let revision = response.header().map_or(0, |h| h.revision());
@@ -563,6 +586,10 @@ impl EtcdBackend {
                 .map(|p| p.map_or(0, |p| resource_version(revision, p)))
                 .collect(),
             revision: after_revision(revision),
+            put_revisions: put_positions
+                .into_iter()
+                .map(|(key, p)| (key.to_owned(), resource_version(revision, p)))
+                .collect(),
         })
     }
 
@@ -862,6 +889,10 @@ impl EtcdBackend {
 impl Backend for EtcdBackend {
     fn name(&self) -> &'static str {
         "etcd"
+    }
+
+    fn reads_on_conflict(&self) -> bool {
+        true
     }
 
     fn max_batch_keys(&self) -> usize {

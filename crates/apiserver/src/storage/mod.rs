@@ -99,13 +99,17 @@ pub enum Commit {
         revisions: Vec<Revision>,
         /// The store revision after the batch.
         revision: Revision,
+        /// The `mod_revision` each key the batch put now has.
+        put_revisions: HashMap<String, Revision>,
     },
-    /// A compare failed; nothing was written.
-    Conflict,
+    /// A compare failed; nothing was written. A backend that can read in the same round trip
+    /// (etcd: the failure branch of the transaction) gives every compared key as it is now, so
+    /// that the writer can re-run the batch without reading again.
+    Conflict(Option<Fetched>),
 }
 
 /// The keys read by [`Backend::get_many`], at one revision.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Fetched {
     /// The store revision the keys were read at.
     pub revision: Revision,
@@ -327,6 +331,13 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Changes under `prefix` with a revision greater than `after`, then follows.
     fn watch(&self, prefix: String, after: Revision) -> BoxFuture<'_, Result<WatchStream, Error>>;
+
+    /// Whether a lost race gives the compared keys back ([`Commit::Conflict`] with `Some`), so
+    /// that the writer may commit from what it believes is stored and read only when it was
+    /// wrong (etcd, where a read is a network round trip).
+    fn reads_on_conflict(&self) -> bool {
+        false
+    }
 
     /// The most keys one batch may declare (the writer adds both range keys to them).
     fn max_batch_keys(&self) -> usize {

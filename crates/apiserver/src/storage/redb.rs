@@ -10,7 +10,7 @@
 //! Record layout in the `kv` table: `create_revision` (i64 LE), `mod_revision` (i64 LE), value.
 //! The store revision is kept in the `meta` table under `revision`, written in the same transaction.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::path::Path;
 use std::sync::{Arc, Mutex, RwLock};
 
@@ -168,7 +168,7 @@ impl RedbBackend {
             for compare in &batch.compares {
                 let current = state.map.get(&compare.key).map(|kv| kv.mod_revision);
                 if current != compare.mod_revision {
-                    return Ok(Commit::Conflict);
+                    return Ok(Commit::Conflict(None));
                 }
             }
             (state.revision, state.map.clone())
@@ -225,8 +225,13 @@ impl RedbBackend {
             return Ok(Commit::Committed {
                 revisions,
                 revision,
+                put_revisions: HashMap::new(),
             });
         }
+        let put_revisions = writes
+            .iter()
+            .filter_map(|(key, kv)| kv.as_ref().map(|kv| (key.clone(), kv.mod_revision)))
+            .collect();
 
         let mut txn = db!("begin write", self.inner.db.begin_write())?;
         db!(
@@ -271,6 +276,7 @@ impl RedbBackend {
         Ok(Commit::Committed {
             revisions,
             revision,
+            put_revisions,
         })
     }
 
@@ -483,7 +489,7 @@ mod tests {
             .unwrap()
         {
             Commit::Committed { revisions, .. } => revisions,
-            Commit::Conflict => panic!("conflict"),
+            Commit::Conflict(_) => panic!("conflict"),
         }
     }
 
@@ -515,7 +521,7 @@ mod tests {
             })
             .await
             .unwrap();
-        assert_eq!(outcome, Commit::Conflict);
+        assert_eq!(outcome, Commit::Conflict(None));
         assert_eq!(b.current_revision().await.unwrap(), 1);
     }
 

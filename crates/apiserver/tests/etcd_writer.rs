@@ -1,0 +1,238 @@
+//! The writer on etcd commits a batch on the keys as it last saw them, without reading them
+//! first; these tests run two writers (two `Store`s, as two API servers have) on one real etcd and
+//! check that a guess gone stale, or a key guessed absent that another writer created, costs a
+//! failed commit and a re-run, never a lost update or an overwrite.
+//!
+//! Needs `/usr/bin/etcd` (Debian package `etcd-server`); fails when it is missing unless
+//! `NODEPORT_SKIP_PRIVILEGED=1` is set.
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use nodeport_apiserver::PortRange;
+use nodeport_apiserver::error::ApiError;
+use nodeport_apiserver::storage::Backend;
+use nodeport_apiserver::storage::etcd::{Config, EtcdBackend};
+use nodeport_apiserver::store::{Ranges, Store};
+
+const PREFIX: &str = "/registry";
+
+/// etcd on free loopback ports with a temporary data directory; killed on drop.
+struct Etcd {
+    child: Child,
+    url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `None` (after saying so) only when `NODEPORT_SKIP_PRIVILEGED=1` and etcd is missing.
+fn start_etcd() -> Option<Etcd> {
+    if !std::path::Path::new("/usr/bin/etcd").exists() {
+        if std::env::var("NODEPORT_SKIP_PRIVILEGED").as_deref() == Ok("1") {
+            eprintln!("skipped: /usr/bin/etcd is missing and NODEPORT_SKIP_PRIVILEGED=1");
+            return None;
+        }
+        panic!("/usr/bin/etcd is missing: install the Debian package etcd-server");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("http://127.0.0.1:{}", free_port());
+    let peer = format!("http://127.0.0.1:{}", free_port());
+    let child = Command::new("/usr/bin/etcd")
+        .args(["--name", "w", "--data-dir"])
+        .arg(dir.path())
+        .args([
+            "--listen-client-urls",
+            &url,
+            "--advertise-client-urls",
+            &url,
+        ])
+        .args([
+            "--listen-peer-urls",
+            &peer,
+            "--initial-advertise-peer-urls",
+            &peer,
+        ])
+        .args(["--initial-cluster", &format!("w={peer}")])
+        .args(["--logger", "zap", "--log-level", "error"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start etcd");
+    Some(Etcd {
+        child,
+        url,
+        _dir: dir,
+    })
+}
+
+fn ranges() -> Ranges {
+    Ranges {
+        node_ports: PortRange::default(),
+        cluster_ips: "10.96.0.0/16".parse().unwrap(),
+    }
+}
+
+/// A writer on its own etcd client, once etcd answers.
+async fn writer(etcd: &Etcd) -> Store {
+    for _ in 0..100 {
+        if let Ok(backend) = EtcdBackend::connect(Config::new(vec![etcd.url.clone()]), PREFIX).await
+            && backend.check().await.is_ok()
+        {
+            return Store::start(Arc::new(backend), PREFIX, ranges());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("etcd at {} did not answer within 10 s", etcd.url);
+}
+
+/// Writes the empty bitmaps, as the API server's bootstrap does, so that writers have range keys
+/// to commit against.
+async fn bootstrap(store: &Store) {
+    store
+        .mutate(Vec::new(), |txn| {
+            txn.replace_allocators(ranges().empty()?);
+            Ok(())
+        })
+        .await
+        .unwrap();
+}
+
+/// Reads `key` as a number and writes it plus one; returns the mod_revision it read and the
+/// revision of the write.
+async fn increment(store: &Store, key: &str) -> (Option<i64>, i64) {
+    let key = key.to_owned();
+    let done = store
+        .mutate(vec![key.clone()], move |txn| {
+            let entry = txn.get(&key);
+            let n: u64 = entry.as_ref().map_or(0, |e| {
+                std::str::from_utf8(&e.value).unwrap().parse().unwrap()
+            });
+            txn.put(key.clone(), Arc::from((n + 1).to_string().as_bytes()));
+            Ok(entry.map(|e| e.mod_revision))
+        })
+        .await
+        .unwrap();
+    (done.value, done.revision.unwrap())
+}
+
+/// Creates `key` with `value` unless it exists (kube-apiserver's create: `AlreadyExists`).
+async fn create(store: &Store, key: &str, value: &'static str) -> Result<i64, ApiError> {
+    let key = key.to_owned();
+    let done = store
+        .mutate(vec![key.clone()], move |txn| {
+            if txn.get(&key).is_some() {
+                return Err(ApiError::bad_request(format!("{key} already exists")));
+            }
+            txn.put(key.clone(), Arc::from(value.as_bytes()));
+            Ok(())
+        })
+        .await?;
+    Ok(done.revision.unwrap())
+}
+
+async fn stored(store: &Store, key: &str) -> Option<String> {
+    let fetched = store
+        .backend()
+        .get_many(vec![key.to_owned()])
+        .await
+        .unwrap();
+    fetched
+        .kvs
+        .get(key)
+        .map(|kv| String::from_utf8(kv.value.to_vec()).unwrap())
+}
+
+#[tokio::test]
+async fn a_writer_whose_view_went_stale_re_runs_on_the_current_value_and_loses_no_update() {
+    let Some(etcd) = start_etcd() else { return };
+    let (a, b) = (writer(&etcd).await, writer(&etcd).await);
+    bootstrap(&a).await;
+    let key = "/registry/test/counter";
+
+    let (_, first) = increment(&a, key).await;
+    // B never saw the key: it reads it once (it knows no bitmaps yet), then knows it.
+    let (seen, second) = increment(&b, key).await;
+    assert_eq!(seen, Some(first));
+    // A's view of the key (and of the bitmaps) is now stale: it commits on it without a read,
+    // loses, and re-runs on what the failed commit gave back.
+    let reads_before = a.stats().read_nanos.load(Ordering::Relaxed);
+    let conflicts_before = a.stats().conflicts.load(Ordering::Relaxed);
+    let (seen, third) = increment(&a, key).await;
+    assert_eq!(seen, Some(second), "the re-run must see B's write");
+    assert!(third > second);
+    assert_eq!(
+        a.stats().conflicts.load(Ordering::Relaxed),
+        conflicts_before + 1
+    );
+    assert_eq!(
+        a.stats().read_nanos.load(Ordering::Relaxed),
+        reads_before,
+        "the stale guess was corrected by the failed commit, not by a read"
+    );
+    // A's own write is what it knows now: the next increment commits at once, with no loss.
+    let (seen, _) = increment(&a, key).await;
+    assert_eq!(
+        seen,
+        Some(third),
+        "the revision remembered from the commit is exact"
+    );
+    assert_eq!(
+        a.stats().conflicts.load(Ordering::Relaxed),
+        conflicts_before + 1
+    );
+    assert_eq!(stored(&a, key).await.as_deref(), Some("4"));
+
+    // Both writers at once, 4 clients each, 25 increments per client: no update lost.
+    let mut tasks = Vec::new();
+    for store in [a.clone(), b.clone()] {
+        for _ in 0..4 {
+            let store = store.clone();
+            tasks.push(tokio::spawn(async move {
+                for _ in 0..25 {
+                    increment(&store, key).await;
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    assert_eq!(stored(&a, key).await.as_deref(), Some("204"));
+}
+
+#[tokio::test]
+async fn a_key_guessed_absent_that_another_writer_created_is_not_overwritten() {
+    let Some(etcd) = start_etcd() else { return };
+    let (a, b) = (writer(&etcd).await, writer(&etcd).await);
+    bootstrap(&a).await;
+    // B learns the bitmaps, so that it commits its next batches on what it knows.
+    increment(&b, "/registry/test/warm").await;
+    let key = "/registry/test/object";
+    create(&a, key, "from a").await.unwrap();
+    // B never saw the key and takes it as absent; its commit compares it as absent, fails, and
+    // the re-run sees A's object.
+    let conflicts_before = b.stats().conflicts.load(Ordering::Relaxed);
+    let err = create(&b, key, "from b").await.unwrap_err();
+    assert_eq!(err.code(), 400, "{err:?}");
+    assert_eq!(
+        b.stats().conflicts.load(Ordering::Relaxed),
+        conflicts_before + 1
+    );
+    assert_eq!(stored(&a, key).await.as_deref(), Some("from a"));
+}
