@@ -33,6 +33,7 @@ pub mod names;
 pub mod nftables;
 pub mod nodeaddr;
 pub mod objects;
+pub mod tool;
 pub mod tracker;
 pub mod watch;
 

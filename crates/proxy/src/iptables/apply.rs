@@ -15,7 +15,6 @@
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::{Hash, Hasher};
-use std::io::Write;
 use std::process::{Command, Stdio};
 
 use super::names::{KUBE_FIREWALL, KUBE_PROXY_CANARY, is_service_chain};
@@ -61,6 +60,25 @@ pub enum KernelError {
     /// The fake kernel refused an operation, as the real one would.
     #[error("{0}")]
     Fake(String),
+}
+
+impl From<crate::tool::ToolError> for KernelError {
+    fn from(e: crate::tool::ToolError) -> Self {
+        match e {
+            crate::tool::ToolError::Spawn { program, source } => {
+                KernelError::Spawn { program, source }
+            }
+            crate::tool::ToolError::Rejected {
+                program,
+                status,
+                stderr,
+            } => KernelError::Rejected {
+                program,
+                status,
+                stderr,
+            },
+        }
+    }
 }
 
 /// What the tables of a family hold now (from `iptables-save`).
@@ -372,10 +390,12 @@ impl IptablesCommand {
         }
     }
 
-    fn command(&self, program: &str) -> (Command, String) {
-        let mut words: Vec<String> = self.prefix.clone();
-        words.push(program.to_string());
-        let mut c = Command::new(&words[0]);
+    /// `program args` behind the prefix (e.g. `ip netns exec ns1`), and its command line.
+    fn command(&self, program: &str, args: &[&str]) -> (Command, String) {
+        let mut words: Vec<&str> = self.prefix.iter().map(String::as_str).collect();
+        words.push(program);
+        words.extend_from_slice(args);
+        let mut c = Command::new(words[0]);
         c.args(&words[1..]);
         (c, words.join(" "))
     }
@@ -388,13 +408,8 @@ impl IptablesCommand {
         args: &[&str],
         timeout: std::time::Duration,
     ) -> Result<String, KernelError> {
-        let (mut cmd, mut line) = self.command(program);
-        for a in args {
-            line.push(' ');
-            line.push_str(a);
-        }
+        let (mut cmd, line) = self.command(program, args);
         let mut child = cmd
-            .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
@@ -454,46 +469,8 @@ impl IptablesCommand {
         args: &[&str],
         input: Option<&str>,
     ) -> Result<String, KernelError> {
-        let (mut cmd, mut line) = self.command(program);
-        for a in args {
-            line.push(' ');
-            line.push_str(a);
-        }
-        let mut child = cmd
-            .args(args)
-            .stdin(if input.is_some() {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|source| KernelError::Spawn {
-                program: line.clone(),
-                source,
-            })?;
-        if let Some(input) = input {
-            let mut stdin = child.stdin.take().expect("piped stdin");
-            // A write error means the tool exited early; its status and stderr say why.
-            let _ = stdin.write_all(input.as_bytes());
-        }
-        let out = child
-            .wait_with_output()
-            .map_err(|source| KernelError::Spawn {
-                program: line.clone(),
-                source,
-            })?;
-        if !out.status.success() {
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            let stderr: String = stderr.lines().take(6).collect::<Vec<_>>().join(" | ");
-            return Err(KernelError::Rejected {
-                program: line,
-                status: out.status,
-                stderr,
-            });
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        let (cmd, line) = self.command(program, args);
+        Ok(crate::tool::run(cmd, &line, input)?)
     }
 }
 

@@ -14,8 +14,7 @@
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::{Hash, Hasher};
-use std::io::Write;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use super::names::is_affinity_set;
@@ -62,6 +61,25 @@ pub enum KernelError {
     /// The fake kernel refused an operation, as the real one would.
     #[error("{0}")]
     Fake(String),
+}
+
+impl From<crate::tool::ToolError> for KernelError {
+    fn from(e: crate::tool::ToolError) -> Self {
+        match e {
+            crate::tool::ToolError::Spawn { program, source } => {
+                KernelError::Spawn { program, source }
+            }
+            crate::tool::ToolError::Rejected {
+                program,
+                status,
+                stderr,
+            } => KernelError::Rejected {
+                program,
+                status,
+                stderr,
+            },
+        }
+    }
 }
 
 /// What a table holds now, by name.
@@ -146,44 +164,9 @@ impl NftCommand {
 
     /// Runs nft with `args`, feeding `input` on stdin; returns stdout.
     pub fn run(&self, args: &[&str], input: Option<&str>) -> Result<String, KernelError> {
-        let program = self.describe();
-        let mut child = self
-            .command()
-            .args(args)
-            .stdin(if input.is_some() {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .map_err(|source| KernelError::Spawn {
-                program: program.clone(),
-                source,
-            })?;
-        if let Some(input) = input {
-            let mut stdin = child.stdin.take().expect("piped stdin");
-            // A write error means nft exited early; its status and stderr say why.
-            let _ = stdin.write_all(input.as_bytes());
-        }
-        let out = child
-            .wait_with_output()
-            .map_err(|source| KernelError::Spawn {
-                program: program.clone(),
-                source,
-            })?;
-        if !out.status.success() {
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            // Keep the message short: nft echoes the failing line and a caret line.
-            let stderr: String = stderr.lines().take(6).collect::<Vec<_>>().join(" | ");
-            return Err(KernelError::Rejected {
-                program,
-                status: out.status,
-                stderr,
-            });
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        let mut cmd = self.command();
+        cmd.args(args);
+        Ok(crate::tool::run(cmd, &self.describe(), input)?)
     }
 }
 

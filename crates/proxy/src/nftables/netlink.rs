@@ -156,6 +156,28 @@ impl Buf {
         start
     }
 
+    /// Begins an nf_tables message `msg` (resource id 0, as nft sends them).
+    fn begin_nft(&mut self, msg: u16, flags: u16, seq: u32, family: u8) -> usize {
+        self.begin((NFNL_SUBSYS_NFTABLES << 8) | msg, flags, seq, family, 0)
+    }
+
+    /// Begins an nf_tables message about the object `name` of our table: `attrs` are the
+    /// message's (table, name) attribute types.
+    fn begin_named(
+        &mut self,
+        msg: u16,
+        flags: u16,
+        seq: u32,
+        family: u8,
+        attrs: (u16, u16),
+        name: &str,
+    ) -> usize {
+        let m = self.begin_nft(msg, flags, seq, family);
+        self.str(attrs.0, TABLE);
+        self.str(attrs.1, name);
+        m
+    }
+
     fn end(&mut self, start: usize) {
         let len = (self.b.len() - start) as u32;
         self.b[start..start + 4].copy_from_slice(&len.to_ne_bytes());
@@ -626,13 +648,7 @@ fn encode_op(
     let create = NLM_F_REQUEST | NLM_F_CREATE | ack;
     match op {
         Op::AddTable => {
-            let m = b.begin(
-                (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWTABLE,
-                create,
-                seq,
-                fam,
-                0,
-            );
+            let m = b.begin_nft(NFT_MSG_NEWTABLE, create, seq, fam);
             b.str(NFTA_TABLE_NAME, TABLE);
             b.attr(
                 NFTA_TABLE_USERDATA,
@@ -641,26 +657,19 @@ fn encode_op(
             b.end(m);
         }
         Op::DeleteTable => {
-            let m = b.begin(
-                (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_DELTABLE,
-                NLM_F_REQUEST | ack,
-                seq,
-                fam,
-                0,
-            );
+            let m = b.begin_nft(NFT_MSG_DELTABLE, NLM_F_REQUEST | ack, seq, fam);
             b.str(NFTA_TABLE_NAME, TABLE);
             b.end(m);
         }
         Op::AddChain(name, hook) => {
-            let m = b.begin(
-                (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWCHAIN,
+            let m = b.begin_named(
+                NFT_MSG_NEWCHAIN,
                 create,
                 seq,
                 fam,
-                0,
+                (NFTA_CHAIN_TABLE, NFTA_CHAIN_NAME),
+                name,
             );
-            b.str(NFTA_CHAIN_TABLE, TABLE);
-            b.str(NFTA_CHAIN_NAME, name);
             if let Some(h) = hook {
                 let n = b.nest(NFTA_CHAIN_HOOK);
                 b.u32be(NFTA_HOOK_HOOKNUM, hook_number(h.hook));
@@ -677,39 +686,36 @@ fn encode_op(
             b.end(m);
         }
         Op::FlushChain(name) => {
-            let m = b.begin(
-                (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_DELRULE,
+            let m = b.begin_named(
+                NFT_MSG_DELRULE,
                 NLM_F_REQUEST | ack,
                 seq,
                 fam,
-                0,
+                (NFTA_RULE_TABLE, NFTA_RULE_CHAIN),
+                name,
             );
-            b.str(NFTA_RULE_TABLE, TABLE);
-            b.str(NFTA_RULE_CHAIN, name);
             b.end(m);
         }
         Op::DeleteChain(name) => {
-            let m = b.begin(
-                (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_DELCHAIN,
+            let m = b.begin_named(
+                NFT_MSG_DELCHAIN,
                 NLM_F_REQUEST | ack,
                 seq,
                 fam,
-                0,
+                (NFTA_CHAIN_TABLE, NFTA_CHAIN_NAME),
+                name,
             );
-            b.str(NFTA_CHAIN_TABLE, TABLE);
-            b.str(NFTA_CHAIN_NAME, name);
             b.end(m);
         }
         Op::AddRule(chain, rule) => {
-            let m = b.begin(
-                (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWRULE,
+            let m = b.begin_named(
+                NFT_MSG_NEWRULE,
                 create | NLM_F_APPEND,
                 seq,
                 fam,
-                0,
+                (NFTA_RULE_TABLE, NFTA_RULE_CHAIN),
+                chain,
             );
-            b.str(NFTA_RULE_TABLE, TABLE);
-            b.str(NFTA_RULE_CHAIN, chain);
             let n = b.nest(NFTA_RULE_EXPRESSIONS);
             rule_exprs(b, family, rule)?;
             b.close(n);
@@ -720,40 +726,37 @@ fn encode_op(
         }
         Op::AddSet(set) => encode_set(b, family, set, seq, create),
         Op::FlushSet(name, _) => {
-            let m = b.begin(
-                (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_DELSETELEM,
+            let m = b.begin_named(
+                NFT_MSG_DELSETELEM,
                 NLM_F_REQUEST | ack,
                 seq,
                 fam,
-                0,
+                (NFTA_SET_ELEM_LIST_TABLE, NFTA_SET_ELEM_LIST_SET),
+                name,
             );
-            b.str(NFTA_SET_ELEM_LIST_TABLE, TABLE);
-            b.str(NFTA_SET_ELEM_LIST_SET, name);
             b.end(m);
         }
         Op::DeleteSet(name, _) => {
-            let m = b.begin(
-                (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_DELSET,
+            let m = b.begin_named(
+                NFT_MSG_DELSET,
                 NLM_F_REQUEST | ack,
                 seq,
                 fam,
-                0,
+                (NFTA_SET_TABLE, NFTA_SET_NAME),
+                name,
             );
-            b.str(NFTA_SET_TABLE, TABLE);
-            b.str(NFTA_SET_NAME, name);
             b.end(m);
         }
         Op::AddElement(e) => encode_elements(b, fam, e.set, std::slice::from_ref(e), seq, create),
         Op::DeleteElement(set, key) => {
-            let m = b.begin(
-                (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_DELSETELEM,
+            let m = b.begin_named(
+                NFT_MSG_DELSETELEM,
                 NLM_F_REQUEST | ack,
                 seq,
                 fam,
-                0,
+                (NFTA_SET_ELEM_LIST_TABLE, NFTA_SET_ELEM_LIST_SET),
+                set,
             );
-            b.str(NFTA_SET_ELEM_LIST_TABLE, TABLE);
-            b.str(NFTA_SET_ELEM_LIST_SET, set);
             let list = b.nest(NFTA_SET_ELEM_LIST_ELEMENTS);
             let el = b.nest(NFTA_LIST_ELEM);
             b.data_value(NFTA_SET_ELEM_KEY, &key_bytes(key));
@@ -766,15 +769,14 @@ fn encode_op(
 }
 
 fn encode_set(b: &mut Buf, family: IpFamily, set: &Set, seq: u32, flags: u16) {
-    let m = b.begin(
-        (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWSET,
+    let m = b.begin_named(
+        NFT_MSG_NEWSET,
         flags,
         seq,
         nfproto(family),
-        0,
+        (NFTA_SET_TABLE, NFTA_SET_NAME),
+        &set.name,
     );
-    b.str(NFTA_SET_TABLE, TABLE);
-    b.str(NFTA_SET_NAME, &set.name);
     let (key_type, key_len, fields) = key_spec(set.key, family);
     let mut set_flags = 0;
     if set.verdict_map {
@@ -823,15 +825,14 @@ fn encode_set(b: &mut Buf, family: IpFamily, set: &Set, seq: u32, flags: u16) {
 }
 
 fn encode_elements(b: &mut Buf, fam: u8, set: &str, elements: &[Element], seq: u32, flags: u16) {
-    let m = b.begin(
-        (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWSETELEM,
+    let m = b.begin_named(
+        NFT_MSG_NEWSETELEM,
         flags,
         seq,
         fam,
-        0,
+        (NFTA_SET_ELEM_LIST_TABLE, NFTA_SET_ELEM_LIST_SET),
+        set,
     );
-    b.str(NFTA_SET_ELEM_LIST_TABLE, TABLE);
-    b.str(NFTA_SET_ELEM_LIST_SET, set);
     let list = b.nest(NFTA_SET_ELEM_LIST_ELEMENTS);
     for e in elements {
         let el = b.nest(NFTA_LIST_ELEM);
@@ -1076,13 +1077,7 @@ impl NetlinkKernel {
         self.seq += 1;
         let seq = self.seq;
         let mut b = Buf { b: Vec::new() };
-        let m = b.begin(
-            (NFNL_SUBSYS_NFTABLES << 8) | msg,
-            NLM_F_REQUEST | NLM_F_DUMP,
-            seq,
-            nfproto(family),
-            0,
-        );
+        let m = b.begin_nft(msg, NLM_F_REQUEST | NLM_F_DUMP, seq, nfproto(family));
         b.end(m);
         self.send(&b.b)?;
         let mut failed = None;
@@ -1180,13 +1175,7 @@ impl Kernel for NetlinkKernel {
         self.seq += 1;
         let seq = self.seq;
         let mut b = Buf { b: Vec::new() };
-        let m = b.begin(
-            (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_GETGEN,
-            NLM_F_REQUEST,
-            seq,
-            0,
-            0,
-        );
+        let m = b.begin_nft(NFT_MSG_GETGEN, NLM_F_REQUEST, seq, 0);
         b.end(m);
         self.send(&b.b).ok()?;
         let mut id = None;
