@@ -13,7 +13,6 @@
 //! 1 KiB Service and bitmaps of the bench's sizes). Each raw client has its own bitmap keys, so
 //! the raw transactions never conflict: an upper bound on what etcd does with that shape.
 
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -25,55 +24,11 @@ use hyper_util::client::legacy::Client as HttpClient;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use nodeport_apiserver::{Config, PortRange};
+use nodeport_testbed::etcd::Etcd;
 
 type Http = HttpClient<HttpConnector, Full<Bytes>>;
 
 const NODE_PORTS: &str = "20000-59999";
-
-struct Etcd(Child);
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn start_etcd(dir: &std::path::Path) -> (Etcd, String) {
-    let (client, peer) = (free_port(), free_port());
-    let client = format!("http://127.0.0.1:{client}");
-    let peer = format!("http://127.0.0.1:{peer}");
-    let child = Command::new("etcd")
-        .args(["--name", "b", "--data-dir"])
-        .arg(dir)
-        .args([
-            "--listen-client-urls",
-            &client,
-            "--advertise-client-urls",
-            &client,
-        ])
-        .args([
-            "--listen-peer-urls",
-            &peer,
-            "--initial-advertise-peer-urls",
-            &peer,
-        ])
-        .args(["--initial-cluster", &format!("b={peer}")])
-        .args(["--logger", "zap", "--log-level", "error"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("etcd (Debian package etcd-server) must be installed");
-    (Etcd(child), client)
-}
 
 fn http() -> Http {
     HttpClient::builder(TokioExecutor::new()).build_http()
@@ -284,7 +239,8 @@ async fn main() {
             .init();
     }
     let dir = tempfile::tempdir().unwrap();
-    let (_etcd, url) = start_etcd(&dir.path().join("etcd"));
+    let etcd = Etcd::start(&dir.path().join("etcd"));
+    let url = etcd.url();
     let client = loop {
         if let Ok(mut c) = Client::connect([url.as_str()], None).await
             && c.status().await.is_ok()

@@ -6,7 +6,6 @@
 //! Needs `/usr/bin/etcd` (Debian package `etcd-server`); fails when it is missing unless
 //! `NODEPORT_SKIP_PRIVILEGED=1` is set.
 
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -16,33 +15,13 @@ use nodeport_apiserver::error::ApiError;
 use nodeport_apiserver::storage::Backend;
 use nodeport_apiserver::storage::etcd::{Config, EtcdBackend};
 use nodeport_apiserver::store::{Ranges, Store};
+use nodeport_testbed::etcd::Etcd;
 
 const PREFIX: &str = "/registry";
 
-/// etcd on free loopback ports with a temporary data directory; killed on drop.
-struct Etcd {
-    child: Child,
-    url: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// `None` (after saying so) only when `NODEPORT_SKIP_PRIVILEGED=1` and etcd is missing.
-fn start_etcd() -> Option<Etcd> {
+/// etcd with its data in a temporary directory; `None` (after saying so) only when
+/// `NODEPORT_SKIP_PRIVILEGED=1` and etcd is missing.
+fn start_etcd() -> Option<(Etcd, tempfile::TempDir)> {
     if !std::path::Path::new("/usr/bin/etcd").exists() {
         if std::env::var("NODEPORT_SKIP_PRIVILEGED").as_deref() == Ok("1") {
             eprintln!("skipped: /usr/bin/etcd is missing and NODEPORT_SKIP_PRIVILEGED=1");
@@ -51,34 +30,7 @@ fn start_etcd() -> Option<Etcd> {
         panic!("/usr/bin/etcd is missing: install the Debian package etcd-server");
     }
     let dir = tempfile::tempdir().unwrap();
-    let url = format!("http://127.0.0.1:{}", free_port());
-    let peer = format!("http://127.0.0.1:{}", free_port());
-    let child = Command::new("/usr/bin/etcd")
-        .args(["--name", "w", "--data-dir"])
-        .arg(dir.path())
-        .args([
-            "--listen-client-urls",
-            &url,
-            "--advertise-client-urls",
-            &url,
-        ])
-        .args([
-            "--listen-peer-urls",
-            &peer,
-            "--initial-advertise-peer-urls",
-            &peer,
-        ])
-        .args(["--initial-cluster", &format!("w={peer}")])
-        .args(["--logger", "zap", "--log-level", "error"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("start etcd");
-    Some(Etcd {
-        child,
-        url,
-        _dir: dir,
-    })
+    Some((Etcd::start(dir.path()), dir))
 }
 
 fn ranges() -> Ranges {
@@ -91,14 +43,14 @@ fn ranges() -> Ranges {
 /// A writer on its own etcd client, once etcd answers.
 async fn writer(etcd: &Etcd) -> Store {
     for _ in 0..100 {
-        if let Ok(backend) = EtcdBackend::connect(Config::new(vec![etcd.url.clone()]), PREFIX).await
+        if let Ok(backend) = EtcdBackend::connect(Config::new(vec![etcd.url()]), PREFIX).await
             && backend.check().await.is_ok()
         {
             return Store::start(Arc::new(backend), PREFIX, ranges());
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    panic!("etcd at {} did not answer within 10 s", etcd.url);
+    panic!("etcd at {} did not answer within 10 s", etcd.url());
 }
 
 /// Writes the empty bitmaps, as the API server's bootstrap does, so that writers have range keys
@@ -160,7 +112,9 @@ async fn stored(store: &Store, key: &str) -> Option<String> {
 
 #[tokio::test]
 async fn a_writer_whose_view_went_stale_re_runs_on_the_current_value_and_loses_no_update() {
-    let Some(etcd) = start_etcd() else { return };
+    let Some((etcd, _dir)) = start_etcd() else {
+        return;
+    };
     let (a, b) = (writer(&etcd).await, writer(&etcd).await);
     bootstrap(&a).await;
     let key = "/registry/test/counter";
@@ -218,7 +172,9 @@ async fn a_writer_whose_view_went_stale_re_runs_on_the_current_value_and_loses_n
 
 #[tokio::test]
 async fn a_key_guessed_absent_that_another_writer_created_is_not_overwritten() {
-    let Some(etcd) = start_etcd() else { return };
+    let Some((etcd, _dir)) = start_etcd() else {
+        return;
+    };
     let (a, b) = (writer(&etcd).await, writer(&etcd).await);
     bootstrap(&a).await;
     // B learns the bitmaps, so that it commits its next batches on what it knows.

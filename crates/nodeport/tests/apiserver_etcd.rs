@@ -11,7 +11,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
-use apiserver_support::etcd::{Etcd, base64, etcd_available, replicas, replicas_logging, unbase64};
+use apiserver_support::etcd::{
+    Etcd, base64, etcd_available, gateway, replicas, replicas_logging, unbase64,
+};
 use apiserver_support::{Server, http};
 use nodeport_apiserver::registry::{Verification, service::ServiceRanges, verify_dump};
 use nodeport_apiserver::storage::etcd::{Config as EtcdConfig, EtcdBackend};
@@ -436,9 +438,10 @@ fn a_watch_from_a_compacted_revision_gets_410_gone_and_bookmarks_carry_etcd_reso
         );
     }
     // Compact etcd's history up to now, by hand, through its gateway.
-    let header = json(&etcd.gateway("/v3/kv/range", r#"{"key":"AA=="}"#));
+    let header = json(&gateway(&etcd, "/v3/kv/range", r#"{"key":"AA=="}"#));
     let revision = header["header"]["revision"].as_str().unwrap().to_owned();
-    etcd.gateway(
+    gateway(
+        &etcd,
         "/v3/kv/compaction",
         &format!(r#"{{"revision":"{revision}","physical":true}}"#),
     );
@@ -655,7 +658,11 @@ fn etcd_stopped_and_restarted_under_load_gives_503_or_504_then_full_service_with
 /// The NodePort bitmap as stored, read from etcd's gateway.
 fn read_bitmap(etcd: &Etcd) -> nodeport_alloc::port::Allocator {
     let key = base64(b"/registry/ranges/servicenodeports");
-    let body = json(&etcd.gateway("/v3/kv/range", &format!(r#"{{"key":"{key}"}}"#)));
+    let body = json(&gateway(
+        etcd,
+        "/v3/kv/range",
+        &format!(r#"{{"key":"{key}"}}"#),
+    ));
     let raw = unbase64(body["kvs"][0]["value"].as_str().unwrap());
     let (_, value) = nodeport_apiserver::storage::etcd::decode_value(&raw);
     let snapshot = nodeport_apiserver::store::decode_range(value).unwrap();
@@ -671,7 +678,8 @@ fn write_bitmap(etcd: &Etcd, allocator: &nodeport_alloc::port::Allocator) {
     let value = base64(&nodeport_apiserver::store::encode_range(
         &allocator.snapshot(),
     ));
-    etcd.gateway(
+    gateway(
+        etcd,
         "/v3/kv/put",
         &format!(r#"{{"key":"{key}","value":"{value}"}}"#),
     );
@@ -896,7 +904,8 @@ fn missing_bitmaps_are_rebuilt_on_etcd_from_three_hundred_services() {
         "/registry/ranges/servicenodeports",
         "/registry/ranges/serviceips",
     ] {
-        etcd.gateway(
+        gateway(
+            &etcd,
             "/v3/kv/deleterange",
             &format!(r#"{{"key":"{}"}}"#, base64(key.as_bytes())),
         );

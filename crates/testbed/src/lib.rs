@@ -19,6 +19,7 @@
 //! } // everything is deleted here, even on panic
 //! ```
 
+pub mod etcd;
 mod lan;
 mod netns;
 mod privileged;

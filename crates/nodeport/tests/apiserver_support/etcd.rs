@@ -1,11 +1,9 @@
-//! A real etcd (the machine's `/usr/bin/etcd`) on free loopback ports with a temporary data
-//! directory, stopped by PID on drop, and `nodeport apiserver` replicas on it.
+//! A real etcd (the testbed's [`Etcd`]) and `nodeport apiserver` replicas on it.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::process::Command;
 
-use super::{free_port, http};
+use super::http;
 
 /// etcd, or a loud failure (only `NODEPORT_SKIP_PRIVILEGED=1` skips).
 pub fn etcd_available() -> bool {
@@ -23,95 +21,13 @@ pub fn etcd_available() -> bool {
     panic!("etcd (Debian package etcd-server) is required for this test and was not found");
 }
 
-/// A running etcd member; SIGKILLed and reaped on drop.
-pub struct Etcd {
-    child: Option<Child>,
-    /// The client port.
-    pub client_port: u16,
-    peer_port: u16,
-    data_dir: PathBuf,
-}
+pub use nodeport_testbed::etcd::Etcd;
 
-impl Etcd {
-    /// Starts etcd with its data in `data_dir` and waits until `/health` says so.
-    pub fn start(data_dir: &Path) -> Etcd {
-        let mut etcd = Etcd {
-            child: None,
-            client_port: free_port(),
-            peer_port: free_port(),
-            data_dir: data_dir.to_path_buf(),
-        };
-        etcd.restart();
-        etcd
-    }
-
-    /// The client URL.
-    pub fn url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
-    }
-
-    /// Starts (again) on the same ports and data.
-    pub fn restart(&mut self) {
-        assert!(self.child.is_none(), "etcd is already running");
-        let client = self.url();
-        let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let child = Command::new("etcd")
-            .args(["--name", "t", "--data-dir"])
-            .arg(&self.data_dir)
-            .args([
-                "--listen-client-urls",
-                &client,
-                "--advertise-client-urls",
-                &client,
-            ])
-            .args([
-                "--listen-peer-urls",
-                &peer,
-                "--initial-advertise-peer-urls",
-                &peer,
-            ])
-            .args(["--initial-cluster", &format!("t={peer}")])
-            .args(["--logger", "zap", "--log-level", "error"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start etcd");
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Ok((200, body)) = http(self.client_port, "GET", "/health", None)
-                && body.contains("true")
-            {
-                return;
-            }
-            if let Some(status) = self.child.as_mut().unwrap().try_wait().unwrap() {
-                panic!("etcd exited early: {status}");
-            }
-            assert!(Instant::now() < deadline, "etcd did not become healthy");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    /// Stops etcd (SIGKILL) and waits for it.
-    pub fn stop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    /// A POST to etcd's JSON gateway (`/v3/kv/...`); the response body.
-    pub fn gateway(&self, path: &str, body: &str) -> String {
-        let (status, response) = http(self.client_port, "POST", path, Some(body)).unwrap();
-        assert_eq!(status, 200, "{path}: {response}");
-        response
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        self.stop();
-    }
+/// A POST to etcd's JSON gateway (`/v3/kv/...`); the response body.
+pub fn gateway(etcd: &Etcd, path: &str, body: &str) -> String {
+    let (status, response) = http(etcd.client_port, "POST", path, Some(body)).unwrap();
+    assert_eq!(status, 200, "{path}: {response}");
+    response
 }
 
 const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
