@@ -164,6 +164,7 @@ fn facts() -> NodeFacts {
     NodeFacts {
         node_ips: vec![NODE_IP.parse().unwrap()],
         local_ips: vec![NODE_IP.parse().unwrap(), "10.244.0.1".parse().unwrap()],
+        ..Default::default()
     }
 }
 

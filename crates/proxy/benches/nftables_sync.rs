@@ -95,6 +95,7 @@ fn facts() -> NodeFacts {
     NodeFacts {
         node_ips: vec![ip(0xC000_020A)],
         local_ips: vec![ip(0xC000_020A)],
+        ..Default::default()
     }
 }
 

@@ -370,14 +370,11 @@ impl Engine {
             let facts = NodeFacts {
                 node_ips: node.addresses.clone(),
                 local_ips: i.local_ips.clone(),
+                default_route_ips: i.default_route_ips.clone(),
             };
             let state_config = StateConfig {
                 families: self.config.families.clone(),
-                nodeport_addresses: self
-                    .config
-                    .nodeport_addresses
-                    .clone()
-                    .with_default_route(&i.default_route_ips),
+                nodeport_addresses: self.config.nodeport_addresses.clone(),
             };
             let view = NodeView {
                 name: &self.config.node_name,
@@ -713,6 +710,7 @@ fn log_selection(
     let facts = NodeFacts {
         node_ips: node.map(|n| n.addresses.clone()).unwrap_or_default(),
         local_ips: found.local_ips.clone(),
+        default_route_ips: found.default_route_ips.clone(),
     };
     for cidr in npa.unmatched_cidrs(&facts) {
         tracing::info!(

@@ -86,7 +86,7 @@ pub enum Selector {
     Cidr(IpNet),
     /// `default-route`: the addresses of the interfaces holding a default route, per family
     /// (reference 004). What it stands for is read from the routing table, not from the
-    /// value: see [`NodePortAddresses::default_route_ips`].
+    /// value: see [`NodeFacts::default_route_ips`].
     DefaultRoute,
 }
 
@@ -110,12 +110,6 @@ impl fmt::Display for Selector {
 pub struct NodePortAddresses {
     /// The entries, in the order given.
     pub selectors: Vec<Selector>,
-    /// What `default-route` stands for at this moment: the addresses of the interfaces that
-    /// hold a default route (in the main table), each family by its own default route. Not
-    /// part of the flag's value: the proxy fills it from the routing table before every
-    /// selection (so a moved default route is followed without a restart), `nodeport render`
-    /// from its `--default-route-interface` flags. Empty until then.
-    pub default_route_ips: Vec<IpAddr>,
 }
 
 impl Default for NodePortAddresses {
@@ -124,7 +118,6 @@ impl Default for NodePortAddresses {
     fn default() -> Self {
         NodePortAddresses {
             selectors: vec![Selector::Primary],
-            default_route_ips: Vec::new(),
         }
     }
 }
@@ -195,17 +188,7 @@ impl NodePortAddresses {
                 value: whole.to_string(),
             });
         }
-        Ok(NodePortAddresses {
-            selectors,
-            default_route_ips: Vec::new(),
-        })
-    }
-
-    /// This value with `default-route` standing for `ips` (the addresses of the interfaces
-    /// holding a default route).
-    pub fn with_default_route(mut self, ips: &[IpAddr]) -> Self {
-        self.default_route_ips = ips.to_vec();
-        self
+        Ok(NodePortAddresses { selectors })
     }
 
     /// Whether some entry is `default-route`.
@@ -263,7 +246,7 @@ impl NodePortAddresses {
             // addresses (every IPv6 interface has an fe80:: one) are not what the heuristic
             // of reference 004 picks either: kube-apiserver's `ChooseHostInterface` takes
             // global unicast addresses only. A CIDR can still ask for them.
-            default_route && is_default_route_candidate(ip) && self.default_route_ips.contains(ip)
+            default_route && is_default_route_candidate(ip) && facts.default_route_ips.contains(ip)
         };
         let ips = facts
             .local_ips
@@ -303,6 +286,12 @@ pub struct NodeFacts {
     /// Addresses configured on the node's interfaces (a netlink address dump), or, for
     /// `nodeport render`, the node IPs given.
     pub local_ips: Vec<IpAddr>,
+    /// What `default-route` stands for at this moment: the addresses of the interfaces that
+    /// hold the best default route (in the main table), each family by its own. The proxy
+    /// reads them from the routing table with the other addresses (so a moved default route
+    /// is followed without a restart); `nodeport render` takes them from its
+    /// `--default-route-interface` flags.
+    pub default_route_ips: Vec<IpAddr>,
 }
 
 impl NodeFacts {
@@ -355,6 +344,15 @@ mod tests {
                 .iter()
                 .map(|s| s.parse().unwrap())
                 .collect(),
+            default_route_ips: Vec::new(),
+        }
+    }
+
+    /// [`facts`] with the default route on the interface holding `ips`.
+    fn facts_routed(ips: &[&str]) -> NodeFacts {
+        NodeFacts {
+            default_route_ips: ips.iter().map(|s| s.parse().unwrap()).collect(),
+            ..facts()
         }
     }
 
@@ -429,13 +427,12 @@ mod tests {
         // No default route known: nothing, in either family (not every address).
         assert_eq!(npa.select(IpFamily::V4, &facts()), ips(&[]));
         assert_eq!(npa.select(IpFamily::V6, &facts()), ips(&[]));
-        let public: IpAddr = "198.51.100.10".parse().unwrap();
-        let npa = npa.with_default_route(&[public]);
-        assert_eq!(npa.select(IpFamily::V4, &facts()), ips(&["198.51.100.10"]));
-        assert_eq!(npa.select(IpFamily::V6, &facts()), ips(&[]));
+        let f = facts_routed(&["198.51.100.10"]);
+        assert_eq!(npa.select(IpFamily::V4, &f), ips(&["198.51.100.10"]));
+        assert_eq!(npa.select(IpFamily::V6, &f), ips(&[]));
         // The route moved: the selection follows.
-        let npa = npa.with_default_route(&["192.0.2.10".parse().unwrap()]);
-        assert_eq!(npa.select(IpFamily::V4, &facts()), ips(&["192.0.2.10"]));
+        let f = facts_routed(&["192.0.2.10"]);
+        assert_eq!(npa.select(IpFamily::V4, &f), ips(&["192.0.2.10"]));
     }
 
     #[test]
@@ -443,13 +440,10 @@ mod tests {
         let mut f = facts();
         f.local_ips
             .extend(["fe80::10", "169.254.0.10"].map(|s| s.parse::<IpAddr>().unwrap()));
-        let on_eth0: Vec<IpAddr> = ["198.51.100.10", "169.254.0.10", "fd00::10", "fe80::10"]
+        f.default_route_ips = ["198.51.100.10", "169.254.0.10", "fd00::10", "fe80::10"]
             .map(|s| s.parse().unwrap())
             .to_vec();
-        let npa = "default-route"
-            .parse::<NodePortAddresses>()
-            .unwrap()
-            .with_default_route(&on_eth0);
+        let npa: NodePortAddresses = "default-route".parse().unwrap();
         assert_eq!(npa.select(IpFamily::V4, &f), ips(&["198.51.100.10"]));
         assert_eq!(npa.select(IpFamily::V6, &f), ips(&["fd00::10"]));
         // Asked for by a CIDR, they are selected.
@@ -460,9 +454,8 @@ mod tests {
     #[test]
     fn default_route_combines_with_cidrs() {
         let npa: NodePortAddresses = "127.0.0.1/32,default-route".parse().unwrap();
-        let npa = npa.with_default_route(&["192.0.2.10".parse().unwrap()]);
         assert_eq!(
-            npa.select(IpFamily::V4, &facts()),
+            npa.select(IpFamily::V4, &facts_routed(&["192.0.2.10"])),
             ips(&["127.0.0.1", "192.0.2.10"])
         );
     }

@@ -100,6 +100,7 @@ impl Setup {
                     "192.0.2.10".parse().unwrap(),
                     "2001:db8::10".parse().unwrap(),
                 ],
+                ..Default::default()
             },
             state: StateConfig {
                 families: IpFamily::ALL.to_vec(),

@@ -105,6 +105,7 @@ impl Setup {
                     "192.0.2.10".parse().unwrap(),
                     "2001:db8::10".parse().unwrap(),
                 ],
+                ..Default::default()
             },
             state: StateConfig::default(),
             config: NodeConfig {

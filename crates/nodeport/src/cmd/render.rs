@@ -252,13 +252,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let facts = NodeFacts {
         node_ips,
         local_ips,
+        default_route_ips,
     };
     for cidr in nodeport_addresses.unmatched_cidrs(&facts) {
         eprintln!("warning: --nodeport-addresses {cidr} matches none of the node's addresses");
     }
     let state_config = StateConfig {
         families: IpFamily::ALL.to_vec(),
-        nodeport_addresses: nodeport_addresses.with_default_route(&default_route_ips),
+        nodeport_addresses,
     };
     let view = NodeView {
         name: &node_name,

@@ -40,6 +40,7 @@ impl World {
             facts: NodeFacts {
                 node_ips: vec![NODE_IP.parse().unwrap()],
                 local_ips: vec![NODE_IP.parse().unwrap(), NODE_IP2.parse().unwrap()],
+                ..Default::default()
             },
             state: StateConfig {
                 families: vec![IpFamily::V4],
@@ -254,6 +255,7 @@ fn kube_proxys_overall_iptables_test_vector_is_reproduced_line_for_line() {
     let facts = NodeFacts {
         node_ips: vec!["192.168.0.2".parse().unwrap()],
         local_ips: vec!["192.168.0.2".parse().unwrap()],
+        ..Default::default()
     };
     let state = StateConfig {
         families: vec![IpFamily::V4],
@@ -1022,10 +1024,8 @@ fn a_loopback_cidr_serves_localhost_nodeports_with_kube_proxys_per_address_jumps
 #[test]
 fn default_route_renders_one_jump_per_address_of_the_default_route_interface() {
     let mut w = World::new(&web("", THREE_ENDPOINTS));
-    w.state.nodeport_addresses = "default-route"
-        .parse::<NodePortAddresses>()
-        .unwrap()
-        .with_default_route(&[NODE_IP2.parse().unwrap()]);
+    w.state.nodeport_addresses = "default-route".parse::<NodePortAddresses>().unwrap();
+    w.facts.default_route_ips = vec![NODE_IP2.parse().unwrap()];
     let text = w.text();
     assert!(
         text.contains("-d 198.51.100.10 -j KUBE-NODEPORTS"),

@@ -46,6 +46,7 @@ fn rendered(yaml: &str, families: Vec<IpFamily>, nodeport_addresses: &str) -> Ip
             "10.244.2.1".parse().unwrap(),
             "2001:db8::4".parse().unwrap(),
         ],
+        ..Default::default()
     };
     let state = StateConfig {
         families,

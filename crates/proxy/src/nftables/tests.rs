@@ -38,6 +38,7 @@ impl World {
             facts: NodeFacts {
                 node_ips: vec![NODE_IP.parse().unwrap()],
                 local_ips: vec![NODE_IP.parse().unwrap(), NODE_IP2.parse().unwrap()],
+                ..Default::default()
             },
             state: StateConfig {
                 families: vec![IpFamily::V4],
@@ -844,10 +845,8 @@ fn a_new_connection_to_127_0_0_1_from_another_host_is_dropped_cve_2020_8558() {
 #[test]
 fn default_route_fills_nodeport_ips_with_the_default_route_interfaces_addresses() {
     let mut w = World::new(&web("", THREE_ENDPOINTS));
-    w.state.nodeport_addresses = "default-route"
-        .parse::<NodePortAddresses>()
-        .unwrap()
-        .with_default_route(&[NODE_IP2.parse().unwrap()]);
+    w.state.nodeport_addresses = "default-route".parse::<NodePortAddresses>().unwrap();
+    w.facts.default_route_ips = vec![NODE_IP2.parse().unwrap()];
     let text = create_all(&w.ruleset()).to_nft();
     assert!(
         text.lines()
