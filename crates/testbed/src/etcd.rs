@@ -94,7 +94,8 @@ impl Etcd {
         s.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
             .and_then(|()| s.read_to_string(&mut reply))
             .is_ok()
-            && reply.starts_with("HTTP/1.") && reply.contains(" 200 ")
+            && reply.starts_with("HTTP/1.")
+            && reply.contains(" 200 ")
             && reply.contains("true")
     }
 
