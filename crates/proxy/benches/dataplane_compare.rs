@@ -84,8 +84,8 @@ fn endpoint(ip: IpAddr) -> Endpoint {
         terminating: false,
         node_name: Some("node-1".into()),
         zone: None,
-        zone_hints: vec![],
-        node_hints: vec![],
+        zone_hints: Box::default(),
+        node_hints: Box::default(),
     }
 }
 

@@ -11,120 +11,22 @@
 //! sizes; `NODEPORT_BENCH_INLINE=0` skips the slow inline-vmap loads, `NODEPORT_BENCH_NFT=0`
 //! the syncs through the `nft` backend).
 
+mod support;
+
 use std::collections::BTreeSet;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nodeport_proxy::config::{EndpointChoice, NodeConfig};
-use nodeport_proxy::desired::{self, DesiredState, NodeView, StateConfig};
-use nodeport_proxy::model::{
-    Endpoint, EndpointPort, EndpointSlice, IpFamily, Protocol, Service, ServiceName, ServicePort,
-    ServicePortName,
-};
-use nodeport_proxy::nftables::apply::{Applier, Kernel, NftCommand};
+use nodeport_proxy::desired::{self, DesiredState, NodeView};
+use nodeport_proxy::model::{IpFamily, Protocol, ServicePortName};
+use nodeport_proxy::nftables::apply::{Applier, Kernel};
 use nodeport_proxy::nftables::netlink::NetlinkKernel;
 use nodeport_proxy::nftables::ruleset::create_all;
-use nodeport_proxy::nodeaddr::NodeFacts;
 use nodeport_proxy::objects::Cluster;
 use nodeport_testbed::Netns;
-
-const ENDPOINTS: usize = 10;
-
-fn ip(a: u32) -> std::net::IpAddr {
-    std::net::IpAddr::V4(std::net::Ipv4Addr::from(a))
-}
-
-/// Service `i`: ClusterIP in 172.16.0.0/12, NodePort, ten endpoints in 10.0.0.0/8.
-fn service(i: usize, generation: u32) -> (ServiceName, Service, ServiceName, EndpointSlice) {
-    let ns = format!("ns{}", i / 100);
-    let name = format!("svc{i}");
-    let port = Arc::new(ServicePort {
-        name: ServicePortName::new(&ns, &name, "http", Protocol::Tcp),
-        cluster_ips: vec![ip(0xAC10_0000 + i as u32)],
-        port: 80,
-        node_port: Some(30000 + (i % 2768) as u16).filter(|_| i < 2768),
-        external_ips: vec![],
-        load_balancer_ips: vec![],
-        load_balancer_source_ranges: vec![],
-        external_policy_local: false,
-        internal_policy_local: false,
-        session_affinity_seconds: None,
-        health_check_node_port: None,
-    });
-    let endpoints = (0..ENDPOINTS)
-        .map(|e| Endpoint {
-            ip: ip(0x0A00_0000 + (i * 16 + e) as u32 + generation * 0x0100_0000),
-            ready: true,
-            serving: true,
-            terminating: false,
-            node_name: Some(format!("node-{}", e % 4).into()),
-            zone: None,
-            zone_hints: vec![],
-            node_hints: vec![],
-        })
-        .collect();
-    (
-        ServiceName::new(&ns, &name),
-        Service { ports: vec![port] },
-        ServiceName::new(&ns, &format!("{name}-abcde")),
-        EndpointSlice {
-            service: ServiceName::new(&ns, &name),
-            family: IpFamily::V4,
-            ports: vec![EndpointPort {
-                name: "http".into(),
-                port: 8080,
-                protocol: Protocol::Tcp,
-            }],
-            endpoints,
-        },
-    )
-}
-
-fn cluster(n: usize) -> Cluster {
-    let mut c = Cluster::new();
-    for i in 0..n {
-        let (sk, s, ek, e) = service(i, 0);
-        c.update_service(sk, Some(s));
-        c.update_slice(ek, Some(e));
-    }
-    c.take_changes();
-    c
-}
-
-fn facts() -> NodeFacts {
-    NodeFacts {
-        node_ips: vec![ip(0xC000_020A)],
-        local_ips: vec![ip(0xC000_020A)],
-        ..Default::default()
-    }
-}
-
-fn state_config() -> StateConfig {
-    StateConfig {
-        families: vec![IpFamily::V4],
-        ..Default::default()
-    }
-}
-
-fn node_config(choice: EndpointChoice) -> NodeConfig {
-    NodeConfig {
-        cluster_cidrs: vec!["10.0.0.0/8".parse().unwrap()],
-        endpoint_choice: choice,
-        ..Default::default()
-    }
-}
-
-fn nft_in(ns: &Netns) -> NftCommand {
-    NftCommand {
-        program: "ip".into(),
-        args: vec![
-            "netns".into(),
-            "exec".into(),
-            ns.name().into(),
-            "nft".into(),
-        ],
-    }
-}
+use support::{
+    ENDPOINTS, cluster, facts, ip, netlink_in, nft_in, node_config, service, state_config,
+};
 
 fn secs(d: Duration) -> String {
     format!("{:.3} s", d.as_secs_f64())
@@ -201,11 +103,7 @@ fn bench_size(n: usize, inline: bool) {
         }
     }
     let ns = Netns::new("bench-sync").unwrap();
-    let kernel = NetlinkKernel::in_namespace(
-        &std::path::Path::new("/run/netns").join(ns.name()),
-        nft_in(&ns),
-    )
-    .unwrap();
+    let kernel = netlink_in(&ns);
     let mut applier = Applier::new(Timed {
         inner: kernel,
         applies: Vec::new(),

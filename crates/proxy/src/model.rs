@@ -230,10 +230,11 @@ pub struct Endpoint {
     pub node_name: Option<Arc<str>>,
     /// `zone`.
     pub zone: Option<Arc<str>>,
-    /// `hints.forZones[].name`.
-    pub zone_hints: Vec<Arc<str>>,
+    /// `hints.forZones[].name` (boxed slices, not `Vec`s: 16 bytes less each on every one
+    /// of a large cluster's endpoints, nearly all of which have no hints).
+    pub zone_hints: Box<[Arc<str>]>,
     /// `hints.forNodes[].name`.
-    pub node_hints: Vec<Arc<str>>,
+    pub node_hints: Box<[Arc<str>]>,
 }
 
 /// What the proxy keeps of its own Node.

@@ -23,8 +23,9 @@ pub struct Cluster {
     pub slices: ChangeTracker<ServiceName, EndpointSlice>,
     /// ServiceCIDRs by name.
     pub service_cidrs: ChangeTracker<String, ServiceCidr>,
-    /// Slice names of each Service.
-    by_service: HashMap<ServiceName, BTreeSet<ServiceName>>,
+    /// Slice names of each Service, sorted. A `Vec`: a Service has one slice or a few, and a
+    /// `BTreeSet` would allocate a node with room for eleven.
+    by_service: HashMap<ServiceName, Vec<ServiceName>>,
 }
 
 /// What changed since the last sync, in the terms a sync needs.
@@ -61,17 +62,17 @@ impl Cluster {
         {
             let svc = old.service.clone();
             if let Some(set) = self.by_service.get_mut(&svc) {
-                set.remove(&key);
+                set.retain(|k| *k != key);
                 if set.is_empty() {
                     self.by_service.remove(&svc);
                 }
             }
         }
         if let Some(v) = &value {
-            self.by_service
-                .entry(v.service.clone())
-                .or_default()
-                .insert(key.clone());
+            let names = self.by_service.entry(v.service.clone()).or_default();
+            if let Err(i) = names.binary_search(&key) {
+                names.insert(i, key.clone());
+            }
         }
         self.slices.update(key, value)
     }

@@ -516,6 +516,61 @@ fn netlink_errors_name_the_operation_and_change_nothing() {
 }
 
 #[test]
+fn a_streamed_netlink_batch_the_kernel_refuses_changes_nothing_and_says_which_message() {
+    if !require_privileged(
+        "a_streamed_netlink_batch_the_kernel_refuses_changes_nothing_and_says_which_message",
+    ) {
+        return;
+    }
+    let ns = Netns::new("nftnlstream").unwrap();
+    let s = Setup::new(&objects(&["10.244.1.1"], false));
+    let mut k = netlink_in(&ns);
+    let mut a = Applier::new(netlink_in(&ns));
+    a.sync(&s.desired(), &s.config, None).unwrap();
+    let before = listing(&ns);
+    use nodeport_proxy::model::IpFamily;
+    use nodeport_proxy::nftables::apply::KernelError;
+    use nodeport_proxy::nftables::ruleset::{Op, Transaction};
+    let mut batch = k.batch();
+    for op in [
+        Op::FlushChain("services".into()),
+        Op::DeleteChain("no-such-chain".into()),
+    ] {
+        let mut piece = Transaction::default();
+        piece.push(IpFamily::V4, op);
+        batch.add(piece).unwrap();
+    }
+    let err = batch.commit().unwrap_err();
+    assert!(
+        matches!(&err, KernelError::Streamed(m) if m.contains("message 2 of 2") && m.contains("No such file")),
+        "{err}"
+    );
+    assert_eq!(listing(&ns), before, "the streamed flush did not happen");
+}
+
+#[test]
+fn a_full_sync_the_encoder_cannot_stream_is_applied_whole_through_nft() {
+    if !require_privileged("a_full_sync_the_encoder_cannot_stream_is_applied_whole_through_nft") {
+        return;
+    }
+    // kube-proxy's inline `numgen random mod N vmap { ... }` is a form the netlink encoder
+    // does not produce: the streamed batch stops there, and the same transaction, built
+    // whole, goes through `nft -f`.
+    let ns = Netns::new("nftnlwhole").unwrap();
+    let mut s = Setup::new(&objects(&["10.244.1.1", "10.244.1.2"], false));
+    s.config.endpoint_choice = nodeport_proxy::config::EndpointChoice::InlineVmap;
+    let mut a = Applier::new(netlink_in(&ns));
+    let r = a.sync(&s.desired(), &s.config, None).unwrap();
+    assert!(r.full);
+    assert_eq!(a.kernel().fallbacks(), 1);
+    assert_same(
+        &listing(&ns),
+        &reference_listing(&s),
+        "after a full sync applied whole",
+    );
+}
+
+#[test]
 fn netlink_encodes_the_localnet_guard_exactly_as_nft_does() {
     if !require_privileged("netlink_encodes_the_localnet_guard_exactly_as_nft_does") {
         return;

@@ -61,6 +61,11 @@ pub enum KernelError {
     /// The fake kernel refused an operation, as the real one would.
     #[error("{0}")]
     Fake(String),
+    /// A transaction handed over in pieces ([`Kernel::batch`]) could not be encoded or was
+    /// refused; nothing was changed. Applying the same transaction whole
+    /// ([`Kernel::apply`]) names the operation at fault, or takes another way to the kernel.
+    #[error("streamed transaction failed: {0}")]
+    Streamed(String),
 }
 
 impl From<crate::tool::ToolError> for KernelError {
@@ -104,11 +109,65 @@ pub trait Kernel: Send {
     fn generation(&mut self) -> Option<u32> {
         None
     }
+
+    /// Starts one transaction that is handed over in pieces and applied, all or nothing like
+    /// [`Kernel::apply`], at [`TransactionSink::commit`]. A full sync at 10,000 Services is
+    /// about 400,000 operations; handing them over one Service at a time lets a kernel
+    /// interface encode them as they come, so the proxy never holds them all at once. The
+    /// default gathers the pieces and calls [`Kernel::apply`].
+    fn batch(&mut self) -> Box<dyn TransactionSink + '_> {
+        Box::new(Collected::new(move |tx| self.apply(&tx)))
+    }
+}
+
+/// One transaction being handed to the kernel in pieces (see [`Kernel::batch`]). Dropping it
+/// without [`TransactionSink::commit`] changes nothing.
+pub trait TransactionSink {
+    /// Appends the operations of `piece`.
+    fn add(&mut self, piece: Transaction) -> Result<(), KernelError>;
+
+    /// Applies everything added, atomically.
+    fn commit(self: Box<Self>) -> Result<(), KernelError>;
+}
+
+/// A [`TransactionSink`] that gathers the pieces into one [`Transaction`] and hands it to a
+/// function (usually [`Kernel::apply`]) at commit.
+pub struct Collected<'k> {
+    tx: Transaction,
+    apply: Box<dyn FnOnce(Transaction) -> Result<(), KernelError> + 'k>,
+}
+
+impl<'k> Collected<'k> {
+    /// Gathers pieces for `apply`.
+    pub fn new(apply: impl FnOnce(Transaction) -> Result<(), KernelError> + 'k) -> Self {
+        Collected {
+            tx: Transaction::default(),
+            apply: Box::new(apply),
+        }
+    }
+}
+
+impl TransactionSink for Collected<'_> {
+    fn add(&mut self, piece: Transaction) -> Result<(), KernelError> {
+        self.tx.ops.extend(piece.ops);
+        Ok(())
+    }
+
+    fn commit(self: Box<Self>) -> Result<(), KernelError> {
+        if self.tx.is_empty() {
+            return Ok(());
+        }
+        (self.apply)(self.tx)
+    }
 }
 
 impl Kernel for Box<dyn Kernel> {
     fn apply(&mut self, tx: &Transaction) -> Result<(), KernelError> {
         (**self).apply(tx)
+    }
+
+    fn batch(&mut self) -> Box<dyn TransactionSink + '_> {
+        (**self).batch()
     }
 
     fn list(&mut self, family: IpFamily) -> Result<Option<Existing>, KernelError> {
@@ -486,8 +545,8 @@ enum Owner {
 /// What was applied for one owner.
 #[derive(Debug, Clone, Default)]
 struct Unit {
-    /// Chain name → (hook, content hash).
-    chains: BTreeMap<String, (Option<BaseHook>, u64)>,
+    /// The chains, each with the hash of its hook and rules.
+    chains: AppliedChains,
     /// Set name → content hash of its spec.
     sets: BTreeMap<String, u64>,
     /// Element keys contributed.
@@ -496,10 +555,53 @@ struct Unit {
 
 type ElemValue = (Option<Verdict>, Option<String>);
 
+/// One owner's chains as applied: names with the hash of each chain's hook and rules, sorted
+/// by name. A sorted boxed-slice `Vec` rather than a `BTreeMap<String, _>`: a Service has a
+/// dozen chains, and the map's nodes and `String` capacities took about 1 KiB per Service more.
+#[derive(Debug, Clone, Default)]
+struct AppliedChains(Vec<(Box<str>, u64)>);
+
+impl AppliedChains {
+    /// From chains in any order (names are unique within an owner).
+    fn new(mut chains: Vec<(Box<str>, u64)>) -> Self {
+        chains.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        AppliedChains(chains)
+    }
+
+    fn hash(&self, name: &str) -> Option<u64> {
+        self.0
+            .binary_search_by(|(n, _)| (**n).cmp(name))
+            .ok()
+            .map(|i| self.0[i].1)
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.hash(name).is_some()
+    }
+
+    fn names(&self) -> impl Iterator<Item = &str> {
+        self.0.iter().map(|(n, _)| &**n)
+    }
+}
+
+/// The owners contributing one element key, sorted by owner, each with its value. A sorted
+/// `Vec` rather than a `BTreeMap`: nearly every key has exactly one owner, and a `BTreeMap`
+/// allocates a node with room for eleven, about 1.3 KiB per element, which at 10,000 Services
+/// was half of the proxy's live heap.
+type Contributors = Vec<(Owner, ElemValue)>;
+
 /// A planned sync: the transaction, the applied state it leads to (full syncs), and the
 /// chains it leaves stale.
 type Planned = (
     Transaction,
+    Vec<(IpFamily, AppliedTable)>,
+    Vec<(IpFamily, String)>,
+);
+
+/// An applied full sync: its number of operations, the applied state of each table and the
+/// chains it left stale.
+type FullSynced = (
+    usize,
     Vec<(IpFamily, AppliedTable)>,
     Vec<(IpFamily, String)>,
 );
@@ -510,7 +612,7 @@ struct AppliedTable {
     units: HashMap<Owner, Unit>,
     /// Every element key with its contributors' values; the first owner's value is the one
     /// in the kernel.
-    elements: HashMap<(&'static str, ElemKey), BTreeMap<Owner, ElemValue>>,
+    elements: HashMap<(&'static str, ElemKey), Contributors>,
     /// Which sets are verdict maps (for `flush map`).
     set_is_map: HashMap<String, bool>,
 }
@@ -631,7 +733,12 @@ impl<K: Kernel> Applier<K> {
         if drifted {
             tracing::info!("nftables changed since our last sync; resyncing fully");
         }
-        let full = self.need_full || changed.is_none() || drifted;
+        // A family without a full sync behind it (cannot happen after one succeeded).
+        let unknown_family = desired
+            .families
+            .iter()
+            .any(|f| !self.tables.contains_key(&f.family));
+        let full = self.need_full || changed.is_none() || drifted || unknown_family;
         let mut report = SyncReport {
             full,
             ..Default::default()
@@ -640,10 +747,6 @@ impl<K: Kernel> Applier<K> {
 
         let result = if full {
             self.full_sync(desired, config)
-                .and_then(|(tx, tables, stale)| {
-                    self.kernel.apply(&tx).map_err(Error::RulesetApplyFailed)?;
-                    Ok((tx.len(), tables, stale))
-                })
         } else {
             self.partial_sync(desired, config, changed.expect("partial sync has changes"))
                 .and_then(|(tx, tables, stale)| {
@@ -703,11 +806,16 @@ impl<K: Kernel> Applier<K> {
         }
     }
 
-    fn full_sync(&mut self, desired: &DesiredState, config: &NodeConfig) -> Result<Planned, Error> {
-        let mut tx = Transaction::default();
-        let mut tables = Vec::new();
-        let mut stale = Vec::new();
+    /// Rewrites every table we own in one transaction, handed to the kernel one owner at a
+    /// time (see [`Kernel::batch`]).
+    fn full_sync(
+        &mut self,
+        desired: &DesiredState,
+        config: &NodeConfig,
+    ) -> Result<FullSynced, Error> {
         let first = !self.recreated_base;
+        let mut unwanted = Vec::new();
+        let mut tables = Vec::new();
         for family in IpFamily::ALL {
             let Some(state) = desired.family(family) else {
                 // A family no longer wanted: remove its table (knftables' cleanup).
@@ -717,7 +825,7 @@ impl<K: Kernel> Applier<K> {
                     .map_err(Error::ListFailed)?
                     .is_some()
                 {
-                    tx.push(family, Op::DeleteTable);
+                    unwanted.push(family);
                 }
                 continue;
             };
@@ -734,16 +842,26 @@ impl<K: Kernel> Applier<K> {
                     chains: t
                         .units
                         .values()
-                        .flat_map(|u| u.chains.keys().cloned())
+                        .flat_map(|u| u.chains.names().map(str::to_owned))
                         .collect(),
                     sets: t.set_is_map.iter().map(|(k, v)| (k.clone(), *v)).collect(),
                 }
             };
-            let (applied, family_stale) = full_table(&mut tx, state, config, &existing, first);
-            stale.extend(family_stale.into_iter().map(|c| (family, c)));
-            tables.push((family, applied));
+            tables.push((state, existing));
         }
-        Ok((tx, tables, stale))
+        let sink = self.kernel.batch();
+        match write_full(sink, &unwanted, &tables, config, first) {
+            Err(KernelError::Streamed(reason)) => {
+                // Once more, built whole: the error then names the operation the kernel
+                // refused, and netlink hands a form it does not encode to `nft -f`.
+                tracing::debug!(%reason, "streamed full sync failed; applying it whole");
+                let kernel = &mut self.kernel;
+                let sink = Box::new(Collected::new(move |tx| kernel.apply(&tx)));
+                write_full(sink, &unwanted, &tables, config, first)
+            }
+            result => result,
+        }
+        .map_err(Error::RulesetApplyFailed)
     }
 
     fn partial_sync(
@@ -752,14 +870,6 @@ impl<K: Kernel> Applier<K> {
         config: &NodeConfig,
         changed: &BTreeSet<ServicePortName>,
     ) -> Result<Planned, Error> {
-        if desired
-            .families
-            .iter()
-            .any(|f| !self.tables.contains_key(&f.family))
-        {
-            // A family without a full sync behind it (cannot happen after one succeeded).
-            return self.full_sync(desired, config);
-        }
         let mut tx = Transaction::default();
         let mut stale = Vec::new();
         for state in &desired.families {
@@ -842,14 +952,12 @@ impl Plan {
             unit.sets.insert(set.name.clone(), h);
         }
         // Chains.
+        let mut applied_chains = Vec::with_capacity(chains.len());
         for chain in chains {
-            let h = hash_of(&chain.rules);
-            let same = old
-                .chains
-                .get(&chain.name)
-                .is_some_and(|(hook, oh)| *oh == h && *hook == chain.base);
+            let h = hash_of(&(&chain.base, &chain.rules));
+            let same = old.chains.hash(&chain.name) == Some(h);
             if !same || rewrite || respec {
-                if !old.chains.contains_key(&chain.name) || rewrite {
+                if !old.chains.contains(&chain.name) || rewrite {
                     self.add_chains
                         .push((chain.name.clone(), chain.base.clone()));
                 }
@@ -860,12 +968,13 @@ impl Plan {
                     self.rules.push((chain.name.clone(), rule));
                 }
             }
-            unit.chains.insert(chain.name, (chain.base, h));
+            applied_chains.push((chain.name.into_boxed_str(), h));
         }
-        for name in old.chains.keys() {
-            if !unit.chains.contains_key(name) {
-                self.flush_chains.push(name.clone());
-                self.stale.push(name.clone());
+        unit.chains = AppliedChains::new(applied_chains);
+        for name in old.chains.names() {
+            if !unit.chains.contains(name) {
+                self.flush_chains.push(name.to_owned());
+                self.stale.push(name.to_owned());
             }
         }
         for (name, _) in old.sets.iter() {
@@ -891,7 +1000,9 @@ impl Plan {
             .collect();
         for k in &old.elements {
             if let Some(owners) = applied.elements.get_mut(k) {
-                owners.remove(&owner);
+                if let Ok(i) = owners.binary_search_by(|(o, _)| o.cmp(&owner)) {
+                    owners.remove(i);
+                }
                 if owners.is_empty() {
                     applied.elements.remove(k);
                 }
@@ -900,12 +1011,11 @@ impl Plan {
         }
         for e in &elements {
             let k = (e.set, e.key);
-            applied
-                .elements
-                .entry(k)
-                .or_default()
-                .entry(owner.clone())
-                .or_insert((e.value.clone(), e.comment.clone()));
+            let owners = applied.elements.entry(k).or_default();
+            // An owner listing one key twice keeps its first value.
+            if let Err(i) = owners.binary_search_by(|(o, _)| o.cmp(&owner)) {
+                owners.insert(i, (owner.clone(), (e.value.clone(), e.comment.clone())));
+            }
             unit.elements.push(k);
             touched.insert(k);
         }
@@ -973,88 +1083,87 @@ fn winner(applied: &AppliedTable, k: &(&'static str, ElemKey)) -> Option<ElemVal
     applied
         .elements
         .get(k)
-        .and_then(|o| o.values().next().cloned())
+        .and_then(|o| o.first().map(|(_, v)| v.clone()))
 }
 
-/// Plans a full rewrite of one table; returns what is then applied and the stale chains.
+/// Writes a full sync into `sink` and commits it: the unwanted families' tables deleted, the
+/// others rewritten (see [`full_table`]).
+fn write_full(
+    mut sink: Box<dyn TransactionSink + '_>,
+    unwanted: &[IpFamily],
+    tables: &[(&FamilyState, Existing)],
+    config: &NodeConfig,
+    recreate_base: bool,
+) -> Result<FullSynced, KernelError> {
+    let mut ops = 0;
+    for family in unwanted {
+        let mut tx = Transaction::default();
+        tx.push(*family, Op::DeleteTable);
+        ops += tx.len();
+        sink.add(tx)?;
+    }
+    let mut applied_tables = Vec::new();
+    let mut stale = Vec::new();
+    for (state, existing) in tables {
+        let (applied, family_stale, n) =
+            full_table(&mut *sink, state, config, existing, recreate_base)?;
+        ops += n;
+        stale.extend(family_stale.into_iter().map(|c| (state.family, c)));
+        applied_tables.push((state.family, applied));
+    }
+    sink.commit()?;
+    Ok((ops, applied_tables, stale))
+}
+
+/// Elements per piece of a full sync's element section (a multiple of the netlink encoder's
+/// 128 elements per message).
+const ELEMENTS_PER_PIECE: usize = 4096;
+
+/// Writes the full rewrite of one table into `sink`, in pieces: first the table, the shared
+/// sets and a flush of every chain that exists, then each owner's sets, chains and rules (the
+/// static objects first, then one Service port at a time), then the stale sets' removal and
+/// every map element. Returns what is then applied, the stale chains (flushed here, deleted
+/// later) and the number of operations.
 fn full_table(
-    tx: &mut Transaction,
+    sink: &mut dyn TransactionSink,
     state: &FamilyState,
     config: &NodeConfig,
     existing: &Existing,
     recreate_base: bool,
-) -> (AppliedTable, Vec<String>) {
+) -> Result<(AppliedTable, Vec<String>, usize), KernelError> {
     let family = state.family;
     let mut applied = AppliedTable::default();
-    let mut plan = Plan::default();
+    let mut ops = 0;
+    let mut emit = |tx: Transaction| {
+        ops += tx.len();
+        sink.add(tx)
+    };
     let base = render_base(state, config);
-    plan.unit(
-        &mut applied,
-        Owner::Base,
-        Some(objects_of_base(&base)),
-        true,
-    );
-    for (name, svc) in &state.services {
-        plan.unit(
-            &mut applied,
-            Owner::Service(name.clone()),
-            Some(render_service(svc, state, config)),
-            true,
-        );
-    }
-    let wanted_chains: BTreeSet<&str> = applied
-        .units
-        .values()
-        .flat_map(|u| u.chains.keys().map(String::as_str))
-        .collect();
-    let stale: Vec<String> = existing
-        .chains
-        .iter()
-        .filter(|c| !wanted_chains.contains(c.as_str()))
-        .cloned()
-        .collect();
 
+    let mut tx = Transaction::default();
     tx.push(family, Op::AddTable);
-    for s in &plan.add_sets {
+    for s in &base.sets {
         tx.push(family, Op::AddSet(s.clone()));
+    }
+    // Every chain there is gets flushed before anything else: then no rule references a set
+    // or another chain, and each owner's piece below only adds.
+    for name in &existing.chains {
+        tx.push(family, Op::FlushChain(name.clone()));
     }
     if recreate_base {
         // Re-create base chains so that hooks and priorities are ours even if an older
         // version left them otherwise; in one transaction, so no packet sees them missing.
         for chain in &base.chains {
             if chain.base.is_some() && existing.chains.contains(&chain.name) {
-                tx.push(family, Op::FlushChain(chain.name.clone()));
                 tx.push(family, Op::DeleteChain(chain.name.clone()));
             }
         }
     }
-    for (name, hook) in &plan.add_chains {
-        tx.push(family, Op::AddChain(name.clone(), hook.clone()));
-    }
-    for name in &plan.flush_chains {
-        tx.push(family, Op::FlushChain(name.clone()));
-    }
-    for name in &stale {
-        tx.push(family, Op::FlushChain(name.clone()));
-    }
-    // Stale sets (not affinity sets still in use: those are per endpoint and go with their
-    // chains, so an unwanted one is unreferenced once the stale chains are flushed).
-    let wanted_sets: BTreeSet<&str> = plan.add_sets.iter().map(|s| s.name.as_str()).collect();
-    let mut stale_sets = Vec::new();
-    for (name, is_map) in &existing.sets {
-        if !wanted_sets.contains(name.as_str()) {
-            stale_sets.push((name.clone(), *is_map));
-        }
-    }
-    for (name, is_map) in &stale_sets {
-        // A stale map may hold elements that point at chains; flush it before anything.
-        tx.push(family, Op::FlushSet(name.clone(), *is_map));
-    }
-    // Every chain is flushed now, so no rule references a set: on the first sync, shared
-    // sets and maps an older version created are re-created with our definition (type,
-    // flags, comment); later they are only emptied. Either way they are refilled below;
-    // affinity sets keep their dynamic content.
-    for s in &plan.add_sets {
+    // On the first sync, shared sets and maps an older version created are re-created with
+    // our definition (type, flags, comment); later they are only emptied. Either way they are
+    // refilled at the end. (Affinity sets belong to Service ports, below, and keep their
+    // dynamic content.)
+    for s in &base.sets {
         if is_affinity_set(&s.name) || !existing.sets.contains_key(&s.name) {
             continue;
         }
@@ -1065,28 +1174,79 @@ fn full_table(
             tx.push(family, Op::FlushSet(s.name.clone(), s.verdict_map));
         }
     }
-    for (chain, rule) in std::mem::take(&mut plan.rules) {
-        tx.push(family, Op::AddRule(chain, rule));
+    emit(tx)?;
+
+    let mut owner_piece = |applied: &mut AppliedTable, owner: Owner, objs: ServiceObjects| {
+        let is_base = owner == Owner::Base;
+        let mut plan = Plan::default();
+        plan.unit(applied, owner, Some(objs), true);
+        let mut tx = Transaction::default();
+        if !is_base {
+            for s in plan.add_sets {
+                tx.push(family, Op::AddSet(s));
+            }
+        }
+        for (name, hook) in plan.add_chains {
+            tx.push(family, Op::AddChain(name, hook));
+        }
+        for (chain, rule) in plan.rules {
+            tx.push(family, Op::AddRule(chain, rule));
+        }
+        emit(tx)
+    };
+    let base_objects = ServiceObjects {
+        chains: base.chains,
+        sets: base.sets,
+        elements: base.elements,
+    };
+    owner_piece(&mut applied, Owner::Base, base_objects)?;
+    for (name, svc) in &state.services {
+        let objects = render_service(svc, state, config);
+        owner_piece(&mut applied, Owner::Service(name.clone()), objects)?;
     }
-    for (name, is_map) in &stale_sets {
-        tx.push(family, Op::DeleteSet(name.clone(), *is_map));
+
+    let wanted_chains: BTreeSet<&str> = applied
+        .units
+        .values()
+        .flat_map(|u| u.chains.names())
+        .collect();
+    let stale: Vec<String> = existing
+        .chains
+        .iter()
+        .filter(|c| !wanted_chains.contains(c.as_str()))
+        .cloned()
+        .collect();
+    let mut tx = Transaction::default();
+    // Stale sets: unreferenced since every chain was flushed above. A stale map may point at
+    // chains; flushing it first drops those references.
+    for (name, is_map) in &existing.sets {
+        if !applied.set_is_map.contains_key(name) {
+            tx.push(family, Op::FlushSet(name.clone(), *is_map));
+            tx.push(family, Op::DeleteSet(name.clone(), *is_map));
+        }
     }
     let mut keys: Vec<_> = applied.elements.keys().copied().collect();
     keys.sort();
-    for k in keys {
-        if let Some((value, comment)) = winner(&applied, &k) {
-            tx.push(
-                family,
-                Op::AddElement(Element {
-                    set: k.0,
-                    key: k.1,
-                    value,
-                    comment,
-                }),
-            );
+    for chunk in keys.chunks(ELEMENTS_PER_PIECE) {
+        for k in chunk {
+            if let Some((value, comment)) = winner(&applied, k) {
+                tx.push(
+                    family,
+                    Op::AddElement(Element {
+                        set: k.0,
+                        key: k.1,
+                        value,
+                        comment,
+                    }),
+                );
+            }
         }
+        emit(std::mem::take(&mut tx))?;
     }
-    (applied, stale)
+    if !tx.is_empty() {
+        emit(tx)?;
+    }
+    Ok((applied, stale, ops))
 }
 
 /// Time after which a stale chain is surely unreferenced on old kernels (kube-proxy waits 1 s).

@@ -25,7 +25,7 @@ use std::time::Duration;
 
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 
-use super::apply::{Existing, Kernel, KernelError, NftCommand};
+use super::apply::{Existing, Kernel, KernelError, NftCommand, TransactionSink};
 use super::ruleset::{
     AddrMatch, ChainType, CtKey, ElemKey, Element, Expr, Hook, KeyType, MapKey, Op, Rule, Set,
     TABLE, TABLE_COMMENT, Transaction, Verdict, ct_state,
@@ -142,6 +142,13 @@ struct Buf {
 }
 
 impl Buf {
+    /// Sets `NLM_F_ACK` on the message that starts at `offset`.
+    fn request_ack(&mut self, offset: usize) {
+        let at = offset + 6;
+        let flags = u16::from_ne_bytes([self.b[at], self.b[at + 1]]) | NLM_F_ACK;
+        self.b[at..at + 2].copy_from_slice(&flags.to_ne_bytes());
+    }
+
     fn begin(&mut self, ty: u16, flags: u16, seq: u32, family: u8, res_id: u16) -> usize {
         let start = self.b.len();
         self.b.extend_from_slice(&0u32.to_ne_bytes()); // length, patched in end()
@@ -861,13 +868,58 @@ struct Batch {
 /// 128 elements with the longest names stay far below 64 KiB.
 const ELEMENTS_PER_MESSAGE: usize = 128;
 
-/// Encodes a transaction; element additions to the same set that follow each other share a
-/// message (up to [`ELEMENTS_PER_MESSAGE`]), as nft does.
-fn encode(tx: &Transaction, first_seq: u32) -> Result<Batch, Unsupported> {
-    let mut buf = Buf {
-        b: Vec::with_capacity(tx.ops.len() * 160 + 64),
-    };
-    let mut seq = first_seq;
+/// Encodes `ops` after what `buf` holds, numbering the messages on from `*seq`; element
+/// additions to the same set that follow each other share a message (up to
+/// [`ELEMENTS_PER_MESSAGE`]), as nft does. `message(seq, op index, offset in buf)` is called
+/// for each message. No message asks for an acknowledgement (see [`Buf::request_ack`]).
+fn encode_ops(
+    buf: &mut Buf,
+    ops: &[(IpFamily, Op)],
+    seq: &mut u32,
+    mut message: impl FnMut(u32, usize, usize),
+) -> Result<(), Unsupported> {
+    let mut i = 0;
+    let n = ops.len();
+    while i < n {
+        *seq += 1;
+        let offset = buf.b.len();
+        let (family, op) = &ops[i];
+        if let Op::AddElement(e) = op {
+            let mut j = i + 1;
+            // Attribute lengths are 16 bits: keep a message's element list well under 64 KiB.
+            while j < n && j - i < ELEMENTS_PER_MESSAGE {
+                match &ops[j] {
+                    (f, Op::AddElement(e2)) if f == family && e2.set == e.set => j += 1,
+                    _ => break,
+                }
+            }
+            let els: Vec<Element> = ops[i..j]
+                .iter()
+                .map(|(_, o)| match o {
+                    Op::AddElement(e) => e.clone(),
+                    _ => unreachable!("grouped above"),
+                })
+                .collect();
+            encode_elements(
+                buf,
+                nfproto(*family),
+                e.set,
+                &els,
+                *seq,
+                NLM_F_REQUEST | NLM_F_CREATE,
+            );
+            message(*seq, i, offset);
+            i = j;
+            continue;
+        }
+        encode_op(buf, *family, op, *seq, false)?;
+        message(*seq, i, offset);
+        i += 1;
+    }
+    Ok(())
+}
+
+fn begin_batch(buf: &mut Buf, seq: u32) {
     let begin = buf.begin(
         NFNL_MSG_BATCH_BEGIN,
         NLM_F_REQUEST,
@@ -876,47 +928,9 @@ fn encode(tx: &Transaction, first_seq: u32) -> Result<Batch, Unsupported> {
         NFNL_SUBSYS_NFTABLES,
     );
     buf.end(begin);
-    let mut seqs = Vec::new();
-    let mut i = 0;
-    let n = tx.ops.len();
-    while i < n {
-        seq += 1;
-        let (family, op) = &tx.ops[i];
-        if let Op::AddElement(e) = op {
-            let mut j = i + 1;
-            // Attribute lengths are 16 bits: keep a message's element list well under 64 KiB.
-            while j < n && j - i < ELEMENTS_PER_MESSAGE {
-                match &tx.ops[j] {
-                    (f, Op::AddElement(e2)) if f == family && e2.set == e.set => j += 1,
-                    _ => break,
-                }
-            }
-            let els: Vec<Element> = tx.ops[i..j]
-                .iter()
-                .map(|(_, o)| match o {
-                    Op::AddElement(e) => e.clone(),
-                    _ => unreachable!("grouped above"),
-                })
-                .collect();
-            let ack = if j == n { NLM_F_ACK } else { 0 };
-            encode_elements(
-                &mut buf,
-                nfproto(*family),
-                e.set,
-                &els,
-                seq,
-                NLM_F_REQUEST | NLM_F_CREATE | ack,
-            );
-            seqs.push((seq, i));
-            i = j;
-            continue;
-        }
-        encode_op(&mut buf, *family, op, seq, i + 1 == n)?;
-        seqs.push((seq, i));
-        i += 1;
-    }
-    let last_seq = seq;
-    seq += 1;
+}
+
+fn end_batch(buf: &mut Buf, seq: u32) {
     let end = buf.begin(
         NFNL_MSG_BATCH_END,
         NLM_F_REQUEST,
@@ -925,11 +939,91 @@ fn encode(tx: &Transaction, first_seq: u32) -> Result<Batch, Unsupported> {
         NFNL_SUBSYS_NFTABLES,
     );
     buf.end(end);
+}
+
+/// Encodes a transaction; only its last message asks for an acknowledgement, which the kernel
+/// sends after every error of the batch.
+fn encode(tx: &Transaction, first_seq: u32) -> Result<Batch, Unsupported> {
+    let mut buf = Buf {
+        b: Vec::with_capacity(tx.ops.len() * 160 + 64),
+    };
+    let mut seq = first_seq;
+    begin_batch(&mut buf, seq);
+    let mut seqs = Vec::new();
+    let mut last = None;
+    encode_ops(&mut buf, &tx.ops, &mut seq, |s, i, offset| {
+        seqs.push((s, i));
+        last = Some(offset);
+    })?;
+    if let Some(offset) = last {
+        buf.request_ack(offset);
+    }
+    let last_seq = seq;
+    end_batch(&mut buf, seq + 1);
     Ok(Batch {
         buf,
         seqs,
         last_seq,
     })
+}
+
+/// A transaction encoded into one netlink batch as its pieces arrive (see [`Kernel::batch`]),
+/// and sent whole at commit. It keeps no operations, so a refusal cannot name the one at
+/// fault: it fails with [`KernelError::Streamed`], and the caller applies the transaction
+/// whole to learn which.
+struct StreamedBatch<'k> {
+    kernel: &'k mut NetlinkKernel,
+    buf: Buf,
+    seq: u32,
+    messages: usize,
+    /// Offset of the last message.
+    last: Option<usize>,
+    encoding: Duration,
+}
+
+impl TransactionSink for StreamedBatch<'_> {
+    fn add(&mut self, piece: Transaction) -> Result<(), KernelError> {
+        let started = std::time::Instant::now();
+        let (mut last, mut messages) = (self.last, 0);
+        let encoded = encode_ops(&mut self.buf, &piece.ops, &mut self.seq, |_, _, offset| {
+            last = Some(offset);
+            messages += 1;
+        });
+        self.last = last;
+        self.messages += messages;
+        self.encoding += started.elapsed();
+        encoded.map_err(|Unsupported| {
+            KernelError::Streamed("an operation the netlink encoder does not produce".into())
+        })
+    }
+
+    fn commit(self: Box<Self>) -> Result<(), KernelError> {
+        let StreamedBatch {
+            kernel,
+            mut buf,
+            seq,
+            messages,
+            last,
+            encoding,
+        } = *self;
+        let Some(offset) = last else {
+            return Ok(());
+        };
+        let started = std::time::Instant::now();
+        buf.request_ack(offset);
+        end_batch(&mut buf, seq + 1);
+        kernel.seq = seq + 2;
+        let errors = kernel.exchange(&buf.b, seq)?;
+        kernel.last_timing = Some((encoding, started.elapsed()));
+        match errors.first() {
+            None => Ok(()),
+            Some((failed, errno)) => Err(KernelError::Streamed(format!(
+                "nf_tables refused message {} of {messages}: {}",
+                failed.saturating_sub(seq - messages as u32),
+                std::io::Error::from_raw_os_error(-errno)
+            ))),
+        }
+    }
 }
 
 /// nf_tables over a netlink socket, bound to the network namespace it was opened in.
@@ -1013,6 +1107,24 @@ impl NetlinkKernel {
             ));
         }
         Ok(())
+    }
+
+    /// Sends an encoded batch whose last message (`last_seq`) asks for an acknowledgement;
+    /// returns `(seq, errno)` of every message the kernel refused.
+    fn exchange(&mut self, batch: &[u8], last_seq: u32) -> Result<Vec<(u32, i32)>, KernelError> {
+        self.send(batch)?;
+        let mut errors: Vec<(u32, i32)> = Vec::new();
+        self.receive(|ty, seq, errno, _| {
+            if ty != NLMSG_ERROR {
+                return false;
+            }
+            if errno != 0 {
+                errors.push((seq, errno));
+            }
+            // The last operation's acknowledgement (or its error) comes after all others.
+            seq == last_seq
+        })?;
+        Ok(errors)
     }
 
     /// Reads replies until `until` says stop; returns `(seq, errno)` of every error.
@@ -1137,19 +1249,7 @@ impl Kernel for NetlinkKernel {
         };
         let encoded = started.elapsed();
         self.seq = batch.last_seq + 2;
-        self.send(&batch.buf.b)?;
-        let last = batch.last_seq;
-        let mut errors: Vec<(u32, i32)> = Vec::new();
-        self.receive(|ty, seq, errno, _| {
-            if ty != NLMSG_ERROR {
-                return false;
-            }
-            if errno != 0 {
-                errors.push((seq, errno));
-            }
-            // The last operation's acknowledgement (or its error) comes after all others.
-            seq == last
-        })?;
+        let errors = self.exchange(&batch.buf.b, batch.last_seq)?;
         self.last_timing = Some((encoded, started.elapsed() - encoded));
         if errors.is_empty() {
             return Ok(());
@@ -1169,6 +1269,22 @@ impl Kernel for NetlinkKernel {
             "nf_tables refused the transaction: {}",
             text.join("; ")
         )))
+    }
+
+    fn batch(&mut self) -> Box<dyn TransactionSink + '_> {
+        let seq = self.seq + 1;
+        let mut buf = Buf {
+            b: Vec::with_capacity(1 << 20),
+        };
+        begin_batch(&mut buf, seq);
+        Box::new(StreamedBatch {
+            kernel: self,
+            buf,
+            seq,
+            messages: 0,
+            last: None,
+            encoding: Duration::ZERO,
+        })
     }
 
     fn generation(&mut self) -> Option<u32> {

@@ -1,0 +1,136 @@
+//! The synthetic cluster the proxy benches share: Service `i` is a ClusterIP + NodePort
+//! Service with one TCP port and ten ready endpoints spread over four nodes.
+
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use nodeport_proxy::config::{EndpointChoice, NodeConfig};
+use nodeport_proxy::desired::StateConfig;
+use nodeport_proxy::model::{
+    Endpoint, EndpointPort, EndpointSlice, IpFamily, Protocol, Service, ServiceName, ServicePort,
+    ServicePortName,
+};
+use nodeport_proxy::nftables::apply::NftCommand;
+use nodeport_proxy::nftables::netlink::NetlinkKernel;
+use nodeport_proxy::nodeaddr::NodeFacts;
+use nodeport_proxy::objects::Cluster;
+use nodeport_testbed::Netns;
+
+/// Node names, shared as the proxy's conversion shares them.
+static NODES: std::sync::LazyLock<[Arc<str>; 4]> =
+    std::sync::LazyLock::new(|| ["node-0", "node-1", "node-2", "node-3"].map(Arc::from));
+
+/// Endpoints per Service.
+pub const ENDPOINTS: usize = 10;
+
+/// An IPv4 address from its 32-bit value.
+pub fn ip(a: u32) -> std::net::IpAddr {
+    std::net::IpAddr::V4(std::net::Ipv4Addr::from(a))
+}
+
+/// Service `i`: ClusterIP in 172.16.0.0/12, NodePort, ten endpoints in 10.0.0.0/8.
+pub fn service(i: usize, generation: u32) -> (ServiceName, Service, ServiceName, EndpointSlice) {
+    let ns = format!("ns{}", i / 100);
+    let name = format!("svc{i}");
+    let port = Arc::new(ServicePort {
+        name: ServicePortName::new(&ns, &name, "http", Protocol::Tcp),
+        cluster_ips: vec![ip(0xAC10_0000 + i as u32)],
+        port: 80,
+        node_port: Some(30000 + (i % 2768) as u16).filter(|_| i < 2768),
+        external_ips: vec![],
+        load_balancer_ips: vec![],
+        load_balancer_source_ranges: vec![],
+        external_policy_local: false,
+        internal_policy_local: false,
+        session_affinity_seconds: None,
+        health_check_node_port: None,
+    });
+    let endpoints = (0..ENDPOINTS)
+        .map(|e| Endpoint {
+            ip: ip(0x0A00_0000 + (i * 16 + e) as u32 + generation * 0x0100_0000),
+            ready: true,
+            serving: true,
+            terminating: false,
+            node_name: Some(NODES[e % 4].clone()),
+            zone: None,
+            zone_hints: Box::default(),
+            node_hints: Box::default(),
+        })
+        .collect();
+    (
+        ServiceName::new(&ns, &name),
+        Service { ports: vec![port] },
+        ServiceName::new(&ns, &format!("{name}-abcde")),
+        EndpointSlice {
+            service: ServiceName::new(&ns, &name),
+            family: IpFamily::V4,
+            ports: vec![EndpointPort {
+                name: "http".into(),
+                port: 8080,
+                protocol: Protocol::Tcp,
+            }],
+            endpoints,
+        },
+    )
+}
+
+/// Services `0..n` and their EndpointSlices, as the trackers hold them after the initial lists.
+pub fn cluster(n: usize) -> Cluster {
+    let mut c = Cluster::new();
+    for i in 0..n {
+        let (sk, s, ek, e) = service(i, 0);
+        c.update_service(sk, Some(s));
+        c.update_slice(ek, Some(e));
+    }
+    c.take_changes();
+    c
+}
+
+/// The node: one address, 192.0.2.10.
+pub fn facts() -> NodeFacts {
+    NodeFacts {
+        node_ips: vec![ip(0xC000_020A)],
+        local_ips: vec![ip(0xC000_020A)],
+        ..Default::default()
+    }
+}
+
+/// IPv4 only.
+pub fn state_config() -> StateConfig {
+    StateConfig {
+        families: vec![IpFamily::V4],
+        ..Default::default()
+    }
+}
+
+/// Pods in 10.0.0.0/8, endpoints chosen by `choice`.
+pub fn node_config(choice: EndpointChoice) -> NodeConfig {
+    NodeConfig {
+        cluster_cidrs: vec!["10.0.0.0/8".parse().unwrap()],
+        endpoint_choice: choice,
+        ..Default::default()
+    }
+}
+
+/// `nft` run inside `ns`.
+pub fn nft_in(ns: &Netns) -> NftCommand {
+    NftCommand {
+        program: "ip".into(),
+        args: vec![
+            "netns".into(),
+            "exec".into(),
+            ns.name().into(),
+            "nft".into(),
+        ],
+    }
+}
+
+/// The netlink kernel interface of `ns` (its `nft` fallback also inside `ns`).
+pub fn netlink_in(ns: &Netns) -> NetlinkKernel {
+    NetlinkKernel::in_namespace(
+        &std::path::Path::new("/run/netns").join(ns.name()),
+        nft_in(ns),
+    )
+    .unwrap()
+}
