@@ -83,9 +83,7 @@ fn endpoint(ip: IpAddr) -> Endpoint {
         serving: true,
         terminating: false,
         node_name: Some("node-1".into()),
-        zone: None,
-        zone_hints: Box::default(),
-        node_hints: Box::default(),
+        hints: None,
     }
 }
 

@@ -165,8 +165,11 @@ fn main() {
     );
     std::thread::sleep(Duration::from_secs(3));
     println!(
-        "proxy memory at {n} Services x 10 endpoints: VmRSS {} MiB, VmHWM (peak) {} MiB",
+        "proxy memory at {n} Services x 10 endpoints: VmRSS {} MiB (anonymous {} MiB, file-backed {} MiB: the binary's pages), VmHWM (peak) {} MiB, threads {}",
         status_kib(pid, "VmRSS:") / 1024,
-        status_kib(pid, "VmHWM:") / 1024
+        status_kib(pid, "RssAnon:") / 1024,
+        status_kib(pid, "RssFile:") / 1024,
+        status_kib(pid, "VmHWM:") / 1024,
+        status_kib(pid, "Threads:"),
     );
 }

@@ -782,7 +782,12 @@ async fn sync_loop(shared: Arc<Shared>, engine: Arc<Mutex<Engine>>, config: Prox
             // that cannot tell (the `nft` command) gets a full resync on every period.
             let full = due || (periodic && !engine.backend.detects_drift());
             let partial = !full && !engine.backend.needs_full_sync();
-            (partial, engine.sync(&s, full))
+            let result = engine.sync(&s, full);
+            if result.as_ref().is_ok_and(|o| o.full) {
+                // What the full sync built and freed would otherwise stay resident.
+                crate::memory::release_free_memory();
+            }
+            (partial, result)
         })
         .await;
         let elapsed = started.elapsed().as_secs_f64();

@@ -8,7 +8,7 @@
 //! whose reply source is not one of that port's serving endpoints. Nothing else is touched
 //! (kube-proxy regressions #122740 and #139628 came from deleting too much or too little).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::net::IpAddr;
 
 use netlink_packet_core::{
@@ -55,8 +55,8 @@ pub struct Flow {
 /// The flows to delete: UDP flows to a service IP or NodePort whose reply source is not a
 /// serving endpoint of that port. Pure.
 pub fn stale_flows(flows: &[Flow], state: &FamilyState) -> Vec<Flow> {
-    let mut by_ip: HashMap<(IpAddr, u16), &BTreeSet<IpAddr>> = HashMap::new();
-    let mut by_nodeport: HashMap<u16, &BTreeSet<IpAddr>> = HashMap::new();
+    let mut by_ip: HashMap<(IpAddr, u16), &[IpAddr]> = HashMap::new();
+    let mut by_nodeport: HashMap<u16, &[IpAddr]> = HashMap::new();
     for svc in state
         .services
         .values()
@@ -78,10 +78,10 @@ pub fn stale_flows(flows: &[Flow], state: &FamilyState) -> Vec<Flow> {
         .filter(|f| {
             let by_vip = by_ip
                 .get(&(f.orig_dst, f.orig_dport))
-                .is_some_and(|serving| !serving.contains(&f.reply_src));
+                .is_some_and(|serving| serving.binary_search(&f.reply_src).is_err());
             let by_np = by_nodeport
                 .get(&f.orig_dport)
-                .is_some_and(|serving| !serving.contains(&f.reply_src));
+                .is_some_and(|serving| serving.binary_search(&f.reply_src).is_err());
             by_vip || by_np
         })
         .copied()

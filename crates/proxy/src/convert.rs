@@ -13,7 +13,7 @@ use k8s_openapi::api::discovery::v1 as discovery;
 use k8s_openapi::api::networking::v1 as networking;
 
 use crate::model::{
-    Endpoint, EndpointPort, EndpointSlice, IpFamily, Node, Protocol, Service, ServiceCidr,
+    Endpoint, EndpointPort, EndpointSlice, Hints, IpFamily, Node, Protocol, Service, ServiceCidr,
     ServiceName, ServicePort, ServicePortName,
 };
 
@@ -28,14 +28,14 @@ pub const DEFAULT_AFFINITY_SECONDS: u32 = 10_800;
 pub fn object_key(
     meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
 ) -> ServiceName {
-    ServiceName::new(
-        meta.namespace.as_deref().unwrap_or("default"),
-        meta.name.as_deref().unwrap_or(""),
-    )
+    ServiceName {
+        namespace: intern(meta.namespace.as_deref().unwrap_or("default")),
+        name: meta.name.as_deref().unwrap_or("").into(),
+    }
 }
 
-/// Node, zone and port names repeat across hundreds of thousands of endpoints: one shared
-/// allocation per distinct name.
+/// Namespaces, and node, zone and port names, repeat across hundreds of thousands of objects
+/// and endpoints: one shared allocation per distinct name.
 fn intern(s: &str) -> Arc<str> {
     static NAMES: std::sync::OnceLock<std::sync::Mutex<std::collections::HashSet<Arc<str>>>> =
         std::sync::OnceLock::new();
@@ -149,12 +149,12 @@ pub fn service(svc: &core::Service) -> Option<(ServiceName, Service)> {
             .and_then(|n| u16::try_from(n).ok())
             .filter(|n| *n != 0);
         let mut sp = ServicePort {
-            name: ServicePortName::new(
-                &key.namespace,
-                &key.name,
-                p.name.as_deref().unwrap_or(""),
+            name: ServicePortName {
+                namespace: key.namespace.clone(),
+                name: key.name.clone(),
+                port: intern(p.name.as_deref().unwrap_or("")),
                 protocol,
-            ),
+            },
             cluster_ips: cluster_ips.clone(),
             port,
             node_port,
@@ -214,22 +214,33 @@ pub fn endpoint_slice(slice: &discovery::EndpointSlice) -> Option<(ServiceName, 
                 serving,
                 terminating,
                 node_name: e.node_name.as_deref().map(intern),
-                zone: e.zone.as_deref().map(intern),
-                zone_hints: hints
-                    .and_then(|h| h.for_zones.as_ref())
-                    .map(|z| z.iter().map(|z| intern(&z.name)).collect())
-                    .unwrap_or_default(),
-                node_hints: hints
-                    .and_then(|h| h.for_nodes.as_ref())
-                    .map(|n| n.iter().map(|n| intern(&n.name)).collect())
-                    .unwrap_or_default(),
+                hints: hints
+                    .map(|h| Hints {
+                        zones: h
+                            .for_zones
+                            .iter()
+                            .flatten()
+                            .map(|z| intern(&z.name))
+                            .collect(),
+                        nodes: h
+                            .for_nodes
+                            .iter()
+                            .flatten()
+                            .map(|n| intern(&n.name))
+                            .collect(),
+                    })
+                    .filter(|h| !h.zones.is_empty() || !h.nodes.is_empty())
+                    .map(Box::new),
             })
         })
         .collect();
     Some((
         key.clone(),
         EndpointSlice {
-            service: ServiceName::new(&key.namespace, service_name),
+            service: ServiceName {
+                namespace: key.namespace.clone(),
+                name: service_name.as_str().into(),
+            },
             family,
             ports,
             endpoints,

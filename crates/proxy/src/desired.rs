@@ -61,7 +61,8 @@ pub struct ServicePortState {
     pub has_endpoints: bool,
     /// Every endpoint with `serving` set, whatever its node or policy: the replies that
     /// conntrack entries may legitimately carry (kube-proxy's conntrack cleanup uses these).
-    pub serving_ips: BTreeSet<IpAddr>,
+    /// Sorted, without duplicates (a boxed slice: a set's node has room for eleven).
+    pub serving_ips: Box<[IpAddr]>,
     /// Distinct IPs of local endpoints that are ready (not terminating): the count the
     /// health-check node port reports.
     pub local_ready_ips: usize,
@@ -263,16 +264,16 @@ fn topology_mode(slices_eps: &[(EndpointTarget, &Endpoint)], node: NodeView<'_>)
         if !t.ready {
             continue;
         }
-        if ep.node_hints.is_empty() {
+        if ep.node_hints().is_empty() {
             all_node_hints = false;
-        } else if ep.node_hints.iter().any(|n| **n == *node.name) {
+        } else if ep.node_hints().iter().any(|n| **n == *node.name) {
             for_node = true;
         }
-        if ep.zone_hints.is_empty() {
+        if ep.zone_hints().is_empty() {
             all_zone_hints = false;
         } else if node
             .zone
-            .is_some_and(|z| ep.zone_hints.iter().any(|h| **h == *z))
+            .is_some_and(|z| ep.zone_hints().iter().any(|h| **h == *z))
         {
             for_zone = true;
         }
@@ -318,11 +319,16 @@ pub fn service_port_state(
         cluster_endpoints: Vec::new(),
         local_endpoints: Vec::new(),
         has_endpoints: false,
-        serving_ips: endpoints
-            .iter()
-            .filter(|e| e.serving)
-            .map(|e| e.ip)
-            .collect(),
+        serving_ips: {
+            let mut ips: Vec<IpAddr> = endpoints
+                .iter()
+                .filter(|e| e.serving)
+                .map(|e| e.ip)
+                .collect();
+            ips.sort_unstable();
+            ips.dedup();
+            ips.into_boxed_slice()
+        },
         local_ready_ips: endpoints
             .iter()
             .filter(|e| e.local && e.ready && !e.terminating)
@@ -338,12 +344,12 @@ pub fn service_port_state(
             Topology::None => true,
             Topology::SameNode => hinted
                 .iter()
-                .any(|(h, e)| h == t && e.node_hints.iter().any(|n| **n == *node.name)),
+                .any(|(h, e)| h == t && e.node_hints().iter().any(|n| **n == *node.name)),
             Topology::SameZone => hinted.iter().any(|(h, e)| {
                 h == t
                     && node
                         .zone
-                        .is_some_and(|z| e.zone_hints.iter().any(|n| **n == *z))
+                        .is_some_and(|z| e.zone_hints().iter().any(|n| **n == *z))
             }),
         };
         state.cluster_endpoints = endpoints

@@ -27,6 +27,7 @@ pub mod desired;
 pub mod health;
 pub mod iptables;
 pub mod ipvs;
+pub mod memory;
 pub mod metrics;
 pub mod model;
 pub mod names;

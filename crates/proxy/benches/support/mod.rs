@@ -53,9 +53,7 @@ pub fn service(i: usize, generation: u32) -> (ServiceName, Service, ServiceName,
             serving: true,
             terminating: false,
             node_name: Some(NODES[e % 4].clone()),
-            zone: None,
-            zone_hints: Box::default(),
-            node_hints: Box::default(),
+            hints: None,
         })
         .collect();
     (

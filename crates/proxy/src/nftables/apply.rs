@@ -12,9 +12,11 @@
 //!   in a second one once nothing references them (kube-proxy's `staleChains`).
 
 use std::collections::hash_map::DefaultHasher;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::hash::{Hash, Hasher};
+use std::net::IpAddr;
 use std::process::Command;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::names::is_affinity_set;
@@ -539,7 +541,8 @@ impl Kernel for FakeKernel {
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 enum Owner {
     Base,
-    Service(ServicePortName),
+    /// Shared (an `Arc`): the owner is repeated on each of its elements.
+    Service(Arc<ServicePortName>),
 }
 
 /// What was applied for one owner.
@@ -555,33 +558,133 @@ struct Unit {
 
 type ElemValue = (Option<Verdict>, Option<String>);
 
-/// One owner's chains as applied: names with the hash of each chain's hook and rules, sorted
-/// by name. A sorted boxed-slice `Vec` rather than a `BTreeMap<String, _>`: a Service has a
-/// dozen chains, and the map's nodes and `String` capacities took about 1 KiB per Service more.
+/// A chain's name as the applied record keeps it. kube-proxy's names of a Service port's
+/// chains repeat the port's readable name (`ns/name/proto/port`, which the owner holds) and,
+/// for endpoint chains, the endpoint: kept as parts, a name costs 32 bytes instead of a
+/// string of 60 or more, which at 10,000 Services × 10 endpoints is about 6 MiB.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum ChainKey {
+    /// `<prefix><hash>-<readable>`, `prefix` one of [`PORT_CHAIN_PREFIXES`].
+    Port(u8, [u8; 8]),
+    /// `endpoint-<hash>-<readable>__<ip>/<port>` (IPv6 colons as dots).
+    Endpoint([u8; 8], IpAddr, u16),
+    /// Any other name (static chains, truncated names), as it is.
+    Named(Box<str>),
+}
+
+/// Prefixes of a Service port's own chains.
+const PORT_CHAIN_PREFIXES: [&str; 4] = ["service-", "local-", "external-", "firewall-"];
+
+/// An endpoint as kube-proxy writes it into names: `ip/port`, IPv6 colons as dots.
+fn endpoint_suffix(ip: IpAddr, port: u16) -> String {
+    format!("{}/{port}", ip.to_string().replace(':', "."))
+}
+
+impl ChainKey {
+    /// The key of chain `name` of the owner whose readable port name is `readable` (`None`:
+    /// the static objects). Every key gives back exactly the name it was made from.
+    fn of(readable: Option<&str>, name: &str) -> Self {
+        let hashed = |rest: &str| -> Option<([u8; 8], usize)> {
+            let hash: [u8; 8] = rest.get(..8)?.as_bytes().try_into().ok()?;
+            (rest.as_bytes().get(8) == Some(&b'-')).then_some((hash, 9))
+        };
+        let parsed = readable.and_then(|readable| {
+            for (i, prefix) in PORT_CHAIN_PREFIXES.iter().enumerate() {
+                if let Some(rest) = name.strip_prefix(prefix)
+                    && let Some((hash, at)) = hashed(rest)
+                    && &rest[at..] == readable
+                {
+                    return Some(ChainKey::Port(i as u8, hash));
+                }
+            }
+            let rest = name.strip_prefix("endpoint-")?;
+            let (hash, at) = hashed(rest)?;
+            let endpoint = rest[at..].strip_prefix(readable)?.strip_prefix("__")?;
+            let (ip, port) = endpoint.rsplit_once('/')?;
+            let ip: IpAddr = ip.parse().or_else(|_| ip.replace('.', ":").parse()).ok()?;
+            let port: u16 = port.parse().ok()?;
+            (endpoint_suffix(ip, port) == endpoint).then_some(ChainKey::Endpoint(hash, ip, port))
+        });
+        parsed.unwrap_or_else(|| ChainKey::Named(name.into()))
+    }
+
+    /// The name, given the same `readable` as [`ChainKey::of`].
+    fn name(&self, readable: Option<&str>) -> String {
+        let hash = |h: &[u8; 8]| String::from_utf8_lossy(h).into_owned();
+        let readable = readable.unwrap_or_default();
+        match self {
+            ChainKey::Port(i, h) => {
+                format!(
+                    "{}{}-{readable}",
+                    PORT_CHAIN_PREFIXES[usize::from(*i)],
+                    hash(h)
+                )
+            }
+            ChainKey::Endpoint(h, ip, port) => format!(
+                "endpoint-{}-{readable}__{}",
+                hash(h),
+                endpoint_suffix(*ip, *port)
+            ),
+            ChainKey::Named(name) => name.to_string(),
+        }
+    }
+}
+
+/// kube-proxy's readable service port name, the part every chain name of the port repeats
+/// (see [`crate::names::nft_service_port_base`]).
+fn readable(owner: &Owner) -> Option<String> {
+    match owner {
+        Owner::Base => None,
+        Owner::Service(p) => Some(format!(
+            "{}/{}/{}/{}",
+            p.namespace,
+            p.name,
+            p.protocol.as_lower(),
+            p.port
+        )),
+    }
+}
+
+/// One owner's chains as applied: each with the hash of its hook and rules, sorted by key.
+/// A sorted `Vec` rather than a `BTreeMap<String, _>`: a Service has a dozen chains, and the
+/// map's nodes cost more than the entries.
 #[derive(Debug, Clone, Default)]
-struct AppliedChains(Vec<(Box<str>, u64)>);
+struct AppliedChains(Vec<(ChainKey, u64)>);
 
 impl AppliedChains {
     /// From chains in any order (names are unique within an owner).
-    fn new(mut chains: Vec<(Box<str>, u64)>) -> Self {
+    fn new(mut chains: Vec<(ChainKey, u64)>) -> Self {
         chains.sort_unstable_by(|a, b| a.0.cmp(&b.0));
         AppliedChains(chains)
     }
 
-    fn hash(&self, name: &str) -> Option<u64> {
+    fn hash(&self, key: &ChainKey) -> Option<u64> {
         self.0
-            .binary_search_by(|(n, _)| (**n).cmp(name))
+            .binary_search_by(|(k, _)| k.cmp(key))
             .ok()
             .map(|i| self.0[i].1)
     }
 
-    fn contains(&self, name: &str) -> bool {
-        self.hash(name).is_some()
+    fn contains(&self, key: &ChainKey) -> bool {
+        self.hash(key).is_some()
     }
 
-    fn names(&self) -> impl Iterator<Item = &str> {
-        self.0.iter().map(|(n, _)| &**n)
+    fn keys(&self) -> impl Iterator<Item = &ChainKey> {
+        self.0.iter().map(|(k, _)| k)
     }
+
+    /// The names, given the owner's [`readable`] name.
+    fn names<'a>(&'a self, readable: Option<&'a str>) -> impl Iterator<Item = String> + 'a {
+        self.keys().map(move |k| k.name(readable))
+    }
+}
+
+/// Every chain name of `table`.
+fn chain_names(table: &AppliedTable) -> impl Iterator<Item = String> + '_ {
+    table.units.iter().flat_map(|(owner, unit)| {
+        let readable = readable(owner);
+        unit.chains.names(readable.as_deref()).collect::<Vec<_>>()
+    })
 }
 
 /// The owners contributing one element key, sorted by owner, each with its value. A sorted
@@ -839,11 +942,7 @@ impl<K: Kernel> Applier<K> {
             } else {
                 let t = &self.tables[&family];
                 Existing {
-                    chains: t
-                        .units
-                        .values()
-                        .flat_map(|u| u.chains.names().map(str::to_owned))
-                        .collect(),
+                    chains: chain_names(t).collect(),
                     sets: t.set_is_map.iter().map(|(k, v)| (k.clone(), *v)).collect(),
                 }
             };
@@ -883,7 +982,7 @@ impl<K: Kernel> Applier<K> {
                     .services
                     .get(name)
                     .map(|svc| render_service(svc, state, config));
-                plan.unit(applied, Owner::Service(name.clone()), objs, false);
+                plan.unit(applied, Owner::Service(Arc::new(name.clone())), objs, false);
             }
             stale.extend(plan.stale.iter().map(|c| (family, c.clone())));
             plan.write(&mut tx, family);
@@ -952,12 +1051,15 @@ impl Plan {
             unit.sets.insert(set.name.clone(), h);
         }
         // Chains.
+        let readable = readable(&owner);
+        let readable = readable.as_deref();
         let mut applied_chains = Vec::with_capacity(chains.len());
         for chain in chains {
             let h = hash_of(&(&chain.base, &chain.rules));
-            let same = old.chains.hash(&chain.name) == Some(h);
+            let key = ChainKey::of(readable, &chain.name);
+            let same = old.chains.hash(&key) == Some(h);
             if !same || rewrite || respec {
-                if !old.chains.contains(&chain.name) || rewrite {
+                if !old.chains.contains(&key) || rewrite {
                     self.add_chains
                         .push((chain.name.clone(), chain.base.clone()));
                 }
@@ -968,13 +1070,14 @@ impl Plan {
                     self.rules.push((chain.name.clone(), rule));
                 }
             }
-            applied_chains.push((chain.name.into_boxed_str(), h));
+            applied_chains.push((key, h));
         }
         unit.chains = AppliedChains::new(applied_chains);
-        for name in old.chains.names() {
-            if !unit.chains.contains(name) {
-                self.flush_chains.push(name.to_owned());
-                self.stale.push(name.to_owned());
+        for key in old.chains.keys() {
+            if !unit.chains.contains(key) {
+                let name = key.name(readable);
+                self.flush_chains.push(name.clone());
+                self.stale.push(name);
             }
         }
         for (name, _) in old.sets.iter() {
@@ -1202,14 +1305,11 @@ fn full_table(
     owner_piece(&mut applied, Owner::Base, base_objects)?;
     for (name, svc) in &state.services {
         let objects = render_service(svc, state, config);
-        owner_piece(&mut applied, Owner::Service(name.clone()), objects)?;
+        let owner = Owner::Service(Arc::new(name.clone()));
+        owner_piece(&mut applied, owner, objects)?;
     }
 
-    let wanted_chains: BTreeSet<&str> = applied
-        .units
-        .values()
-        .flat_map(|u| u.chains.names())
-        .collect();
+    let wanted_chains: HashSet<String> = chain_names(&applied).collect();
     let stale: Vec<String> = existing
         .chains
         .iter()
@@ -1251,3 +1351,74 @@ fn full_table(
 
 /// Time after which a stale chain is surely unreferenced on old kernels (kube-proxy waits 1 s).
 pub const STALE_CHAIN_GRACE: Duration = Duration::from_secs(1);
+
+#[cfg(test)]
+mod chain_key_tests {
+    use super::*;
+    use crate::model::Protocol;
+    use crate::nftables::names::{EndpointNames, ServiceChainNames};
+
+    fn round_trip(port: &ServicePortName, name: &str) -> ChainKey {
+        let readable = readable(&Owner::Service(Arc::new(port.clone())));
+        let key = ChainKey::of(readable.as_deref(), name);
+        assert_eq!(key.name(readable.as_deref()), name, "{key:?}");
+        key
+    }
+
+    #[test]
+    fn every_chain_name_of_a_service_port_is_kept_as_parts_and_gives_back_the_same_name() {
+        // Reference 003's names.
+        let backends = ServicePortName::new("default", "backends", "", Protocol::Tcp);
+        let key = round_trip(&backends, "service-GZEOLGI7-default/backends/tcp/");
+        assert!(matches!(key, ChainKey::Port(0, _)));
+        let kubernetes = ServicePortName::new("default", "kubernetes", "https", Protocol::Tcp);
+        let key = round_trip(
+            &kubernetes,
+            "endpoint-4GDGBDUZ-default/kubernetes/tcp/https__192.168.228.3/6443",
+        );
+        assert!(matches!(key, ChainKey::Endpoint(_, _, 6443)));
+
+        let port = ServicePortName::new("ns1", "web", "http", Protocol::Udp);
+        let names = ServiceChainNames::new(&port);
+        for name in [
+            &names.cluster,
+            &names.local,
+            &names.external,
+            &names.firewall,
+        ] {
+            assert!(matches!(round_trip(&port, name), ChainKey::Port(..)));
+        }
+        for ip in ["10.0.0.1", "fd00::1", "2001:db8::a:b"] {
+            let name = EndpointNames::new(&port, ip.parse().unwrap(), 8080).chain;
+            assert!(
+                matches!(round_trip(&port, &name), ChainKey::Endpoint(..)),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn names_the_parts_cannot_rebuild_are_kept_whole_and_every_name_reads_back_unchanged() {
+        let port = ServicePortName::new("ns1", "web", "http", Protocol::Tcp);
+        // An IPv4-mapped IPv6 address reads back as another address after the colon-to-dot
+        // rewrite, but one that writes the same name: the name is what is kept.
+        let mapped = EndpointNames::new(&port, "::ffff:10.0.0.1".parse().unwrap(), 80).chain;
+        round_trip(&port, &mapped);
+        // kube-proxy truncates names over 240 characters.
+        let long = ServicePortName::new("ns1", &"x".repeat(250), "http", Protocol::Tcp);
+        let names = ServiceChainNames::new(&long);
+        assert!(names.cluster.ends_with("..."));
+        assert!(matches!(
+            round_trip(&long, &names.cluster),
+            ChainKey::Named(_)
+        ));
+        // Static chains, and another port's chain.
+        assert!(matches!(
+            ChainKey::of(None, "services"),
+            ChainKey::Named(n) if &*n == "services"
+        ));
+        let other = ServicePortName::new("ns1", "api", "http", Protocol::Tcp);
+        let other_name = ServiceChainNames::new(&other).cluster;
+        assert!(matches!(round_trip(&port, &other_name), ChainKey::Named(_)));
+    }
+}
