@@ -5,6 +5,10 @@
 //! its arenas for reuse, and returns only what lies at the top of the heap; the rest stays
 //! resident, which the proxy's RSS then shows for as long as it runs. `malloc_trim` returns
 //! every free page of every arena.
+//!
+//! glibc also gives threads arenas of their own as they contend; the proxy's kept state is
+//! built on the watch tasks' threads and the sync's blocking thread, so each arena would hold
+//! its own scraps. The proxy is not allocation-bound, so it uses one arena.
 
 /// Returns the allocator's free pages to the operating system (glibc's `malloc_trim(0)`; a
 /// no-op with other C libraries). Costs a walk of the heap: call it after a full sync, not
@@ -16,5 +20,17 @@ pub fn release_free_memory() {
     // away pages that hold only free chunks. No memory the program can reach is touched.
     unsafe {
         libc::malloc_trim(0);
+    }
+}
+
+/// Makes every thread allocate from glibc's main arena (`mallopt(M_ARENA_MAX, 1)`; a no-op
+/// with other C libraries). Call it before any thread other than the main one starts.
+pub fn use_one_arena() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    #[allow(unsafe_code)]
+    // SAFETY: mallopt only sets an allocator parameter under the allocator's lock; no memory
+    // the program can reach is touched.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
     }
 }

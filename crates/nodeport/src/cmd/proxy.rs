@@ -285,6 +285,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "iptables tools chosen"
         );
     }
+    // Before the runtime's threads exist (see the function).
+    nodeport_proxy::memory::use_one_arena();
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async move {
         let client = client(kubeconfig, args.master.as_deref()).await?;
