@@ -1,6 +1,7 @@
 //! Memory of the real `nodeport proxy` at scale: our API server and the proxy in a throwaway
 //! network namespace, 10,000 Services × 10 endpoints created through the API, then the
-//! proxy's resident memory (VmRSS, and VmHWM, the peak) once its first sync is done.
+//! proxy's resident memory (VmRSS, and VmHWM, the peak) once its first sync is done, and again
+//! after each of two full resyncs that a hand edit of the table sets off.
 //!
 //! Run (root): `cargo build --release -p nodeport && cargo bench -p nodeport-proxy --bench
 //! proxy_rss -- <path to nodeport> [services]`.
@@ -119,6 +120,9 @@ fn main() {
                     "10.0.0.0/8",
                     "--healthz-bind-address",
                     "127.0.0.1:10256",
+                    // Periodic syncs notice drift (below) soon.
+                    "--sync-period",
+                    "5s",
                 ])
                 .env("NODEPORT_LOG", "warn"),
         )
@@ -164,12 +168,36 @@ fn main() {
         t.elapsed().as_secs_f64()
     );
     std::thread::sleep(Duration::from_secs(3));
-    println!(
-        "proxy memory at {n} Services x 10 endpoints: VmRSS {} MiB (anonymous {} MiB, file-backed {} MiB: the binary's pages), VmHWM (peak) {} MiB, threads {}",
-        status_kib(pid, "VmRSS:") / 1024,
-        status_kib(pid, "RssAnon:") / 1024,
-        status_kib(pid, "RssFile:") / 1024,
-        status_kib(pid, "VmHWM:") / 1024,
-        status_kib(pid, "Threads:"),
-    );
+    let report = |when: &str| {
+        println!(
+            "proxy memory at {n} Services x 10 endpoints, {when}: VmRSS {} MiB (anonymous {} MiB, file-backed {} MiB: the binary's pages), VmHWM (peak) {} MiB, threads {}",
+            status_kib(pid, "VmRSS:") / 1024,
+            status_kib(pid, "RssAnon:") / 1024,
+            status_kib(pid, "RssFile:") / 1024,
+            status_kib(pid, "VmHWM:") / 1024,
+            status_kib(pid, "Threads:"),
+        );
+    };
+    report("after the first sync");
+
+    // A hand edit: the next periodic sync sees the nf_tables generation move and rewrites
+    // everything, a second full sync in the same process.
+    let dispatch = || {
+        ns.run(&["nft", "list", "chain", "ip", "kube-proxy", "services"])
+            .unwrap_or_default()
+            .contains("vmap")
+    };
+    for round in ["second", "third"] {
+        ns.run(&["nft", "flush", "chain", "ip", "kube-proxy", "services"])
+            .unwrap();
+        assert!(!dispatch());
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while !dispatch() {
+            assert!(Instant::now() < deadline, "the drift was never repaired");
+            assert!(proxy.try_wait().is_none(), "the proxy exited");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        std::thread::sleep(Duration::from_secs(3));
+        report(&format!("after a {round} full sync (drift repaired)"));
+    }
 }

@@ -948,6 +948,10 @@ impl<K: Kernel> Applier<K> {
             };
             tables.push((state, existing));
         }
+        // The old record is not needed any more: the new one replaces it, and a failed sync
+        // lists the kernel again (`relist`). Freed first, its memory is reused for the new one
+        // instead of leaving a hole the size of it in the heap after every full sync.
+        self.tables.clear();
         let sink = self.kernel.batch();
         match write_full(sink, &unwanted, &tables, config, first) {
             Err(KernelError::Streamed(reason)) => {
