@@ -319,6 +319,12 @@ impl<K: Kernel> Kernel for Timed<K> {
         r
     }
 
+    /// The full sync's streamed transaction goes straight to the netlink kernel (its own
+    /// timing is `last_timing`); only whole transactions are counted in `applies`.
+    fn batch(&mut self) -> Box<dyn nodeport_proxy::nftables::apply::TransactionSink + '_> {
+        self.inner.batch()
+    }
+
     fn list(
         &mut self,
         family: IpFamily,

@@ -28,8 +28,10 @@ pub fn release_free_memory() {
 pub fn use_one_arena() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     #[allow(unsafe_code)]
-    // SAFETY: mallopt only sets an allocator parameter under the allocator's lock; no memory
-    // the program can reach is touched.
+    // SAFETY: mallopt only sets an allocator parameter; glibc documents it as not safe to call
+    // while other threads allocate, which is why it runs before any other thread exists (see
+    // above; `nodeport proxy` calls it before it starts its runtime). No memory the program
+    // can reach is touched.
     unsafe {
         libc::mallopt(libc::M_ARENA_MAX, 1);
     }

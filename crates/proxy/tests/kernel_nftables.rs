@@ -571,6 +571,70 @@ fn a_full_sync_the_encoder_cannot_stream_is_applied_whole_through_nft() {
 }
 
 #[test]
+fn a_ruleset_flushed_by_hand_is_rebuilt_by_the_next_sync_in_one_go() {
+    if !require_privileged("a_ruleset_flushed_by_hand_is_rebuilt_by_the_next_sync_in_one_go") {
+        return;
+    }
+    // A firewall reload (`nft flush ruleset`, the first line of Debian's nftables.conf) takes
+    // our table with it. The next full sync must rebuild it at once, whether it learned of
+    // the drift (netlink: the generation moved) or runs on its own record (the `nft` command,
+    // whose periodic syncs are full).
+    let s = Setup::new(&objects(&["10.244.1.1", "10.244.1.2"], true));
+    let d = s.desired();
+
+    let ns = Netns::new("nftreload").unwrap();
+    let mut a = Applier::new(netlink_in(&ns));
+    a.sync(&d, &s.config, None).unwrap();
+    a.sync(&d, &s.config, Some(&BTreeSet::new())).unwrap();
+    ns.run(&["nft", "flush", "ruleset"]).unwrap();
+    let r = a
+        .sync(&d, &s.config, Some(&BTreeSet::new()))
+        .expect("the sync after the reload repairs it");
+    assert!(r.full);
+    assert_same(
+        &listing(&ns),
+        &reference_listing(&s),
+        "netlink, after the reload",
+    );
+
+    let ns = Netns::new("nftreloadcmd").unwrap();
+    let mut a = Applier::new(nft_in(&ns));
+    a.sync(&d, &s.config, None).unwrap();
+    ns.run(&["nft", "delete", "table", "ip", "kube-proxy"])
+        .unwrap();
+    a.request_full_sync();
+    a.sync(&d, &s.config, Some(&BTreeSet::new()))
+        .expect("the periodic full sync repairs it");
+    assert_same(
+        &listing(&ns),
+        &reference_listing(&s),
+        "nft, after the reload",
+    );
+}
+
+#[test]
+fn take_over_recreates_a_shared_set_an_older_version_made_with_other_flags() {
+    if !require_privileged(
+        "take_over_recreates_a_shared_set_an_older_version_made_with_other_flags",
+    ) {
+        return;
+    }
+    let s = Setup::new(&objects(&["10.244.1.1"], false));
+    let ns = Netns::new("nftsetflags").unwrap();
+    ns.run(&["nft", "add", "table", "ip", "kube-proxy"])
+        .unwrap();
+    ns.run(&[
+        "nft",
+        "add set ip kube-proxy cluster-ips { type ipv4_addr; flags interval; }",
+    ])
+    .unwrap();
+    let mut a = Applier::new(netlink_in(&ns));
+    a.sync(&s.desired(), &s.config, None)
+        .expect("the first sync re-creates the set with our definition");
+    assert_same(&listing(&ns), &reference_listing(&s), "after the take-over");
+}
+
+#[test]
 fn netlink_encodes_the_localnet_guard_exactly_as_nft_does() {
     if !require_privileged("netlink_encodes_the_localnet_guard_exactly_as_nft_does") {
         return;

@@ -835,6 +835,8 @@ impl<K: Kernel> Applier<K> {
         let drifted = changed.is_some() && !self.need_full && self.drifted();
         if drifted {
             tracing::info!("nftables changed since our last sync; resyncing fully");
+            // Our record says what we wrote, not what is there now: list it.
+            self.relist = true;
         }
         // A family without a full sync behind it (cannot happen after one succeeded).
         let unknown_family = desired
@@ -1250,11 +1252,25 @@ fn full_table(
     let mut tx = Transaction::default();
     tx.push(family, Op::AddTable);
     for s in &base.sets {
-        tx.push(family, Op::AddSet(s.clone()));
+        // On the first sync an existing shared set is deleted and re-created below: adding it
+        // here first would fail if an older version made it with other flags or type.
+        if !(recreate_base && existing.sets.contains_key(&s.name)) {
+            tx.push(family, Op::AddSet(s.clone()));
+        }
     }
     // Every chain there is gets flushed before anything else: then no rule references a set
-    // or another chain, and each owner's piece below only adds.
+    // or another chain, and each owner's piece below only adds. `existing` may be our record
+    // rather than a listing, and someone may have deleted the chain or the whole table since
+    // (`nft flush ruleset` in a firewall reload): each is added first, so the flush always
+    // finds it (knftables' add-then-flush), with its hook if it is one of our base chains.
+    let hooks: HashMap<&str, &BaseHook> = base
+        .chains
+        .iter()
+        .filter_map(|c| c.base.as_ref().map(|h| (c.name.as_str(), h)))
+        .collect();
     for name in &existing.chains {
+        let hook = hooks.get(name.as_str()).map(|h| (*h).clone());
+        tx.push(family, Op::AddChain(name.clone(), hook));
         tx.push(family, Op::FlushChain(name.clone()));
     }
     if recreate_base {

@@ -1013,15 +1013,22 @@ impl TransactionSink for StreamedBatch<'_> {
         buf.request_ack(offset);
         end_batch(&mut buf, seq + 1);
         kernel.seq = seq + 2;
-        let errors = kernel.exchange(&buf.b, seq)?;
+        let begin = seq - messages as u32;
+        let errors = kernel.exchange(&buf.b, begin, seq)?;
         kernel.last_timing = Some((encoding, started.elapsed()));
         match errors.first() {
             None => Ok(()),
-            Some((failed, errno)) => Err(KernelError::Streamed(format!(
-                "nf_tables refused message {} of {messages}: {}",
-                failed.saturating_sub(seq - messages as u32),
-                std::io::Error::from_raw_os_error(-errno)
-            ))),
+            Some((failed, errno)) => {
+                let at = match failed - begin {
+                    // Acknowledged on the batch's begin message: the commit as a whole.
+                    0 => "the batch".to_string(),
+                    n => format!("message {n} of {messages}"),
+                };
+                Err(KernelError::Streamed(format!(
+                    "nf_tables refused {at}: {}",
+                    std::io::Error::from_raw_os_error(-errno)
+                )))
+            }
         }
     }
 }
@@ -1111,11 +1118,17 @@ impl NetlinkKernel {
 
     /// Sends an encoded batch whose last message (`last_seq`) asks for an acknowledgement;
     /// returns `(seq, errno)` of every message the kernel refused.
-    fn exchange(&mut self, batch: &[u8], last_seq: u32) -> Result<Vec<(u32, i32)>, KernelError> {
+    fn exchange(
+        &mut self,
+        batch: &[u8],
+        first_seq: u32,
+        last_seq: u32,
+    ) -> Result<Vec<(u32, i32)>, KernelError> {
         self.send(batch)?;
         let mut errors: Vec<(u32, i32)> = Vec::new();
         self.receive(|ty, seq, errno, _| {
-            if ty != NLMSG_ERROR {
+            // Replies left over from an earlier exchange that failed half-way are not ours.
+            if ty != NLMSG_ERROR || !(first_seq..=last_seq).contains(&seq) {
                 return false;
             }
             if errno != 0 {
@@ -1243,13 +1256,14 @@ impl Kernel for NetlinkKernel {
             return Ok(());
         }
         let started = std::time::Instant::now();
-        let Ok(batch) = encode(tx, self.seq + 1) else {
+        let first_seq = self.seq + 1;
+        let Ok(batch) = encode(tx, first_seq) else {
             self.fallbacks += 1;
             return self.fallback.apply(tx);
         };
         let encoded = started.elapsed();
         self.seq = batch.last_seq + 2;
-        let errors = self.exchange(&batch.buf.b, batch.last_seq)?;
+        let errors = self.exchange(&batch.buf.b, first_seq, batch.last_seq)?;
         self.last_timing = Some((encoded, started.elapsed() - encoded));
         if errors.is_empty() {
             return Ok(());
