@@ -298,6 +298,9 @@ pub struct FakeKernel {
     pub tables: BTreeMap<IpFamily, FakeTable>,
     /// Fail this many coming transactions.
     pub fail_next: usize,
+    /// Refuse every chain deletion, as kernels before 6.2 may while a flushed chain's last
+    /// references are still being released.
+    pub refuse_chain_deletes: bool,
     /// Every transaction applied successfully, in order.
     pub history: Vec<Transaction>,
     /// The generation: bumped by every successful transaction (tests bump it to play
@@ -501,6 +504,16 @@ impl Kernel for FakeKernel {
         if self.fail_next > 0 {
             self.fail_next -= 1;
             return Err(KernelError::Fake("injected failure".to_string()));
+        }
+        if self.refuse_chain_deletes
+            && tx
+                .ops
+                .iter()
+                .any(|(_, op)| matches!(op, Op::DeleteChain(_)))
+        {
+            return Err(KernelError::Fake(
+                "chain still in use (injected)".to_string(),
+            ));
         }
         let mut next = self.tables.clone();
         for (family, op) in &tx.ops {
@@ -866,8 +879,20 @@ impl<K: Kernel> Applier<K> {
                     self.tables.insert(f, t);
                 }
                 let now = Instant::now();
-                for s in stale {
-                    self.stale.entry(s).or_insert(now);
+                if full {
+                    // A full sync saw every chain there is (the record includes the ones
+                    // waiting for deletion): what it left stale is the whole list. A chain
+                    // wanted again is off it, and one that vanished meanwhile does not stay on
+                    // it to make every clean-up fail.
+                    let waiting = std::mem::take(&mut self.stale);
+                    for s in stale {
+                        let since = waiting.get(&s).copied().unwrap_or(now);
+                        self.stale.insert(s, since);
+                    }
+                } else {
+                    for s in stale {
+                        self.stale.entry(s).or_insert(now);
+                    }
                 }
                 if full {
                     self.need_full = false;
@@ -943,8 +968,13 @@ impl<K: Kernel> Applier<K> {
                     .unwrap_or_default()
             } else {
                 let t = &self.tables[&family];
+                let waiting = self
+                    .stale
+                    .keys()
+                    .filter(|(f, _)| *f == family)
+                    .map(|(_, name)| name.clone());
                 Existing {
-                    chains: chain_names(t).collect(),
+                    chains: chain_names(t).chain(waiting).collect(),
                     sets: t.set_is_map.iter().map(|(k, v)| (k.clone(), *v)).collect(),
                 }
             };
@@ -991,6 +1021,11 @@ impl<K: Kernel> Applier<K> {
                 plan.unit(applied, Owner::Service(Arc::new(name.clone())), objs, false);
             }
             stale.extend(plan.stale.iter().map(|c| (family, c.clone())));
+            // A chain waiting for deletion that is wanted again (an endpoint back before its
+            // old chain was deleted) is re-used, not deleted.
+            for (name, _) in &plan.add_chains {
+                self.stale.remove(&(family, name.clone()));
+            }
             plan.write(&mut tx, family);
         }
         Ok((tx, Vec::new(), stale))

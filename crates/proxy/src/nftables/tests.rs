@@ -623,6 +623,47 @@ fn deleting_a_service_removes_its_elements_and_chains() {
 }
 
 #[test]
+fn a_chain_waiting_for_deletion_that_is_wanted_again_is_kept_and_not_deleted() {
+    // Kernels before 6.2 may refuse to delete a chain right after it was flushed; kube-proxy
+    // then keeps it in its stale list, and drops it from there when it is wanted again.
+    let mut w = World::new(&web("", THREE_ENDPOINTS));
+    let (mut a, mut d) = applier_with(&w);
+    let mut sync_to = |w: &mut World, a: &mut Applier<FakeKernel>, endpoints: &str| {
+        let slice = objects::load(&web("", endpoints)).unwrap().cluster;
+        for (k, v) in slice.slices.iter() {
+            w.cluster.update_slice(k.clone(), Some(v.clone()));
+        }
+        let changes = w.cluster.take_changes();
+        let touched = d.refresh_services(&w.cluster, NodeView::named(NODE), &changes.services);
+        a.sync(&d, &w.config, Some(&touched)).unwrap()
+    };
+    a.kernel_mut().refuse_chain_deletes = true;
+    let report = sync_to(
+        &mut w,
+        &mut a,
+        "- {addresses: [10.244.1.1], nodeName: node-a}",
+    );
+    assert!(report.cleanup_failed);
+    assert_eq!(a.stale_chains(), 2, "two endpoint chains wait for deletion");
+    sync_to(&mut w, &mut a, THREE_ENDPOINTS);
+    assert_eq!(a.stale_chains(), 0, "both are wanted again");
+    a.kernel_mut().refuse_chain_deletes = false;
+    let report = a.sync(&d, &w.config, Some(&BTreeSet::new())).unwrap();
+    assert!(!report.cleanup_failed);
+    let chains = |r: &Ruleset| {
+        let mut c: Vec<(String, Vec<super::ruleset::Rule>)> = r
+            .table(IpFamily::V4)
+            .expect("an IPv4 table")
+            .chains()
+            .map(|c| (c.name.clone(), c.rules.clone()))
+            .collect();
+        c.sort_by(|x, y| x.0.cmp(&y.0));
+        c
+    };
+    assert_eq!(chains(&a.kernel().ruleset()), chains(&w.ruleset()));
+}
+
+#[test]
 fn a_failed_apply_keeps_the_old_rules_and_the_next_sync_is_full() {
     let mut w = World::new(&web("", THREE_ENDPOINTS));
     let (mut a, mut d) = applier_with(&w);
