@@ -685,18 +685,13 @@ impl AppliedChains {
     fn keys(&self) -> impl Iterator<Item = &ChainKey> {
         self.0.iter().map(|(k, _)| k)
     }
-
-    /// The names, given the owner's [`readable`] name.
-    fn names<'a>(&'a self, readable: Option<&'a str>) -> impl Iterator<Item = String> + 'a {
-        self.keys().map(move |k| k.name(readable))
-    }
 }
 
 /// Every chain name of `table`.
 fn chain_names(table: &AppliedTable) -> impl Iterator<Item = String> + '_ {
     table.units.iter().flat_map(|(owner, unit)| {
         let readable = readable(owner);
-        unit.chains.names(readable.as_deref()).collect::<Vec<_>>()
+        unit.chains.keys().map(move |k| k.name(readable.as_deref()))
     })
 }
 
@@ -705,14 +700,6 @@ fn chain_names(table: &AppliedTable) -> impl Iterator<Item = String> + '_ {
 /// allocates a node with room for eleven, about 1.3 KiB per element, which at 10,000 Services
 /// was half of the proxy's live heap.
 type Contributors = Vec<(Owner, ElemValue)>;
-
-/// A planned sync: the transaction, the applied state it leads to (full syncs), and the
-/// chains it leaves stale.
-type Planned = (
-    Transaction,
-    Vec<(IpFamily, AppliedTable)>,
-    Vec<(IpFamily, String)>,
-);
 
 /// An applied full sync: its number of operations, the applied state of each table and the
 /// chains it left stale.
@@ -866,11 +853,12 @@ impl<K: Kernel> Applier<K> {
         let result = if full {
             self.full_sync(desired, config)
         } else {
-            self.partial_sync(desired, config, changed.expect("partial sync has changes"))
-                .and_then(|(tx, tables, stale)| {
-                    self.kernel.apply(&tx).map_err(Error::RulesetApplyFailed)?;
-                    Ok((tx.len(), tables, stale))
-                })
+            let changed = changed.expect("partial sync has changes");
+            let (tx, stale) = self.partial_sync(desired, config, changed);
+            self.kernel
+                .apply(&tx)
+                .map_err(Error::RulesetApplyFailed)
+                .map(|()| (tx.len(), Vec::new(), stale))
         };
         match result {
             Ok((ops, next_tables, stale)) => {
@@ -999,20 +987,22 @@ impl<K: Kernel> Applier<K> {
         .map_err(Error::RulesetApplyFailed)
     }
 
+    /// Plans the transaction of a partial sync (the record is updated as planned; a failure
+    /// makes the next sync full and relisted) and the chains it leaves stale.
     fn partial_sync(
         &mut self,
         desired: &DesiredState,
         config: &NodeConfig,
         changed: &BTreeSet<ServicePortName>,
-    ) -> Result<Planned, Error> {
+    ) -> (Transaction, Vec<(IpFamily, String)>) {
         let mut tx = Transaction::default();
         let mut stale = Vec::new();
         for state in &desired.families {
             let family = state.family;
             let applied = self.tables.get_mut(&family).expect("checked above");
             let mut plan = Plan::default();
-            let base = render_base(state, config);
-            plan.unit(applied, Owner::Base, Some(objects_of_base(&base)), false);
+            let base = objects_of_base(render_base(state, config));
+            plan.unit(applied, Owner::Base, Some(base), false);
             for name in changed {
                 let objs = state
                     .services
@@ -1028,16 +1018,16 @@ impl<K: Kernel> Applier<K> {
             }
             plan.write(&mut tx, family);
         }
-        Ok((tx, Vec::new(), stale))
+        (tx, stale)
     }
 }
 
 /// The static objects viewed as a unit.
-fn objects_of_base(base: &super::ruleset::BaseObjects) -> ServiceObjects {
+fn objects_of_base(base: super::ruleset::BaseObjects) -> ServiceObjects {
     ServiceObjects {
-        chains: base.chains.clone(),
-        sets: base.sets.clone(),
-        elements: base.elements.clone(),
+        chains: base.chains,
+        sets: base.sets,
+        elements: base.elements,
     }
 }
 
@@ -1352,12 +1342,7 @@ fn full_table(
         }
         emit(tx)
     };
-    let base_objects = ServiceObjects {
-        chains: base.chains,
-        sets: base.sets,
-        elements: base.elements,
-    };
-    owner_piece(&mut applied, Owner::Base, base_objects)?;
+    owner_piece(&mut applied, Owner::Base, objects_of_base(base))?;
     for (name, svc) in &state.services {
         let objects = render_service(svc, state, config);
         let owner = Owner::Service(Arc::new(name.clone()));
