@@ -36,8 +36,10 @@
 //! `NODEPORT_BENCH_CSV` (another output file). Writes `docs/nft-vs-iptables.csv`, which
 //! `docs/plots/nft_vs_iptables.py` turns into `docs/nft-vs-iptables.png`.
 
+mod support;
+
 use std::io::Write as _;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -46,15 +48,13 @@ use nodeport_proxy::backend::Backend;
 use nodeport_proxy::config::NodeConfig;
 use nodeport_proxy::desired::{self, DesiredState, NodeView, StateConfig};
 use nodeport_proxy::iptables::apply::{IptablesCommand, Variant};
-use nodeport_proxy::model::{
-    Endpoint, EndpointPort, EndpointSlice, IpFamily, Protocol, Service, ServiceName, ServicePort,
-    ServicePortName,
-};
+use nodeport_proxy::model::{EndpointSlice, IpFamily, Service, ServiceName};
 use nodeport_proxy::nftables::apply::NftCommand;
 use nodeport_proxy::nftables::netlink::NetlinkKernel;
 use nodeport_proxy::nodeaddr::NodeFacts;
 use nodeport_proxy::objects::Cluster;
 use nodeport_testbed::{Netns, veth};
+use support::{endpoint, ip, service_objects};
 
 const NODE_IP: &str = "192.0.2.10";
 const CLIENT_IP: &str = "192.0.2.100";
@@ -65,26 +65,11 @@ const MEASURED_NODE_PORT: u16 = 32767;
 /// Connections per setup per round.
 const ROUND: usize = 100;
 
-fn ip(a: u32) -> IpAddr {
-    IpAddr::V4(Ipv4Addr::from(a))
-}
-
 fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name)
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
-}
-
-fn endpoint(ip: IpAddr) -> Endpoint {
-    Endpoint {
-        ip,
-        ready: true,
-        serving: true,
-        terminating: false,
-        node_name: Some("node-1".into()),
-        hints: None,
-    }
 }
 
 /// Service `i` (ClusterIP in 172.16.0.0/12, endpoints in 10.0.0.0/8 that nothing answers on,
@@ -95,55 +80,33 @@ fn service(
     endpoints: usize,
     generation: u32,
 ) -> (ServiceName, Service, ServiceName, EndpointSlice) {
-    let measured = i + 1 == n;
-    let (ns, name) = if measured {
-        ("zz-measured".to_string(), "web".to_string())
-    } else {
-        (format!("ns{}", i / 100), format!("svc{i}"))
-    };
-    let node_port = if measured {
-        Some(MEASURED_NODE_PORT)
-    } else {
-        Some(30000 + i as u16).filter(|p| *p < MEASURED_NODE_PORT && i < 2767)
-    };
-    let port = Arc::new(ServicePort {
-        name: ServicePortName::new(&ns, &name, "http", Protocol::Tcp),
-        cluster_ips: vec![ip(0xAC10_0000 + i as u32)],
-        port: 80,
-        node_port,
-        external_ips: vec![],
-        load_balancer_ips: vec![],
-        load_balancer_source_ranges: vec![],
-        external_policy_local: false,
-        internal_policy_local: false,
-        session_affinity_seconds: None,
-        health_check_node_port: None,
-    });
-    let eps = if measured {
-        vec![endpoint(POD_IP.parse().unwrap())]
-    } else {
-        (0..endpoints)
-            .map(|e| {
-                endpoint(ip(0x0A00_0000
-                    + (i * 16 + e) as u32
-                    + generation * 0x0100_0000))
-            })
-            .collect()
-    };
-    (
-        ServiceName::new(&ns, &name),
-        Service { ports: vec![port] },
-        ServiceName::new(&ns, &format!("{name}-abcde")),
-        EndpointSlice {
-            service: ServiceName::new(&ns, &name),
-            family: IpFamily::V4,
-            ports: vec![EndpointPort {
-                name: "http".into(),
-                port: if measured { POD_PORT } else { 8080 },
-                protocol: Protocol::Tcp,
-            }],
-            endpoints: eps,
-        },
+    let cluster_ip = ip(0xAC10_0000 + i as u32);
+    if i + 1 == n {
+        let pod = endpoint(POD_IP.parse().unwrap(), 1);
+        return service_objects(
+            "zz-measured",
+            "web",
+            cluster_ip,
+            Some(MEASURED_NODE_PORT),
+            POD_PORT,
+            vec![pod],
+        );
+    }
+    let eps = (0..endpoints)
+        .map(|e| {
+            endpoint(
+                ip(0x0A00_0000 + (i * 16 + e) as u32 + generation * 0x0100_0000),
+                1,
+            )
+        })
+        .collect();
+    service_objects(
+        &format!("ns{}", i / 100),
+        &format!("svc{i}"),
+        cluster_ip,
+        Some(30000 + i as u16).filter(|p| *p < MEASURED_NODE_PORT && i < 2767),
+        8080,
+        eps,
     )
 }
 

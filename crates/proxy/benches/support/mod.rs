@@ -29,15 +29,33 @@ pub fn ip(a: u32) -> std::net::IpAddr {
     std::net::IpAddr::V4(std::net::Ipv4Addr::from(a))
 }
 
-/// Service `i`: ClusterIP in 172.16.0.0/12, NodePort, ten endpoints in 10.0.0.0/8.
-pub fn service(i: usize, generation: u32) -> (ServiceName, Service, ServiceName, EndpointSlice) {
-    let ns = format!("ns{}", i / 100);
-    let name = format!("svc{i}");
+/// A ready endpoint on node `node`.
+pub fn endpoint(ip: std::net::IpAddr, node: usize) -> Endpoint {
+    Endpoint {
+        ip,
+        ready: true,
+        serving: true,
+        terminating: false,
+        node_name: Some(NODES[node % NODES.len()].clone()),
+        hints: None,
+    }
+}
+
+/// A Service `ns/name` with one TCP port `http` (80, to `target_port` on `endpoints`) and its
+/// EndpointSlice, keyed as the trackers key them.
+pub fn service_objects(
+    ns: &str,
+    name: &str,
+    cluster_ip: std::net::IpAddr,
+    node_port: Option<u16>,
+    target_port: u16,
+    endpoints: Vec<Endpoint>,
+) -> (ServiceName, Service, ServiceName, EndpointSlice) {
     let port = Arc::new(ServicePort {
-        name: ServicePortName::new(&ns, &name, "http", Protocol::Tcp),
-        cluster_ips: vec![ip(0xAC10_0000 + i as u32)],
+        name: ServicePortName::new(ns, name, "http", Protocol::Tcp),
+        cluster_ips: vec![cluster_ip],
         port: 80,
-        node_port: Some(30000 + (i % 2768) as u16).filter(|_| i < 2768),
+        node_port,
         external_ips: vec![],
         load_balancer_ips: vec![],
         load_balancer_source_ranges: vec![],
@@ -46,30 +64,40 @@ pub fn service(i: usize, generation: u32) -> (ServiceName, Service, ServiceName,
         session_affinity_seconds: None,
         health_check_node_port: None,
     });
-    let endpoints = (0..ENDPOINTS)
-        .map(|e| Endpoint {
-            ip: ip(0x0A00_0000 + (i * 16 + e) as u32 + generation * 0x0100_0000),
-            ready: true,
-            serving: true,
-            terminating: false,
-            node_name: Some(NODES[e % 4].clone()),
-            hints: None,
-        })
-        .collect();
     (
-        ServiceName::new(&ns, &name),
+        ServiceName::new(ns, name),
         Service { ports: vec![port] },
-        ServiceName::new(&ns, &format!("{name}-abcde")),
+        ServiceName::new(ns, &format!("{name}-abcde")),
         EndpointSlice {
-            service: ServiceName::new(&ns, &name),
+            service: ServiceName::new(ns, name),
             family: IpFamily::V4,
             ports: vec![EndpointPort {
                 name: "http".into(),
-                port: 8080,
+                port: target_port,
                 protocol: Protocol::Tcp,
             }],
             endpoints,
         },
+    )
+}
+
+/// Service `i`: ClusterIP in 172.16.0.0/12, NodePort, ten endpoints in 10.0.0.0/8.
+pub fn service(i: usize, generation: u32) -> (ServiceName, Service, ServiceName, EndpointSlice) {
+    let endpoints = (0..ENDPOINTS)
+        .map(|e| {
+            endpoint(
+                ip(0x0A00_0000 + (i * 16 + e) as u32 + generation * 0x0100_0000),
+                e,
+            )
+        })
+        .collect();
+    service_objects(
+        &format!("ns{}", i / 100),
+        &format!("svc{i}"),
+        ip(0xAC10_0000 + i as u32),
+        Some(30000 + (i % 2768) as u16).filter(|_| i < 2768),
+        8080,
+        endpoints,
     )
 }
 
