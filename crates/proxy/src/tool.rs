@@ -1,6 +1,6 @@
 //! Running the kernel's command-line tools (`nft`, `iptables-restore`, `iptables-save`, ...):
-//! one child process, optional input on stdin, stdout back. Both backends' kernel errors
-//! convert from [`ToolError`], so each keeps its own error type.
+//! one child process, optional input on stdin, stdout back. Both backends' kernel errors carry
+//! a [`ToolError`] as their `Tool` variant.
 
 use std::io::Write as _;
 use std::process::{Command, Stdio};

@@ -23,29 +23,15 @@ use super::ruleset::{Line, Restore, Rule, Table, TableRestore, TableView, Target
 use crate::config::NodeConfig;
 use crate::desired::DesiredState;
 use crate::model::{IpFamily, ServicePortName};
+use crate::tool::ToolError;
 
 /// A kernel failure.
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
-    /// An `iptables` tool could not be run.
-    #[error("could not run `{program}`")]
-    Spawn {
-        /// The command line.
-        program: String,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The tool refused (for `iptables-restore`: the failing table was not changed).
-    #[error("`{program}` failed ({status}): {stderr}")]
-    Rejected {
-        /// The command line.
-        program: String,
-        /// Exit status.
-        status: std::process::ExitStatus,
-        /// What it printed.
-        stderr: String,
-    },
+    /// A command-line tool (`nft`, `iptables-restore`, ...) could not be run or refused; a
+    /// refused transaction changed nothing (`iptables-restore`: in the table that failed).
+    #[error(transparent)]
+    Tool(#[from] ToolError),
     /// The tool did not finish in time and was killed.
     #[error("`{program}` did not finish within {after:?}; killed")]
     TimedOut {
@@ -60,25 +46,6 @@ pub enum KernelError {
     /// The fake kernel refused an operation, as the real one would.
     #[error("{0}")]
     Fake(String),
-}
-
-impl From<crate::tool::ToolError> for KernelError {
-    fn from(e: crate::tool::ToolError) -> Self {
-        match e {
-            crate::tool::ToolError::Spawn { program, source } => {
-                KernelError::Spawn { program, source }
-            }
-            crate::tool::ToolError::Rejected {
-                program,
-                status,
-                stderr,
-            } => KernelError::Rejected {
-                program,
-                status,
-                stderr,
-            },
-        }
-    }
 }
 
 /// What the tables of a family hold now (from `iptables-save`).
@@ -414,7 +381,7 @@ impl IptablesCommand {
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
-            .map_err(|source| KernelError::Spawn {
+            .map_err(|source| ToolError::Spawn {
                 program: line.clone(),
                 source,
             })?;
@@ -443,21 +410,23 @@ impl IptablesCommand {
                 Err(source) => {
                     let _ = child.kill();
                     let _ = child.wait();
-                    break Err(KernelError::Spawn {
+                    break Err(ToolError::Spawn {
                         program: line.clone(),
                         source,
-                    });
+                    }
+                    .into());
                 }
             }
         };
         let text = reader.join().unwrap_or_default();
         let status = status?;
         if !status.success() {
-            return Err(KernelError::Rejected {
+            return Err(ToolError::Rejected {
                 program: line,
                 status,
                 stderr: String::new(),
-            });
+            }
+            .into());
         }
         Ok(String::from_utf8_lossy(&text).into_owned())
     }
@@ -567,7 +536,7 @@ impl Kernel for IptablesCommand {
             None,
         ) {
             Ok(_) => Ok(true),
-            Err(KernelError::Rejected { .. }) => Ok(false),
+            Err(KernelError::Tool(ToolError::Rejected { .. })) => Ok(false),
             Err(e) => Err(e),
         }
     }

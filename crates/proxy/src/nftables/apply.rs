@@ -32,25 +32,10 @@ use crate::model::{IpFamily, ServicePortName};
 /// A kernel failure.
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
-    /// The `nft` program could not be run.
-    #[error("could not run `{program}`")]
-    Spawn {
-        /// The program.
-        program: String,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
-    /// `nft` rejected the transaction (nothing was changed).
-    #[error("`{program}` failed ({status}): {stderr}")]
-    Rejected {
-        /// The program.
-        program: String,
-        /// Exit status.
-        status: std::process::ExitStatus,
-        /// What it printed.
-        stderr: String,
-    },
+    /// A command-line tool (`nft`, `iptables-restore`, ...) could not be run or refused; a
+    /// refused transaction changed nothing (`iptables-restore`: in the table that failed).
+    #[error(transparent)]
+    Tool(#[from] crate::tool::ToolError),
     /// `nft -j` printed something that is not its JSON.
     #[error("could not parse the output of `{program}`")]
     BadListing {
@@ -68,25 +53,6 @@ pub enum KernelError {
     /// ([`Kernel::apply`]) names the operation at fault, or takes another way to the kernel.
     #[error("streamed transaction failed: {0}")]
     Streamed(String),
-}
-
-impl From<crate::tool::ToolError> for KernelError {
-    fn from(e: crate::tool::ToolError) -> Self {
-        match e {
-            crate::tool::ToolError::Spawn { program, source } => {
-                KernelError::Spawn { program, source }
-            }
-            crate::tool::ToolError::Rejected {
-                program,
-                status,
-                stderr,
-            } => KernelError::Rejected {
-                program,
-                status,
-                stderr,
-            },
-        }
-    }
 }
 
 /// What a table holds now, by name.
