@@ -54,7 +54,7 @@ use nodeport_proxy::nftables::netlink::NetlinkKernel;
 use nodeport_proxy::nodeaddr::NodeFacts;
 use nodeport_proxy::objects::Cluster;
 use nodeport_testbed::{Netns, veth};
-use support::{endpoint, ip, service_objects};
+use support::{endpoint, endpoint_ip, ip, service_objects};
 
 const NODE_IP: &str = "192.0.2.10";
 const CLIENT_IP: &str = "192.0.2.100";
@@ -93,12 +93,7 @@ fn service(
         );
     }
     let eps = (0..endpoints)
-        .map(|e| {
-            endpoint(
-                ip(0x0A00_0000 + (i * 16 + e) as u32 + generation * 0x0100_0000),
-                1,
-            )
-        })
+        .map(|e| endpoint(endpoint_ip(i, e, generation), 1))
         .collect();
     service_objects(
         &format!("ns{}", i / 100),
@@ -213,15 +208,7 @@ fn serve(pod: &Netns, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
 fn backend(mode: Mode, node: &Netns) -> Box<dyn Backend> {
     match mode {
         Mode::Nftables => {
-            let nft = NftCommand {
-                program: "ip".into(),
-                args: vec![
-                    "netns".into(),
-                    "exec".into(),
-                    node.name().into(),
-                    "nft".into(),
-                ],
-            };
+            let nft = NftCommand::in_netns(node.name());
             let kernel = NetlinkKernel::in_namespace(
                 &std::path::Path::new("/run/netns").join(node.name()),
                 nft,

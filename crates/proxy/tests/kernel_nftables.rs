@@ -13,15 +13,7 @@ use nodeport_proxy::objects::{self, Cluster};
 use nodeport_testbed::{Netns, require_privileged};
 
 fn nft_in(ns: &Netns) -> NftCommand {
-    NftCommand {
-        program: "ip".into(),
-        args: vec![
-            "netns".into(),
-            "exec".into(),
-            ns.name().into(),
-            "nft".into(),
-        ],
-    }
+    NftCommand::in_netns(ns.name())
 }
 
 fn objects(endpoints: &[&str], affinity: bool) -> String {

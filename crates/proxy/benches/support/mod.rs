@@ -81,15 +81,16 @@ pub fn service_objects(
     )
 }
 
+/// Endpoint `e` of Service `i` in 10.0.0.0/8; each `generation` moves every endpoint to
+/// another /8 (a changed EndpointSlice).
+pub fn endpoint_ip(i: usize, e: usize, generation: u32) -> std::net::IpAddr {
+    ip(0x0A00_0000 + (i * 16 + e) as u32 + generation * 0x0100_0000)
+}
+
 /// Service `i`: ClusterIP in 172.16.0.0/12, NodePort, ten endpoints in 10.0.0.0/8.
 pub fn service(i: usize, generation: u32) -> (ServiceName, Service, ServiceName, EndpointSlice) {
     let endpoints = (0..ENDPOINTS)
-        .map(|e| {
-            endpoint(
-                ip(0x0A00_0000 + (i * 16 + e) as u32 + generation * 0x0100_0000),
-                e,
-            )
-        })
+        .map(|e| endpoint(endpoint_ip(i, e, generation), e))
         .collect();
     service_objects(
         &format!("ns{}", i / 100),
@@ -141,15 +142,7 @@ pub fn node_config(choice: EndpointChoice) -> NodeConfig {
 
 /// `nft` run inside `ns`.
 pub fn nft_in(ns: &Netns) -> NftCommand {
-    NftCommand {
-        program: "ip".into(),
-        args: vec![
-            "netns".into(),
-            "exec".into(),
-            ns.name().into(),
-            "nft".into(),
-        ],
-    }
+    NftCommand::in_netns(ns.name())
 }
 
 /// The netlink kernel interface of `ns` (its `nft` fallback also inside `ns`).

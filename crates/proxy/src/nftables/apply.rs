@@ -166,6 +166,14 @@ impl Default for NftCommand {
 }
 
 impl NftCommand {
+    /// `nft` inside network namespace `ns` (through `ip netns exec`).
+    pub fn in_netns(ns: &str) -> Self {
+        NftCommand {
+            program: "ip".into(),
+            args: vec!["netns".into(), "exec".into(), ns.into(), "nft".into()],
+        }
+    }
+
     /// Parses a command line such as `ip netns exec ns1 nft` (split on whitespace).
     pub fn parse(line: &str) -> Option<Self> {
         let mut words = line.split_whitespace().map(str::to_string);

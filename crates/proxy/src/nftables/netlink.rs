@@ -919,26 +919,10 @@ fn encode_ops(
     Ok(())
 }
 
-fn begin_batch(buf: &mut Buf, seq: u32) {
-    let begin = buf.begin(
-        NFNL_MSG_BATCH_BEGIN,
-        NLM_F_REQUEST,
-        seq,
-        0,
-        NFNL_SUBSYS_NFTABLES,
-    );
-    buf.end(begin);
-}
-
-fn end_batch(buf: &mut Buf, seq: u32) {
-    let end = buf.begin(
-        NFNL_MSG_BATCH_END,
-        NLM_F_REQUEST,
-        seq,
-        0,
-        NFNL_SUBSYS_NFTABLES,
-    );
-    buf.end(end);
+/// The message that opens (`NFNL_MSG_BATCH_BEGIN`) or closes (`NFNL_MSG_BATCH_END`) a batch.
+fn batch_marker(buf: &mut Buf, ty: u16, seq: u32) {
+    let m = buf.begin(ty, NLM_F_REQUEST, seq, 0, NFNL_SUBSYS_NFTABLES);
+    buf.end(m);
 }
 
 /// Encodes a transaction; only its last message asks for an acknowledgement, which the kernel
@@ -948,7 +932,7 @@ fn encode(tx: &Transaction, first_seq: u32) -> Result<Batch, Unsupported> {
         b: Vec::with_capacity(tx.ops.len() * 160 + 64),
     };
     let mut seq = first_seq;
-    begin_batch(&mut buf, seq);
+    batch_marker(&mut buf, NFNL_MSG_BATCH_BEGIN, seq);
     let mut seqs = Vec::new();
     let mut last = None;
     encode_ops(&mut buf, &tx.ops, &mut seq, |s, i, offset| {
@@ -959,7 +943,7 @@ fn encode(tx: &Transaction, first_seq: u32) -> Result<Batch, Unsupported> {
         buf.request_ack(offset);
     }
     let last_seq = seq;
-    end_batch(&mut buf, seq + 1);
+    batch_marker(&mut buf, NFNL_MSG_BATCH_END, seq + 1);
     Ok(Batch {
         buf,
         seqs,
@@ -1011,7 +995,7 @@ impl TransactionSink for StreamedBatch<'_> {
         };
         let started = std::time::Instant::now();
         buf.request_ack(offset);
-        end_batch(&mut buf, seq + 1);
+        batch_marker(&mut buf, NFNL_MSG_BATCH_END, seq + 1);
         kernel.seq = seq + 2;
         let begin = seq - messages as u32;
         let errors = kernel.exchange(&buf.b, begin, seq)?;
@@ -1290,7 +1274,7 @@ impl Kernel for NetlinkKernel {
         let mut buf = Buf {
             b: Vec::with_capacity(1 << 20),
         };
-        begin_batch(&mut buf, seq);
+        batch_marker(&mut buf, NFNL_MSG_BATCH_BEGIN, seq);
         Box::new(StreamedBatch {
             kernel: self,
             buf,
