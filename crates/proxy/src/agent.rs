@@ -782,12 +782,7 @@ async fn sync_loop(shared: Arc<Shared>, engine: Arc<Mutex<Engine>>, config: Prox
             // that cannot tell (the `nft` command) gets a full resync on every period.
             let full = due || (periodic && !engine.backend.detects_drift());
             let partial = !full && !engine.backend.needs_full_sync();
-            let result = engine.sync(&s, full);
-            if result.as_ref().is_ok_and(|o| o.full) {
-                // What the full sync built and freed would otherwise stay resident.
-                crate::memory::release_free_memory();
-            }
-            (partial, result)
+            (partial, engine.sync(&s, full))
         })
         .await;
         let elapsed = started.elapsed().as_secs_f64();
@@ -884,6 +879,11 @@ async fn sync_loop(shared: Arc<Shared>, engine: Arc<Mutex<Engine>>, config: Prox
                     .await;
                 }
                 tracing::debug!(full = outcome.full, seconds = elapsed, "synced");
+                if outcome.full {
+                    // What the full sync built and freed would otherwise stay resident. After
+                    // the metrics: returning pages is not part of programming the rules.
+                    let _ = tokio::task::spawn_blocking(crate::memory::release_free_memory).await;
+                }
             }
             Ok(Err(e)) => {
                 for f in &config.families {

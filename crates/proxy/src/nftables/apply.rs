@@ -48,6 +48,10 @@ pub enum KernelError {
     /// The fake kernel refused an operation, as the real one would.
     #[error("{0}")]
     Fake(String),
+    /// nf_tables over netlink refused a transaction (nothing was changed), or the socket
+    /// failed.
+    #[error("{0}")]
+    Netlink(String),
     /// A transaction handed over in pieces ([`Kernel::batch`]) could not be encoded or was
     /// refused; nothing was changed. Applying the same transaction whole
     /// ([`Kernel::apply`]) names the operation at fault, or takes another way to the kernel.

@@ -289,6 +289,7 @@ fn ip_bytes(ip: IpAddr) -> Vec<u8> {
 }
 
 /// An operation this encoder does not produce (anonymous sets).
+#[derive(Debug)]
 struct Unsupported;
 
 /// Offsets of `ip saddr`/`ip daddr` (and IPv6) in the network header, and the length.
@@ -1030,7 +1031,7 @@ pub struct NetlinkKernel {
 }
 
 fn io_err(what: &str, e: impl std::fmt::Display) -> KernelError {
-    KernelError::Fake(format!("netlink: {what}: {e}"))
+    KernelError::Netlink(format!("netlink: {what}: {e}"))
 }
 
 impl NetlinkKernel {
@@ -1046,7 +1047,7 @@ impl NetlinkKernel {
         nix::sys::socket::setsockopt(
             &fd,
             nix::sys::socket::sockopt::ReceiveTimeout,
-            &nix::sys::time::TimeVal::new(30, 0),
+            &nix::sys::time::TimeVal::new(REPLY_TIMEOUT.as_secs() as _, 0),
         )
         .map_err(|e| io_err("SO_RCVTIMEO", e))?;
         let _ =
@@ -1100,8 +1101,9 @@ impl NetlinkKernel {
         Ok(())
     }
 
-    /// Sends an encoded batch whose last message (`last_seq`) asks for an acknowledgement;
-    /// returns `(seq, errno)` of every message the kernel refused.
+    /// Sends an encoded batch that opens with its begin message (`first_seq`) and whose last
+    /// operation (`last_seq`) asks for an acknowledgement; returns `(seq, errno)` of every
+    /// message the kernel refused.
     fn exchange(
         &mut self,
         batch: &[u8],
@@ -1118,8 +1120,11 @@ impl NetlinkKernel {
             if errno != 0 {
                 errors.push((seq, errno));
             }
-            // The last operation's acknowledgement (or its error) comes after all others.
-            seq == last_seq
+            // The last operation's acknowledgement (or its error) comes after all others. An
+            // error on the begin message refuses the batch as a whole (nfnetlink: unknown
+            // subsystem, no memory, a failed commit): nothing after it is waited for, as
+            // nothing else may come before the receive timeout.
+            seq == last_seq || (seq == first_seq && errno != 0)
         })?;
         Ok(errors)
     }
@@ -1134,7 +1139,14 @@ impl NetlinkKernel {
             let n = self
                 .socket
                 .recv(&mut &mut buf[..], 0)
-                .map_err(|e| io_err("receive", e))?;
+                .map_err(|e| match e.kind() {
+                    // SO_RCVTIMEO ran out.
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => io_err(
+                        "receive",
+                        format!("no reply from nf_tables within {REPLY_TIMEOUT:?}"),
+                    ),
+                    _ => io_err("receive", e),
+                })?;
             let mut off = 0;
             while off + 16 <= n {
                 let len =
@@ -1263,7 +1275,7 @@ impl Kernel for NetlinkKernel {
                 )
             })
             .collect();
-        Err(KernelError::Fake(format!(
+        Err(KernelError::Netlink(format!(
             "nf_tables refused the transaction: {}",
             text.join("; ")
         )))
@@ -1367,3 +1379,48 @@ impl Kernel for NetlinkKernel {
 
 /// How long a reply may take before the socket read gives up.
 pub const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nodeport_testbed::{Netns, require_privileged};
+
+    /// nfnetlink answers a batch it refuses as a whole with one error on the begin message and
+    /// nothing more; the exchange must end there instead of waiting for an acknowledgement of
+    /// the last operation that never comes (it used to wait out the 30 s receive timeout).
+    #[test]
+    fn a_batch_refused_on_its_begin_message_ends_the_exchange_with_that_error() {
+        if !require_privileged(
+            "a_batch_refused_on_its_begin_message_ends_the_exchange_with_that_error",
+        ) {
+            return;
+        }
+        let ns = Netns::new("nftnlbegin").unwrap();
+        let mut kernel = NetlinkKernel::in_namespace(
+            &std::path::Path::new("/run/netns").join(ns.name()),
+            NftCommand::in_netns(ns.name()),
+        )
+        .unwrap();
+        let mut tx = Transaction::default();
+        tx.push(IpFamily::V4, Op::AddTable);
+        let first_seq = kernel.seq + 1;
+        let mut batch = encode(&tx, first_seq).unwrap();
+        // Name a subsystem nfnetlink does not have (255 >= NFNL_SUBSYS_COUNT): the kernel
+        // refuses the batch with EINVAL on its begin message, before any operation. The begin
+        // message opens the buffer; its nfgenmsg's res_id follows the 16-byte header, the
+        // family and the version.
+        let res_id = 16 + 2;
+        batch.buf.b[res_id..res_id + 2].copy_from_slice(&255u16.to_be_bytes());
+        let errors = kernel
+            .exchange(&batch.buf.b, first_seq, batch.last_seq)
+            .expect("the refusal is read, not timed out");
+        assert_eq!(
+            errors,
+            vec![(first_seq, -(nix::errno::Errno::EINVAL as i32))]
+        );
+        let listed = NftCommand::in_netns(ns.name())
+            .run(&["list", "tables"], None)
+            .unwrap();
+        assert!(listed.trim().is_empty(), "nothing was added: {listed}");
+    }
+}
