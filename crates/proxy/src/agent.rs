@@ -484,7 +484,7 @@ impl Engine {
                 let external = f
                     .services
                     .values()
-                    .filter(|s| s.port.external_policy_local && s.local_endpoints.is_empty())
+                    .filter(|s| s.external_policy_local() && s.local_endpoints.is_empty())
                     .count();
                 (f.family, internal as i64, external as i64)
             })

@@ -61,7 +61,9 @@ fn parse_ips<'a>(values: impl IntoIterator<Item = &'a String>) -> Vec<IpAddr> {
         .collect()
 }
 
-/// Parses a CIDR or a bare IP (taken as a host route), as kube-proxy does for source ranges.
+/// Parses a CIDR, or a bare IP as a host route. The API server rejects a bare IP in
+/// `loadBalancerSourceRanges`; kube-proxy skips one (and with no range left, admits every
+/// source). Taken as a host route it fails closed instead.
 pub fn parse_cidr(s: &str) -> Option<IpNet> {
     let s = s.trim();
     s.parse::<IpNet>()
@@ -204,8 +206,12 @@ pub fn endpoint_slice(slice: &discovery::EndpointSlice) -> Option<(ServiceName, 
                 return None;
             }
             let conditions = e.conditions.as_ref();
+            // kube-proxy's endpointslicecache.go: an unset `ready` or `serving` reads as true,
+            // an unset `terminating` as false. (The API doc says an unset `serving` defers to
+            // `ready`; kube-proxy does not, so a terminating endpoint from a controller that
+            // never sets `serving` still takes traffic while no ready endpoint is left.)
             let ready = conditions.and_then(|c| c.ready).unwrap_or(true);
-            let serving = conditions.and_then(|c| c.serving).unwrap_or(ready);
+            let serving = conditions.and_then(|c| c.serving).unwrap_or(true);
             let terminating = conditions.and_then(|c| c.terminating).unwrap_or(false);
             let hints = e.hints.as_ref();
             Some(Endpoint {
@@ -357,7 +363,7 @@ status: {loadBalancer: {ingress: [{ip: 203.0.113.9}, {ip: 203.0.113.10, ipMode: 
     }
 
     #[test]
-    fn endpoint_conditions_default_as_the_api_documents() {
+    fn endpoint_conditions_default_as_kube_proxy_reads_them() {
         let slice: discovery::EndpointSlice = yaml_serde::from_str(
             r#"
 metadata: {name: web-abc, namespace: default, labels: {kubernetes.io/service-name: web}}
@@ -375,6 +381,7 @@ endpoints:
         assert_eq!(s.service.to_string(), "default/web");
         assert_eq!(s.ports[0].protocol, Protocol::Tcp);
         assert!(s.endpoints[0].ready && s.endpoints[0].serving && !s.endpoints[0].terminating);
-        assert!(!s.endpoints[1].ready && !s.endpoints[1].serving && s.endpoints[1].terminating);
+        // Unset `serving` is serving, even with `ready: false` (kube-proxy, not the API doc).
+        assert!(!s.endpoints[1].ready && s.endpoints[1].serving && s.endpoints[1].terminating);
     }
 }

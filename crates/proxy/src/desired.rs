@@ -74,15 +74,30 @@ impl ServicePortState {
         &self.port.name
     }
 
+    /// kube-proxy's `ExternallyAccessible` in this family: a NodePort, or an external or
+    /// load-balancer IP of this family. (kube-proxy builds a service port per family from
+    /// that family's IPs only.)
+    pub fn externally_accessible(&self) -> bool {
+        self.port.node_port.is_some()
+            || !self.load_balancer_ips.is_empty()
+            || !self.external_ips.is_empty()
+    }
+
+    /// kube-proxy's `ExternalPolicyLocal` in this family: `externalTrafficPolicy: Local` on a
+    /// port externally accessible in this family.
+    pub fn external_policy_local(&self) -> bool {
+        self.port.external_policy_local && self.externally_accessible()
+    }
+
     /// kube-proxy's `UsesClusterEndpoints`: Cluster-policy endpoints are used for internal
     /// traffic, or for traffic short-circuited from pods and the node to an external address.
     pub fn uses_cluster_endpoints(&self) -> bool {
-        !self.port.internal_policy_local || self.port.externally_accessible()
+        !self.port.internal_policy_local || self.externally_accessible()
     }
 
     /// kube-proxy's `UsesLocalEndpoints`.
     pub fn uses_local_endpoints(&self) -> bool {
-        self.port.internal_policy_local || self.port.external_policy_local
+        self.port.internal_policy_local || self.external_policy_local()
     }
 
     /// The service chain (`service-`) exists: Cluster-policy endpoints are used and some exist.
@@ -102,12 +117,12 @@ impl ServicePortState {
 
     /// External (NodePort, external IP, load balancer) traffic has somewhere to go.
     pub fn has_external_endpoints(&self) -> bool {
-        self.has_endpoints && !(self.port.external_policy_local && self.local_endpoints.is_empty())
+        self.has_endpoints && !(self.external_policy_local() && self.local_endpoints.is_empty())
     }
 
     /// The `external-` chain exists.
     pub fn uses_external_chain(&self) -> bool {
-        self.has_endpoints && self.port.externally_accessible()
+        self.has_endpoints && self.externally_accessible()
     }
 
     /// The `firewall-` chain exists: load-balancer IPs with source ranges.
@@ -222,8 +237,12 @@ fn merge_with_source<'a>(
             for ep in &slice.endpoints {
                 let target = target(ep, ep_port.port, node_name);
                 let key = target.socket().to_string();
+                // One ip:port in two slices: while an endpoint moves between slices, or when
+                // a new pod got the IP of one still terminating. kube-proxy keeps the copy
+                // that is not terminating (the running pod); between two alike, the ready one.
+                let rank = |t: &EndpointTarget| (!t.terminating, t.ready);
                 match by_socket.get(&key) {
-                    Some((existing, _)) if existing.ready || !target.ready => {}
+                    Some((existing, _)) if rank(existing) >= rank(&target) => {}
                     _ => {
                         by_socket.insert(key, (target, ep));
                     }

@@ -163,7 +163,8 @@ pub struct ServicePort {
     pub load_balancer_ips: Vec<IpAddr>,
     /// `spec.loadBalancerSourceRanges`.
     pub load_balancer_source_ranges: Vec<IpNet>,
-    /// `externalTrafficPolicy: Local` on an externally reachable Service.
+    /// `externalTrafficPolicy: Local` on a Service externally reachable in some family (per
+    /// family: [`crate::desired::ServicePortState::external_policy_local`]).
     pub external_policy_local: bool,
     /// `internalTrafficPolicy: Local`.
     pub internal_policy_local: bool,

@@ -107,7 +107,7 @@ pub fn render_family(state: &FamilyState, config: &NodeConfig) -> FamilyIpvs {
         bound.insert(svc.cluster_ip);
         // External IPs.
         for ip in &svc.external_ips {
-            let set = if port.external_policy_local {
+            let set = if svc.external_policy_local() {
                 SetId::ExternalIpLocal
             } else {
                 SetId::ExternalIp
@@ -115,7 +115,7 @@ pub fn render_family(state: &FamilyState, config: &NodeConfig) -> FamilyIpvs {
             add(set, ip_port(*ip, proto, port.port));
             virtual_servers.push(vs(
                 SocketAddr::new(*ip, port.port),
-                port.external_policy_local,
+                svc.external_policy_local(),
             ));
             bound.insert(*ip);
         }
@@ -123,7 +123,7 @@ pub fn render_family(state: &FamilyState, config: &NodeConfig) -> FamilyIpvs {
         for ip in &svc.load_balancer_ips {
             let entry = ip_port(*ip, proto, port.port);
             add(SetId::LoadBalancer, entry.clone());
-            if port.external_policy_local {
+            if svc.external_policy_local() {
                 add(SetId::LoadBalancerLocal, entry.clone());
             }
             if !svc.source_ranges.is_empty() {
@@ -138,14 +138,14 @@ pub fn render_family(state: &FamilyState, config: &NodeConfig) -> FamilyIpvs {
             }
             virtual_servers.push(vs(
                 SocketAddr::new(*ip, port.port),
-                port.external_policy_local,
+                svc.external_policy_local(),
             ));
             bound.insert(*ip);
         }
         // NodePorts: a port set for TCP/UDP, `ip,sctp:port` per address for SCTP; one
         // virtual server per NodePort address.
         if let Some(np) = port.node_port {
-            let local = port.external_policy_local;
+            let local = svc.external_policy_local();
             match proto {
                 Protocol::Tcp | Protocol::Udp => {
                     let (all, only_local) = if proto == Protocol::Tcp {

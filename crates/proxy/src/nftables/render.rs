@@ -418,7 +418,7 @@ pub fn render_service(
     } else {
         &names.cluster
     };
-    let external_policy_chain = if port.external_policy_local {
+    let external_policy_chain = if svc.external_policy_local() {
         &names.local
     } else {
         &names.cluster
@@ -583,7 +583,7 @@ pub fn render_service(
     // External traffic chain.
     if svc.uses_external_chain() {
         let mut rules = Vec::new();
-        if !port.external_policy_local {
+        if !svc.external_policy_local() {
             // Endpoints may be on another node: masquerade so replies come back here.
             rules.push(Rule::new(vec![jump(MARK_FOR_MASQUERADE)]));
         } else {

@@ -400,6 +400,63 @@ fn terminating_endpoints_are_used_only_when_no_ready_endpoint_remains() {
 }
 
 #[test]
+fn a_terminating_endpoint_without_a_serving_condition_counts_as_serving_as_in_kube_proxy() {
+    // kube-proxy reads an unset `serving` as true (endpointslicecache.go), so a controller
+    // that sets only `ready` and `terminating` still drains to its terminating pods.
+    let unset = "- {addresses: [10.244.2.1], nodeName: node-b, conditions: {ready: false, terminating: true}}";
+    let w = World::new(&web("", unset));
+    assert_eq!(
+        w.trace(tcp(CLIENT, NODE_IP, 30080)).endpoints(),
+        BTreeSet::from(["10.244.2.1:8080".parse().unwrap()])
+    );
+}
+
+#[test]
+fn one_endpoint_in_two_slices_takes_the_copy_that_is_not_terminating_as_kube_proxy_does() {
+    // A new pod reusing the IP of one still terminating: kube-proxy keeps the running pod's
+    // entry, even while it is not ready yet, so no traffic goes to the old one's entry.
+    let second_slice = |name: &str, conditions: &str| {
+        format!(
+            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}, namespace: default, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\nports: [{{port: 8080}}]\nendpoints:\n- {{addresses: [10.244.2.1], nodeName: node-b, conditions: {conditions}}}\n"
+        )
+    };
+    let terminating = "{ready: false, serving: true, terminating: true}";
+    let starting = "{ready: false, serving: false, terminating: false}";
+    // In either slice order.
+    for (first, second) in [(terminating, starting), (starting, terminating)] {
+        let yaml = format!(
+            "{}{}",
+            web(
+                "",
+                &format!("- {{addresses: [10.244.2.1], nodeName: node-b, conditions: {first}}}")
+            ),
+            second_slice("web-2", second)
+        );
+        let w = World::new(&yaml);
+        assert_eq!(
+            w.trace(tcp(CLIENT, NODE_IP, 30080)).only(),
+            &Fate::Rejected("reject-chain".into()),
+            "first {first}, then {second}"
+        );
+    }
+    // Between two copies alike, the ready one.
+    let yaml = format!(
+        "{}{}",
+        web(
+            "",
+            "- {addresses: [10.244.2.1], nodeName: node-b, conditions: {ready: false}}"
+        ),
+        second_slice("web-2", "{ready: true}")
+    );
+    assert_eq!(
+        World::new(&yaml)
+            .trace(tcp(CLIENT, NODE_IP, 30080))
+            .endpoints(),
+        BTreeSet::from(["10.244.2.1:8080".parse().unwrap()])
+    );
+}
+
+#[test]
 fn clusterip_ports_no_service_serves_are_rejected_and_unallocated_clusterips_dropped() {
     let yaml = format!(
         "{}---\napiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {{name: kubernetes}}\nspec: {{cidrs: [10.96.0.0/16]}}\n",
@@ -513,6 +570,49 @@ endpoints: [{addresses: ["fd00:244::1"]}]
         t.endpoints(),
         BTreeSet::from(["[fd00:244::1]:80".parse().unwrap()]),
         "{t}"
+    );
+}
+
+#[test]
+fn a_dual_stack_service_external_only_in_ipv4_gets_only_its_local_chain_in_ip6() {
+    // kube-proxy builds each family's service port from that family's IPs: with only an IPv4
+    // external IP, the port is not externally accessible in IPv6, so with
+    // internalTrafficPolicy Local the ip6 table holds the local chain and nothing else.
+    let yaml = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: dual, namespace: default}
+spec:
+  clusterIP: 10.96.0.91
+  clusterIPs: [10.96.0.91, "fd00:96::91"]
+  externalIPs: [192.0.2.250]
+  internalTrafficPolicy: Local
+  externalTrafficPolicy: Local
+  ports: [{port: 80, targetPort: 8080}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: dual-6, namespace: default, labels: {kubernetes.io/service-name: dual}}
+addressType: IPv6
+ports: [{port: 8080}]
+endpoints:
+- {addresses: ["fd00:244::1"], nodeName: node-a}
+- {addresses: ["fd00:244::2"], nodeName: node-b}
+"#;
+    let mut w = World::new(yaml);
+    w.state.families = IpFamily::ALL.to_vec();
+    w.facts.node_ips.push("2001:db8::10".parse().unwrap());
+    w.facts.local_ips.push("2001:db8::10".parse().unwrap());
+    let text = create_all(&w.ruleset()).to_nft();
+    let ip6_chains: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("add chain ip6 kube-proxy ") && l.contains('/'))
+        .collect();
+    assert_eq!(ip6_chains.len(), 2, "{ip6_chains:#?}");
+    assert!(ip6_chains[0].contains(" local-"), "{ip6_chains:#?}");
+    assert!(
+        ip6_chains[1].contains("__fd00.244..1/8080"),
+        "{ip6_chains:#?}"
     );
 }
 
