@@ -593,6 +593,144 @@ async fn cluster_ip_may_not_change_once_set() {
 }
 
 #[tokio::test]
+async fn changing_only_cluster_ip_is_refused_on_cluster_ips_as_kube_apiserver_normalizes_it() {
+    // normalizeClusterIPs: a merge patch of `clusterIP` alone means `clusterIPs` follows it;
+    // the refusal then names clusterIPs[0] with the new value, not a mismatch of the two.
+    let s = server().await;
+    post(&s, SERVICES, service("a", json!({"ports":[{"port":80}]}))).await;
+    let r = patch(
+        &s,
+        &format!("{SERVICES}/a"),
+        "application/merge-patch+json",
+        json!({"spec":{"clusterIP":"10.96.0.50"}}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
+    assert_eq!(
+        r.body["message"],
+        "Service \"a\" is invalid: spec.clusterIPs[0]: Invalid value: []string{\"10.96.0.50\"}: may not change once set"
+    );
+    verify_consistent(&s).await;
+}
+
+#[tokio::test]
+async fn label_annotation_and_selector_keys_and_values_are_validated_as_apimachinery_does() {
+    let s = server().await;
+    let mut bad = service("a", json!({"ports":[{"port":80}]}));
+    bad["metadata"]["labels"] = json!({"bad key!": "v", "ok": "bad value!"});
+    let r = post(&s, SERVICES, bad).await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
+    let message = r.body["message"].as_str().unwrap();
+    assert!(
+        message.starts_with("Service \"a\" is invalid: [metadata.labels: Invalid value: \"bad key!\": name part must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character"),
+        "{message}"
+    );
+    assert!(
+        message.contains("metadata.labels: Invalid value: \"bad value!\": a valid label must be an empty string or consist of alphanumeric characters"),
+        "{message}"
+    );
+    let mut bad = service("b", json!({"ports":[{"port":80}]}));
+    bad["metadata"]["annotations"] = json!({"a/b/c": "x"});
+    let r = post(&s, SERVICES, bad).await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
+    assert!(
+        r.body["message"].as_str().unwrap().contains(
+            "metadata.annotations: Invalid value: \"a/b/c\": a qualified name must consist of"
+        ),
+        "{}",
+        r.body
+    );
+    let r = post(
+        &s,
+        SERVICES,
+        service(
+            "c",
+            json!({"selector":{"bad key!":"x"},"ports":[{"port":80}]}),
+        ),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
+    assert!(
+        r.body["message"]
+            .as_str()
+            .unwrap()
+            .contains("spec.selector: Invalid value: \"bad key!\""),
+        "{}",
+        r.body
+    );
+    // Upper case and prefixes are fine, in annotations upper-case prefixes too.
+    let mut good = service("d", json!({"ports":[{"port":80}]}));
+    good["metadata"]["labels"] = json!({"app.kubernetes.io/Name": "My_App.1", "empty": ""});
+    good["metadata"]["annotations"] = json!({"Example.COM/Key": "anything at all!"});
+    let r = post(&s, SERVICES, good).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    verify_consistent(&s).await;
+}
+
+#[tokio::test]
+async fn load_balancer_status_is_validated_and_ip_mode_defaults_to_vip() {
+    let s = server().await;
+    let lb = service("lb", json!({"type":"LoadBalancer","ports":[{"port":80}]}));
+    let created = post(&s, SERVICES, lb).await;
+    assert_eq!(created.status, StatusCode::CREATED, "{}", created.body);
+    let status_uri = format!("{SERVICES}/lb/status");
+    let r = patch(
+        &s,
+        &status_uri,
+        "application/merge-patch+json",
+        json!({"status":{"loadBalancer":{"ingress":[{"ip":"not-an-ip"}]}}}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
+    assert_eq!(
+        r.body["message"],
+        "Service \"lb\" is invalid: status.loadBalancer.ingress[0].ip: Invalid value: \"not-an-ip\": must be a valid IP address, (e.g. 10.9.8.7 or 2001:db8::ffff)"
+    );
+    let r = patch(
+        &s,
+        &status_uri,
+        "application/merge-patch+json",
+        json!({"status":{"loadBalancer":{"ingress":[{"ip":"198.51.100.7"},{"hostname":"10.0.0.1"}]}}}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
+    assert!(
+        r.body["message"]
+            .as_str()
+            .unwrap()
+            .contains("status.loadBalancer.ingress[1].hostname: Invalid value: \"10.0.0.1\": must be a DNS name, not an IP address"),
+        "{}",
+        r.body
+    );
+    let r = patch(
+        &s,
+        &status_uri,
+        "application/merge-patch+json",
+        json!({"status":{"loadBalancer":{"ingress":[{"ip":"198.51.100.7"}]}}}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(
+        r.body["status"]["loadBalancer"]["ingress"],
+        json!([{"ip":"198.51.100.7","ipMode":"VIP"}])
+    );
+    // Ingress on a Service that is not a LoadBalancer: forbidden since 1.32.
+    post(&s, SERVICES, service("cip", json!({"ports":[{"port":80}]}))).await;
+    let r = patch(
+        &s,
+        &format!("{SERVICES}/cip/status"),
+        "application/merge-patch+json",
+        json!({"status":{"loadBalancer":{"ingress":[{"ip":"198.51.100.8"}]}}}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
+    assert_eq!(
+        r.body["message"],
+        "Service \"cip\" is invalid: status.loadBalancer.ingress: Forbidden: may only be used when `spec.type` is 'LoadBalancer'"
+    );
+}
+
+#[tokio::test]
 async fn load_balancer_local_gets_a_health_check_node_port_and_allocation_can_be_disabled() {
     let s = server().await;
     let r = post(

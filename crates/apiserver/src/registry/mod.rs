@@ -1350,7 +1350,12 @@ fn apply_update(
     new.metadata_mut().resource_version = None;
     match (&mut new, old) {
         (Object::Service(new_svc), Object::Service(old_svc)) => {
-            if !status_only {
+            if status_only {
+                let errs = service::validate_status(new_svc);
+                if !errs.is_empty() {
+                    return Err(invalid(kind, &name, errs));
+                }
+            } else {
                 service::update(old_svc, new_svc, txn.allocators()?, ranges)?;
             }
         }

@@ -173,6 +173,17 @@ pub fn set_defaults(svc: &mut Service) {
             ..ServiceStatus::default()
         });
     }
+    // An ingress IP without a mode is a VIP (SetDefaults_Service, LoadBalancerIPMode).
+    let ingress = svc
+        .status
+        .as_mut()
+        .and_then(|s| s.load_balancer.as_mut())
+        .and_then(|lb| lb.ingress.as_mut());
+    for ing in ingress.into_iter().flatten() {
+        if ing.ip.as_deref().is_some_and(|ip| !ip.is_empty()) && ing.ip_mode.is_none() {
+            ing.ip_mode = Some("VIP".into());
+        }
+    }
 }
 
 /// `normalizeClusterIPs` for a create: `clusterIP` and `clusterIPs[0]` tell the same story.
@@ -183,6 +194,30 @@ fn normalize_cluster_ips(spec: &mut ServiceSpec) {
         spec.cluster_ips = Some(vec![ip]);
     } else if ip.is_empty() && !ips.is_empty() {
         spec.cluster_ip = Some(ips[0].clone());
+    }
+}
+
+/// `normalizeClusterIPs` for an update (after the old values were patched in): a client that
+/// changes only `clusterIP` means `clusterIPs` to follow it, and one that clears `clusterIP`
+/// with `clusterIPs` untouched means both. Validation then judges the result, so changing the
+/// ClusterIP reads as kube-apiserver's "may not change once set" on `clusterIPs[0]`.
+fn normalize_cluster_ips_update(old: &ServiceSpec, new: &mut ServiceSpec) {
+    let old_ip = old.cluster_ip.as_deref().unwrap_or("");
+    let new_ip = new.cluster_ip.clone().unwrap_or_default();
+    let old_ips = old.cluster_ips.as_deref().unwrap_or_default();
+    if !old_ips.is_empty() && new.cluster_ips.as_ref().is_none_or(Vec::is_empty) && old_ip == new_ip
+    {
+        new.cluster_ips = old.cluster_ips.clone();
+    }
+    if old_ip != new_ip {
+        let same_ips = new.cluster_ips.as_deref().unwrap_or_default() == old_ips;
+        if !old_ip.is_empty() && new_ip.is_empty() {
+            if same_ips {
+                new.cluster_ips = None;
+            }
+        } else if same_ips {
+            new.cluster_ips = Some(vec![new_ip]);
+        }
     }
 }
 
@@ -608,7 +643,7 @@ pub fn update(
         (true, false) => release_ips(allocs, old),
         (true, true) => {
             let spec = new.spec.get_or_insert_with(ServiceSpec::default);
-            normalize_cluster_ips(spec);
+            normalize_cluster_ips_update(self::spec(old), spec);
             init_ip_families(new, ranges)?;
         }
         (false, false) => {}
@@ -867,6 +902,10 @@ pub fn validate(svc: &Service) -> Vec<FieldError> {
             }
         }
     }
+    errs.extend(validation::labels(
+        "spec.selector",
+        spec.selector.iter().flatten(),
+    ));
     for (i, ip) in spec.external_ips.iter().flatten().enumerate() {
         if ip.parse::<IpAddr>().is_err() {
             errs.push(FieldError::invalid(
@@ -1004,6 +1043,69 @@ pub fn validate(svc: &Service) -> Vec<FieldError> {
                 GoValue::Str(cidr),
                 "must be a valid CIDR value, (e.g. 10.9.8.0/24 or 2001:db8::/64)",
             ));
+        }
+    }
+    errs
+}
+
+/// `ValidateLoadBalancerStatus`, for writes to the status subresource: ingress only on a
+/// LoadBalancer Service (the `AllowServiceLBStatusOnNonLB` gate is off and locked since 1.32),
+/// each `ip` an IP with an `ipMode` of `VIP` or `Proxy`, each `hostname` a DNS name.
+pub fn validate_status(svc: &Service) -> Vec<FieldError> {
+    let mut errs = Vec::new();
+    let ingress = svc
+        .status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.as_deref())
+        .unwrap_or_default();
+    if spec_type(svc) != LOAD_BALANCER && !ingress.is_empty() {
+        errs.push(FieldError::forbidden(
+            "status.loadBalancer.ingress",
+            "may only be used when `spec.type` is 'LoadBalancer'",
+        ));
+        return errs;
+    }
+    for (i, ing) in ingress.iter().enumerate() {
+        let at = format!("status.loadBalancer.ingress[{i}]");
+        let ip = ing.ip.as_deref().unwrap_or("");
+        if !ip.is_empty() && ip.parse::<IpAddr>().is_err() {
+            errs.push(FieldError::invalid(
+                format!("{at}.ip"),
+                GoValue::Str(ip),
+                IP_FORMAT_HINT,
+            ));
+        }
+        match (ing.ip_mode.as_deref(), ip.is_empty()) {
+            (None, false) => errs.push(FieldError::required(
+                format!("{at}.ipMode"),
+                "must be specified when `ip` is set",
+            )),
+            (Some(_), true) => errs.push(FieldError::forbidden(
+                format!("{at}.ipMode"),
+                "may not be specified when `ip` is not set",
+            )),
+            (Some(mode), false) if !matches!(mode, "VIP" | "Proxy") => errs.push(
+                FieldError::not_supported(format!("{at}.ipMode"), mode, &["Proxy", "VIP"]),
+            ),
+            _ => {}
+        }
+        let host = ing.hostname.as_deref().unwrap_or("");
+        if !host.is_empty() {
+            for m in validation::dns1123_subdomain(host) {
+                errs.push(FieldError::invalid(
+                    format!("{at}.hostname"),
+                    GoValue::Str(host),
+                    m,
+                ));
+            }
+            if host.parse::<IpAddr>().is_ok() {
+                errs.push(FieldError::invalid(
+                    format!("{at}.hostname"),
+                    GoValue::Str(host),
+                    "must be a DNS name, not an IP address",
+                ));
+            }
         }
     }
     errs

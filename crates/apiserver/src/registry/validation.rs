@@ -79,6 +79,109 @@ pub fn port_name(s: &str) -> Vec<String> {
     errs
 }
 
+const QUALIFIED_NAME_MSG: &str = "must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character (e.g. 'MyName',  or 'my.name',  or '123-abc', regex used for validation is '([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]')";
+const LABEL_VALUE_MSG: &str = "a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character (e.g. 'MyValue',  or 'my_value',  or '12345', regex used for validation is '(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?')";
+/// `TotalAnnotationSizeLimitB`: keys and values of all annotations together.
+const ANNOTATIONS_MAX_BYTES: usize = 256 * 1024;
+
+/// `[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?`, the name part of a qualified name and a
+/// non-empty label value.
+fn is_qualified_chars(s: &str) -> bool {
+    let alnum = |b: u8| b.is_ascii_alphanumeric();
+    let bytes = s.as_bytes();
+    !bytes.is_empty()
+        && alnum(bytes[0])
+        && alnum(bytes[bytes.len() - 1])
+        && bytes
+            .iter()
+            .all(|b| alnum(*b) || matches!(b, b'-' | b'_' | b'.'))
+}
+
+/// Problems with `s` as a qualified name, `[prefix/]name` (`IsQualifiedName`): label keys,
+/// annotation keys.
+pub fn qualified_name(s: &str) -> Vec<String> {
+    let mut errs = Vec::new();
+    let parts: Vec<&str> = s.split('/').collect();
+    let name = match parts.as_slice() {
+        [name] => *name,
+        [prefix, name] => {
+            if prefix.is_empty() {
+                errs.push("prefix part must be non-empty".to_owned());
+            } else {
+                errs.extend(
+                    dns1123_subdomain(prefix)
+                        .into_iter()
+                        .map(|m| format!("prefix part {m}")),
+                );
+            }
+            *name
+        }
+        _ => {
+            errs.push(format!("a qualified name {QUALIFIED_NAME_MSG} with an optional DNS subdomain prefix and '/' (e.g. 'example.com/MyName')"));
+            return errs;
+        }
+    };
+    if name.is_empty() {
+        errs.push("name part must be non-empty".to_owned());
+    } else if name.len() > 63 {
+        errs.push("name part must be no more than 63 characters".to_owned());
+    }
+    if !is_qualified_chars(name) {
+        errs.push(format!("name part {QUALIFIED_NAME_MSG}"));
+    }
+    errs
+}
+
+/// Problems with `s` as a label value (`IsValidLabelValue`).
+pub fn label_value(s: &str) -> Vec<String> {
+    let mut errs = Vec::new();
+    if s.len() > 63 {
+        errs.push("must be no more than 63 characters".to_owned());
+    }
+    if !s.is_empty() && !is_qualified_chars(s) {
+        errs.push(LABEL_VALUE_MSG.to_owned());
+    }
+    errs
+}
+
+/// `ValidateLabels`: every key a qualified name, every value a label value. Also the rule
+/// for a Service's `spec.selector`.
+pub fn labels<'a>(
+    field: &str,
+    map: impl IntoIterator<Item = (&'a String, &'a String)>,
+) -> Vec<FieldError> {
+    let mut errs = Vec::new();
+    for (k, v) in map {
+        for m in qualified_name(k) {
+            errs.push(FieldError::invalid(field, GoValue::Str(k), m));
+        }
+        for m in label_value(v) {
+            errs.push(FieldError::invalid(field, GoValue::Str(v), m));
+        }
+    }
+    errs
+}
+
+/// `ValidateAnnotations`: keys are qualified names in any case, and all of them together
+/// stay within 256 KiB.
+pub fn annotations<'a>(
+    field: &str,
+    map: impl IntoIterator<Item = (&'a String, &'a String)>,
+) -> Vec<FieldError> {
+    let mut errs = Vec::new();
+    let mut total = 0;
+    for (k, v) in map {
+        total += k.len() + v.len();
+        for m in qualified_name(&k.to_ascii_lowercase()) {
+            errs.push(FieldError::invalid(field, GoValue::Str(k), m));
+        }
+    }
+    if total > ANNOTATIONS_MAX_BYTES {
+        errs.push(FieldError::too_long(field, ANNOTATIONS_MAX_BYTES));
+    }
+    errs
+}
+
 /// Which name rule an object's name follows.
 #[derive(Debug, Clone, Copy)]
 pub enum NameRule {
@@ -123,26 +226,11 @@ pub fn object_meta(meta: &ObjectMeta, namespaced: bool, rule: NameRule) -> Vec<F
             "not allowed on this type",
         ));
     }
-    for (field, map) in [("metadata.labels", &meta.labels)] {
-        if let Some(map) = map {
-            for (k, v) in map {
-                if v.len() > 63 {
-                    errs.push(FieldError::invalid(
-                        field,
-                        GoValue::Str(v),
-                        "must be no more than 63 characters",
-                    ));
-                }
-                if k.is_empty() {
-                    errs.push(FieldError::invalid(
-                        field,
-                        GoValue::Str(k),
-                        "name part must be non-empty",
-                    ));
-                }
-            }
-        }
-    }
+    errs.extend(labels("metadata.labels", meta.labels.iter().flatten()));
+    errs.extend(annotations(
+        "metadata.annotations",
+        meta.annotations.iter().flatten(),
+    ));
     errs
 }
 
@@ -158,6 +246,48 @@ mod tests {
         assert!(dns1123_label("1web").is_empty());
         assert!(dns1123_subdomain("node-1.example").is_empty());
         assert!(!dns1123_subdomain("a..b").is_empty());
+    }
+
+    #[test]
+    fn label_keys_and_values_follow_apimachinerys_rules() {
+        assert!(qualified_name("app").is_empty());
+        assert!(qualified_name("app.kubernetes.io/name").is_empty());
+        assert!(qualified_name("My_Key.1").is_empty());
+        assert_eq!(
+            qualified_name("bad key!"),
+            vec![format!("name part {QUALIFIED_NAME_MSG}")]
+        );
+        assert_eq!(qualified_name("-k").len(), 1);
+        assert_eq!(qualified_name("a/b/c").len(), 1);
+        assert_eq!(qualified_name(&"k".repeat(64)).len(), 1);
+        assert_eq!(
+            qualified_name("/x"),
+            vec!["prefix part must be non-empty".to_owned()]
+        );
+        assert_eq!(
+            qualified_name("Example.com/x"),
+            vec![format!("prefix part {DNS1123_SUBDOMAIN_MSG}")]
+        );
+        assert!(label_value("").is_empty());
+        assert!(label_value("v1.2_x-y").is_empty());
+        assert_eq!(label_value("bad value!"), vec![LABEL_VALUE_MSG.to_owned()]);
+        assert_eq!(label_value(&"v".repeat(64)).len(), 1);
+    }
+
+    #[test]
+    fn annotation_keys_ignore_case_and_the_total_is_limited() {
+        let big = "x".repeat(ANNOTATIONS_MAX_BYTES);
+        let (k1, v1, k2, v2) = (
+            "Example.com/Key".to_owned(),
+            big,
+            "bad key!".to_owned(),
+            String::new(),
+        );
+        let errs = annotations("metadata.annotations", [(&k1, &v1), (&k2, &v2)]);
+        let bodies: Vec<String> = errs.iter().map(FieldError::body).collect();
+        assert_eq!(bodies.len(), 2, "{bodies:#?}");
+        assert!(bodies[0].contains("\"bad key!\""), "{bodies:#?}");
+        assert!(bodies[1].contains("262144"), "{bodies:#?}");
     }
 
     #[test]
