@@ -1472,3 +1472,118 @@ async fn deletecollection_of_three_hundred_services_frees_every_port_and_address
     let np = get(&s, "/ranges").await.body;
     assert_eq!(np["nodePorts"]["dynamic"]["used"], 0, "{np}");
 }
+
+#[tokio::test]
+async fn a_service_with_a_finalizer_is_only_marked_on_delete_and_keeps_its_ports_until_the_last_finalizer_goes()
+ {
+    // The generic store's `updateForGracefulDeletionAndFinalizers` and `ShouldDeleteDuringUpdate`:
+    // a load-balancer controller's `service.kubernetes.io/load-balancer-cleanup` holds the
+    // Service (and its node port) until the controller has cleaned up and removed it.
+    let s = server().await;
+    let mut svc = node_port_svc("held", Some(30555));
+    svc["metadata"]["finalizers"] = json!(["service.kubernetes.io/load-balancer-cleanup"]);
+    let r = post(&s, SERVICES, svc).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    let uri = format!("{SERVICES}/held");
+
+    let r = delete(&s, &uri).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert!(
+        r.body["metadata"]["deletionTimestamp"].is_string(),
+        "{}",
+        r.body
+    );
+    assert_eq!(r.body["metadata"]["deletionGracePeriodSeconds"], 0);
+    let marked_rv = r.body["metadata"]["resourceVersion"].clone();
+    let r = get(&s, &uri).await;
+    assert_eq!(r.status, StatusCode::OK, "the Service is still there");
+    assert_eq!(r.body["metadata"]["resourceVersion"], marked_rv);
+    // Its node port is still taken.
+    let r = post(&s, SERVICES, node_port_svc("other", Some(30555))).await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
+    // A second DELETE changes nothing; no new finalizer may be added now.
+    let r = delete(&s, &uri).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body["metadata"]["resourceVersion"], marked_rv);
+    let r = patch(
+        &s,
+        &uri,
+        "application/merge-patch+json",
+        json!({"metadata":{"finalizers":["service.kubernetes.io/load-balancer-cleanup","example.com/more"]}}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
+    assert_eq!(
+        r.body["message"],
+        "Service \"held\" is invalid: metadata.finalizers: Forbidden: no new finalizers can be added if the object is being deleted, found new finalizers []string{\"example.com/more\"}"
+    );
+    verify_consistent(&s).await;
+
+    // Removing the last finalizer removes the Service and frees the port.
+    let r = patch(
+        &s,
+        &uri,
+        "application/merge-patch+json",
+        json!({"metadata":{"finalizers":null}}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(get(&s, &uri).await.status, StatusCode::NOT_FOUND);
+    let r = post(&s, SERVICES, node_port_svc("other", Some(30555))).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    verify_consistent(&s).await;
+}
+
+#[tokio::test]
+async fn finalizer_names_must_be_qualified_names() {
+    let s = server().await;
+    let mut svc = service("f", json!({"ports":[{"port":80}]}));
+    svc["metadata"]["finalizers"] = json!(["bad finalizer"]);
+    let r = post(&s, SERVICES, svc).await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
+    assert!(
+        r.body["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("Service \"f\" is invalid: metadata.finalizers: Invalid value: \"bad finalizer\": name part must consist of"),
+        "{}",
+        r.body
+    );
+}
+
+#[tokio::test]
+async fn a_namespace_waits_for_content_with_finalizers_and_goes_once_they_are_removed() {
+    let s = server().await;
+    post(&s, "/api/v1/namespaces", namespace("team", &[])).await;
+    let uri = "/api/v1/namespaces/team/services/held";
+    let mut svc = service("held", json!({"ports":[{"port":80}]}));
+    svc["metadata"]["finalizers"] = json!(["example.com/hold"]);
+    let r = post(&s, "/api/v1/namespaces/team/services", svc).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    let r = delete(&s, "/api/v1/namespaces/team").await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    // The namespace controller marks the Service; namespace and Service stay while it is held.
+    let mut marked = false;
+    for _ in 0..500 {
+        let r = get(&s, uri).await;
+        if r.body["metadata"]["deletionTimestamp"].is_string() {
+            marked = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(marked, "the namespace controller never deleted the Service");
+    let r = get(&s, "/api/v1/namespaces/team").await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body["status"]["phase"], "Terminating");
+    let r = patch(
+        &s,
+        uri,
+        "application/merge-patch+json",
+        json!({"metadata":{"finalizers":[]}}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(get(&s, uri).await.status, StatusCode::NOT_FOUND);
+    wait_gone(&s, "/api/v1/namespaces/team").await;
+}

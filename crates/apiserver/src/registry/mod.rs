@@ -615,6 +615,8 @@ impl Registry {
             .filter(|_| kind.namespaced())
             .map(|n| self.namespace_key(n));
         keys.extend(ns_key.clone());
+        let extra = self.companion_keys(kind, namespace, name);
+        keys.extend(extra.iter().cloned());
         let ranges = self.ranges.clone();
         let name = name.to_owned();
         let namespace = namespace.map(str::to_owned);
@@ -660,13 +662,17 @@ impl Registry {
                     status_only,
                     &ranges,
                 )?;
+                if options.dry_run {
+                    txn.set_dry_run();
+                }
+                if finalized(&new) {
+                    remove_object(txn, &key, &new, &extra)?;
+                    return Ok((new.to_value(), false, old.mod_revision));
+                }
                 let encoded = encode_stored(&new);
                 if encoded == old.value {
                     // kube-apiserver's GuaranteedUpdate writes nothing when nothing changed.
                     return Ok((new.to_value(), false, old.mod_revision));
-                }
-                if options.dry_run {
-                    txn.set_dry_run();
                 }
                 txn.put(key.clone(), encoded);
                 Ok((new.to_value(), false, old.mod_revision))
@@ -698,11 +704,14 @@ impl Registry {
         options: WriteOptions,
     ) -> Result<Written, ApiError> {
         let key = self.key(kind, namespace, name);
+        let extra = self.companion_keys(kind, namespace, name);
+        let mut keys = vec![key.clone()];
+        keys.extend(extra.iter().cloned());
         let ranges = self.ranges.clone();
         let name = name.to_owned();
         let done = self
             .store
-            .mutate(vec![key.clone()], move |txn| {
+            .mutate(keys, move |txn| {
                 let Some(old) = txn.get(&key) else {
                     return Err(ApiError::not_found(kind.subject(), &name));
                 };
@@ -729,11 +738,15 @@ impl Registry {
                     status_only,
                     &ranges,
                 )?;
+                if options.dry_run {
+                    txn.set_dry_run();
+                }
+                if finalized(&new) {
+                    remove_object(txn, &key, &new, &extra)?;
+                    return Ok((new.to_value(), warnings, old.mod_revision));
+                }
                 let encoded = encode_stored(&new);
                 if encoded != old.value {
-                    if options.dry_run {
-                        txn.set_dry_run();
-                    }
                     txn.put(key.clone(), encoded);
                 }
                 Ok((new.to_value(), warnings, old.mod_revision))
@@ -759,22 +772,17 @@ impl Registry {
     ) -> Result<Value, ApiError> {
         let key = self.key(kind, namespace, name);
         let mut keys = vec![key.clone()];
-        let mut extra = Vec::new();
-        match kind {
-            // kube-apiserver's Service REST deletes the same-named Endpoints with the Service.
-            Kind::Service => extra.push(self.key(Kind::Endpoints, namespace, name)),
-            Kind::Namespace => {
-                if SYSTEM_NAMESPACES.contains(&name) {
-                    return Err(ApiError::forbidden(
-                        kind.subject(),
-                        name,
-                        "this namespace may not be deleted",
-                    ));
-                }
-                return self.delete_namespace(name, preconditions, options).await;
+        if kind == Kind::Namespace {
+            if SYSTEM_NAMESPACES.contains(&name) {
+                return Err(ApiError::forbidden(
+                    kind.subject(),
+                    name,
+                    "this namespace may not be deleted",
+                ));
             }
-            _ => {}
+            return self.delete_namespace(name, preconditions, options).await;
         }
+        let extra = self.companion_keys(kind, namespace, name);
         keys.extend(extra.iter().cloned());
         let name = name.to_owned();
         let done = self
@@ -785,22 +793,41 @@ impl Registry {
                 };
                 let old_value = decode_stored(&old.value, old.mod_revision)?;
                 check_preconditions(kind, &name, &old_value, old.mod_revision, &preconditions)?;
-                if let Object::Service(svc) = typed_from_entry(kind, &old.value)? {
-                    service::release(&svc, txn.allocators()?);
-                }
-                for extra_key in &extra {
-                    if txn.get(extra_key).is_some() {
-                        txn.delete(extra_key.clone());
-                    }
-                }
+                let object = typed_from_entry(kind, &old.value)?;
                 if options.dry_run {
                     txn.set_dry_run();
                 }
-                txn.delete(key.clone());
-                Ok(old_value)
+                if has_finalizers(&object) {
+                    // kube-apiserver's `updateForGracefulDeletionAndFinalizers`: the object is
+                    // only marked, and keeps what it holds until its last finalizer is removed.
+                    if object.metadata().deletion_timestamp.is_some() {
+                        return Ok((old_value, None));
+                    }
+                    let mut marked = object;
+                    let meta = marked.metadata_mut();
+                    meta.deletion_timestamp = Some(now());
+                    meta.deletion_grace_period_seconds = Some(0);
+                    txn.put(key.clone(), encode_stored(&marked));
+                    return Ok((marked.to_value(), Some(old.mod_revision)));
+                }
+                remove_object(txn, &key, &object, &extra)?;
+                Ok((old_value, None))
             })
             .await?;
-        Ok(done.value)
+        let (mut object, marked) = done.value;
+        if let Some(old_revision) = marked {
+            set_resource_version(&mut object, done.revision.unwrap_or(old_revision));
+        }
+        Ok(object)
+    }
+
+    /// Keys removed together with an object of `kind`: the Endpoints of a Service's name
+    /// (kube-apiserver's Service REST deletes them with the Service).
+    fn companion_keys(&self, kind: Kind, namespace: Option<&str>, name: &str) -> Vec<String> {
+        match kind {
+            Kind::Service => vec![self.key(Kind::Endpoints, namespace, name)],
+            _ => Vec::new(),
+        }
     }
 
     /// DELETE a collection: every object the selectors match. Returns the deleted objects.
@@ -1301,6 +1328,45 @@ fn check_preconditions(
     Ok(())
 }
 
+/// `metadata.finalizers` is not empty: a DELETE only marks the object.
+fn has_finalizers(object: &Object) -> bool {
+    object
+        .metadata()
+        .finalizers
+        .as_ref()
+        .is_some_and(|f| !f.is_empty())
+}
+
+/// `ShouldDeleteDuringUpdate`: the object is being deleted and its last finalizer is gone (for
+/// a namespace, also the last of `spec.finalizers`), so the update removes it.
+fn finalized(object: &Object) -> bool {
+    object.metadata().deletion_timestamp.is_some()
+        && !has_finalizers(object)
+        && match object {
+            Object::Namespace(ns) => namespace::finalizers(ns).is_empty(),
+            _ => true,
+        }
+}
+
+/// Removes a stored object with its companion keys; what a Service held is released.
+fn remove_object(
+    txn: &mut Txn<'_>,
+    key: &str,
+    object: &Object,
+    companions: &[String],
+) -> Result<(), ApiError> {
+    if let Object::Service(svc) = object {
+        service::release(svc, txn.allocators()?);
+    }
+    for companion in companions {
+        if txn.get(companion).is_some() {
+            txn.delete(companion.clone());
+        }
+    }
+    txn.delete(key.to_owned());
+    Ok(())
+}
+
 /// The shared part of PUT and PATCH once the new object is decoded: optimistic concurrency,
 /// immutable metadata, status handling, then the kind's update hooks.
 fn apply_update(
@@ -1336,6 +1402,33 @@ fn apply_update(
         meta.uid = old_meta.uid.clone();
         meta.creation_timestamp = old_meta.creation_timestamp.clone();
         meta.deletion_timestamp = old_meta.deletion_timestamp.clone();
+        meta.deletion_grace_period_seconds = old_meta.deletion_grace_period_seconds;
+        if old_meta.deletion_timestamp.is_some() {
+            // ValidateNoNewFinalizers.
+            let old_finalizers = old_meta.finalizers.as_deref().unwrap_or_default();
+            let mut added: Vec<String> = meta
+                .finalizers
+                .iter()
+                .flatten()
+                .filter(|f| !old_finalizers.contains(f))
+                .cloned()
+                .collect();
+            if !added.is_empty() {
+                added.sort();
+                added.dedup();
+                return Err(invalid(
+                    kind,
+                    &name,
+                    vec![crate::error::FieldError::forbidden(
+                        "metadata.finalizers",
+                        format!(
+                            "no new finalizers can be added if the object is being deleted, found new finalizers {}",
+                            crate::error::GoValue::Strings(&added)
+                        ),
+                    )],
+                ));
+            }
+        }
         meta.generate_name = meta
             .generate_name
             .take()

@@ -76,6 +76,25 @@ struct PhaseStatus {
     phase: Option<String>,
 }
 
+#[derive(serde::Deserialize)]
+struct DeletionOnly {
+    metadata: Option<DeletionMeta>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct DeletionMeta {
+    deletion_timestamp: Option<serde_json::Value>,
+}
+
+/// Whether a stored object was deleted and waits for its finalizers.
+fn is_being_deleted(stored: &[u8]) -> bool {
+    serde_json::from_slice::<DeletionOnly>(stored)
+        .ok()
+        .and_then(|o| o.metadata?.deletion_timestamp)
+        .is_some_and(|t| !t.is_null())
+}
+
 /// Whether a stored namespace is being deleted.
 pub fn is_terminating(stored: &[u8]) -> bool {
     serde_json::from_slice::<PhaseOnly>(stored)
@@ -123,7 +142,8 @@ pub fn validate_finalizers(namespace: &Namespace) -> Vec<FieldError> {
     errs
 }
 
-fn finalizers(namespace: &Namespace) -> &[String] {
+/// The namespace's `spec.finalizers`.
+pub(super) fn finalizers(namespace: &Namespace) -> &[String] {
     namespace
         .spec
         .as_ref()
@@ -407,7 +427,7 @@ impl Registry {
     /// none. Nothing new can appear: creates are refused while the namespace is Terminating.
     async fn delete_namespace_contents(&self, namespace: &str) -> Result<(), ApiError> {
         for _round in 0..10 {
-            let mut found = 0;
+            let (mut found, mut pending) = (0, 0);
             for kind in [Kind::Service, Kind::Endpoints, Kind::EndpointSlice] {
                 let page = self
                     .store
@@ -419,8 +439,12 @@ impl Registry {
                         limit: None,
                     })
                     .await?;
-                let targets: Vec<(Option<String>, String)> = page
-                    .kvs
+                // Objects already deleted wait for their finalizers (some controller's work);
+                // the namespace waits with them, as kube's namespace controller does.
+                let (waiting, fresh): (Vec<_>, Vec<_>) =
+                    page.kvs.iter().partition(|kv| is_being_deleted(&kv.value));
+                pending += waiting.len();
+                let targets: Vec<(Option<String>, String)> = fresh
                     .iter()
                     .filter_map(|kv| kv.key.rsplit('/').next())
                     .map(|name| (Some(namespace.to_owned()), name.to_owned()))
@@ -437,8 +461,13 @@ impl Registry {
                     }
                 }
             }
-            if found == 0 {
+            if found == 0 && pending == 0 {
                 return Ok(());
+            }
+            if found == 0 {
+                return Err(ApiError::unavailable(format!(
+                    "namespace {namespace} waits for {pending} objects whose finalizers are not yet removed"
+                )));
             }
         }
         Err(ApiError::internal(format!(

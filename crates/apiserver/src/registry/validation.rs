@@ -227,6 +227,15 @@ pub fn object_meta(meta: &ObjectMeta, namespaced: bool, rule: NameRule) -> Vec<F
         ));
     }
     errs.extend(labels("metadata.labels", meta.labels.iter().flatten()));
+    for f in meta.finalizers.iter().flatten() {
+        for m in qualified_name(f) {
+            errs.push(FieldError::invalid(
+                "metadata.finalizers",
+                GoValue::Str(f),
+                m,
+            ));
+        }
+    }
     errs.extend(annotations(
         "metadata.annotations",
         meta.annotations.iter().flatten(),
