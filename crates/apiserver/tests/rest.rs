@@ -156,6 +156,36 @@ async fn discovery_documents_describe_the_served_resources() {
     }
     let root = get(&s, "/openapi/v3").await;
     assert!(root.body["paths"]["api/v1"]["serverRelativeURL"].is_string());
+    // Every served group has a document, so kubectl can validate a ServiceCIDR manifest.
+    let networking = &root.body["paths"]["apis/networking.k8s.io/v1"]["serverRelativeURL"];
+    let doc = get(
+        &s,
+        networking.as_str().expect("networking.k8s.io/v1 listed"),
+    )
+    .await;
+    assert_eq!(
+        doc.body["components"]["schemas"]["io.k8s.api.networking.v1.ServiceCIDR"]["x-kubernetes-group-version-kind"]
+            [0]["kind"],
+        "ServiceCIDR"
+    );
+}
+
+#[tokio::test]
+async fn version_is_one_kubectl_1_32_to_1_34_accept_without_a_skew_warning() {
+    let s = server().await;
+    let v = get(&s, "/version").await.body;
+    assert_eq!(
+        (v["major"].as_str(), v["minor"].as_str()),
+        (Some("1"), Some("33"))
+    );
+    assert!(
+        v["gitVersion"]
+            .as_str()
+            .unwrap()
+            .starts_with("v1.33.0-nodeport.")
+    );
+    // Go's architecture names.
+    assert!(!v["platform"].as_str().unwrap().contains("x86_64"), "{v}");
 }
 
 #[tokio::test]

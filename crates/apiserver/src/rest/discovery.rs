@@ -128,33 +128,57 @@ pub fn api_resource_list(group: &str, version: &str) -> Option<Value> {
     }))
 }
 
+/// The Kubernetes minor version whose API this server serves: `networking.k8s.io/v1`
+/// ServiceCIDRs are GA from 1.33. (kubectl warns beyond one minor version of skew, so a claim
+/// newer than the API would only cost its users a warning on `kubectl version`.)
+const KUBE_MINOR: &str = "33";
+
 /// `/version`.
 pub fn version() -> Value {
+    // Go's names for the architecture, as kube-apiserver reports `runtime.GOARCH`.
+    let arch = match std::env::consts::ARCH {
+        "x86_64" => "amd64",
+        "aarch64" => "arm64",
+        "x86" => "386",
+        "powerpc64" => "ppc64le",
+        other => other,
+    };
     json!({
         "major": "1",
-        "minor": "34",
-        "gitVersion": concat!("v1.34.0-nodeport.", env!("CARGO_PKG_VERSION")),
+        "minor": KUBE_MINOR,
+        "gitVersion": format!("v1.{KUBE_MINOR}.0-nodeport.{}", env!("CARGO_PKG_VERSION")),
         "gitCommit": "",
         "gitTreeState": "clean",
         "buildDate": "",
         "goVersion": "rust",
         "compiler": "rustc",
-        "platform": format!("{}/{}", std::env::consts::OS, std::env::consts::ARCH),
+        "platform": format!("{}/{arch}", std::env::consts::OS),
     })
 }
 
-/// The group-version paths of `/openapi/v3`.
-fn openapi_paths() -> [(&'static str, &'static str, &'static str); 2] {
+/// The group-version paths of `/openapi/v3`: path, group, version, schema package.
+fn openapi_paths() -> [(&'static str, &'static str, &'static str, &'static str); 3] {
     [
-        ("api/v1", "", "v1"),
-        ("apis/discovery.k8s.io/v1", "discovery.k8s.io", "v1"),
+        ("api/v1", "", "v1", "core"),
+        (
+            "apis/discovery.k8s.io/v1",
+            "discovery.k8s.io",
+            "v1",
+            "discovery",
+        ),
+        (
+            "apis/networking.k8s.io/v1",
+            "networking.k8s.io",
+            "v1",
+            "networking",
+        ),
     ]
 }
 
 /// `/openapi/v3`: the index of group-version documents.
 pub fn openapi_v3_root() -> Value {
     let mut paths = serde_json::Map::new();
-    for (path, _, _) in openapi_paths() {
+    for (path, _, _, _) in openapi_paths() {
         paths.insert(
             path.to_owned(),
             json!({"serverRelativeURL": format!("/openapi/v3/{path}?hash={}", hash_of(path))}),
@@ -175,7 +199,9 @@ fn hash_of(path: &str) -> String {
 
 /// `/openapi/v3/<path>`: operations for each kind with the markers kubectl looks for.
 pub fn openapi_v3_document(path: &str) -> Option<Value> {
-    let (_, group, version) = openapi_paths().into_iter().find(|(p, _, _)| *p == path)?;
+    let (_, group, version, package) = openapi_paths()
+        .into_iter()
+        .find(|(p, _, _, _)| *p == path)?;
     let mut paths = serde_json::Map::new();
     let mut schemas = serde_json::Map::new();
     let field_validation = json!({
@@ -186,11 +212,7 @@ pub fn openapi_v3_document(path: &str) -> Option<Value> {
     });
     for kind in Kind::ALL.into_iter().filter(|k| k.group() == group) {
         let gvk = json!({"group": group, "version": version, "kind": kind.kind()});
-        let schema_name = if group.is_empty() {
-            format!("io.k8s.api.core.v1.{}", kind.kind())
-        } else {
-            format!("io.k8s.api.discovery.v1.{}", kind.kind())
-        };
+        let schema_name = format!("io.k8s.api.{package}.{version}.{}", kind.kind());
         schemas.insert(
             schema_name.clone(),
             json!({
@@ -229,6 +251,9 @@ pub fn openapi_v3_document(path: &str) -> Option<Value> {
                 format!("{base}/{}/{{name}}", kind.resource()),
             )
         };
+        // Also for a kind served read-only (ServiceCIDR): kubectl looks for the write operation
+        // and its `fieldValidation` parameter before it sends a manifest (else it falls back to
+        // `/openapi/v2` and fails); the write itself then answers 405 MethodNotAllowed.
         paths.insert(collection, json!({"post": op("post")}));
         paths.insert(
             item.clone(),
@@ -243,7 +268,7 @@ pub fn openapi_v3_document(path: &str) -> Option<Value> {
     }
     Some(json!({
         "openapi": "3.0.0",
-        "info": {"title": "Kubernetes", "version": "v1.34.0"},
+        "info": {"title": "Kubernetes", "version": format!("v1.{KUBE_MINOR}.0")},
         "paths": paths,
         "components": {"schemas": schemas},
     }))
