@@ -333,10 +333,16 @@ impl ApiError {
             let parts: Vec<String> = errors.iter().map(ToString::to_string).collect();
             format!("[{}]", parts.join(", "))
         };
+        // apimachinery's `NewInvalid` names the GroupKind: `EndpointSlice.discovery.k8s.io`.
+        let group_kind = if subject.group.is_empty() {
+            subject.kind.to_owned()
+        } else {
+            format!("{}.{}", subject.kind, subject.group)
+        };
         let mut e = Self::new(
             422,
             "Invalid",
-            format!("{} {name:?} is invalid: {joined}", subject.kind),
+            format!("{group_kind} {name:?} is invalid: {joined}"),
         );
         e.details = Some(Box::new(Details {
             name: Some(name.to_owned()),
@@ -444,6 +450,13 @@ impl ApiError {
             ..Details::default()
         }));
         e
+    }
+
+    /// 500 with no reason: how kube-apiserver answers a plain error of its storage layer that
+    /// no handler turned into a status (`ErrorToAPIStatus`); kubectl prints
+    /// `Error from server: <message>`.
+    pub fn unclassified(message: impl Into<String>) -> Self {
+        Self::new(500, "", message)
     }
 
     /// 503 `ServiceUnavailable`.

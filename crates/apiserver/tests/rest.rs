@@ -903,9 +903,10 @@ async fn unknown_fields_follow_field_validation() {
     )
     .await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    // transformDecodeError wraps it as any decoding error of a create or update.
     assert_eq!(
         r.body["message"],
-        "strict decoding error: unknown field \"spec.foo\""
+        "Service in version \"v1\" cannot be handled as a Service: strict decoding error: unknown field \"spec.foo\""
     );
     let r = post(
         &s,
@@ -1616,4 +1617,46 @@ async fn a_namespace_waits_for_content_with_finalizers_and_goes_once_they_are_re
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert_eq!(get(&s, uri).await.status, StatusCode::NOT_FOUND);
     wait_gone(&s, "/api/v1/namespaces/team").await;
+}
+
+#[tokio::test]
+async fn a_create_carrying_a_resource_version_is_refused_as_kube_apiservers_storage_refuses_it() {
+    // `kubectl get -o yaml` output created again after a delete: etcd3 storage's
+    // ErrResourceVersionSetOnCreate, a 500 without a reason (kubectl: "Error from server: ...").
+    let s = server().await;
+    let mut svc = service("rv", json!({"ports":[{"port":80}]}));
+    svc["metadata"]["resourceVersion"] = json!("5");
+    let r = post(&s, SERVICES, svc).await;
+    assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR, "{}", r.body);
+    assert_eq!(r.body["reason"], "");
+    assert_eq!(
+        r.body["message"],
+        "resourceVersion should not be set on objects to be created"
+    );
+    assert_eq!(
+        get(&s, &format!("{SERVICES}/rv")).await.status,
+        StatusCode::NOT_FOUND
+    );
+    verify_consistent(&s).await;
+}
+
+#[tokio::test]
+async fn an_endpoint_slices_address_type_is_immutable() {
+    let s = server().await;
+    let slices = "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices";
+    let slice = json!({"apiVersion":"discovery.k8s.io/v1","kind":"EndpointSlice",
+        "metadata":{"name":"es"},"addressType":"IPv4","endpoints":[],"ports":[]});
+    assert_eq!(post(&s, slices, slice).await.status, StatusCode::CREATED);
+    let r = patch(
+        &s,
+        &format!("{slices}/es"),
+        "application/merge-patch+json",
+        json!({"addressType":"IPv6"}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
+    assert_eq!(
+        r.body["message"],
+        "EndpointSlice.discovery.k8s.io \"es\" is invalid: addressType: Invalid value: \"IPv6\": field is immutable"
+    );
 }

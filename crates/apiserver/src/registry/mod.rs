@@ -487,7 +487,17 @@ impl Registry {
     ) -> Result<(Object, Vec<String>), ApiError> {
         check_type(kind, body)?;
         let decoded = Object::decode(kind, body)?;
-        let warnings = unknown_field_handling(&decoded.unknown_fields, mode)?;
+        // A create or update wraps the strict decoding error as any decoding error
+        // (kube-apiserver's `transformDecodeError`).
+        let warnings = unknown_field_handling(&decoded.unknown_fields, mode).map_err(|e| {
+            ApiError::bad_request(format!(
+                "{} in version {:?} cannot be handled as a {}: {}",
+                kind.kind(),
+                kind.version(),
+                kind.kind(),
+                e.message()
+            ))
+        })?;
         Ok((decoded.object, warnings))
     }
 
@@ -500,6 +510,7 @@ impl Registry {
         options: WriteOptions,
     ) -> Result<Written, ApiError> {
         let (mut object, warnings) = Self::decode_body(kind, &body, options.field_validation)?;
+        let resource_version_set;
         {
             let meta = object.metadata_mut();
             if kind.namespaced() {
@@ -521,6 +532,10 @@ impl Registry {
             {
                 meta.name = Some(generate_name(prefix));
             }
+            resource_version_set = meta
+                .resource_version
+                .as_deref()
+                .is_some_and(|v| !v.is_empty());
             meta.uid = Some(new_uid());
             meta.creation_timestamp = Some(now());
             meta.resource_version = None;
@@ -558,6 +573,12 @@ impl Registry {
             .mutate(keys, move |txn| {
                 if let (Some(ns_key), Some(ns)) = (&ns_key, &ns) {
                     check_namespace_open(txn, ns_key, ns, kind, &name)?;
+                }
+                if resource_version_set {
+                    // The storage's `ErrResourceVersionSetOnCreate`, which no handler classifies.
+                    return Err(ApiError::unclassified(
+                        "resourceVersion should not be set on objects to be created",
+                    ));
                 }
                 if txn.get(&key).is_some() {
                     return Err(ApiError::already_exists(kind.subject(), &name));
@@ -1469,7 +1490,17 @@ fn apply_update(
                 || new_slice.ports != old_slice.ports
                 || new_slice.address_type != old_slice.address_type;
             new_slice.metadata.generation = Some(if changed { generation + 1 } else { generation });
-            let errs = kinds::validate(&new);
+            let mut errs = kinds::validate(&new);
+            if let (Object::EndpointSlice(new_slice), false) = (&new, status_only)
+                && new_slice.address_type != old_slice.address_type
+            {
+                // ValidateEndpointSliceUpdate.
+                errs.push(crate::error::FieldError::invalid(
+                    "addressType",
+                    crate::error::GoValue::Str(&new_slice.address_type),
+                    "field is immutable",
+                ));
+            }
             if !errs.is_empty() {
                 return Err(invalid(kind, &name, errs));
             }
