@@ -199,18 +199,35 @@ fn now() -> Time {
     Time(k8s_openapi::jiff::Timestamp::from_second(secs as i64).expect("current time is in range"))
 }
 
+/// A random (version 4, RFC 4122 variant) UUID, as kube-apiserver's `uuid.NewUUID`.
 fn new_uid() -> String {
-    let mut rng = rand::rng();
-    let b: [u8; 16] = rng.random();
+    let mut b: [u8; 16] = rand::rng().random();
+    b[6] = (b[6] & 0x0f) | 0x40; // version 4
+    b[8] = (b[8] & 0x3f) | 0x80; // variant 10xx
     let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
     format!(
-        "{}-{}-4{}-{}-{}",
+        "{}-{}-{}-{}-{}",
         &hex[0..8],
         &hex[8..12],
-        &hex[13..16],
+        &hex[12..16],
         &hex[16..20],
         &hex[20..32]
     )
+}
+
+#[cfg(test)]
+mod uid_tests {
+    #[test]
+    fn uids_are_rfc_4122_version_4() {
+        for _ in 0..200 {
+            let uid = super::new_uid();
+            let parts: Vec<&str> = uid.split('-').collect();
+            let lens: Vec<usize> = parts.iter().map(|p| p.len()).collect();
+            assert_eq!(lens, [8, 4, 4, 4, 12], "{uid}");
+            assert!(parts[2].starts_with('4'), "{uid}");
+            assert!(matches!(&parts[3][..1], "8" | "9" | "a" | "b"), "{uid}");
+        }
+    }
 }
 
 /// `names.SimpleNameGenerator`: the prefix and 5 random characters from kube's alphabet.
