@@ -9,7 +9,8 @@
 //! - [`registry`]: kube-apiserver's generic store for Services, Endpoints, EndpointSlices, Nodes and
 //!   Namespaces, with the Service rules (defaulting, allocation, validation) in [`registry::service`],
 //!   and the default ServiceCIDR (read-only) in [`registry::service_cidr`];
-//! - [`rest`]: the HTTP API (`router`), discovery, Table output, watch, patch;
+//! - [`rest`]: the HTTP API (`router`), discovery, Table output, watch, patch, and protobuf
+//!   request bodies turned into JSON ([`rest::protobuf`]);
 //! - [`ranges`]: `GET /ranges` (NodePort and ClusterIP occupancy per band) and `/metrics`;
 //! - [`tls`] and [`auth`]: serving over TLS and bearer tokens from `--token-auth-file`, which a
 //!   non-loopback `--bind-address` requires.
@@ -27,6 +28,8 @@
 //!   answered with 415;
 //! - `networking.k8s.io/v1` ServiceCIDRs are served read-only: the one named `kubernetes` holds
 //!   `--service-cluster-ip-range` (Ready); more ranges cannot be added through the API;
+//! - responses are always JSON, also to clients that prefer protobuf; protobuf request bodies
+//!   are decoded for the served kinds only;
 //! - an etcd outage is logged once when it starts and once when it ends (`storage::outage`), with
 //!   503/504 answers meanwhile, not one ERROR line per failed request.
 

@@ -1660,3 +1660,187 @@ async fn an_endpoint_slices_address_type_is_immutable() {
         "EndpointSlice.discovery.k8s.io \"es\" is invalid: addressType: Invalid value: \"IPv6\": field is immutable"
     );
 }
+
+/// `k8s\0` + `runtime.Unknown`, the body client-go's typed clients send
+/// (`Content-Type: application/vnd.kubernetes.protobuf`).
+fn protobuf_body(api_version: &str, kind: &str, object: &impl prost::Message) -> Vec<u8> {
+    use k8s_pb::apimachinery::pkg::runtime::{TypeMeta, Unknown};
+    let unknown = Unknown {
+        type_meta: Some(TypeMeta {
+            api_version: Some(api_version.into()),
+            kind: Some(kind.into()),
+        }),
+        raw: Some(object.encode_to_vec()),
+        ..Default::default()
+    };
+    [
+        b"k8s\0".as_slice(),
+        &prost::Message::encode_to_vec(&unknown),
+    ]
+    .concat()
+}
+
+/// A NodePort Service as `kubectl create service nodeport <name> --tcp=80:8080` builds it.
+fn protobuf_service(name: &str, node_port: i32) -> k8s_pb::api::core::v1::Service {
+    use k8s_pb::api::core::v1::{Service, ServicePort, ServiceSpec};
+    use k8s_pb::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+    use k8s_pb::apimachinery::pkg::util::intstr::IntOrString;
+    Service {
+        metadata: Some(ObjectMeta {
+            name: Some(name.into()),
+            labels: [("app".to_string(), name.to_string())].into(),
+            ..Default::default()
+        }),
+        spec: Some(ServiceSpec {
+            ports: vec![ServicePort {
+                name: Some("80-8080".into()),
+                protocol: Some("TCP".into()),
+                port: Some(80),
+                target_port: Some(IntOrString {
+                    r#type: Some(0),
+                    int_val: Some(8080),
+                    str_val: Some(String::new()),
+                }),
+                node_port: Some(node_port),
+                app_protocol: None,
+            }],
+            selector: [("app".to_string(), name.to_string())].into(),
+            cluster_ip: Some(String::new()),
+            r#type: Some("NodePort".into()),
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+const PROTOBUF: &str = "application/vnd.kubernetes.protobuf";
+
+#[tokio::test]
+async fn protobuf_bodies_create_update_and_delete_services_as_json_bodies_do() {
+    use k8s_pb::apimachinery::pkg::apis::meta::v1::{DeleteOptions, Preconditions};
+    let s = server().await;
+    let body = protobuf_body("v1", "Service", &protobuf_service("pb", 30080));
+    let r = call(&s, Method::POST, SERVICES, PROTOBUF, body).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    assert_eq!(node_port_of(&r.body), 30080);
+    assert_eq!(r.body["spec"]["ports"][0]["targetPort"], 8080);
+    assert_eq!(r.body["spec"]["type"], "NodePort");
+    let uid = r.body["metadata"]["uid"].as_str().unwrap().to_owned();
+    let rv = r.body["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    // A second Service asking for the same static port: kube-apiserver's 422.
+    let body = protobuf_body("v1", "Service", &protobuf_service("pb2", 30080));
+    let r = call(&s, Method::POST, SERVICES, PROTOBUF, body).await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
+    assert_eq!(
+        r.body["message"],
+        "Service \"pb2\" is invalid: spec.ports[0].nodePort: Invalid value: 30080: provided port is already allocated"
+    );
+
+    // An update (PUT) moves the port; the old one is freed.
+    let mut moved = protobuf_service("pb", 30081);
+    moved.metadata.as_mut().unwrap().resource_version = Some(rv);
+    let body = protobuf_body("v1", "Service", &moved);
+    let r = call(&s, Method::PUT, &format!("{SERVICES}/pb"), PROTOBUF, body).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(node_port_of(&r.body), 30081);
+    verify_consistent(&s).await;
+
+    // A typed delete carries protobuf DeleteOptions; its preconditions hold.
+    let options = |uid: &str| DeleteOptions {
+        preconditions: Some(Preconditions {
+            uid: Some(uid.into()),
+            resource_version: None,
+        }),
+        ..Default::default()
+    };
+    let body = protobuf_body("v1", "DeleteOptions", &options("not-the-uid"));
+    let r = call(
+        &s,
+        Method::DELETE,
+        &format!("{SERVICES}/pb"),
+        PROTOBUF,
+        body,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CONFLICT, "{}", r.body);
+    let body = protobuf_body("v1", "DeleteOptions", &options(&uid));
+    let r = call(
+        &s,
+        Method::DELETE,
+        &format!("{SERVICES}/pb"),
+        PROTOBUF,
+        body,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    verify_consistent(&s).await;
+}
+
+#[tokio::test]
+async fn malformed_protobuf_is_400_and_a_kind_not_decoded_from_protobuf_is_415() {
+    let s = server().await;
+    let r = call(
+        &s,
+        Method::POST,
+        SERVICES,
+        PROTOBUF,
+        br#"{"kind":"Service"}"#.to_vec(),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.body);
+    assert_eq!(r.body["reason"], "BadRequest");
+    assert_eq!(
+        r.body["message"],
+        "provided data does not appear to be a protobuf message, expected prefix [107 56 115 0]"
+    );
+
+    let mut body = protobuf_body("v1", "Service", &protobuf_service("cut", 0));
+    body.truncate(body.len() - 4);
+    let r = call(&s, Method::POST, SERVICES, PROTOBUF, body).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.body);
+    assert!(
+        r.body["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("failed to decode the protobuf"),
+        "{}",
+        r.body
+    );
+
+    let pod = k8s_pb::api::core::v1::Pod::default();
+    let r = call(
+        &s,
+        Method::POST,
+        SERVICES,
+        PROTOBUF,
+        protobuf_body("v1", "Pod", &pod),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::UNSUPPORTED_MEDIA_TYPE, "{}", r.body);
+    assert_eq!(r.body["reason"], "UnsupportedMediaType");
+    assert!(
+        r.body["message"]
+            .as_str()
+            .unwrap()
+            .contains("v1 Service, v1 Namespace"),
+        "{}",
+        r.body
+    );
+
+    let r = call(&s, Method::POST, SERVICES, "application/cbor", vec![0xa0]).await;
+    assert_eq!(r.status, StatusCode::UNSUPPORTED_MEDIA_TYPE, "{}", r.body);
+    assert!(
+        r.body["message"]
+            .as_str()
+            .unwrap()
+            .contains("application/vnd.kubernetes.protobuf"),
+        "{}",
+        r.body
+    );
+    let r = get(&s, SERVICES).await;
+    assert_eq!(r.body["items"].as_array().unwrap().len(), 1, "{}", r.body);
+}

@@ -165,6 +165,113 @@ fn kubectl_create_get_apply_patch_edit_replace_delete_and_watch_work() {
 }
 
 #[test]
+fn kubectl_create_namespace_and_create_service_send_protobuf_and_work() {
+    // kubectl's typed subcommands (`create namespace`, `create service <type>`) send
+    // `application/vnd.kubernetes.protobuf` bodies, client-go's default for built-in types.
+    if !kubectl_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"), &[]);
+
+    let out = server.kubectl(&["create", "namespace", "team-a", "-v=8"]);
+    let (stdout, stderr) = text(&out);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert_eq!(stdout.trim(), "namespace/team-a created");
+    assert!(
+        stderr.contains("Content-Type: application/vnd.kubernetes.protobuf"),
+        "kubectl did not send protobuf, so this test proves nothing:\n{stderr}"
+    );
+    assert_eq!(
+        ok(
+            &server,
+            &["get", "ns", "team-a", "-o", "jsonpath={.status.phase}"]
+        ),
+        "Active"
+    );
+
+    let in_team_a = |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend(["-n", "team-a"]);
+        ok(&server, &all)
+    };
+    let fields = "jsonpath={.spec.type} {.spec.ports[0].port} {.spec.ports[0].targetPort} \
+                  {.spec.ports[0].nodePort} {.spec.selector.app} {.spec.clusterIP}";
+    assert_eq!(
+        in_team_a(&[
+            "create",
+            "service",
+            "nodeport",
+            "smp",
+            "--tcp=80:8080",
+            "--node-port=30010"
+        ])
+        .trim(),
+        "service/smp created"
+    );
+    let smp = in_team_a(&["get", "svc", "smp", "-o", fields]);
+    let smp: Vec<&str> = smp.split(' ').collect();
+    assert_eq!(
+        smp[..5],
+        ["NodePort", "80", "8080", "30010", "smp"],
+        "{smp:?}"
+    );
+    assert!(smp[5].starts_with("10.96."), "{smp:?}");
+
+    assert_eq!(
+        in_team_a(&["create", "service", "clusterip", "cip", "--tcp=80:8080"]).trim(),
+        "service/cip created"
+    );
+    let cip = in_team_a(&["get", "svc", "cip", "-o", fields]);
+    let cip: Vec<&str> = cip.split(' ').collect();
+    assert_eq!(cip[..5], ["ClusterIP", "80", "8080", "", "cip"], "{cip:?}");
+    assert!(cip[5].starts_with("10.96."), "{cip:?}");
+
+    assert_eq!(
+        in_team_a(&["create", "service", "loadbalancer", "lb", "--tcp=80:8080"]).trim(),
+        "service/lb created"
+    );
+    assert_eq!(
+        in_team_a(&[
+            "create",
+            "service",
+            "externalname",
+            "db",
+            "--external-name=db.example.com"
+        ])
+        .trim(),
+        "service/db created"
+    );
+    assert_eq!(
+        in_team_a(&[
+            "get",
+            "svc",
+            "db",
+            "-o",
+            "jsonpath={.spec.type} {.spec.externalName}"
+        ]),
+        "ExternalName db.example.com"
+    );
+
+    // The static nodePort is taken: kube-apiserver's error, through kubectl's wording.
+    let out = server.kubectl(&[
+        "create",
+        "service",
+        "nodeport",
+        "smp2",
+        "--tcp=80:8080",
+        "--node-port=30010",
+        "-n",
+        "team-a",
+    ]);
+    assert!(!out.status.success());
+    assert_eq!(
+        text(&out).1.trim(),
+        "error: failed to create NodePort service: Service \"smp2\" is invalid: spec.ports[0].nodePort: Invalid value: 30010: provided port is already allocated"
+    );
+}
+
+#[test]
 fn kubectl_minio_scenario_of_the_static_band() {
     // Reference 002 (Kubernetes 1.27 blog): minio asks for 30009 in the static band.
     if !kubectl_available() {

@@ -5,6 +5,7 @@
 //! namespace's own subresources share the shape of a namespaced collection).
 
 pub mod discovery;
+pub mod protobuf;
 pub mod table;
 pub mod watch;
 
@@ -343,8 +344,12 @@ async fn read_body(body: Body) -> Result<Bytes, ApiError> {
         })
 }
 
-/// Decodes a JSON or YAML request body.
-fn decode_body(content_type: &str, bytes: &[u8]) -> Result<Value, ApiError> {
+/// The media types a create or update body may be sent in.
+const BODY_MEDIA_TYPES: &str =
+    "application/json, application/yaml, application/vnd.kubernetes.protobuf";
+
+/// Decodes a JSON, YAML or protobuf request body for an endpoint serving `kind`.
+fn decode_body(content_type: &str, kind: Kind, bytes: &[u8]) -> Result<Value, ApiError> {
     match content_type {
         "application/yaml" | "application/x-yaml" | "text/yaml" => {
             yaml_serde::from_slice::<Value>(bytes).map_err(|e| {
@@ -354,9 +359,29 @@ fn decode_body(content_type: &str, bytes: &[u8]) -> Result<Value, ApiError> {
         "" | "application/json" | "*/*" => serde_json::from_slice(bytes).map_err(|e| {
             ApiError::bad_request(format!("couldn't get version/kind; json parse error: {e}"))
         }),
+        protobuf::MEDIA_TYPE => protobuf::decode_object(bytes, kind).map_err(protobuf_error),
         other => Err(ApiError::unsupported_media_type(format!(
-            "the body of the request was in an unknown format - accepted media types include: application/json, application/yaml ({other:?} was sent)"
+            "the body of the request was in an unknown format - accepted media types include: {BODY_MEDIA_TYPES} ({other:?} was sent)"
         ))),
+    }
+}
+
+/// Decodes a DELETE body (`DeleteOptions`): JSON, or protobuf as client-go's typed clients send.
+fn decode_delete_options(content_type: &str, bytes: &[u8]) -> Result<Value, ApiError> {
+    if content_type == protobuf::MEDIA_TYPE {
+        return protobuf::decode_delete_options(bytes).map_err(protobuf_error);
+    }
+    serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::bad_request(format!("couldn't decode DeleteOptions: {e}")))
+}
+
+/// A body that is not valid protobuf is the client's mistake (400); valid protobuf of a kind
+/// this server does not decode is an unsupported format (415).
+fn protobuf_error(err: protobuf::Error) -> ApiError {
+    if err.is_unsupported() {
+        ApiError::unsupported_media_type(err.to_string())
+    } else {
+        ApiError::bad_request(crate::report(&err))
     }
 }
 
@@ -491,7 +516,7 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
                 return Err(ApiError::method_not_supported(kind.subject(), "create"));
             }
             let options = write_options(&query)?;
-            let body = decode_body(&ct, &read_body(body).await?)?;
+            let body = decode_body(&ct, kind, &read_body(body).await?)?;
             let written = registry.create(kind, ns, body, options).await?;
             Ok(with_warnings(
                 object_response(StatusCode::CREATED, kind, written.object, &accept),
@@ -519,7 +544,7 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
         }
         (&Method::PUT, Some(name)) if target.subresource.as_deref() == Some("finalize") => {
             let options = write_options(&query)?;
-            let body = decode_body(&ct, &read_body(body).await?)?;
+            let body = decode_body(&ct, kind, &read_body(body).await?)?;
             let object = registry.finalize_namespace(name, body, options).await?;
             Ok(object_response(StatusCode::OK, kind, object, &accept))
         }
@@ -531,7 +556,7 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
         }
         (&Method::PUT, Some(name)) => {
             let options = write_options(&query)?;
-            let body = decode_body(&ct, &read_body(body).await?)?;
+            let body = decode_body(&ct, kind, &read_body(body).await?)?;
             let status_only = target.subresource.is_some();
             let written = registry
                 .update(kind, ns, name, status_only, body, options)
@@ -566,9 +591,7 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
             let bytes = read_body(body).await?;
             let mut preconditions = Preconditions::default();
             if !bytes.is_empty() {
-                let delete_options: Value = serde_json::from_slice(&bytes).map_err(|e| {
-                    ApiError::bad_request(format!("couldn't decode DeleteOptions: {e}"))
-                })?;
+                let delete_options = decode_delete_options(&ct, &bytes)?;
                 preconditions.uid = delete_options
                     .pointer("/preconditions/uid")
                     .and_then(Value::as_str)
