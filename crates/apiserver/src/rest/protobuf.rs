@@ -220,78 +220,73 @@ impl Fields {
         self
     }
 
-    /// Go `string` with `omitempty`.
-    fn string(self, key: &str, value: Option<String>) -> Self {
-        match value.filter(|v| !v.is_empty()) {
+    /// A Go pointer field (`*string`, `*int32`, `*int64`, `*bool`): written whenever set, zero
+    /// values included.
+    fn ptr<T: Into<Value>>(self, key: &str, value: Option<T>) -> Self {
+        match value {
             Some(v) => self.put(key, v),
             None => self,
         }
+    }
+
+    /// A Go value field with `omitempty`: left out when it holds its type's zero value.
+    fn nonzero<T: Into<Value> + Default + PartialEq>(self, key: &str, value: Option<T>) -> Self {
+        self.ptr(key, value.filter(|v| *v != T::default()))
+    }
+
+    /// A Go value field without `omitempty`: always written, unset as its zero value.
+    fn always<T: Into<Value> + Default>(self, key: &str, value: Option<T>) -> Self {
+        self.put(key, value.unwrap_or_default())
+    }
+
+    /// Go `string` with `omitempty`.
+    fn string(self, key: &str, value: Option<String>) -> Self {
+        self.nonzero(key, value)
     }
 
     /// Go `string` without `omitempty`.
     fn string_always(self, key: &str, value: Option<String>) -> Self {
-        self.put(key, value.unwrap_or_default())
+        self.always(key, value)
     }
 
     /// Go `*string`.
     fn string_ptr(self, key: &str, value: Option<String>) -> Self {
-        match value {
-            Some(v) => self.put(key, v),
-            None => self,
-        }
+        self.ptr(key, value)
     }
 
     /// Go `int32` with `omitempty`.
     fn int32(self, key: &str, value: Option<i32>) -> Self {
-        match value.filter(|v| *v != 0) {
-            Some(v) => self.put(key, v),
-            None => self,
-        }
+        self.nonzero(key, value)
     }
 
     /// Go `int32` without `omitempty`.
     fn int32_always(self, key: &str, value: Option<i32>) -> Self {
-        self.put(key, value.unwrap_or_default())
+        self.always(key, value)
     }
 
     /// Go `*int32`.
     fn int32_ptr(self, key: &str, value: Option<i32>) -> Self {
-        match value {
-            Some(v) => self.put(key, v),
-            None => self,
-        }
+        self.ptr(key, value)
     }
 
     /// Go `int64` with `omitempty`.
     fn int64(self, key: &str, value: Option<i64>) -> Self {
-        match value.filter(|v| *v != 0) {
-            Some(v) => self.put(key, v),
-            None => self,
-        }
+        self.nonzero(key, value)
     }
 
     /// Go `*int64`.
     fn int64_ptr(self, key: &str, value: Option<i64>) -> Self {
-        match value {
-            Some(v) => self.put(key, v),
-            None => self,
-        }
+        self.ptr(key, value)
     }
 
     /// Go `bool` with `omitempty`.
     fn boolean(self, key: &str, value: Option<bool>) -> Self {
-        match value {
-            Some(true) => self.put(key, true),
-            _ => self,
-        }
+        self.nonzero(key, value)
     }
 
     /// Go `*bool`.
     fn boolean_ptr(self, key: &str, value: Option<bool>) -> Self {
-        match value {
-            Some(v) => self.put(key, v),
-            None => self,
-        }
+        self.ptr(key, value)
     }
 
     /// Go `[]string` (an empty or nil slice is left out: both decode to nil in Go).
