@@ -197,8 +197,12 @@ pub fn load(text: &str) -> Result<Loaded, Error> {
     let mut index = 0;
     for doc in yaml_serde::Deserializer::from_str(text) {
         index += 1;
-        let value =
-            serde_json::Value::deserialize(doc).map_err(|source| Error::Yaml { index, source })?;
+        // Through YAML's own value, which refuses a key given twice in one mapping (as kubectl
+        // does): two documents run together without `---` would otherwise merge silently, the
+        // later keys winning.
+        let value = yaml_serde::Value::deserialize(doc)
+            .and_then(yaml_serde::from_value::<serde_json::Value>)
+            .map_err(|source| Error::Yaml { index, source })?;
         if value.is_null() {
             continue;
         }
@@ -277,4 +281,28 @@ fn add_object(loaded: &mut Loaded, index: usize, value: serde_json::Value) -> Re
         )),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_given_twice_in_one_document_is_an_error_not_a_silent_merge() {
+        // Two objects without the `---` between them.
+        let text = "apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}\napiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16]}\n";
+        let Err(err) = load(text) else {
+            panic!("loaded a document with duplicate keys");
+        };
+        let chain = format!("{err}: {}", std::error::Error::source(&err).unwrap());
+        assert!(chain.starts_with("document 1: invalid YAML"), "{chain}");
+        assert!(
+            chain.contains("duplicate entry with key \"apiVersion\""),
+            "{chain}"
+        );
+        // With the separator both load.
+        let fixed = text.replace("apiVersion: networking", "---\napiVersion: networking");
+        let loaded = load(&fixed).unwrap();
+        assert_eq!(loaded.cluster.services.len(), 1);
+    }
 }
