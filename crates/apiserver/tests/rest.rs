@@ -1844,3 +1844,52 @@ async fn malformed_protobuf_is_400_and_a_kind_not_decoded_from_protobuf_is_415()
     let r = get(&s, SERVICES).await;
     assert_eq!(r.body["items"].as_array().unwrap().len(), 1, "{}", r.body);
 }
+
+#[tokio::test]
+async fn a_json_key_given_twice_follows_field_validation_as_kube_apiservers_strict_decoder() {
+    let s = server().await;
+    let body = |name: &str| {
+        format!(
+            r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"{name}"}},"spec":{{"ports":[{{"port":80}}],"ports":[{{"port":81}}]}}}}"#
+        )
+        .into_bytes()
+    };
+    let r = call(
+        &s,
+        Method::POST,
+        &format!("{SERVICES}?fieldValidation=Strict"),
+        "application/json",
+        body("d1"),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.body);
+    assert_eq!(
+        r.body["message"],
+        "Service in version \"v1\" cannot be handled as a Service: strict decoding error: duplicate field \"spec.ports\""
+    );
+    let r = call(
+        &s,
+        Method::POST,
+        &format!("{SERVICES}?fieldValidation=Warn"),
+        "application/json",
+        body("d2"),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    assert_eq!(
+        r.warnings,
+        vec!["299 - \"duplicate field \\\"spec.ports\\\"\""]
+    );
+    // The later value wins, as in Go's encoding/json.
+    assert_eq!(r.body["spec"]["ports"][0]["port"], 81);
+    let r = call(
+        &s,
+        Method::POST,
+        &format!("{SERVICES}?fieldValidation=Ignore"),
+        "application/json",
+        body("d3"),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    assert!(r.warnings.is_empty());
+}

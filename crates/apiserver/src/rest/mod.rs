@@ -5,6 +5,7 @@
 //! namespace's own subresources share the shape of a namespaced collection).
 
 pub mod discovery;
+mod json;
 pub mod protobuf;
 pub mod table;
 pub mod watch;
@@ -348,22 +349,64 @@ async fn read_body(body: Body) -> Result<Bytes, ApiError> {
 const BODY_MEDIA_TYPES: &str =
     "application/json, application/yaml, application/vnd.kubernetes.protobuf";
 
-/// Decodes a JSON, YAML or protobuf request body for an endpoint serving `kind`.
-fn decode_body(content_type: &str, kind: Kind, bytes: &[u8]) -> Result<Value, ApiError> {
-    match content_type {
+/// A decoded create or update body.
+struct Decoded {
+    value: Value,
+    /// `Warning` headers about the body itself (keys given twice, under `fieldValidation=Warn`).
+    warnings: Vec<String>,
+}
+
+/// Decodes a JSON, YAML or protobuf request body for an endpoint serving `kind`. A JSON key given
+/// twice in one object is handled as kube-apiserver's strict decoder handles it: refused under
+/// `fieldValidation=Strict` (the message names the duplicates, not also the unknown fields),
+/// a warning under `Warn`, the later value silently under `Ignore`.
+fn decode_body(
+    content_type: &str,
+    kind: Kind,
+    bytes: &[u8],
+    validation: FieldValidation,
+) -> Result<Decoded, ApiError> {
+    let value = match content_type {
         "application/yaml" | "application/x-yaml" | "text/yaml" => {
             yaml_serde::from_slice::<Value>(bytes).map_err(|e| {
                 ApiError::bad_request(format!("error converting YAML to JSON: yaml: {e}"))
-            })
+            })?
         }
-        "" | "application/json" | "*/*" => serde_json::from_slice(bytes).map_err(|e| {
-            ApiError::bad_request(format!("couldn't get version/kind; json parse error: {e}"))
-        }),
-        protobuf::MEDIA_TYPE => protobuf::decode_object(bytes, kind).map_err(protobuf_error),
-        other => Err(ApiError::unsupported_media_type(format!(
-            "the body of the request was in an unknown format - accepted media types include: {BODY_MEDIA_TYPES} ({other:?} was sent)"
-        ))),
-    }
+        "" | "application/json" | "*/*" => {
+            let (value, duplicates) = json::parse(bytes).map_err(|e| {
+                ApiError::bad_request(format!("couldn't get version/kind; json parse error: {e}"))
+            })?;
+            let messages: Vec<String> = duplicates
+                .iter()
+                .map(|path| format!("duplicate field {path:?}"))
+                .collect();
+            let warnings = match validation {
+                _ if messages.is_empty() => Vec::new(),
+                FieldValidation::Ignore => Vec::new(),
+                FieldValidation::Warn => messages,
+                FieldValidation::Strict => {
+                    return Err(ApiError::bad_request(format!(
+                        "{} in version {:?} cannot be handled as a {}: strict decoding error: {}",
+                        kind.kind(),
+                        kind.version(),
+                        kind.kind(),
+                        messages.join(", ")
+                    )));
+                }
+            };
+            return Ok(Decoded { value, warnings });
+        }
+        protobuf::MEDIA_TYPE => protobuf::decode_object(bytes, kind).map_err(protobuf_error)?,
+        other => {
+            return Err(ApiError::unsupported_media_type(format!(
+                "the body of the request was in an unknown format - accepted media types include: {BODY_MEDIA_TYPES} ({other:?} was sent)"
+            )));
+        }
+    };
+    Ok(Decoded {
+        value,
+        warnings: Vec::new(),
+    })
 }
 
 /// Decodes a DELETE body (`DeleteOptions`): JSON, or protobuf as client-go's typed clients send.
@@ -516,11 +559,11 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
                 return Err(ApiError::method_not_supported(kind.subject(), "create"));
             }
             let options = write_options(&query)?;
-            let body = decode_body(&ct, kind, &read_body(body).await?)?;
-            let written = registry.create(kind, ns, body, options).await?;
+            let body = decode_body(&ct, kind, &read_body(body).await?, options.field_validation)?;
+            let written = registry.create(kind, ns, body.value, options).await?;
             Ok(with_warnings(
                 object_response(StatusCode::CREATED, kind, written.object, &accept),
-                &written.warnings,
+                &[body.warnings, written.warnings].concat(),
             ))
         }
         (&Method::DELETE, None) => {
@@ -544,8 +587,10 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
         }
         (&Method::PUT, Some(name)) if target.subresource.as_deref() == Some("finalize") => {
             let options = write_options(&query)?;
-            let body = decode_body(&ct, kind, &read_body(body).await?)?;
-            let object = registry.finalize_namespace(name, body, options).await?;
+            let body = decode_body(&ct, kind, &read_body(body).await?, options.field_validation)?;
+            let object = registry
+                .finalize_namespace(name, body.value, options)
+                .await?;
             Ok(object_response(StatusCode::OK, kind, object, &accept))
         }
         (_, Some(_)) if target.subresource.as_deref() == Some("finalize") => {
@@ -556,10 +601,10 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
         }
         (&Method::PUT, Some(name)) => {
             let options = write_options(&query)?;
-            let body = decode_body(&ct, kind, &read_body(body).await?)?;
+            let body = decode_body(&ct, kind, &read_body(body).await?, options.field_validation)?;
             let status_only = target.subresource.is_some();
             let written = registry
-                .update(kind, ns, name, status_only, body, options)
+                .update(kind, ns, name, status_only, body.value, options)
                 .await?;
             let code = if written.created {
                 StatusCode::CREATED
@@ -568,7 +613,7 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
             };
             Ok(with_warnings(
                 object_response(code, kind, written.object, &accept),
-                &written.warnings,
+                &[body.warnings, written.warnings].concat(),
             ))
         }
         (&Method::PATCH, Some(name)) => {
