@@ -480,6 +480,10 @@ impl ApiError {
             "reason": self.reason,
             "code": self.code,
         });
+        if self.reason.is_empty() {
+            // `StatusReasonUnknown` is `omitempty`.
+            status.as_object_mut().expect("an object").remove("reason");
+        }
         if let Some(details) = &self.details {
             status["details"] = serde_json::to_value(details).expect("details serialize");
         }

@@ -83,8 +83,11 @@ impl ServicePortState {
             || !self.external_ips.is_empty()
     }
 
-    /// kube-proxy's `ExternalPolicyLocal` in this family: `externalTrafficPolicy: Local` on a
-    /// port externally accessible in this family.
+    /// `externalTrafficPolicy: Local` on a port externally accessible in this family. Here
+    /// deliberately per family: kube-proxy's `ExternalPolicyLocal` is the Service's, so a
+    /// dual-stack Service external only in IPv4 counts in kube-proxy's IPv6
+    /// `no_local_endpoints{traffic_policy="external"}` metric although nothing external exists
+    /// there; the rules are the same either way.
     pub fn external_policy_local(&self) -> bool {
         self.port.external_policy_local && self.externally_accessible()
     }

@@ -549,10 +549,14 @@ impl Registry {
             {
                 meta.name = Some(generate_name(prefix));
             }
-            resource_version_set = meta
-                .resource_version
-                .as_deref()
-                .is_some_and(|v| !v.is_empty());
+            // etcd3's check parses the value as a number and lets 0 (and anything that does
+            // not parse) through; a dry run never reaches it.
+            resource_version_set = !options.dry_run
+                && meta
+                    .resource_version
+                    .as_deref()
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .is_some_and(|v| v != 0);
             meta.uid = Some(new_uid());
             meta.creation_timestamp = Some(now());
             meta.resource_version = None;
@@ -670,10 +674,14 @@ impl Registry {
                     }
                     let mut object = object.clone();
                     {
+                        // `BeforeCreate`, as in `create`.
                         let meta = object.metadata_mut();
                         meta.uid = Some(new_uid());
                         meta.creation_timestamp = Some(now());
                         meta.resource_version = None;
+                        meta.deletion_timestamp = None;
+                        meta.deletion_grace_period_seconds = None;
+                        meta.managed_fields = None;
                     }
                     kinds::prepare_create(&mut object);
                     if let Object::Service(svc) = &mut object {
@@ -845,6 +853,10 @@ impl Registry {
                     let meta = marked.metadata_mut();
                     meta.deletion_timestamp = Some(now());
                     meta.deletion_grace_period_seconds = Some(0);
+                    // `markAsDeleting`: the spec's generation moves with the deletion.
+                    if let Some(generation) = meta.generation.filter(|g| *g > 0) {
+                        meta.generation = Some(generation + 1);
+                    }
                     txn.put(key.clone(), encode_stored(&marked));
                     return Ok((marked.to_value(), Some(old.mod_revision)));
                 }

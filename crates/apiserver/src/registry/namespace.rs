@@ -58,9 +58,6 @@ pub const DELETE_CONCURRENCY: usize = 256;
 /// The longest wait between attempts to finish a namespace after a failure.
 const RETRY_MAX: Duration = Duration::from_secs(30);
 
-/// Finalizer names kube-apiserver knows without a domain (`standardFinalizers`).
-const STANDARD_FINALIZERS: [&str; 3] = [FINALIZER, "orphan", "foregroundDeletion"];
-
 /// Namespaces this API server is finishing now (so that a DELETE and the sweep do not start two
 /// tasks for one namespace).
 #[derive(Default)]
@@ -85,14 +82,18 @@ struct DeletionOnly {
 #[serde(rename_all = "camelCase")]
 struct DeletionMeta {
     deletion_timestamp: Option<serde_json::Value>,
+    #[serde(default)]
+    finalizers: Vec<String>,
 }
 
 /// Whether a stored object was deleted and waits for its finalizers.
 fn is_being_deleted(stored: &[u8]) -> bool {
     serde_json::from_slice::<DeletionOnly>(stored)
         .ok()
-        .and_then(|o| o.metadata?.deletion_timestamp)
-        .is_some_and(|t| !t.is_null())
+        .and_then(|o| o.metadata)
+        .is_some_and(|m| {
+            m.deletion_timestamp.is_some_and(|t| !t.is_null()) && !m.finalizers.is_empty()
+        })
 }
 
 /// Whether a stored namespace is being deleted.
@@ -131,7 +132,7 @@ pub fn validate_finalizers(namespace: &Namespace) -> Vec<FieldError> {
         .into_iter()
         .flatten()
     {
-        if !name.contains('/') && !STANDARD_FINALIZERS.contains(&name.as_str()) {
+        if !name.contains('/') && !super::validation::STANDARD_FINALIZERS.contains(&name.as_str()) {
             errs.push(FieldError::invalid(
                 "spec.finalizers",
                 GoValue::Str(name),
@@ -203,7 +204,15 @@ impl Registry {
                     txn.put(key.clone(), encode_stored(&object));
                     return Ok((object.to_value(), Deletion::Terminating));
                 }
-                if !finalizers(&ns).is_empty() {
+                // Held by `spec.finalizers` (the namespace controller's) or by
+                // `metadata.finalizers` (anyone's, as for every kind).
+                if !finalizers(&ns).is_empty()
+                    || ns
+                        .metadata
+                        .finalizers
+                        .as_ref()
+                        .is_some_and(|f| !f.is_empty())
+                {
                     return Ok((old_value, Deletion::Terminating));
                 }
                 txn.delete(key.clone());

@@ -227,19 +227,47 @@ pub fn object_meta(meta: &ObjectMeta, namespaced: bool, rule: NameRule) -> Vec<F
         ));
     }
     errs.extend(labels("metadata.labels", meta.labels.iter().flatten()));
-    for f in meta.finalizers.iter().flatten() {
-        for m in qualified_name(f) {
-            errs.push(FieldError::invalid(
-                "metadata.finalizers",
-                GoValue::Str(f),
-                m,
-            ));
-        }
-    }
     errs.extend(annotations(
         "metadata.annotations",
         meta.annotations.iter().flatten(),
     ));
+    errs.extend(finalizers(meta.finalizers.as_deref().unwrap_or_default()));
+    errs
+}
+
+/// Finalizer names kube-apiserver accepts without a domain (`standardFinalizers`).
+pub const STANDARD_FINALIZERS: [&str; 3] = ["kubernetes", "orphan", "foregroundDeletion"];
+
+/// apimachinery's `ValidateFinalizers` (qualified names; not both `orphan` and
+/// `foregroundDeletion`), then core's `validateKubeFinalizerName` on each: a name without a
+/// `/` must be a standard one.
+fn finalizers(names: &[String]) -> Vec<FieldError> {
+    let mut errs = Vec::new();
+    for name in names {
+        for m in qualified_name(name) {
+            errs.push(FieldError::invalid(
+                "metadata.finalizers",
+                GoValue::Str(name),
+                m,
+            ));
+        }
+    }
+    if names.iter().any(|n| n == "orphan") && names.iter().any(|n| n == "foregroundDeletion") {
+        errs.push(FieldError::invalid(
+            "metadata.finalizers",
+            GoValue::Strings(names),
+            "finalizer orphan and foregroundDeletion cannot be both set",
+        ));
+    }
+    for (i, name) in names.iter().enumerate() {
+        if !name.contains('/') && !STANDARD_FINALIZERS.contains(&name.as_str()) {
+            errs.push(FieldError::invalid(
+                format!("metadata.finalizers[{i}]"),
+                GoValue::Str(name),
+                "name is neither a standard finalizer name nor is it fully qualified",
+            ));
+        }
+    }
     errs
 }
 

@@ -656,8 +656,16 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
             let deleted = registry
                 .delete(kind, ns, name, preconditions, options)
                 .await?;
-            // Services and Namespaces return the deleted object; the generic store a Status.
-            if matches!(kind, Kind::Service | Kind::Namespace) {
+            // Services and Namespaces return the deleted object; the generic store a Status,
+            // but the object itself when it was only marked and waits for its finalizers.
+            let marked = deleted
+                .pointer("/metadata/deletionTimestamp")
+                .is_some_and(|t| !t.is_null())
+                && deleted
+                    .pointer("/metadata/finalizers")
+                    .and_then(Value::as_array)
+                    .is_some_and(|f| !f.is_empty());
+            if matches!(kind, Kind::Service | Kind::Namespace) || marked {
                 Ok(object_response(StatusCode::OK, kind, deleted, &accept))
             } else {
                 Ok(json_response(
