@@ -94,6 +94,14 @@ pub struct Config {
     /// `--token-auth-file`: bearer tokens (kube-apiserver's CSV); when set, every request but the
     /// health checks needs one.
     pub token_auth_file: Option<PathBuf>,
+    /// `--advertise-address`: the address this server gives as an endpoint of the `kubernetes`
+    /// Service (with `port`), through a lease renewed every `endpoint_lease_renew`. None: this
+    /// server adds no endpoint.
+    pub advertise_address: Option<std::net::IpAddr>,
+    /// How long a lease counts without renewal (kube-apiserver: 15 s).
+    pub endpoint_lease_ttl: std::time::Duration,
+    /// How often the lease is renewed and the endpoints rewritten (kube-apiserver: 10 s).
+    pub endpoint_lease_renew: std::time::Duration,
 }
 
 impl Default for Config {
@@ -113,6 +121,9 @@ impl Default for Config {
             etcd_servers: Vec::new(),
             etcd_compaction_interval: std::time::Duration::from_secs(300),
             allocation_check_interval: std::time::Duration::from_secs(180),
+            advertise_address: None,
+            endpoint_lease_ttl: registry::master_leases::LEASE_TTL,
+            endpoint_lease_renew: registry::master_leases::RENEW_INTERVAL,
         }
     }
 }
@@ -279,6 +290,34 @@ async fn state_over(backend: Arc<dyn Backend>, config: &Config) -> Result<AppSta
         check_loop,
         tracing::info_span!("allocation_check"),
     ));
+    if let Some(ip) = config.advertise_address {
+        // Renewed at once, so `default/kubernetes` has this server before it serves.
+        if let Err(err) = registry
+            .renew_kubernetes_endpoints(ip, config.port, config.endpoint_lease_ttl)
+            .await
+        {
+            tracing::warn!(error = %err, "cannot add this server to the kubernetes endpoints yet");
+        }
+        let renewer = registry.clone();
+        let (port, ttl, every) = (
+            config.port,
+            config.endpoint_lease_ttl,
+            config.endpoint_lease_renew,
+        );
+        let renew_loop = async move {
+            let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            loop {
+                ticker.tick().await;
+                if let Err(err) = renewer.renew_kubernetes_endpoints(ip, port, ttl).await {
+                    tracing::warn!(error = %err, "cannot renew this server's kubernetes endpoint");
+                }
+            }
+        };
+        tokio::spawn(tracing::Instrument::instrument(
+            renew_loop,
+            tracing::info_span!("endpoint_reconciler", %ip),
+        ));
+    }
     Ok(AppState {
         registry,
         config: Arc::new(config.rest.clone()),

@@ -2003,3 +2003,65 @@ async fn a_json_key_given_twice_follows_field_validation_as_kube_apiservers_stri
     assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
     assert!(r.warnings.is_empty());
 }
+
+#[tokio::test]
+async fn the_kubernetes_service_gets_the_advertised_address_and_leases_expire_or_leave() {
+    // kube-apiserver's lease endpoint reconciler, with this server's lease taken at start.
+    let s = server_with(Config {
+        advertise_address: Some("192.0.2.10".parse().unwrap()),
+        port: 6443,
+        ..Config::default()
+    })
+    .await;
+    let endpoints = "/api/v1/namespaces/default/endpoints/kubernetes";
+    let ips = |r: &Reply| -> Vec<String> {
+        r.body["subsets"][0]["addresses"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|a| a["ip"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let r = get(&s, endpoints).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(ips(&r), ["192.0.2.10"]);
+    assert_eq!(
+        r.body["subsets"][0]["ports"],
+        json!([{"name":"https","port":6443,"protocol":"TCP"}])
+    );
+    assert_eq!(
+        r.body["metadata"]["labels"]["endpointslice.kubernetes.io/skip-mirror"],
+        "true"
+    );
+    let slice = get(
+        &s,
+        "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices/kubernetes",
+    )
+    .await;
+    assert_eq!(
+        slice.body["endpoints"],
+        json!([{"addresses":["192.0.2.10"],"conditions":{"ready":true}}])
+    );
+
+    // A second replica joins, then leaves.
+    let other = "192.0.2.11".parse().unwrap();
+    let ttl = std::time::Duration::from_secs(60);
+    s.registry
+        .renew_kubernetes_endpoints(other, 6443, ttl)
+        .await
+        .unwrap();
+    assert_eq!(ips(&get(&s, endpoints).await), ["192.0.2.10", "192.0.2.11"]);
+    s.registry.leave_kubernetes_endpoints(other).await.unwrap();
+    let r = get(&s, endpoints).await;
+    assert_eq!(ips(&r), ["192.0.2.10"]);
+    let rv = r.body["metadata"]["resourceVersion"].clone();
+    // A lease that is not renewed in time stops counting (a replica killed): TTL 0 has expired.
+    s.registry
+        .renew_kubernetes_endpoints(other, 6443, std::time::Duration::ZERO)
+        .await
+        .unwrap();
+    let r = get(&s, endpoints).await;
+    assert_eq!(ips(&r), ["192.0.2.10"]);
+    // Nothing changed, nothing written.
+    assert_eq!(r.body["metadata"]["resourceVersion"], rv);
+}

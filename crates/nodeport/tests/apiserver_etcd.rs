@@ -926,3 +926,83 @@ fn missing_bitmaps_are_rebuilt_on_etcd_from_three_hundred_services() {
     assert_no_duplicates(&services(&servers[0]));
     assert!(verify(&etcd, "30000-32767").is_consistent());
 }
+
+/// The addresses and ports of `default/kubernetes`'s Endpoints, through `server`.
+fn kubernetes_endpoints(server: &Server) -> Vec<(String, i64)> {
+    let (status, body) = http(
+        server.port,
+        "GET",
+        "/api/v1/namespaces/default/endpoints/kubernetes",
+        None,
+    )
+    .unwrap();
+    assert_eq!(status, 200, "{body}");
+    let mut out = Vec::new();
+    for subset in json(&body)["subsets"].as_array().into_iter().flatten() {
+        let port = subset["ports"][0]["port"].as_i64().unwrap();
+        assert_eq!(subset["ports"][0]["name"], "https");
+        for address in subset["addresses"].as_array().into_iter().flatten() {
+            out.push((address["ip"].as_str().unwrap().to_owned(), port));
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn each_replica_with_an_advertise_address_is_a_kubernetes_endpoint_until_it_shuts_down() {
+    // kube-apiserver's lease endpoint reconciler: every replica's address (with its port) is an
+    // endpoint of default/kubernetes, and a replica shutting down removes its own at once.
+    if !etcd_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(&dir.path().join("etcd"));
+    let url = etcd.url();
+    let a = Server::start(
+        &dir.path().join("a"),
+        &["--etcd-servers", &url, "--advertise-address", "192.0.2.21"],
+    );
+    let mut b = Server::start(
+        &dir.path().join("b"),
+        &["--etcd-servers", &url, "--advertise-address", "192.0.2.22"],
+    );
+    let both = vec![
+        ("192.0.2.21".to_owned(), i64::from(a.port)),
+        ("192.0.2.22".to_owned(), i64::from(b.port)),
+    ];
+    assert_eq!(kubernetes_endpoints(&a), both);
+    assert_eq!(kubernetes_endpoints(&b), both);
+    // The EndpointSlice the proxy reads: ready, labelled for the Service.
+    let (status, body) = http(
+        a.port,
+        "GET",
+        "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices/kubernetes",
+        None,
+    )
+    .unwrap();
+    assert_eq!(status, 200, "{body}");
+    let slice = json(&body);
+    assert_eq!(
+        slice["metadata"]["labels"]["kubernetes.io/service-name"],
+        "kubernetes"
+    );
+    assert_eq!(slice["addressType"], "IPv4");
+    assert_eq!(slice["endpoints"][0]["addresses"][0], "192.0.2.21");
+    assert_eq!(slice["endpoints"][0]["conditions"]["ready"], true);
+    assert_eq!(slice["ports"][0]["name"], "https");
+
+    b.terminate();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let now = kubernetes_endpoints(&a);
+        if now == both[..1] {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a replica that shut down is still an endpoint: {now:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

@@ -76,3 +76,19 @@ fn unreadable_certificate_or_token_files_are_refused_with_exit_64() {
         "{stderr}"
     );
 }
+
+#[test]
+fn an_advertise_address_that_is_not_a_reachable_ip_is_refused_with_exit_64() {
+    let (code, stderr) = run(&["--advertise-address", "api.example"]);
+    assert_eq!(code, Some(64), "{stderr}");
+    assert!(
+        stderr.contains("--advertise-address \"api.example\" is not an IP address"),
+        "{stderr}"
+    );
+    let (code, stderr) = run(&["--advertise-address", "0.0.0.0"]);
+    assert_eq!(code, Some(64), "{stderr}");
+    assert!(
+        stderr.contains("--advertise-address 0.0.0.0 is not an address others can reach"),
+        "{stderr}"
+    );
+}

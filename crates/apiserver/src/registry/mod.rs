@@ -9,6 +9,7 @@
 //! `mod_revision` is written into it, as kube-apiserver's etcd3 store does.
 
 pub mod kinds;
+pub mod master_leases;
 pub mod namespace;
 pub mod object;
 pub mod patch;

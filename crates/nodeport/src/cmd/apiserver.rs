@@ -50,6 +50,12 @@ pub struct Args {
     /// Bearer tokens (kube-apiserver's CSV format), required with a non-loopback --bind-address.
     #[arg(long)]
     token_auth_file: Option<PathBuf>,
+    /// The address this server is reached at by the rest of the cluster: it becomes an endpoint
+    /// of the `kubernetes` Service (default/kubernetes), with --port. If unset, --bind-address
+    /// when that is one specific, non-loopback address; otherwise the Service gets no endpoint
+    /// from this server.
+    #[arg(long)]
+    advertise_address: Option<String>,
 }
 
 fn usage(message: impl Into<String>) -> anyhow::Error {
@@ -149,7 +155,24 @@ fn config(args: &Args) -> anyhow::Result<Config> {
             args.etcd_prefix
         )));
     }
+    let advertise_address = match &args.advertise_address {
+        Some(text) => {
+            let ip: IpAddr = text
+                .parse()
+                .map_err(|_| usage(format!("--advertise-address {text:?} is not an IP address")))?;
+            if ip.is_unspecified() {
+                return Err(usage(format!(
+                    "--advertise-address {ip} is not an address others can reach"
+                )));
+            }
+            Some(ip)
+        }
+        // kube-apiserver's default: the bind address, unless it is a wildcard (kube then picks
+        // the default route's interface; here the flag must be given) or loopback.
+        None => Some(bind_address).filter(|ip| !ip.is_unspecified() && !ip.is_loopback()),
+    };
     let mut config = Config {
+        advertise_address,
         bind_address,
         port: args.port,
         node_port_range,
@@ -191,7 +214,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             tokens = security.tokens.as_ref().map_or(0, |t| t.len()),
             "serving the Kubernetes API"
         );
+        let registry = state.registry.clone();
         nodeport_apiserver::serve_secured(state, listener, security, shutdown_signal()).await?;
+        if let Some(ip) = config.advertise_address {
+            // As kube-apiserver on shutdown: leave the endpoints now rather than after the TTL.
+            if let Err(err) = registry.leave_kubernetes_endpoints(ip).await {
+                tracing::warn!(error = %err, "cannot remove this server from the kubernetes endpoints");
+            }
+        }
         tracing::info!("stopped");
         anyhow::Ok(())
     })

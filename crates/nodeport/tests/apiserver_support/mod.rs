@@ -102,6 +102,15 @@ impl Server {
         }
     }
 
+    /// Stops the server with SIGTERM (a clean shutdown) and waits for it.
+    pub fn terminate(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+            let _ = child.wait();
+        }
+    }
+
     /// Kills the server with SIGKILL and waits for it.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
