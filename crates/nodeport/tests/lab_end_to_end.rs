@@ -320,6 +320,21 @@ fn lab_kept_with_keep_serves_after_the_command_ends_and_down_removes_it() {
         String::from_utf8_lossy(&curl.stdout).contains("<h1>Welcome to nginx!</h1>"),
         "{curl:?}"
     );
+    // A pod reaches the API server through the `kubernetes` Service, as in-cluster clients do:
+    // the API server's lease made its address an endpoint, the proxy on the pod's node DNATs
+    // the ClusterIP to it.
+    let pod = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("  web-"))
+        .and_then(|rest| rest.split_whitespace().next())
+        .map(|rest| format!("nplab-{id}-web-{rest}"))
+        .expect("a pod in the output");
+    let readyz = Command::new("ip")
+        .args(["netns", "exec", &pod, "curl", "-sk", "-m", "5"])
+        .arg("https://10.96.0.1/readyz")
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&readyz.stdout), "ok", "{readyz:?}");
 
     std::mem::forget(down);
     let removed = lab(&["--down", &id]);
