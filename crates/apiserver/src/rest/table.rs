@@ -57,7 +57,15 @@ fn columns(kind: Kind) -> Vec<(&'static str, &'static str, i32)> {
             ("Roles", "The roles of the node", 0),
             age,
             ("Version", "Kubelet Version reported by the node.", 0),
-            ("Internal-IP", "List of internal IPs (if available).", 1),
+            ("Internal-IP", "The node's first internal IP.", 1),
+            ("External-IP", "The node's first external IP.", 1),
+            ("OS-Image", "OS image reported by the node.", 1),
+            ("Kernel-Version", "Kernel version reported by the node.", 1),
+            (
+                "Container-Runtime",
+                "Container runtime version reported by the node.",
+                1,
+            ),
         ],
         Kind::Namespace => vec![name, ("Status", "The status of the namespace", 0), age],
         Kind::ServiceCidr => vec![
@@ -323,18 +331,28 @@ fn node_cells(node: &Value) -> Vec<Value> {
         })
         .unwrap_or_default();
     roles.sort();
-    let internal: Vec<String> = arr(node, "/status/addresses")
-        .iter()
-        .filter(|a| s(a, "/type") == "InternalIP")
-        .map(|a| s(a, "/address").to_owned())
-        .collect();
+    // kube's printNode: the first address of each type, `<unknown>` for unreported versions.
+    let first_address = |kind: &str| {
+        arr(node, "/status/addresses")
+            .iter()
+            .find(|a| s(a, "/type") == kind)
+            .map_or_else(|| "<none>".to_owned(), |a| s(a, "/address").to_owned())
+    };
+    let info = |field: &str| {
+        let value = s(node, &format!("/status/nodeInfo/{field}"));
+        if value.is_empty() { "<unknown>" } else { value }.to_owned()
+    };
     vec![
         json!(s(node, "/metadata/name")),
         json!(status),
         json!(or_none(roles.join(","))),
         json!(age(node)),
         json!(s(node, "/status/nodeInfo/kubeletVersion")),
-        json!(or_none(internal.join(","))),
+        json!(first_address("InternalIP")),
+        json!(first_address("ExternalIP")),
+        json!(info("osImage")),
+        json!(info("kernelVersion")),
+        json!(info("containerRuntimeVersion")),
     ]
 }
 
@@ -443,6 +461,28 @@ mod tests {
     fn endpoints_row_lists_address_port_pairs() {
         let ep = json!({"metadata":{"name":"web"},"subsets":[{"addresses":[{"ip":"10.244.1.6"},{"ip":"10.244.2.7"}],"ports":[{"port":80}]}]});
         assert_eq!(endpoints_cells(&ep)[1], "10.244.1.6:80,10.244.2.7:80");
+    }
+
+    #[test]
+    fn node_row_has_kubectls_wide_columns() {
+        let node = json!({"metadata":{"name":"worker","labels":{"node-role.kubernetes.io/worker":""}},
+            "status":{"conditions":[{"type":"Ready","status":"True"}],
+            "addresses":[{"type":"Hostname","address":"worker"},{"type":"InternalIP","address":"192.0.2.11"},
+                         {"type":"InternalIP","address":"fd00::11"}],
+            "nodeInfo":{"kubeletVersion":"v1.33.0","kernelVersion":"6.18.0"}}});
+        let cells = node_cells(&node);
+        assert_eq!(cells.len(), columns(Kind::Node).len());
+        assert_eq!(
+            cells[4..],
+            [
+                json!("v1.33.0"),
+                json!("192.0.2.11"),
+                json!("<none>"),
+                json!("<unknown>"),
+                json!("6.18.0"),
+                json!("<unknown>")
+            ]
+        );
     }
 
     #[test]
