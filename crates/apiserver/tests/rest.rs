@@ -152,7 +152,16 @@ async fn discovery_documents_describe_the_served_resources() {
     assert_eq!(slices.body["resources"][0]["name"], "endpointslices");
     assert_eq!(get(&s, "/version").await.body["major"], "1");
     for p in ["/healthz", "/livez", "/readyz"] {
-        assert_eq!(get(&s, p).await.status, StatusCode::OK);
+        let r = get(&s, p).await;
+        assert_eq!((r.status, r.body.as_str()), (StatusCode::OK, Some("ok")));
+        // `?verbose`: kube-apiserver's list of checks.
+        let r = get(&s, &format!("{p}?verbose")).await;
+        let text = r.body.as_str().unwrap_or_default();
+        assert!(text.starts_with("[+]ping ok\n"), "{text:?}");
+        assert!(
+            text.ends_with(&format!("{} check passed\n", &p[1..])),
+            "{text:?}"
+        );
     }
     let root = get(&s, "/openapi/v3").await;
     assert!(root.body["paths"]["api/v1"]["serverRelativeURL"].is_string());

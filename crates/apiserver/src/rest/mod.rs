@@ -72,8 +72,8 @@ pub fn router(state: AppState) -> Router {
             "/version",
             get(|| async { json_response(StatusCode::OK, &discovery::version()) }),
         )
-        .route("/healthz", get(health))
-        .route("/livez", get(health))
+        .route("/healthz", get(|q| health(q, "healthz")))
+        .route("/livez", get(|q| health(q, "livez")))
         .route("/readyz", get(ready))
         .route("/api", get(api_versions))
         .route(
@@ -91,15 +91,36 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-async fn health() -> &'static str {
-    "ok"
+/// `?verbose` on a health endpoint: the list of checks instead of `ok`.
+fn verbose(query: &axum::extract::RawQuery) -> bool {
+    query.0.as_deref().is_some_and(|q| {
+        q.split('&')
+            .any(|p| p == "verbose" || p.starts_with("verbose="))
+    })
+}
+
+/// `/healthz` and `/livez`: the process answers (kube-apiserver's `ping` check).
+async fn health(query: axum::extract::RawQuery, endpoint: &'static str) -> String {
+    if verbose(&query) {
+        format!("[+]ping ok\n{endpoint} check passed\n")
+    } else {
+        "ok".to_owned()
+    }
 }
 
 /// `/readyz`: ready when the storage answers (kube-apiserver's `etcd` check), 500 with the
-/// failed check otherwise, as kube-apiserver words it.
-async fn ready(State(state): State<AppState>) -> Response {
+/// failed check otherwise, as kube-apiserver words it; `?verbose` lists the checks.
+async fn ready(query: axum::extract::RawQuery, State(state): State<AppState>) -> Response {
     let backend = state.registry.store().backend();
     match backend.check().await {
+        Ok(()) if verbose(&query) => (
+            StatusCode::OK,
+            format!(
+                "[+]ping ok\n[+]{} ok\nreadyz check passed\n",
+                backend.name()
+            ),
+        )
+            .into_response(),
         Ok(()) => (StatusCode::OK, "ok").into_response(),
         Err(err) => {
             if matches!(
@@ -114,7 +135,7 @@ async fn ready(State(state): State<AppState>) -> Response {
             (
                 StatusCode::INTERNAL_SERVER_ERROR,
                 format!(
-                    "[-]{} failed: {}\nreadyz check failed\n",
+                    "[+]ping ok\n[-]{} failed: {}\nreadyz check failed\n",
                     backend.name(),
                     err
                 ),
