@@ -2074,3 +2074,35 @@ async fn the_kubernetes_service_gets_the_advertised_address_and_leases_expire_or
     // Nothing changed, nothing written.
     assert_eq!(r.body["metadata"]["resourceVersion"], rv);
 }
+
+#[tokio::test]
+async fn owner_references_and_app_protocols_are_validated_as_apimachinery_does() {
+    let s = server().await;
+    let mut svc = service(
+        "o",
+        json!({"ports":[{"port":80,"appProtocol":"bad proto!"}]}),
+    );
+    svc["metadata"]["ownerReferences"] =
+        json!([{"apiVersion":"apps/v1","kind":"Deployment","name":"web","uid":""}]);
+    let r = post(&s, SERVICES, svc).await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
+    let message = r.body["message"].as_str().unwrap();
+    assert!(
+        message.contains("metadata.ownerReferences.uid: Invalid value: \"\": must not be empty"),
+        "{message}"
+    );
+    assert!(
+        message.contains(
+            "spec.ports[0].appProtocol: Invalid value: \"bad proto!\": name part must consist of"
+        ),
+        "{message}"
+    );
+    // Well-formed ones pass: kube's own appProtocol values are qualified names.
+    let mut svc = service(
+        "p",
+        json!({"ports":[{"port":80,"appProtocol":"kubernetes.io/h2c"}]}),
+    );
+    svc["metadata"]["ownerReferences"] = json!([{"apiVersion":"apps/v1","kind":"Deployment","name":"web","uid":"9f1c","controller":true}]);
+    let r = post(&s, SERVICES, svc).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+}

@@ -573,12 +573,17 @@ impl Registry {
                 return Err(invalid(kind, &name, errs));
             }
         } else {
-            // Without a usable name there is no key; report it before allocating anything.
-            let errs = validation::object_meta(
+            // Without a usable name there is no key; report it before allocating anything. The
+            // rest of the metadata is judged with the spec, after allocation, as kube-apiserver
+            // does (BeginCreate, then validation).
+            let errs: Vec<_> = validation::object_meta(
                 object.metadata(),
                 true,
                 validation::NameRule::Dns1035Label,
-            );
+            )
+            .into_iter()
+            .filter(|e| matches!(e.field.as_str(), "metadata.name" | "metadata.namespace"))
+            .collect();
             if !errs.is_empty() {
                 return Err(invalid(kind, &name, errs));
             }

@@ -840,6 +840,16 @@ pub fn validate(svc: &Service) -> Vec<FieldError> {
             }
             _ => {}
         }
+        // validateServicePort: an application protocol is a qualified name.
+        if let Some(app) = p.app_protocol.as_deref() {
+            for problem in validation::qualified_name(app) {
+                errs.push(FieldError::invalid(
+                    format!("{path}.appProtocol"),
+                    GoValue::Str(app),
+                    problem,
+                ));
+            }
+        }
         if !keys.insert((protocol(p).to_owned(), p.port)) {
             errs.push(FieldError::duplicate(
                 path.clone(),

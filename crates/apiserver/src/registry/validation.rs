@@ -1,7 +1,7 @@
 //! Name and value checks shared by the kinds, with apimachinery's messages
 //! (`k8s.io/apimachinery/pkg/util/validation`).
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 
 use crate::error::{FieldError, GoValue};
 
@@ -231,7 +231,57 @@ pub fn object_meta(meta: &ObjectMeta, namespaced: bool, rule: NameRule) -> Vec<F
         "metadata.annotations",
         meta.annotations.iter().flatten(),
     ));
+    errs.extend(owner_references(
+        meta.owner_references.as_deref().unwrap_or_default(),
+    ));
     errs.extend(finalizers(meta.finalizers.as_deref().unwrap_or_default()));
+    errs
+}
+
+/// apimachinery's `ValidateOwnerReferences`: each names a version, a kind, a name and a uid,
+/// and at most one is the controller.
+fn owner_references(refs: &[OwnerReference]) -> Vec<FieldError> {
+    const FIELD: &str = "metadata.ownerReferences";
+    let mut errs = Vec::new();
+    let mut controller: Option<String> = None;
+    for r in refs {
+        // The version of `group/version`, or of a bare `version`.
+        let version = r.api_version.rsplit('/').next().unwrap_or_default();
+        let checks = [
+            (
+                "apiVersion",
+                &r.api_version,
+                version.is_empty(),
+                "version must not be empty",
+            ),
+            ("kind", &r.kind, r.kind.is_empty(), "must not be empty"),
+            ("name", &r.name, r.name.is_empty(), "must not be empty"),
+            ("uid", &r.uid, r.uid.is_empty(), "must not be empty"),
+        ];
+        for (field, value, bad, detail) in checks {
+            if bad {
+                errs.push(FieldError::invalid(
+                    format!("{FIELD}.{field}"),
+                    GoValue::Str(value),
+                    detail,
+                ));
+            }
+        }
+        if r.controller == Some(true) {
+            let this = format!("{}/{}", r.kind, r.name);
+            match &controller {
+                // kube prints the whole list with Go's %#v; abbreviated here.
+                Some(first) => errs.push(FieldError::invalid(
+                    FIELD,
+                    GoValue::Raw("[]v1.OwnerReference{...}".to_owned()),
+                    format!(
+                        "Only one reference can have Controller set to true. Found \"true\" in references for {first} and {this}"
+                    ),
+                )),
+                None => controller = Some(this),
+            }
+        }
+    }
     errs
 }
 
