@@ -2106,3 +2106,43 @@ async fn owner_references_and_app_protocols_are_validated_as_apimachinery_does()
     let r = post(&s, SERVICES, svc).await;
     assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
 }
+
+#[tokio::test]
+async fn empty_values_a_client_sends_are_dropped_as_gos_omitempty_drops_them() {
+    let s = server().await;
+    let r = post(
+        &s,
+        SERVICES,
+        json!({"apiVersion":"v1","kind":"Service",
+            "metadata":{"name":"z","labels":{},"annotations":{},"finalizers":[]},
+            "spec":{"ports":[{"name":"","port":80,"nodePort":0}],"externalIPs":[],
+                "externalName":"","healthCheckNodePort":0,"selector":{},"clusterIP":""}}),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    let meta = r.body["metadata"].as_object().unwrap();
+    for key in ["labels", "annotations", "finalizers"] {
+        assert!(!meta.contains_key(key), "{key} kept: {}", r.body);
+    }
+    let spec = r.body["spec"].as_object().unwrap();
+    for key in [
+        "externalIPs",
+        "externalName",
+        "healthCheckNodePort",
+        "selector",
+    ] {
+        assert!(!spec.contains_key(key), "{key} kept: {}", r.body);
+    }
+    let port = r.body["spec"]["ports"][0].as_object().unwrap();
+    assert!(
+        !port.contains_key("nodePort") && !port.contains_key("name"),
+        "{port:?}"
+    );
+    // An empty clusterIP means "allocate one", as before.
+    assert!(
+        r.body["spec"]["clusterIP"]
+            .as_str()
+            .unwrap()
+            .starts_with("10.96.")
+    );
+}

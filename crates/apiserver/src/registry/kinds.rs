@@ -8,8 +8,44 @@ use super::object::Object;
 use super::validation::{self, NameRule};
 use crate::error::{FieldError, GoValue};
 
+/// Empty values a client sent for fields Go declares as non-pointer `omitempty` (an empty
+/// string, map or list, a zero port): kube-apiserver decodes them into its structs and never
+/// writes them back, so neither is stored or answered here.
+pub fn drop_zero_values(object: &mut Object) {
+    fn none_if<T>(field: &mut Option<T>, empty: impl Fn(&T) -> bool) {
+        if field.as_ref().is_some_and(empty) {
+            *field = None;
+        }
+    }
+    let meta = object.metadata_mut();
+    none_if(&mut meta.labels, |m| m.is_empty());
+    none_if(&mut meta.annotations, |m| m.is_empty());
+    none_if(&mut meta.finalizers, |v| v.is_empty());
+    none_if(&mut meta.owner_references, |v| v.is_empty());
+    none_if(&mut meta.generate_name, |s| s.is_empty());
+    if let Object::Service(svc) = object
+        && let Some(spec) = svc.spec.as_mut()
+    {
+        none_if(&mut spec.cluster_ip, |s| s.is_empty());
+        none_if(&mut spec.cluster_ips, |v| v.is_empty());
+        none_if(&mut spec.external_ips, |v| v.is_empty());
+        none_if(&mut spec.external_name, |s| s.is_empty());
+        none_if(&mut spec.load_balancer_ip, |s| s.is_empty());
+        none_if(&mut spec.load_balancer_source_ranges, |v| v.is_empty());
+        none_if(&mut spec.selector, |m| m.is_empty());
+        none_if(&mut spec.ip_families, |v| v.is_empty());
+        none_if(&mut spec.health_check_node_port, |p| *p == 0);
+        none_if(&mut spec.publish_not_ready_addresses, |b| !*b);
+        for port in spec.ports.iter_mut().flatten() {
+            none_if(&mut port.node_port, |p| *p == 0);
+            none_if(&mut port.name, |s| s.is_empty());
+        }
+    }
+}
+
 /// `PrepareForCreate` of each kind's strategy.
 pub fn prepare_create(object: &mut Object) {
+    drop_zero_values(object);
     match object {
         Object::Service(svc) => {
             svc.status = None;
@@ -36,6 +72,7 @@ pub fn prepare_create(object: &mut Object) {
 
 /// Decode-time defaults that also apply to updates.
 pub fn set_defaults(object: &mut Object) {
+    drop_zero_values(object);
     if let Object::Service(svc) = object {
         super::service::set_defaults(svc);
     }
