@@ -2146,3 +2146,28 @@ async fn empty_values_a_client_sends_are_dropped_as_gos_omitempty_drops_them() {
             .starts_with("10.96.")
     );
 }
+
+#[tokio::test]
+async fn an_object_or_list_asked_for_in_yaml_is_answered_in_yaml() {
+    let s = server().await;
+    for uri in [format!("{SERVICES}/kubernetes"), SERVICES.to_owned()] {
+        let response = nodeport_apiserver::router(s.clone())
+            .oneshot(
+                Request::builder()
+                    .uri(&uri)
+                    .header("accept", "application/yaml")
+                    .body(Body::empty())
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(response.headers()["content-type"], "application/yaml");
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        let value: Value = yaml_serde::from_slice(&bytes).expect("YAML");
+        assert!(
+            value["metadata"]["resourceVersion"].is_string(),
+            "{uri}: {value}"
+        );
+    }
+}

@@ -565,7 +565,7 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
                 metadata["remainingItemCount"] = json!(remaining);
             }
             let items: Vec<Value> = list.items.into_iter().map(list_item).collect();
-            Ok(json_response(
+            Ok(negotiated_response(
                 StatusCode::OK,
                 &json!({
                     "kind": kind.list_kind(),
@@ -573,6 +573,7 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
                     "metadata": metadata,
                     "items": items,
                 }),
+                &accept,
             ))
         }
         (&Method::POST, None) => {
@@ -711,12 +712,57 @@ fn object_response(code: StatusCode, kind: Kind, object: Value, accept: &str) ->
             .to_owned();
         return json_response(code, &table::table(kind, &[object], &rv, None, "Metadata"));
     }
-    json_response(code, &object)
+    negotiated_response(code, &object, accept)
+}
+
+/// Whether the first media type of `Accept` this server writes is YAML (kube-apiserver answers
+/// `application/yaml` in YAML; protobuf, which it also offers, is answered in JSON here).
+fn wants_yaml(accept: &str) -> bool {
+    accept
+        .split(',')
+        .map(|range| range.split(';').next().unwrap_or("").trim())
+        .find(|media| {
+            matches!(
+                *media,
+                "application/json"
+                    | "application/yaml"
+                    | "application/vnd.kubernetes.protobuf"
+                    | "*/*"
+            )
+        })
+        == Some("application/yaml")
+}
+
+/// An object or list in the form `Accept` asks for: YAML or JSON.
+fn negotiated_response(code: StatusCode, value: &Value, accept: &str) -> Response {
+    if wants_yaml(accept) {
+        match yaml_serde::to_string(value) {
+            Ok(body) => {
+                return (code, [(header::CONTENT_TYPE, "application/yaml")], body).into_response();
+            }
+            Err(err) => tracing::warn!(error = %err, "cannot write YAML; answering JSON"),
+        }
+    }
+    json_response(code, value)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn yaml_is_answered_when_it_is_the_first_writable_media_type_asked_for() {
+        assert!(wants_yaml("application/yaml"));
+        assert!(wants_yaml(
+            "text/html, application/yaml;q=0.9, application/json"
+        ));
+        assert!(!wants_yaml("application/json, application/yaml"));
+        assert!(!wants_yaml(
+            "application/vnd.kubernetes.protobuf, application/yaml"
+        ));
+        assert!(!wants_yaml("*/*"));
+        assert!(!wants_yaml(""));
+    }
 
     #[test]
     fn paths_map_to_resources_and_subresources() {
