@@ -177,6 +177,24 @@ async fn discovery_documents_describe_the_served_resources() {
             [0]["kind"],
         "ServiceCIDR"
     );
+    // Field schemas with descriptions, for `kubectl explain svc.spec.ports`.
+    let core_uri = root.body["paths"]["api/v1"]["serverRelativeURL"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let core = get(&s, &core_uri).await;
+    let schemas = &core.body["components"]["schemas"];
+    assert_eq!(
+        schemas["io.k8s.api.core.v1.Service"]["properties"]["spec"]["allOf"][0]["$ref"],
+        "#/components/schemas/io.k8s.api.core.v1.ServiceSpec"
+    );
+    assert!(
+        schemas["io.k8s.api.core.v1.ServicePort"]["properties"]["nodePort"]["description"]
+            .as_str()
+            .is_some_and(|d| d.contains("NodePort")),
+        "{}",
+        schemas["io.k8s.api.core.v1.ServicePort"]
+    );
 }
 
 #[tokio::test]

@@ -415,3 +415,19 @@ fn kubectl_gets_the_default_service_cidr_of_the_cluster_ip_range() {
     );
     ok(&server, &["get", "servicecidr", "kubernetes"]);
 }
+
+#[test]
+fn kubectl_explain_describes_the_fields_of_each_served_kind() {
+    if !kubectl_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"), &[]);
+    let ports = ok(&server, &["explain", "svc.spec.ports"]);
+    assert!(ports.contains("FIELD: ports <[]ServicePort>"), "{ports}");
+    assert!(ports.contains("nodePort\t<integer>"), "{ports}");
+    let slices = ok(&server, &["explain", "endpointslices.endpoints.conditions"]);
+    assert!(slices.contains("serving\t<boolean>"), "{slices}");
+    let cidrs = ok(&server, &["explain", "servicecidrs.spec"]);
+    assert!(cidrs.contains("cidrs\t<[]string>"), "{cidrs}");
+}

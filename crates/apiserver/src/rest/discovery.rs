@@ -197,13 +197,32 @@ fn hash_of(path: &str) -> String {
     format!("{h:016X}")
 }
 
-/// `/openapi/v3/<path>`: operations for each kind with the markers kubectl looks for.
+/// The OpenAPI schemas of the kinds of `group` and of every type they contain, named as
+/// kube-apiserver names them (`io.k8s.api.core.v1.ServiceSpec`), with the field descriptions
+/// `kubectl explain` prints: k8s-openapi's, which come from the same API definitions.
+fn schemas_of(group: &str) -> serde_json::Map<String, Value> {
+    use k8s_openapi::api::{core::v1 as core, discovery::v1 as discovery, networking::v1 as net};
+    let mut generator = schemars::generate::SchemaSettings::openapi3().into_generator();
+    for kind in Kind::ALL.into_iter().filter(|k| k.group() == group) {
+        let _ = match kind {
+            Kind::Service => generator.subschema_for::<core::Service>(),
+            Kind::Endpoints => generator.subschema_for::<core::Endpoints>(),
+            Kind::Node => generator.subschema_for::<core::Node>(),
+            Kind::Namespace => generator.subschema_for::<core::Namespace>(),
+            Kind::EndpointSlice => generator.subschema_for::<discovery::EndpointSlice>(),
+            Kind::ServiceCidr => generator.subschema_for::<net::ServiceCIDR>(),
+        };
+    }
+    generator.take_definitions(true)
+}
+
+/// `/openapi/v3/<path>`: each kind's schema and operations, with the markers kubectl looks for.
 pub fn openapi_v3_document(path: &str) -> Option<Value> {
     let (_, group, version, package) = openapi_paths()
         .into_iter()
         .find(|(p, _, _, _)| *p == path)?;
     let mut paths = serde_json::Map::new();
-    let mut schemas = serde_json::Map::new();
+    let mut schemas = schemas_of(group);
     let field_validation = json!({
         "name": "fieldValidation",
         "in": "query",
@@ -213,13 +232,10 @@ pub fn openapi_v3_document(path: &str) -> Option<Value> {
     for kind in Kind::ALL.into_iter().filter(|k| k.group() == group) {
         let gvk = json!({"group": group, "version": version, "kind": kind.kind()});
         let schema_name = format!("io.k8s.api.{package}.{version}.{}", kind.kind());
-        schemas.insert(
-            schema_name.clone(),
-            json!({
-                "type": "object",
-                "x-kubernetes-group-version-kind": [gvk],
-            }),
-        );
+        let schema = schemas
+            .entry(schema_name.clone())
+            .or_insert_with(|| json!({"type": "object"}));
+        schema["x-kubernetes-group-version-kind"] = json!([gvk]);
         let reference = json!({"$ref": format!("#/components/schemas/{schema_name}")});
         let body = json!({"content": {"*/*": {"schema": reference}}, "required": true});
         let op = |verb: &str| {
