@@ -318,10 +318,7 @@ async fn state_over(backend: Arc<dyn Backend>, config: &Config) -> Result<AppSta
             tracing::info_span!("endpoint_reconciler", %ip),
         ));
     }
-    Ok(AppState {
-        registry,
-        config: Arc::new(config.rest.clone()),
-    })
+    Ok(AppState::new(registry, config.rest.clone()))
 }
 
 /// Opens the store (etcd if `config.etcd_servers` is set, the embedded store in
@@ -386,6 +383,12 @@ pub async fn serve_secured(
     security: Security,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), Error> {
+    // Open watches end when the shutdown begins; the server then drains the rest.
+    let trigger = state.shut_down.clone();
+    let shutdown = async move {
+        shutdown.await;
+        let _ = trigger.send(true);
+    };
     let mut app = router(state);
     if let Some(tokens) = security.tokens {
         app = app.layer(axum::middleware::from_fn_with_state(

@@ -2033,7 +2033,8 @@ async fn a_json_key_given_twice_follows_field_validation_as_kube_apiservers_stri
 
 #[tokio::test]
 async fn the_kubernetes_service_gets_the_advertised_address_and_leases_expire_or_leave() {
-    // kube-apiserver's lease endpoint reconciler, with this server's lease taken at start.
+    // kube-apiserver's lease endpoint reconciler, with this server's lease taken at start. Other
+    // API servers are played by other registries over the same store.
     let s = server_with(Config {
         advertise_address: Some("192.0.2.10".parse().unwrap()),
         port: 6443,
@@ -2069,28 +2070,59 @@ async fn the_kubernetes_service_gets_the_advertised_address_and_leases_expire_or
         slice.body["endpoints"],
         json!([{"addresses":["192.0.2.10"],"conditions":{"ready":true}}])
     );
-
-    // A second replica joins, then leaves.
-    let other = "192.0.2.11".parse().unwrap();
+    assert_eq!(
+        slice.body["metadata"]["labels"],
+        json!({"kubernetes.io/service-name":"kubernetes"})
+    );
+    let replica = || {
+        nodeport_apiserver::registry::Registry::new(
+            s.registry.store().clone(),
+            s.registry.ranges().clone(),
+        )
+    };
     let ttl = std::time::Duration::from_secs(60);
-    s.registry
-        .renew_kubernetes_endpoints(other, 6443, ttl)
+
+    // A second server joins, then leaves; a third, of the other family, is not listed.
+    let b = replica();
+    let b_ip = "192.0.2.11".parse().unwrap();
+    b.renew_kubernetes_endpoints(b_ip, 6443, ttl).await.unwrap();
+    assert_eq!(ips(&get(&s, endpoints).await), ["192.0.2.10", "192.0.2.11"]);
+    replica()
+        .renew_kubernetes_endpoints("fd00::12".parse().unwrap(), 6443, ttl)
         .await
         .unwrap();
     assert_eq!(ips(&get(&s, endpoints).await), ["192.0.2.10", "192.0.2.11"]);
-    s.registry.leave_kubernetes_endpoints(other).await.unwrap();
+    b.leave_kubernetes_endpoints(b_ip, 6443, ttl).await.unwrap();
+    assert_eq!(ips(&get(&s, endpoints).await), ["192.0.2.10"]);
+    // Having left, it renews no more.
+    b.renew_kubernetes_endpoints(b_ip, 6443, ttl).await.unwrap();
     let r = get(&s, endpoints).await;
     assert_eq!(ips(&r), ["192.0.2.10"]);
     let rv = r.body["metadata"]["resourceVersion"].clone();
-    // A lease that is not renewed in time stops counting (a replica killed): TTL 0 has expired.
-    s.registry
-        .renew_kubernetes_endpoints(other, 6443, std::time::Duration::ZERO)
+
+    // A server that dies stops renewing: once its lease has not moved for the TTL (of the
+    // observing server's own clock), it is dropped and its key deleted.
+    let a = replica();
+    let a_ip = "192.0.2.10".parse().unwrap();
+    let short = std::time::Duration::from_millis(50);
+    replica()
+        .renew_kubernetes_endpoints("192.0.2.13".parse().unwrap(), 6443, ttl)
+        .await
+        .unwrap();
+    a.renew_kubernetes_endpoints(a_ip, 6443, short)
+        .await
+        .unwrap();
+    assert_eq!(ips(&get(&s, endpoints).await), ["192.0.2.10", "192.0.2.13"]);
+    tokio::time::sleep(short * 2).await;
+    a.renew_kubernetes_endpoints(a_ip, 6443, short)
         .await
         .unwrap();
     let r = get(&s, endpoints).await;
     assert_eq!(ips(&r), ["192.0.2.10"]);
-    // Nothing changed, nothing written.
-    assert_eq!(r.body["metadata"]["resourceVersion"], rv);
+    assert_ne!(
+        r.body["metadata"]["resourceVersion"], rv,
+        "written twice since"
+    );
 }
 
 #[tokio::test]

@@ -1,6 +1,8 @@
-//! `nodeport apiserver` refuses unsafe or broken security flags before it opens anything, with
-//! one clear line and exit code 64 (the TLS and token paths themselves are tested with kubectl in
-//! the apiserver crate's `tls` test).
+//! `nodeport apiserver` refuses unsafe or broken flags before it opens anything, with one clear
+//! line and exit code 64 (the TLS and token paths themselves are tested with kubectl in the
+//! apiserver crate's `tls` test), and stops cleanly on SIGTERM.
+
+mod apiserver_support;
 
 use std::process::Command;
 
@@ -90,5 +92,36 @@ fn an_advertise_address_that_is_not_a_reachable_ip_is_refused_with_exit_64() {
     assert!(
         stderr.contains("--advertise-address 0.0.0.0 is not an address others can reach"),
         "{stderr}"
+    );
+}
+
+#[test]
+fn sigterm_ends_open_watches_and_stops_the_server() {
+    // kube-apiserver closes watches when it shuts down; a server that waited for its watchers
+    // (every node's proxy holds some) would never stop on SIGTERM.
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = apiserver_support::Server::start(&dir.path().join("data"), &[]);
+    let mut watch = std::net::TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+    write!(
+        watch,
+        "GET /api/v1/services?watch=1 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    )
+    .unwrap();
+    let mut first = [0u8; 64];
+    let n = watch.read(&mut first).unwrap();
+    assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
+    assert!(
+        server.terminate_within(std::time::Duration::from_secs(10)),
+        "the server was still running 10 s after SIGTERM with a watch open"
+    );
+    // The watch ended cleanly: the stream reaches its end.
+    watch
+        .set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    let mut rest = Vec::new();
+    assert!(
+        watch.read_to_end(&mut rest).is_ok(),
+        "the watch did not end"
     );
 }

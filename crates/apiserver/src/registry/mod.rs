@@ -190,6 +190,8 @@ pub struct Registry {
     ranges: Arc<ServiceRanges>,
     /// Namespaces whose deletion this server is finishing.
     finalizing: Arc<namespace::InProgress>,
+    /// This server's view of the API servers' leases (see [`master_leases`]).
+    leases: Arc<tokio::sync::Mutex<master_leases::Leases>>,
 }
 
 fn now() -> Time {
@@ -348,6 +350,7 @@ impl Registry {
             store,
             ranges: Arc::new(ranges),
             finalizing: Arc::default(),
+            leases: Arc::default(),
         }
     }
 

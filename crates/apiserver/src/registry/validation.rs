@@ -245,8 +245,11 @@ fn owner_references(refs: &[OwnerReference]) -> Vec<FieldError> {
     let mut errs = Vec::new();
     let mut controller: Option<String> = None;
     for r in refs {
-        // The version of `group/version`, or of a bare `version`.
-        let version = r.api_version.rsplit('/').next().unwrap_or_default();
+        // `ParseGroupVersion`: `version` or `group/version`; anything else has no version.
+        let version = match r.api_version.split('/').collect::<Vec<_>>().as_slice() {
+            [version] | [_, version] => *version,
+            _ => "",
+        };
         let checks = [
             (
                 "apiVersion",
@@ -266,6 +269,17 @@ fn owner_references(refs: &[OwnerReference]) -> Vec<FieldError> {
                     detail,
                 ));
             }
+        }
+        // `BannedOwners`: an Event may not own anything.
+        if r.api_version == "v1" && r.kind == "Event" {
+            errs.push(FieldError::invalid(
+                FIELD,
+                GoValue::Raw(format!(
+                    "v1.OwnerReference{{APIVersion:\"v1\", Kind:\"Event\", Name:{:?}, UID:{:?}}}",
+                    r.name, r.uid
+                )),
+                "/v1, Kind=Event is disallowed from being an owner",
+            ));
         }
         if r.controller == Some(true) {
             let this = format!("{}/{}", r.kind, r.name);

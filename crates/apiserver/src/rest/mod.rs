@@ -9,6 +9,7 @@ mod json;
 pub mod protobuf;
 pub mod table;
 pub mod watch;
+mod yaml;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -63,6 +64,24 @@ pub struct AppState {
     pub registry: Registry,
     /// REST settings.
     pub config: Arc<Config>,
+    /// Becomes `true` when the server begins to shut down: open watches end then (as
+    /// kube-apiserver closes them), so a graceful shutdown does not wait for their clients.
+    pub shutting_down: tokio::sync::watch::Receiver<bool>,
+    /// The sender of [`AppState::shutting_down`].
+    pub shut_down: Arc<tokio::sync::watch::Sender<bool>>,
+}
+
+impl AppState {
+    /// The state over `registry`, not shutting down.
+    pub fn new(registry: Registry, config: Config) -> Self {
+        let (shut_down, shutting_down) = tokio::sync::watch::channel(false);
+        AppState {
+            registry,
+            config: Arc::new(config),
+            shutting_down,
+            shut_down: Arc::new(shut_down),
+        }
+    }
 }
 
 /// The whole HTTP API.
@@ -134,10 +153,10 @@ async fn ready(query: axum::extract::RawQuery, State(state): State<AppState>) ->
             }
             (
                 StatusCode::INTERNAL_SERVER_ERROR,
+                // The cause goes to the log, not to an endpoint that needs no token.
                 format!(
-                    "[+]ping ok\n[-]{} failed: {}\nreadyz check failed\n",
-                    backend.name(),
-                    err
+                    "[+]ping ok\n[-]{} failed: reason withheld\nreadyz check failed\n",
+                    backend.name()
                 ),
             )
                 .into_response()
@@ -715,33 +734,42 @@ fn object_response(code: StatusCode, kind: Kind, object: Value, accept: &str) ->
     negotiated_response(code, &object, accept)
 }
 
-/// Whether the first media type of `Accept` this server writes is YAML (kube-apiserver answers
-/// `application/yaml` in YAML; protobuf, which it also offers, is answered in JSON here).
+/// Whether `Accept` prefers YAML among what this server writes, as kube-apiserver negotiates
+/// (goautoneg): media ranges by `q`, then specific types before wildcards, then in order.
+/// Protobuf, which kube-apiserver also offers, is answered in JSON here.
 fn wants_yaml(accept: &str) -> bool {
-    accept
+    let mut ranges: Vec<(f32, bool, usize, &str)> = accept
         .split(',')
-        .map(|range| range.split(';').next().unwrap_or("").trim())
-        .find(|media| {
-            matches!(
-                *media,
-                "application/json"
-                    | "application/yaml"
-                    | "application/vnd.kubernetes.protobuf"
-                    | "*/*"
-            )
+        .enumerate()
+        .filter_map(|(i, range)| {
+            let mut parts = range.split(';').map(str::trim);
+            let media = parts.next().filter(|m| !m.is_empty())?;
+            let q = parts
+                .filter_map(|p| p.strip_prefix("q="))
+                .find_map(|q| q.parse::<f32>().ok())
+                .unwrap_or(1.0);
+            Some((q, media.contains('*'), i, media))
         })
-        == Some("application/yaml")
+        .filter(|(q, ..)| *q > 0.0)
+        .collect();
+    ranges.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    ranges.iter().map(|(.., media)| *media).find(|media| {
+        matches!(
+            *media,
+            "application/json"
+                | "application/yaml"
+                | "application/vnd.kubernetes.protobuf"
+                | "application/*"
+                | "*/*"
+        )
+    }) == Some("application/yaml")
 }
 
 /// An object or list in the form `Accept` asks for: YAML or JSON.
 fn negotiated_response(code: StatusCode, value: &Value, accept: &str) -> Response {
     if wants_yaml(accept) {
-        match yaml_serde::to_string(value) {
-            Ok(body) => {
-                return (code, [(header::CONTENT_TYPE, "application/yaml")], body).into_response();
-            }
-            Err(err) => tracing::warn!(error = %err, "cannot write YAML; answering JSON"),
-        }
+        let body = yaml::to_string(value);
+        return (code, [(header::CONTENT_TYPE, "application/yaml")], body).into_response();
     }
     json_response(code, value)
 }
@@ -751,16 +779,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn yaml_is_answered_when_it_is_the_first_writable_media_type_asked_for() {
+    fn yaml_is_answered_when_it_is_the_preferred_writable_media_type() {
         assert!(wants_yaml("application/yaml"));
-        assert!(wants_yaml(
+        assert!(wants_yaml("text/html, application/yaml"));
+        // By q, then specific before wildcard (goautoneg), as kube-apiserver picks.
+        assert!(!wants_yaml(
             "text/html, application/yaml;q=0.9, application/json"
         ));
+        assert!(wants_yaml("application/json;q=0.5, application/yaml"));
+        assert!(wants_yaml("*/*, application/yaml"));
         assert!(!wants_yaml("application/json, application/yaml"));
         assert!(!wants_yaml(
             "application/vnd.kubernetes.protobuf, application/yaml"
         ));
         assert!(!wants_yaml("*/*"));
+        assert!(!wants_yaml("application/yaml;q=0, application/json"));
         assert!(!wants_yaml(""));
     }
 

@@ -154,6 +154,7 @@ pub async fn serve(
 
     let (tx, rx) = mpsc::channel::<Result<Bytes, Infallible>>(256);
     let interval = state.config.bookmark_interval;
+    let mut shutting_down = state.shutting_down.clone();
     let task = async move {
         for object in initial {
             if tx
@@ -178,11 +179,17 @@ pub async fn serve(
         };
         let deadline = tokio::time::sleep(timeout);
         tokio::pin!(deadline);
+        let stopping = async move {
+            let _ = shutting_down.wait_for(|down| *down).await;
+        };
+        tokio::pin!(stopping);
         let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
         let mut delivered = after;
         loop {
             tokio::select! {
                 _ = &mut deadline => return,
+                // The server is shutting down: the client will watch again elsewhere.
+                () = &mut stopping => return,
                 _ = ticker.tick(), if bookmarks => {
                     if tx.send(Ok(encoder.bookmark(delivered, false))).await.is_err() {
                         return;

@@ -215,13 +215,22 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "serving the Kubernetes API"
         );
         let registry = state.registry.clone();
-        nodeport_apiserver::serve_secured(state, listener, security, shutdown_signal()).await?;
-        if let Some(ip) = config.advertise_address {
-            // As kube-apiserver on shutdown: leave the endpoints now rather than after the TTL.
-            if let Err(err) = registry.leave_kubernetes_endpoints(ip).await {
+        let (advertised, port, ttl) = (
+            config.advertise_address,
+            config.port,
+            config.endpoint_lease_ttl,
+        );
+        let shutdown = async move {
+            shutdown_signal().await;
+            // As kube-apiserver's pre-shutdown hook: leave the kubernetes endpoints while still
+            // serving, so clients are sent elsewhere before this server stops answering.
+            if let Some(ip) = advertised
+                && let Err(err) = registry.leave_kubernetes_endpoints(ip, port, ttl).await
+            {
                 tracing::warn!(error = %err, "cannot remove this server from the kubernetes endpoints");
             }
-        }
+        };
+        nodeport_apiserver::serve_secured(state, listener, security, shutdown).await?;
         tracing::info!("stopped");
         anyhow::Ok(())
     })

@@ -104,11 +104,29 @@ impl Server {
 
     /// Stops the server with SIGTERM (a clean shutdown) and waits for it.
     pub fn terminate(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let pid = nix::unistd::Pid::from_raw(child.id() as i32);
-            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-            let _ = child.wait();
+        assert!(
+            self.terminate_within(Duration::from_secs(30)),
+            "nodeport apiserver did not stop within 30 s of SIGTERM"
+        );
+    }
+
+    /// Sends SIGTERM; whether the server exited within `limit` (if not, it is killed).
+    pub fn terminate_within(&mut self, limit: Duration) -> bool {
+        let Some(mut child) = self.child.take() else {
+            return true;
+        };
+        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if child.try_wait().ok().flatten().is_some() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(50));
         }
+        let _ = child.kill();
+        let _ = child.wait();
+        false
     }
 
     /// Kills the server with SIGKILL and waits for it.
