@@ -200,6 +200,15 @@ impl Subject {
             format!("{}.{}", self.resource, self.group)
         }
     }
+
+    /// `Service` or `EndpointSlice.discovery.k8s.io`, as apimachinery's `GroupKind.String()`.
+    pub fn group_kind(&self) -> String {
+        if self.group.is_empty() {
+            self.kind.to_owned()
+        } else {
+            format!("{}.{}", self.kind, self.group)
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default, Serialize, PartialEq)]
@@ -333,16 +342,11 @@ impl ApiError {
             let parts: Vec<String> = errors.iter().map(ToString::to_string).collect();
             format!("[{}]", parts.join(", "))
         };
-        // apimachinery's `NewInvalid` names the GroupKind: `EndpointSlice.discovery.k8s.io`.
-        let group_kind = if subject.group.is_empty() {
-            subject.kind.to_owned()
-        } else {
-            format!("{}.{}", subject.kind, subject.group)
-        };
+        // apimachinery's `NewInvalid` names the GroupKind.
         let mut e = Self::new(
             422,
             "Invalid",
-            format!("{group_kind} {name:?} is invalid: {joined}"),
+            format!("{} {name:?} is invalid: {joined}", subject.group_kind()),
         );
         e.details = Some(Box::new(Details {
             name: Some(name.to_owned()),

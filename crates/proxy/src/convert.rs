@@ -150,7 +150,7 @@ pub fn service(svc: &core::Service) -> Option<(ServiceName, Service)> {
             .node_port
             .and_then(|n| u16::try_from(n).ok())
             .filter(|n| *n != 0);
-        let mut sp = ServicePort {
+        let sp = ServicePort {
             name: ServicePortName {
                 namespace: key.namespace.clone(),
                 name: key.name.clone(),
@@ -163,13 +163,11 @@ pub fn service(svc: &core::Service) -> Option<(ServiceName, Service)> {
             external_ips: external_ips.clone(),
             load_balancer_ips: load_balancer_ips.clone(),
             load_balancer_source_ranges: load_balancer_source_ranges.clone(),
-            external_policy_local: false,
+            external_policy_local: etp_local,
             internal_policy_local,
             session_affinity_seconds,
             health_check_node_port,
         };
-        // kube-proxy's ExternalPolicyLocal: only meaningful for an externally reachable port.
-        sp.external_policy_local = etp_local && sp.externally_accessible();
         ports.push(Arc::new(sp));
     }
     Some((key, Service { ports }))

@@ -163,8 +163,8 @@ pub struct ServicePort {
     pub load_balancer_ips: Vec<IpAddr>,
     /// `spec.loadBalancerSourceRanges`.
     pub load_balancer_source_ranges: Vec<IpNet>,
-    /// `externalTrafficPolicy: Local` on a Service externally reachable in some family (per
-    /// family: [`crate::desired::ServicePortState::external_policy_local`]).
+    /// `externalTrafficPolicy: Local`, as set; it applies in a family where the port is externally
+    /// reachable ([`crate::desired::ServicePortState::external_policy_local`]).
     pub external_policy_local: bool,
     /// `internalTrafficPolicy: Local`.
     pub internal_policy_local: bool,
@@ -182,13 +182,6 @@ impl ServicePort {
             .iter()
             .copied()
             .find(|ip| IpFamily::of(*ip) == family)
-    }
-
-    /// kube-proxy's `ExternallyAccessible`: reachable from outside the cluster at all.
-    pub fn externally_accessible(&self) -> bool {
-        self.node_port.is_some()
-            || !self.load_balancer_ips.is_empty()
-            || !self.external_ips.is_empty()
     }
 }
 

@@ -64,6 +64,10 @@ impl Registry {
         format!("{}/masterleases/", self.store.prefix())
     }
 
+    fn lease_key(&self, ip: IpAddr) -> String {
+        format!("{}{ip}", self.lease_prefix())
+    }
+
     /// Renews this server's lease (`ip`), then rewrites the endpoints of `default/kubernetes`
     /// with the live leases and `port`. Does nothing once this server has left.
     pub async fn renew_kubernetes_endpoints(
@@ -76,7 +80,7 @@ impl Registry {
         if leases.stopped {
             return Ok(());
         }
-        let key = format!("{}{ip}", self.lease_prefix());
+        let key = self.lease_key(ip);
         let value: std::sync::Arc<[u8]> = serde_json::to_vec(&Lease { ip })
             .map_err(ApiError::internal)?
             .into();
@@ -100,7 +104,7 @@ impl Registry {
     ) -> Result<(), ApiError> {
         let mut leases = self.leases.lock().await;
         leases.stopped = true;
-        let key = format!("{}{ip}", self.lease_prefix());
+        let key = self.lease_key(ip);
         self.store
             .mutate(vec![key.clone()], move |txn| {
                 if txn.get(&key).is_some() {

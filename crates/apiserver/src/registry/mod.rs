@@ -233,6 +233,17 @@ mod uid_tests {
     }
 }
 
+/// `BeforeCreate`'s system fields: a new uid and creation time; no resourceVersion, deletion or
+/// managed fields from the client.
+fn reset_for_create(meta: &mut ObjectMeta) {
+    meta.uid = Some(new_uid());
+    meta.creation_timestamp = Some(now());
+    meta.resource_version = None;
+    meta.deletion_timestamp = None;
+    meta.deletion_grace_period_seconds = None;
+    meta.managed_fields = None;
+}
+
 /// `names.SimpleNameGenerator`: the prefix and 5 random characters from kube's alphabet.
 fn generate_name(prefix: &str) -> String {
     const ALPHABET: &[u8] = b"bcdfghjklmnpqrstvwxz2456789";
@@ -510,15 +521,8 @@ impl Registry {
         let decoded = Object::decode(kind, body)?;
         // A create or update wraps the strict decoding error as any decoding error
         // (kube-apiserver's `transformDecodeError`).
-        let warnings = unknown_field_handling(&decoded.unknown_fields, mode).map_err(|e| {
-            ApiError::bad_request(format!(
-                "{} in version {:?} cannot be handled as a {}: {}",
-                kind.kind(),
-                kind.version(),
-                kind.kind(),
-                e.message()
-            ))
-        })?;
+        let warnings = unknown_field_handling(&decoded.unknown_fields, mode)
+            .map_err(|e| object::undecodable(kind, e.message()))?;
         Ok((decoded.object, warnings))
     }
 
@@ -561,12 +565,7 @@ impl Registry {
                     .as_deref()
                     .and_then(|v| v.parse::<u64>().ok())
                     .is_some_and(|v| v != 0);
-            meta.uid = Some(new_uid());
-            meta.creation_timestamp = Some(now());
-            meta.resource_version = None;
-            meta.deletion_timestamp = None;
-            meta.deletion_grace_period_seconds = None;
-            meta.managed_fields = None;
+            reset_for_create(meta);
         }
         kinds::prepare_create(&mut object);
         let name = object.name().to_owned();
@@ -682,16 +681,7 @@ impl Registry {
                         check_namespace_open(txn, ns_key, ns, kind, &name)?;
                     }
                     let mut object = object.clone();
-                    {
-                        // `BeforeCreate`, as in `create`.
-                        let meta = object.metadata_mut();
-                        meta.uid = Some(new_uid());
-                        meta.creation_timestamp = Some(now());
-                        meta.resource_version = None;
-                        meta.deletion_timestamp = None;
-                        meta.deletion_grace_period_seconds = None;
-                        meta.managed_fields = None;
-                    }
+                    reset_for_create(object.metadata_mut());
                     kinds::prepare_create(&mut object);
                     if let Object::Service(svc) = &mut object {
                         service::create(svc, txn.allocators()?, &ranges)?;
@@ -1400,10 +1390,9 @@ fn has_finalizers(object: &Object) -> bool {
 /// a namespace, also the last of `spec.finalizers`), so the update removes it.
 fn finalized(object: &Object) -> bool {
     object.metadata().deletion_timestamp.is_some()
-        && !has_finalizers(object)
         && match object {
-            Object::Namespace(ns) => namespace::finalizers(ns).is_empty(),
-            _ => true,
+            Object::Namespace(ns) => !namespace::held(ns),
+            _ => !has_finalizers(object),
         }
 }
 

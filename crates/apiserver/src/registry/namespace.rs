@@ -132,11 +132,11 @@ pub fn validate_finalizers(namespace: &Namespace) -> Vec<FieldError> {
         .into_iter()
         .flatten()
     {
-        if !name.contains('/') && !super::validation::STANDARD_FINALIZERS.contains(&name.as_str()) {
+        if !super::validation::is_kube_finalizer_name(name) {
             errs.push(FieldError::invalid(
                 "spec.finalizers",
                 GoValue::Str(name),
-                "name is neither a standard finalizer name nor is it fully qualified",
+                super::validation::NOT_QUALIFIED_FINALIZER,
             ));
         }
     }
@@ -150,6 +150,17 @@ pub(super) fn finalizers(namespace: &Namespace) -> &[String] {
         .as_ref()
         .and_then(|s| s.finalizers.as_deref())
         .unwrap_or(&[])
+}
+
+/// Whether finalizers still hold the namespace: `spec.finalizers` (the namespace controller's)
+/// or `metadata.finalizers` (anyone's, as for every kind).
+pub(super) fn held(namespace: &Namespace) -> bool {
+    !finalizers(namespace).is_empty()
+        || namespace
+            .metadata
+            .finalizers
+            .as_ref()
+            .is_some_and(|f| !f.is_empty())
 }
 
 /// What a namespace DELETE did.
@@ -204,15 +215,7 @@ impl Registry {
                     txn.put(key.clone(), encode_stored(&object));
                     return Ok((object.to_value(), Deletion::Terminating));
                 }
-                // Held by `spec.finalizers` (the namespace controller's) or by
-                // `metadata.finalizers` (anyone's, as for every kind).
-                if !finalizers(&ns).is_empty()
-                    || ns
-                        .metadata
-                        .finalizers
-                        .as_ref()
-                        .is_some_and(|f| !f.is_empty())
-                {
+                if held(&ns) {
                     return Ok((old_value, Deletion::Terminating));
                 }
                 txn.delete(key.clone());
@@ -289,10 +292,7 @@ impl Registry {
                     txn.set_dry_run();
                 }
                 let object = Object::Namespace(ns.clone());
-                if ns.metadata.deletion_timestamp.is_some()
-                    && finalizers(&ns).is_empty()
-                    && ns.metadata.finalizers.as_ref().is_none_or(Vec::is_empty)
-                {
+                if ns.metadata.deletion_timestamp.is_some() && !held(&ns) {
                     txn.delete(key.clone());
                     return Ok((object.to_value(), old.mod_revision));
                 }
@@ -409,19 +409,18 @@ impl Registry {
                     return Ok(());
                 }
                 let spec = ns.spec.get_or_insert_with(NamespaceSpec::default);
-                let remaining: Vec<String> = spec
-                    .finalizers
-                    .iter()
-                    .flatten()
-                    .filter(|f| *f != FINALIZER)
-                    .cloned()
-                    .collect();
-                if remaining.is_empty() && ns.metadata.finalizers.as_ref().is_none_or(Vec::is_empty)
-                {
+                spec.finalizers = Some(
+                    spec.finalizers
+                        .iter()
+                        .flatten()
+                        .filter(|f| *f != FINALIZER)
+                        .cloned()
+                        .collect(),
+                );
+                if !held(&ns) {
                     txn.delete(key.clone());
                     return Ok(());
                 }
-                spec.finalizers = Some(remaining);
                 let encoded = encode_stored(&Object::Namespace(ns));
                 if encoded != old.value {
                     txn.put(key.clone(), encoded);

@@ -35,6 +35,17 @@ pub struct Decoded {
     pub unknown_fields: Vec<String>,
 }
 
+/// A body that cannot be decoded as `kind`, worded as kube-apiserver's `transformDecodeError`:
+/// `Service in version "v1" cannot be handled as a Service: <why>`.
+pub fn undecodable(kind: Kind, why: impl std::fmt::Display) -> ApiError {
+    ApiError::bad_request(format!(
+        "{} in version {:?} cannot be handled as a {}: {why}",
+        kind.kind(),
+        kind.version(),
+        kind.kind()
+    ))
+}
+
 impl Object {
     /// Decodes `value` as a `kind`, collecting unknown fields.
     ///
@@ -42,14 +53,7 @@ impl Object {
     /// `Service in version "v1" cannot be handled as a Service: <why>`.
     pub fn decode(kind: Kind, value: &Value) -> Result<Decoded, ApiError> {
         fn typed<T: serde::de::DeserializeOwned>(kind: Kind, value: &Value) -> Result<T, ApiError> {
-            serde_json::from_value(value.clone()).map_err(|e| {
-                ApiError::bad_request(format!(
-                    "{} in version {:?} cannot be handled as a {}: {e}",
-                    kind.kind(),
-                    kind.version(),
-                    kind.kind()
-                ))
-            })
+            serde_json::from_value(value.clone()).map_err(|e| undecodable(kind, e))
         }
         let object = match kind {
             Kind::Service => Object::Service(Box::new(typed(kind, value)?)),

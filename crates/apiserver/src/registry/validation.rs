@@ -300,7 +300,16 @@ fn owner_references(refs: &[OwnerReference]) -> Vec<FieldError> {
 }
 
 /// Finalizer names kube-apiserver accepts without a domain (`standardFinalizers`).
-pub const STANDARD_FINALIZERS: [&str; 3] = ["kubernetes", "orphan", "foregroundDeletion"];
+const STANDARD_FINALIZERS: [&str; 3] = ["kubernetes", "orphan", "foregroundDeletion"];
+
+/// Core's `validateKubeFinalizerName`: a name without a `/` must be a standard one.
+pub fn is_kube_finalizer_name(name: &str) -> bool {
+    name.contains('/') || STANDARD_FINALIZERS.contains(&name)
+}
+
+/// What core says of a finalizer name that [`is_kube_finalizer_name`] refuses.
+pub const NOT_QUALIFIED_FINALIZER: &str =
+    "name is neither a standard finalizer name nor is it fully qualified";
 
 /// apimachinery's `ValidateFinalizers` (qualified names; not both `orphan` and
 /// `foregroundDeletion`), then core's `validateKubeFinalizerName` on each: a name without a
@@ -324,11 +333,11 @@ fn finalizers(names: &[String]) -> Vec<FieldError> {
         ));
     }
     for (i, name) in names.iter().enumerate() {
-        if !name.contains('/') && !STANDARD_FINALIZERS.contains(&name.as_str()) {
+        if !is_kube_finalizer_name(name) {
             errs.push(FieldError::invalid(
                 format!("metadata.finalizers[{i}]"),
                 GoValue::Str(name),
-                "name is neither a standard finalizer name nor is it fully qualified",
+                NOT_QUALIFIED_FINALIZER,
             ));
         }
     }

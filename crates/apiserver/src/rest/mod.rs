@@ -425,13 +425,10 @@ fn decode_body(
                 FieldValidation::Ignore => Vec::new(),
                 FieldValidation::Warn => messages,
                 FieldValidation::Strict => {
-                    return Err(ApiError::bad_request(format!(
-                        "{} in version {:?} cannot be handled as a {}: strict decoding error: {}",
-                        kind.kind(),
-                        kind.version(),
-                        kind.kind(),
-                        messages.join(", ")
-                    )));
+                    return Err(crate::registry::object::undecodable(
+                        kind,
+                        format!("strict decoding error: {}", messages.join(", ")),
+                    ));
                 }
             };
             return Ok(Decoded { value, warnings });

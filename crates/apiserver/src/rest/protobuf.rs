@@ -188,17 +188,17 @@ pub fn decode_delete_options(body: &[u8]) -> Result<Value, Error> {
     let options: meta::DeleteOptions = typed(&envelope)?;
     let preconditions = options.preconditions.map(|p| {
         Fields::default()
-            .string_ptr("uid", p.uid)
-            .string_ptr("resourceVersion", p.resource_version)
+            .ptr("uid", p.uid)
+            .ptr("resourceVersion", p.resource_version)
             .done()
     });
     Ok(Fields::default()
-        .int64_ptr("gracePeriodSeconds", options.grace_period_seconds)
+        .ptr("gracePeriodSeconds", options.grace_period_seconds)
         .value("preconditions", preconditions)
-        .boolean_ptr("orphanDependents", options.orphan_dependents)
-        .string_ptr("propagationPolicy", options.propagation_policy)
+        .ptr("orphanDependents", options.orphan_dependents)
+        .ptr("propagationPolicy", options.propagation_policy)
         .strings("dryRun", options.dry_run)
-        .boolean_ptr(
+        .ptr(
             "ignoreStoreReadErrorWithClusterBreakingPotential",
             options.ignore_store_read_error_with_cluster_breaking_potential,
         )
@@ -210,7 +210,9 @@ pub fn decode_delete_options(body: &[u8]) -> Result<Value, Error> {
 const YEAR_0: i64 = -62_167_219_200;
 const END_OF_YEAR_9999: i64 = 253_402_300_799;
 
-/// A JSON object written field by field, each method named after the Go field's type.
+/// A JSON object written field by field, each method named after how Go's `encoding/json` writes
+/// the field: a pointer ([`Fields::ptr`]), a value with `omitempty` ([`Fields::nonzero`]), a
+/// value without it ([`Fields::always`]), and the lists, maps and nested objects.
 #[derive(Default)]
 struct Fields(Map<String, Value>);
 
@@ -237,56 +239,6 @@ impl Fields {
     /// A Go value field without `omitempty`: always written, unset as its zero value.
     fn always<T: Into<Value> + Default>(self, key: &str, value: Option<T>) -> Self {
         self.put(key, value.unwrap_or_default())
-    }
-
-    /// Go `string` with `omitempty`.
-    fn string(self, key: &str, value: Option<String>) -> Self {
-        self.nonzero(key, value)
-    }
-
-    /// Go `string` without `omitempty`.
-    fn string_always(self, key: &str, value: Option<String>) -> Self {
-        self.always(key, value)
-    }
-
-    /// Go `*string`.
-    fn string_ptr(self, key: &str, value: Option<String>) -> Self {
-        self.ptr(key, value)
-    }
-
-    /// Go `int32` with `omitempty`.
-    fn int32(self, key: &str, value: Option<i32>) -> Self {
-        self.nonzero(key, value)
-    }
-
-    /// Go `int32` without `omitempty`.
-    fn int32_always(self, key: &str, value: Option<i32>) -> Self {
-        self.always(key, value)
-    }
-
-    /// Go `*int32`.
-    fn int32_ptr(self, key: &str, value: Option<i32>) -> Self {
-        self.ptr(key, value)
-    }
-
-    /// Go `int64` with `omitempty`.
-    fn int64(self, key: &str, value: Option<i64>) -> Self {
-        self.nonzero(key, value)
-    }
-
-    /// Go `*int64`.
-    fn int64_ptr(self, key: &str, value: Option<i64>) -> Self {
-        self.ptr(key, value)
-    }
-
-    /// Go `bool` with `omitempty`.
-    fn boolean(self, key: &str, value: Option<bool>) -> Self {
-        self.nonzero(key, value)
-    }
-
-    /// Go `*bool`.
-    fn boolean_ptr(self, key: &str, value: Option<bool>) -> Self {
-        self.ptr(key, value)
     }
 
     /// Go `[]string` (an empty or nil slice is left out: both decode to nil in Go).
@@ -382,16 +334,16 @@ fn int_or_string(field: &'static str, value: IntOrString) -> Result<Value, Error
 
 fn object_meta(m: meta::ObjectMeta) -> Result<Value, Error> {
     Ok(Fields::default()
-        .string("name", m.name)
-        .string("generateName", m.generate_name)
-        .string("namespace", m.namespace)
-        .string("selfLink", m.self_link)
-        .string("uid", m.uid)
-        .string("resourceVersion", m.resource_version)
-        .int64("generation", m.generation)
+        .nonzero("name", m.name)
+        .nonzero("generateName", m.generate_name)
+        .nonzero("namespace", m.namespace)
+        .nonzero("selfLink", m.self_link)
+        .nonzero("uid", m.uid)
+        .nonzero("resourceVersion", m.resource_version)
+        .nonzero("generation", m.generation)
         .time("creationTimestamp", m.creation_timestamp)?
         .time("deletionTimestamp", m.deletion_timestamp)?
-        .int64_ptr(
+        .ptr(
             "deletionGracePeriodSeconds",
             m.deletion_grace_period_seconds,
         )
@@ -405,12 +357,12 @@ fn object_meta(m: meta::ObjectMeta) -> Result<Value, Error> {
 
 fn owner_reference(r: meta::OwnerReference) -> Result<Value, Error> {
     Ok(Fields::default()
-        .string_always("apiVersion", r.api_version)
-        .string_always("kind", r.kind)
-        .string_always("name", r.name)
-        .string_always("uid", r.uid)
-        .boolean_ptr("controller", r.controller)
-        .boolean_ptr("blockOwnerDeletion", r.block_owner_deletion)
+        .always("apiVersion", r.api_version)
+        .always("kind", r.kind)
+        .always("name", r.name)
+        .always("uid", r.uid)
+        .ptr("controller", r.controller)
+        .ptr("blockOwnerDeletion", r.block_owner_deletion)
         .done())
 }
 
@@ -422,36 +374,36 @@ fn managed_fields_entry(e: meta::ManagedFieldsEntry) -> Result<Value, Error> {
         .transpose()
         .map_err(Error::FieldsV1)?;
     Ok(Fields::default()
-        .string("manager", e.manager)
-        .string("operation", e.operation)
-        .string("apiVersion", e.api_version)
+        .nonzero("manager", e.manager)
+        .nonzero("operation", e.operation)
+        .nonzero("apiVersion", e.api_version)
         .time("time", e.time)?
-        .string("fieldsType", e.fields_type)
+        .nonzero("fieldsType", e.fields_type)
         .value("fieldsV1", fields_v1)
-        .string("subresource", e.subresource)
+        .nonzero("subresource", e.subresource)
         .done())
 }
 
 fn condition(c: meta::Condition) -> Result<Value, Error> {
     Ok(Fields::default()
-        .string_always("type", c.r#type)
-        .string_always("status", c.status)
-        .int64("observedGeneration", c.observed_generation)
+        .always("type", c.r#type)
+        .always("status", c.status)
+        .nonzero("observedGeneration", c.observed_generation)
         .time("lastTransitionTime", c.last_transition_time)?
-        .string_always("reason", c.reason)
-        .string_always("message", c.message)
+        .always("reason", c.reason)
+        .always("message", c.message)
         .done())
 }
 
 fn object_reference(r: core::ObjectReference) -> Result<Value, Error> {
     Ok(Fields::default()
-        .string("kind", r.kind)
-        .string("namespace", r.namespace)
-        .string("name", r.name)
-        .string("uid", r.uid)
-        .string("apiVersion", r.api_version)
-        .string("resourceVersion", r.resource_version)
-        .string("fieldPath", r.field_path)
+        .nonzero("kind", r.kind)
+        .nonzero("namespace", r.namespace)
+        .nonzero("name", r.name)
+        .nonzero("uid", r.uid)
+        .nonzero("apiVersion", r.api_version)
+        .nonzero("resourceVersion", r.resource_version)
+        .nonzero("fieldPath", r.field_path)
         .done())
 }
 
@@ -466,35 +418,35 @@ fn service_spec(s: core::ServiceSpec) -> Result<Value, Error> {
     Ok(Fields::default()
         .list("ports", s.ports, service_port)?
         .string_map("selector", s.selector)
-        .string("clusterIP", s.cluster_ip)
+        .nonzero("clusterIP", s.cluster_ip)
         .strings("clusterIPs", s.cluster_ips)
-        .string("type", s.r#type)
+        .nonzero("type", s.r#type)
         .strings("externalIPs", s.external_ips)
-        .string("sessionAffinity", s.session_affinity)
-        .string("loadBalancerIP", s.load_balancer_ip)
+        .nonzero("sessionAffinity", s.session_affinity)
+        .nonzero("loadBalancerIP", s.load_balancer_ip)
         .strings("loadBalancerSourceRanges", s.load_balancer_source_ranges)
-        .string("externalName", s.external_name)
-        .string("externalTrafficPolicy", s.external_traffic_policy)
-        .int32("healthCheckNodePort", s.health_check_node_port)
-        .boolean("publishNotReadyAddresses", s.publish_not_ready_addresses)
+        .nonzero("externalName", s.external_name)
+        .nonzero("externalTrafficPolicy", s.external_traffic_policy)
+        .nonzero("healthCheckNodePort", s.health_check_node_port)
+        .nonzero("publishNotReadyAddresses", s.publish_not_ready_addresses)
         .object("sessionAffinityConfig", s.session_affinity_config, |c| {
             Fields::default()
                 .object("clientIP", c.client_ip, |ip| {
                     Ok(Fields::default()
-                        .int32_ptr("timeoutSeconds", ip.timeout_seconds)
+                        .ptr("timeoutSeconds", ip.timeout_seconds)
                         .done())
                 })
                 .map(Fields::done)
         })?
         .strings("ipFamilies", s.ip_families)
-        .string_ptr("ipFamilyPolicy", s.ip_family_policy)
-        .boolean_ptr(
+        .ptr("ipFamilyPolicy", s.ip_family_policy)
+        .ptr(
             "allocateLoadBalancerNodePorts",
             s.allocate_load_balancer_node_ports,
         )
-        .string_ptr("loadBalancerClass", s.load_balancer_class)
-        .string_ptr("internalTrafficPolicy", s.internal_traffic_policy)
-        .string_ptr("trafficDistribution", s.traffic_distribution)
+        .ptr("loadBalancerClass", s.load_balancer_class)
+        .ptr("internalTrafficPolicy", s.internal_traffic_policy)
+        .ptr("trafficDistribution", s.traffic_distribution)
         .done())
 }
 
@@ -506,12 +458,12 @@ fn service_port(p: core::ServicePort) -> Result<Value, Error> {
         None => Value::from(0),
     };
     Ok(Fields::default()
-        .string("name", p.name)
-        .string("protocol", p.protocol)
-        .string_ptr("appProtocol", p.app_protocol)
-        .int32_always("port", p.port)
+        .nonzero("name", p.name)
+        .nonzero("protocol", p.protocol)
+        .ptr("appProtocol", p.app_protocol)
+        .always("port", p.port)
         .put("targetPort", target_port)
-        .int32("nodePort", p.node_port)
+        .nonzero("nodePort", p.node_port)
         .done())
 }
 
@@ -526,14 +478,14 @@ fn load_balancer_status(s: core::LoadBalancerStatus) -> Result<Value, Error> {
     Fields::default()
         .list("ingress", s.ingress, |i| {
             Fields::default()
-                .string("ip", i.ip)
-                .string("hostname", i.hostname)
-                .string_ptr("ipMode", i.ip_mode)
+                .nonzero("ip", i.ip)
+                .nonzero("hostname", i.hostname)
+                .ptr("ipMode", i.ip_mode)
                 .list("ports", i.ports, |p| {
                     Ok(Fields::default()
-                        .int32_always("port", p.port)
-                        .string_always("protocol", p.protocol)
-                        .string_ptr("error", p.error)
+                        .always("port", p.port)
+                        .always("protocol", p.protocol)
+                        .ptr("error", p.error)
                         .done())
                 })
                 .map(Fields::done)
@@ -548,14 +500,14 @@ fn namespace(head: Fields, n: core::Namespace) -> Result<Value, Error> {
         })?
         .object("status", n.status, |s| {
             Fields::default()
-                .string("phase", s.phase)
+                .nonzero("phase", s.phase)
                 .list("conditions", s.conditions, |c| {
                     Ok(Fields::default()
-                        .string_always("type", c.r#type)
-                        .string_always("status", c.status)
+                        .always("type", c.r#type)
+                        .always("status", c.status)
                         .time("lastTransitionTime", c.last_transition_time)?
-                        .string("reason", c.reason)
-                        .string("message", c.message)
+                        .nonzero("reason", c.reason)
+                        .nonzero("message", c.message)
                         .done())
                 })
                 .map(Fields::done)
@@ -572,20 +524,20 @@ fn node(head: Fields, n: core::Node) -> Result<Value, Error> {
 
 fn node_spec(s: core::NodeSpec) -> Result<Value, Error> {
     Ok(Fields::default()
-        .string("podCIDR", s.pod_cidr)
+        .nonzero("podCIDR", s.pod_cidr)
         .strings("podCIDRs", s.pod_cid_rs)
-        .string("providerID", s.provider_id)
-        .boolean("unschedulable", s.unschedulable)
+        .nonzero("providerID", s.provider_id)
+        .nonzero("unschedulable", s.unschedulable)
         .list("taints", s.taints, |t| {
             Ok(Fields::default()
-                .string_always("key", t.key)
-                .string("value", t.value)
-                .string_always("effect", t.effect)
+                .always("key", t.key)
+                .nonzero("value", t.value)
+                .always("effect", t.effect)
                 .time("timeAdded", t.time_added)?
                 .done())
         })?
         .object("configSource", s.config_source, node_config_source)?
-        .string("externalID", s.external_id)
+        .nonzero("externalID", s.external_id)
         .done())
 }
 
@@ -593,11 +545,11 @@ fn node_config_source(s: core::NodeConfigSource) -> Result<Value, Error> {
     Fields::default()
         .object("configMap", s.config_map, |c| {
             Ok(Fields::default()
-                .string_always("namespace", c.namespace)
-                .string_always("name", c.name)
-                .string("uid", c.uid)
-                .string("resourceVersion", c.resource_version)
-                .string_always("kubeletConfigKey", c.kubelet_config_key)
+                .always("namespace", c.namespace)
+                .always("name", c.name)
+                .nonzero("uid", c.uid)
+                .nonzero("resourceVersion", c.resource_version)
+                .always("kubeletConfigKey", c.kubelet_config_key)
                 .done())
         })
         .map(Fields::done)
@@ -612,28 +564,28 @@ fn node_status(s: core::NodeStatus) -> Result<Value, Error> {
     Ok(Fields::default()
         .string_map("capacity", quantities(s.capacity))
         .string_map("allocatable", quantities(s.allocatable))
-        .string("phase", s.phase)
+        .nonzero("phase", s.phase)
         .list("conditions", s.conditions, |c| {
             Ok(Fields::default()
-                .string_always("type", c.r#type)
-                .string_always("status", c.status)
+                .always("type", c.r#type)
+                .always("status", c.status)
                 .time("lastHeartbeatTime", c.last_heartbeat_time)?
                 .time("lastTransitionTime", c.last_transition_time)?
-                .string("reason", c.reason)
-                .string("message", c.message)
+                .nonzero("reason", c.reason)
+                .nonzero("message", c.message)
                 .done())
         })?
         .list("addresses", s.addresses, |a| {
             Ok(Fields::default()
-                .string_always("type", a.r#type)
-                .string_always("address", a.address)
+                .always("type", a.r#type)
+                .always("address", a.address)
                 .done())
         })?
         .object("daemonEndpoints", s.daemon_endpoints, |d| {
             Fields::default()
                 // `DaemonEndpoint.Port` is the one capitalised JSON name in core/v1.
                 .object("kubeletEndpoint", d.kubelet_endpoint, |e| {
-                    Ok(Fields::default().int32_always("Port", e.port).done())
+                    Ok(Fields::default().always("Port", e.port).done())
                 })
                 .map(Fields::done)
         })?
@@ -641,14 +593,14 @@ fn node_status(s: core::NodeStatus) -> Result<Value, Error> {
         .list("images", s.images, |i| {
             Ok(Fields::default()
                 .strings("names", i.names)
-                .int64("sizeBytes", i.size_bytes)
+                .nonzero("sizeBytes", i.size_bytes)
                 .done())
         })?
         .strings("volumesInUse", s.volumes_in_use)
         .list("volumesAttached", s.volumes_attached, |v| {
             Ok(Fields::default()
-                .string_always("name", v.name)
-                .string_always("devicePath", v.device_path)
+                .always("name", v.name)
+                .always("devicePath", v.device_path)
                 .done())
         })?
         .object("config", s.config, |c| {
@@ -656,23 +608,23 @@ fn node_status(s: core::NodeStatus) -> Result<Value, Error> {
                 .object("assigned", c.assigned, node_config_source)?
                 .object("active", c.active, node_config_source)?
                 .object("lastKnownGood", c.last_known_good, node_config_source)?
-                .string("error", c.error)
+                .nonzero("error", c.error)
                 .done())
         })?
         .list("runtimeHandlers", s.runtime_handlers, |h| {
             Fields::default()
-                .string_always("name", h.name)
+                .always("name", h.name)
                 .object("features", h.features, |f| {
                     Ok(Fields::default()
-                        .boolean_ptr("recursiveReadOnlyMounts", f.recursive_read_only_mounts)
-                        .boolean_ptr("userNamespaces", f.user_namespaces)
+                        .ptr("recursiveReadOnlyMounts", f.recursive_read_only_mounts)
+                        .ptr("userNamespaces", f.user_namespaces)
                         .done())
                 })
                 .map(Fields::done)
         })?
         .object("features", s.features, |f| {
             Ok(Fields::default()
-                .boolean_ptr("supplementalGroupsPolicy", f.supplemental_groups_policy)
+                .ptr("supplementalGroupsPolicy", f.supplemental_groups_policy)
                 .done())
         })?
         .strings("declaredFeatures", s.declared_features)
@@ -681,18 +633,18 @@ fn node_status(s: core::NodeStatus) -> Result<Value, Error> {
 
 fn node_system_info(i: core::NodeSystemInfo) -> Result<Value, Error> {
     Fields::default()
-        .string_always("machineID", i.machine_id)
-        .string_always("systemUUID", i.system_uuid)
-        .string_always("bootID", i.boot_id)
-        .string_always("kernelVersion", i.kernel_version)
-        .string_always("osImage", i.os_image)
-        .string_always("containerRuntimeVersion", i.container_runtime_version)
-        .string_always("kubeletVersion", i.kubelet_version)
-        .string_always("kubeProxyVersion", i.kube_proxy_version)
-        .string_always("operatingSystem", i.operating_system)
-        .string_always("architecture", i.architecture)
+        .always("machineID", i.machine_id)
+        .always("systemUUID", i.system_uuid)
+        .always("bootID", i.boot_id)
+        .always("kernelVersion", i.kernel_version)
+        .always("osImage", i.os_image)
+        .always("containerRuntimeVersion", i.container_runtime_version)
+        .always("kubeletVersion", i.kubelet_version)
+        .always("kubeProxyVersion", i.kube_proxy_version)
+        .always("operatingSystem", i.operating_system)
+        .always("architecture", i.architecture)
         .object("swap", i.swap, |s| {
-            Ok(Fields::default().int64_ptr("capacity", s.capacity).done())
+            Ok(Fields::default().ptr("capacity", s.capacity).done())
         })
         .map(Fields::done)
 }
@@ -705,10 +657,10 @@ fn endpoints(head: Fields, e: core::Endpoints) -> Result<Value, Error> {
                 .list("notReadyAddresses", s.not_ready_addresses, endpoint_address)?
                 .list("ports", s.ports, |p| {
                     Ok(Fields::default()
-                        .string("name", p.name)
-                        .int32_always("port", p.port)
-                        .string("protocol", p.protocol)
-                        .string_ptr("appProtocol", p.app_protocol)
+                        .nonzero("name", p.name)
+                        .always("port", p.port)
+                        .nonzero("protocol", p.protocol)
+                        .ptr("appProtocol", p.app_protocol)
                         .done())
                 })
                 .map(Fields::done)
@@ -718,9 +670,9 @@ fn endpoints(head: Fields, e: core::Endpoints) -> Result<Value, Error> {
 
 fn endpoint_address(a: core::EndpointAddress) -> Result<Value, Error> {
     Fields::default()
-        .string_always("ip", a.ip)
-        .string("hostname", a.hostname)
-        .string_ptr("nodeName", a.node_name)
+        .always("ip", a.ip)
+        .nonzero("hostname", a.hostname)
+        .ptr("nodeName", a.node_name)
         .object("targetRef", a.target_ref, object_reference)
         .map(Fields::done)
 }
@@ -729,35 +681,35 @@ fn endpoint_slice(head: Fields, s: discovery::EndpointSlice) -> Result<Value, Er
     // `endpoints` and `ports` have no `omitempty`; Go writes a nil slice as `null`, which
     // decodes as an absent field, so an empty one is left out like the other slices.
     head.object("metadata", s.metadata, object_meta)?
-        .string_always("addressType", s.address_type)
+        .always("addressType", s.address_type)
         .list("endpoints", s.endpoints, slice_endpoint)?
         .list("ports", s.ports, |p| {
             Ok(Fields::default()
-                .string_ptr("name", p.name)
-                .string_ptr("protocol", p.protocol)
-                .int32_ptr("port", p.port)
-                .string_ptr("appProtocol", p.app_protocol)
+                .ptr("name", p.name)
+                .ptr("protocol", p.protocol)
+                .ptr("port", p.port)
+                .ptr("appProtocol", p.app_protocol)
                 .done())
         })
         .map(Fields::done)
 }
 
 fn slice_endpoint(e: discovery::Endpoint) -> Result<Value, Error> {
-    let name = |n: Option<String>| Ok(Fields::default().string_always("name", n).done());
+    let name = |n: Option<String>| Ok(Fields::default().always("name", n).done());
     Fields::default()
         .strings("addresses", e.addresses)
         .object("conditions", e.conditions, |c| {
             Ok(Fields::default()
-                .boolean_ptr("ready", c.ready)
-                .boolean_ptr("serving", c.serving)
-                .boolean_ptr("terminating", c.terminating)
+                .ptr("ready", c.ready)
+                .ptr("serving", c.serving)
+                .ptr("terminating", c.terminating)
                 .done())
         })?
-        .string_ptr("hostname", e.hostname)
+        .ptr("hostname", e.hostname)
         .object("targetRef", e.target_ref, object_reference)?
         .string_map("deprecatedTopology", e.deprecated_topology)
-        .string_ptr("nodeName", e.node_name)
-        .string_ptr("zone", e.zone)
+        .ptr("nodeName", e.node_name)
+        .ptr("zone", e.zone)
         .object("hints", e.hints, |h| {
             Fields::default()
                 .list("forZones", h.for_zones, |z| name(z.name))?
