@@ -28,8 +28,8 @@
 //!   answered with 415;
 //! - `networking.k8s.io/v1` ServiceCIDRs are served read-only: the one named `kubernetes` holds
 //!   `--service-cluster-ip-range` (Ready); more ranges cannot be added through the API;
-//! - responses are always JSON, also to clients that prefer protobuf; protobuf request bodies
-//!   are decoded for the served kinds only;
+//! - responses are JSON (or YAML for objects and lists when asked for), never protobuf; protobuf
+//!   request bodies are decoded for the served kinds only;
 //! - an etcd outage is logged once when it starts and once when it ends (`storage::outage`), with
 //!   503/504 answers meanwhile, not one ERROR line per failed request.
 
