@@ -120,6 +120,10 @@ pub async fn metrics(registry: &Registry) -> Result<String, ApiError> {
         "# HELP nodeport_apiserver_allocation_differences Differences between the allocation bitmaps and the stored Services at the last check\n# TYPE nodeport_apiserver_allocation_differences gauge\nnodeport_apiserver_allocation_differences {}\n",
         stats.differences.load(std::sync::atomic::Ordering::Relaxed)
     ));
+    out.push_str(&format!(
+        "# HELP nodeport_apiserver_storage_lost_races_in_a_row_max The most races for the range keys one batch has lost in a row since the start (it fails at 64)\n# TYPE nodeport_apiserver_storage_lost_races_in_a_row_max gauge\nnodeport_apiserver_storage_lost_races_in_a_row_max {}\n",
+        stats.most_lost_in_a_row.load(std::sync::atomic::Ordering::Relaxed)
+    ));
     let mut counter = |name: &str, help: &str, value: String| {
         out.push_str(&format!(
             "# HELP {name} {help}\n# TYPE {name} counter\n{name} {value}\n"
@@ -140,6 +144,11 @@ pub async fn metrics(registry: &Registry) -> Result<String, ApiError> {
         "nodeport_apiserver_storage_conflicts_total",
         "Batches that lost a compare-and-swap race with another writer and were re-run",
         load(&stats.conflicts).to_string(),
+    );
+    counter(
+        "nodeport_apiserver_storage_conflict_give_ups_total",
+        "Write requests that failed (500) because their batch lost the race for the range keys too many times in a row",
+        load(&stats.gave_up).to_string(),
     );
     counter(
         "nodeport_apiserver_allocation_verifications_total",

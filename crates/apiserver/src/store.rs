@@ -238,6 +238,11 @@ pub struct Stats {
     pub mutations: AtomicU64,
     /// Commits that lost a race with another writer and were re-run.
     pub conflicts: AtomicU64,
+    /// The most lost races one batch has counted in a row (a gauge; the batch fails at
+    /// `MAX_CONFLICT_RETRIES`).
+    pub most_lost_in_a_row: AtomicU64,
+    /// Write requests answered 500 because their batch lost too many races in a row.
+    pub gave_up: AtomicU64,
     /// Time spent in backend commits, in nanoseconds.
     pub commit_nanos: AtomicU64,
     /// Time the writer spent reading the keys of its batches, in nanoseconds.
@@ -523,6 +528,9 @@ impl Writer {
                     fresh = self.speculate;
                     if ran_on_fresh {
                         lost += 1;
+                        self.stats
+                            .most_lost_in_a_row
+                            .fetch_max(u64::from(lost), Ordering::Relaxed);
                         // The first re-run goes at once: the winner's commit is done, and it is
                         // gathering its next batch. Later ones back off, at random, so that
                         // writers do not collide in lockstep.
@@ -566,6 +574,14 @@ impl Writer {
                 }
             }
         }
+        tracing::warn!(
+            requests = jobs.len(),
+            lost_races = lost,
+            "a batch lost every race for the range keys; its requests fail"
+        );
+        self.stats
+            .gave_up
+            .fetch_add(jobs.len() as u64, Ordering::Relaxed);
         for job in jobs {
             let _ = job.reply.send(Err(ApiError::internal(
                 "storage kept changing under the write; giving up after retries",

@@ -1,7 +1,8 @@
 //! The writer on etcd commits a batch on the keys as it last saw them, without reading them
 //! first; these tests run two writers (two `Store`s, as two API servers have) on one real etcd and
 //! check that a guess gone stale, or a key guessed absent that another writer created, costs a
-//! failed commit and a re-run, never a lost update or an overwrite.
+//! failed commit and a re-run, never a lost update or an overwrite; and that servers take turns
+//! when one keeps losing (the turn mark, see "Taking turns" in `storage::etcd`).
 //!
 //! Needs `/usr/bin/etcd` (Debian package `etcd-server`); fails when it is missing unless
 //! `NODEPORT_SKIP_PRIVILEGED=1` is set.
@@ -12,8 +13,8 @@ use std::time::Duration;
 
 use nodeport_apiserver::PortRange;
 use nodeport_apiserver::error::ApiError;
-use nodeport_apiserver::storage::Backend;
 use nodeport_apiserver::storage::etcd::{Config, EtcdBackend};
+use nodeport_apiserver::storage::{Backend, Batch, Commit, Compare, Op};
 use nodeport_apiserver::store::{Ranges, Store};
 use nodeport_testbed::etcd::Etcd;
 
@@ -191,4 +192,94 @@ async fn a_key_guessed_absent_that_another_writer_created_is_not_overwritten() {
         conflicts_before + 1
     );
     assert_eq!(stored(&a, key).await.as_deref(), Some("from a"));
+}
+
+async fn backend(etcd: &Etcd) -> EtcdBackend {
+    EtcdBackend::connect(Config::new(vec![etcd.url()]), PREFIX)
+        .await
+        .unwrap()
+}
+
+/// Puts `key`, on condition that it is still absent.
+async fn put_if_absent(backend: &EtcdBackend, key: &str) -> Commit {
+    backend
+        .commit(Batch {
+            compares: vec![Compare {
+                key: key.to_owned(),
+                mod_revision: None,
+            }],
+            groups: vec![vec![Op::Put {
+                key: key.to_owned(),
+                value: Arc::from(&b"{}"[..]),
+            }]],
+        })
+        .await
+        .unwrap()
+}
+
+/// The turn mark as stored: (value, mod_revision).
+async fn mark(backend: &EtcdBackend) -> Option<(String, i64)> {
+    let key = backend.turn_mark_key().to_owned();
+    let fetched = backend.get_many(vec![key.clone()]).await.unwrap();
+    fetched.kvs.get(&key).map(|kv| {
+        (
+            String::from_utf8(kv.value.to_vec()).unwrap(),
+            kv.mod_revision,
+        )
+    })
+}
+
+#[tokio::test]
+async fn a_server_that_keeps_losing_puts_its_mark_and_the_next_winner_waits_a_turn() {
+    let Some((etcd, _dir)) = start_etcd() else {
+        return;
+    };
+    let (winner, loser) = (backend(&etcd).await, backend(&etcd).await);
+    assert!(matches!(
+        put_if_absent(&winner, "/registry/test/taken").await,
+        Commit::Committed { .. }
+    ));
+    // The loser commits on a stale view (the key absent) again and again. The first two lost
+    // races are ordinary contention and leave no mark; the third says "I keep losing".
+    for lost in 1..=2 {
+        let commit = put_if_absent(&loser, "/registry/test/taken").await;
+        assert!(matches!(commit, Commit::Conflict(_)), "{lost}");
+        assert_eq!(mark(&loser).await, None, "no mark after {lost} lost races");
+    }
+    assert!(matches!(
+        put_if_absent(&loser, "/registry/test/taken").await,
+        Commit::Conflict(_)
+    ));
+    let (loser_id, marked_at) = mark(&loser).await.expect("the mark after 3 lost races");
+    // The mark is outside the prefix, so that no watch of the API server sees it.
+    assert!(!loser.turn_mark_key().starts_with("/registry/"));
+
+    // The winner's next win reads the new mark, not its own: it owes a wait, which its next
+    // commit takes.
+    assert!(winner.turn_owed().is_zero());
+    let commit = put_if_absent(&winner, "/registry/test/next").await;
+    assert!(matches!(commit, Commit::Committed { .. }));
+    let owed = winner.turn_owed();
+    assert!(!owed.is_zero(), "the winner must yield a turn");
+    assert!(owed <= Duration::from_millis(50), "{owed:?}");
+    let commit = put_if_absent(&winner, "/registry/test/after").await;
+    assert!(matches!(commit, Commit::Committed { .. }));
+    assert!(winner.turn_owed().is_zero(), "the wait is taken once");
+
+    // A mark already seen owes nothing again.
+    put_if_absent(&winner, "/registry/test/again").await;
+    assert!(winner.turn_owed().is_zero());
+
+    // The loser's own mark does not make it yield when it wins; its win ends its streak, so one
+    // more lost race leaves the mark as it was.
+    assert!(matches!(
+        put_if_absent(&loser, "/registry/test/mine").await,
+        Commit::Committed { .. }
+    ));
+    assert!(loser.turn_owed().is_zero(), "its own mark owes nothing");
+    assert!(matches!(
+        put_if_absent(&loser, "/registry/test/taken").await,
+        Commit::Conflict(_)
+    ));
+    assert_eq!(mark(&loser).await, Some((loser_id, marked_at)));
 }

@@ -39,6 +39,24 @@
 //! hub) serves every HTTP watch that starts within its recent history; older ones, and any while
 //! the hub reconnects, get an etcd watch of their own.
 //!
+//! ## Taking turns
+//!
+//! Every write compares the two range keys, so API servers that write at once race for them,
+//! and on a slow etcd the race is not fair. A transaction that arrives while etcd is writing
+//! another one waits for the next round of consensus. So the server that won a round learns it
+//! one round before the losers learn that they lost, and its next transaction, sent at once,
+//! is queued ahead of their re-runs, again and again. In CI, a replica lost 64 rounds in a row
+//! and answered 500; with etcd's fsync slowed to 10 ms it happens within a run (see
+//! docs/BENCHMARKS.md, "Taking turns").
+//!
+//! So a server that has lost [`MARK_AFTER`] commits in a row says so: the failure branch of its
+//! next transaction puts its id on the **turn mark**, `<--etcd-prefix>-writers/contention`
+//! (outside the prefix, so no watch sees it). Every transaction's success branch reads the mark.
+//! A server that wins and finds a mark newer than the last one it saw, put by another server,
+//! waits [`YIELD_ROUNDS`] of its own commit times (at most [`YIELD_MAX`]) before its next
+//! commit, so that the losers' re-runs get a round without it. The mark decides nothing about
+//! correctness (no transaction compares it); it only orders who goes next.
+//!
 //! ## Failures
 //!
 //! Every call has a deadline ([`Config::request_timeout`]). An unreachable etcd gives
@@ -46,6 +64,7 @@
 //! gRPC channel reconnects by itself when etcd is back.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use etcd_client::{
@@ -66,6 +85,16 @@ pub const SEQUENCE_SCALE: i64 = 1000;
 /// etcd's default `--max-txn-ops`: the most compares, and the most operations, in one
 /// transaction. The writer keeps batches within it.
 pub const MAX_TXN_OPS: usize = 128;
+
+/// Lost commits in a row after which a server puts its mark (see "Taking turns" in the module
+/// docs). One lost race is ordinary contention; two in a row start to look like being queued
+/// behind the same winner.
+const MARK_AFTER: u32 = 2;
+/// How many of its own last commit times a server that won waits after it saw another server's
+/// new mark: one round for the round the losers' re-runs are queued in, one for their travel.
+const YIELD_ROUNDS: u32 = 2;
+/// Longest such wait.
+const YIELD_MAX: Duration = Duration::from_millis(50);
 
 /// Keys read per etcd range request when listing.
 const LIST_PAGE: usize = 1000;
@@ -111,6 +140,53 @@ pub struct EtcdBackend {
     hub: Arc<Hub>,
     /// Whether etcd answers, from every call: one log line per outage, not one per request.
     outages: Arc<super::outage::Outages>,
+    /// Taking turns with other API servers (see the module docs).
+    turns: Arc<Turns>,
+}
+
+/// This server's side of taking turns (see "Taking turns" in the module docs).
+struct Turns {
+    /// The turn mark's key.
+    key: String,
+    /// What this server puts on the mark: an id no other server has.
+    id: Vec<u8>,
+    /// Commits lost in a row.
+    lost: AtomicU32,
+    /// The newest mod_revision of the mark this server has seen.
+    seen: AtomicI64,
+    /// The wait owed before the next commit, in microseconds.
+    owed_micros: AtomicU64,
+}
+
+impl Turns {
+    fn new(prefix: &str) -> Turns {
+        Turns {
+            key: format!("{prefix}-writers/contention"),
+            id: format!("{:032x}", rand::random::<u128>()).into_bytes(),
+            lost: Default::default(),
+            seen: Default::default(),
+            owed_micros: Default::default(),
+        }
+    }
+
+    /// After a won commit that took `took`, given the mark as the commit read it: whether
+    /// another server has lost since this one last looked, and if so, the wait owed.
+    fn won(&self, mark: Option<&etcd_client::KeyValue>, took: Duration) {
+        self.lost.store(0, Ordering::Relaxed);
+        let Some(mark) = mark else { return };
+        let newer =
+            self.seen.fetch_max(mark.mod_revision(), Ordering::Relaxed) < mark.mod_revision();
+        if newer && mark.value() != self.id.as_slice() {
+            let wait = (took * YIELD_ROUNDS).min(YIELD_MAX);
+            self.owed_micros
+                .store(wait.as_micros() as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Takes the wait owed (zero if none).
+    fn take_owed(&self) -> Duration {
+        Duration::from_micros(self.owed_micros.swap(0, Ordering::Relaxed))
+    }
 }
 
 /// Events the hub keeps for watchers that start a little in the past.
@@ -305,6 +381,7 @@ impl EtcdBackend {
             config: Arc::new(config),
             hub: Arc::default(),
             outages: Arc::new(super::outage::Outages::new("etcd")),
+            turns: Arc::new(Turns::new(prefix)),
         };
         if !backend.config.compaction_interval.is_zero() {
             let compactor = backend.clone();
@@ -314,6 +391,17 @@ impl EtcdBackend {
             ));
         }
         Ok(backend)
+    }
+
+    /// The wait this server owes before its next commit, having seen another server's turn
+    /// mark (see "Taking turns" in the module docs); zero if none.
+    pub fn turn_owed(&self) -> Duration {
+        Duration::from_micros(self.turns.owed_micros.load(Ordering::Relaxed))
+    }
+
+    /// The key of the turn mark (see "Taking turns" in the module docs).
+    pub fn turn_mark_key(&self) -> &str {
+        &self.turns.key
     }
 
     /// Every interval, compacts etcd to the revision it had one interval before (what
@@ -545,11 +633,22 @@ impl EtcdBackend {
         let writes = !ops.is_empty();
         // A lost race reads every compared key in the same round trip (the failure branch), so
         // that the writer can re-run the batch on what is stored now without reading again.
-        let reads: Vec<TxnOp> = batch
+        let mut reads: Vec<TxnOp> = batch
             .compares
             .iter()
             .map(|c| TxnOp::get(c.key.as_bytes(), None))
             .collect();
+        // Taking turns (module docs): a winner reads the mark, a loser that keeps losing puts it.
+        let turns = &self.turns;
+        ops.push(TxnOp::get(turns.key.as_bytes(), None));
+        if turns.lost.load(Ordering::Relaxed) >= MARK_AFTER {
+            reads.push(TxnOp::put(turns.key.as_bytes(), turns.id.clone(), None));
+        }
+        let owed = turns.take_owed();
+        if !owed.is_zero() {
+            tokio::time::sleep(owed).await;
+        }
+        let started = std::time::Instant::now();
         let response = self
             .client
             .kv_client()
@@ -557,7 +656,14 @@ impl EtcdBackend {
             .txn(Txn::new().when(compares).and_then(ops).or_else(reads))
             .await
             .map_err(|e| etcd_error("commit", None, e))?;
-        if !response.succeeded() {
+        if response.succeeded() {
+            let mark = match response.op_responses().pop() {
+                Some(TxnOpResponse::Get(get)) => get.kvs().first().cloned(),
+                _ => None,
+            };
+            turns.won(mark.as_ref(), started.elapsed());
+        } else {
+            turns.lost.fetch_add(1, Ordering::Relaxed);
             let mut current = Fetched {
                 revision: after_revision(response.header().map_or(0, |h| h.revision())),
                 ..Fetched::default()
@@ -896,8 +1002,9 @@ impl Backend for EtcdBackend {
     }
 
     fn max_batch_keys(&self) -> usize {
-        // The writer adds both range keys to the declared keys.
-        MAX_TXN_OPS - 2
+        // The writer adds both range keys to the declared keys, and each branch of the
+        // transaction has one operation on the turn mark.
+        MAX_TXN_OPS - 3
     }
 
     fn current_revision(&self) -> BoxFuture<'_, Result<Revision, Error>> {
