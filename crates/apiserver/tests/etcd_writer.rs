@@ -239,44 +239,52 @@ async fn a_server_that_keeps_losing_puts_its_mark_and_the_next_winner_waits_a_tu
         put_if_absent(&winner, "/registry/test/taken").await,
         Commit::Committed { .. }
     ));
-    // The loser commits on a stale view (the key absent) again and again. The first two lost
-    // races are ordinary contention and leave no mark; the third says "I keep losing".
+    // The loser commits on a stale view (the key absent) again and again. The first two failed
+    // commits leave no mark; the third says "I keep losing".
     for lost in 1..=2 {
         let commit = put_if_absent(&loser, "/registry/test/taken").await;
         assert!(matches!(commit, Commit::Conflict(_)), "{lost}");
-        assert_eq!(mark(&loser).await, None, "no mark after {lost} lost races");
+        assert_eq!(
+            mark(&loser).await,
+            None,
+            "no mark after {lost} failed commits"
+        );
     }
     assert!(matches!(
         put_if_absent(&loser, "/registry/test/taken").await,
         Commit::Conflict(_)
     ));
-    let (loser_id, marked_at) = mark(&loser).await.expect("the mark after 3 lost races");
+    let (loser_id, marked_at) = mark(&loser).await.expect("the mark after 3 failed commits");
     // The mark is outside the prefix, so that no watch of the API server sees it.
     assert!(!loser.turn_mark_key().starts_with("/registry/"));
 
-    // The winner's next win reads the new mark, not its own: it owes a wait, which its next
-    // commit takes.
-    assert!(winner.turn_owed().is_zero());
+    // The winner's next win reads the new mark, not its own: it gives the losers a turn, a wait
+    // before its next commit, which that commit takes.
+    assert_eq!(winner.turn_given(), None);
     let commit = put_if_absent(&winner, "/registry/test/next").await;
     assert!(matches!(commit, Commit::Committed { .. }));
-    let owed = winner.turn_owed();
-    assert!(!owed.is_zero(), "the winner must yield a turn");
-    assert!(owed <= Duration::from_millis(50), "{owed:?}");
+    let wait = winner
+        .turn_given()
+        .expect("the winner must give the losers a turn");
+    assert!(
+        !wait.is_zero() && wait <= Duration::from_millis(50),
+        "{wait:?}"
+    );
     let commit = put_if_absent(&winner, "/registry/test/after").await;
     assert!(matches!(commit, Commit::Committed { .. }));
-    assert!(winner.turn_owed().is_zero(), "the wait is taken once");
+    assert_eq!(winner.turn_given(), None, "a turn is given once");
 
-    // A mark already seen owes nothing again.
+    // A mark already seen gives no turn again.
     put_if_absent(&winner, "/registry/test/again").await;
-    assert!(winner.turn_owed().is_zero());
+    assert_eq!(winner.turn_given(), None);
 
-    // The loser's own mark does not make it yield when it wins; its win ends its streak, so one
-    // more lost race leaves the mark as it was.
+    // The loser's own mark gives no turn when it wins; its win ends its streak, so one more
+    // failed commit leaves the mark as it was.
     assert!(matches!(
         put_if_absent(&loser, "/registry/test/mine").await,
         Commit::Committed { .. }
     ));
-    assert!(loser.turn_owed().is_zero(), "its own mark owes nothing");
+    assert_eq!(loser.turn_given(), None, "its own mark gives no turn");
     assert!(matches!(
         put_if_absent(&loser, "/registry/test/taken").await,
         Commit::Conflict(_)

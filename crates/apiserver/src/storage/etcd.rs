@@ -49,13 +49,16 @@
 //! and answered 500; with etcd's fsync slowed to 10 ms it happens within a run (see
 //! docs/BENCHMARKS.md, "Taking turns").
 //!
-//! So a server that has lost [`MARK_AFTER`] commits in a row says so: the failure branch of its
-//! next transaction puts its id on the **turn mark**, `<--etcd-prefix>-writers/contention`
-//! (outside the prefix, so no watch sees it). Every transaction's success branch reads the mark.
-//! A server that wins and finds a mark newer than the last one it saw, put by another server,
-//! waits [`YIELD_ROUNDS`] of its own commit times (at most [`YIELD_MAX`]) before its next
-//! commit, so that the losers' re-runs get a round without it. The mark decides nothing about
-//! correctness (no transaction compares it); it only orders who goes next.
+//! So a server whose last [`MARK_AFTER`] commits failed says so: the failure branch of its next
+//! transaction puts its id on the **turn mark**, `<--etcd-prefix>-writers/contention` (outside
+//! the prefix, so no watch sees it; a deployment with `--etcd-prefix <P>-writers` on the same
+//! etcd would collide with it, and an etcd role limited to `<P>/` would refuse every commit).
+//! Every transaction's success branch reads the mark. A server that wins and finds a mark newer
+//! than the last one it saw, put by another server, waits [`YIELD_ROUNDS`] of its own commit
+//! times (at most [`YIELD_MAX`]) before its next commit, unless that commit comes [`YIELD_MAX`]
+//! or more after the win, so that the losers' re-runs get a round without it. The mark decides nothing about correctness (no transaction compares it);
+//! it only orders who goes next. The held time is inside the commit call, so the writer's commit
+//! time (`nodeport_apiserver_storage_commit_seconds_total`) includes it.
 //!
 //! ## Failures
 //!
@@ -64,7 +67,7 @@
 //! gRPC channel reconnects by itself when etcd is back.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
 use std::time::Duration;
 
 use etcd_client::{
@@ -86,12 +89,14 @@ pub const SEQUENCE_SCALE: i64 = 1000;
 /// transaction. The writer keeps batches within it.
 pub const MAX_TXN_OPS: usize = 128;
 
-/// Lost commits in a row after which a server puts its mark (see "Taking turns" in the module
-/// docs). One lost race is ordinary contention; two in a row start to look like being queued
-/// behind the same winner.
+/// Failed commits in a row after which a server puts its mark (see "Taking turns" in the module
+/// docs). A commit on a stale guess counts (see `store::Writer::known`), so the mark usually
+/// goes up after a guess that failed and a re-run on the keys it gave back that failed too: one
+/// lost race for the writer's own count, which leaves guesses out.
 const MARK_AFTER: u32 = 2;
-/// How many of its own last commit times a server that won waits after it saw another server's
-/// new mark: one round for the round the losers' re-runs are queued in, one for their travel.
+/// How many of its own last commit times a server that won waits before its next commit, after
+/// it saw another server's new mark: one round for the round the losers' re-runs are queued in,
+/// one for their travel.
 const YIELD_ROUNDS: u32 = 2;
 /// Longest such wait.
 const YIELD_MAX: Duration = Duration::from_millis(50);
@@ -154,8 +159,8 @@ struct Turns {
     lost: AtomicU32,
     /// The newest mod_revision of the mark this server has seen.
     seen: AtomicI64,
-    /// The wait owed before the next commit, in microseconds.
-    owed_micros: AtomicU64,
+    /// A turn given to the losers: when this server won, and how long its next commit waits.
+    turn: std::sync::Mutex<Option<(std::time::Instant, Duration)>>,
 }
 
 impl Turns {
@@ -165,12 +170,12 @@ impl Turns {
             id: format!("{:032x}", rand::random::<u128>()).into_bytes(),
             lost: Default::default(),
             seen: Default::default(),
-            owed_micros: Default::default(),
+            turn: Default::default(),
         }
     }
 
     /// After a won commit that took `took`, given the mark as the commit read it: whether
-    /// another server has lost since this one last looked, and if so, the wait owed.
+    /// another server has lost since this one last looked, and if so, the turn it gives.
     fn won(&self, mark: Option<&etcd_client::KeyValue>, took: Duration) {
         self.lost.store(0, Ordering::Relaxed);
         let Some(mark) = mark else { return };
@@ -178,14 +183,18 @@ impl Turns {
             self.seen.fetch_max(mark.mod_revision(), Ordering::Relaxed) < mark.mod_revision();
         if newer && mark.value() != self.id.as_slice() {
             let wait = (took * YIELD_ROUNDS).min(YIELD_MAX);
-            self.owed_micros
-                .store(wait.as_micros() as u64, Ordering::Relaxed);
+            *self.turn.lock().expect("turns lock") = Some((std::time::Instant::now(), wait));
         }
     }
 
-    /// Takes the wait owed (zero if none).
-    fn take_owed(&self) -> Duration {
-        Duration::from_micros(self.owed_micros.swap(0, Ordering::Relaxed))
+    /// Takes the turn given, if any: how long the next commit waits. A commit that starts
+    /// [`YIELD_MAX`] or more after the win does not wait: the losers had their turn. The wait
+    /// is counted from the next commit, not from the win: counted from the win, the longest
+    /// losing streaks in the 10,000-create test were 20-37 per run instead of 4-17
+    /// (docs/BENCHMARKS.md, "Taking turns").
+    fn take_turn(&self) -> Option<Duration> {
+        let (won_at, wait) = self.turn.lock().expect("turns lock").take()?;
+        (won_at.elapsed() < YIELD_MAX).then_some(wait)
     }
 }
 
@@ -393,10 +402,14 @@ impl EtcdBackend {
         Ok(backend)
     }
 
-    /// The wait this server owes before its next commit, having seen another server's turn
-    /// mark (see "Taking turns" in the module docs); zero if none.
-    pub fn turn_owed(&self) -> Duration {
-        Duration::from_micros(self.turns.owed_micros.load(Ordering::Relaxed))
+    /// How long this server's next commit waits, having seen another server's turn mark (see
+    /// "Taking turns" in the module docs); `None` if it does not.
+    pub fn turn_given(&self) -> Option<Duration> {
+        self.turns
+            .turn
+            .lock()
+            .expect("turns lock")
+            .map(|(_, wait)| wait)
     }
 
     /// The key of the turn mark (see "Taking turns" in the module docs).
@@ -644,9 +657,8 @@ impl EtcdBackend {
         if turns.lost.load(Ordering::Relaxed) >= MARK_AFTER {
             reads.push(TxnOp::put(turns.key.as_bytes(), turns.id.clone(), None));
         }
-        let owed = turns.take_owed();
-        if !owed.is_zero() {
-            tokio::time::sleep(owed).await;
+        if let Some(wait) = turns.take_turn() {
+            tokio::time::sleep(wait).await;
         }
         let started = std::time::Instant::now();
         let response = self
@@ -1084,6 +1096,19 @@ mod tests {
         assert!(after_revision(5) < resource_version(6, 0));
         assert_eq!(etcd_revision(resource_version(5, 3)), 5);
         assert_eq!(etcd_revision(after_revision(5)), 5);
+    }
+
+    #[test]
+    fn a_turn_given_makes_the_next_commit_wait_unless_it_comes_long_after_the_win() {
+        let turns = Turns::new("/registry");
+        assert_eq!(turns.take_turn(), None);
+        let wait = Duration::from_secs(3600);
+        *turns.turn.lock().unwrap() = Some((std::time::Instant::now(), wait));
+        assert_eq!(turns.take_turn(), Some(wait));
+        assert_eq!(turns.take_turn(), None, "a turn is given once");
+        let won_at = std::time::Instant::now() - YIELD_MAX;
+        *turns.turn.lock().unwrap() = Some((won_at, Duration::from_millis(10)));
+        assert_eq!(turns.take_turn(), None, "the quiet spell was the turn");
     }
 
     #[test]
