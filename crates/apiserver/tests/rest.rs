@@ -120,6 +120,12 @@ fn node_port_of(v: &Value) -> u16 {
         .expect("nodePort") as u16
 }
 
+/// Asserts a 422 Invalid reply with kube-apiserver's exact message.
+fn assert_invalid(r: &Reply, message: &str) {
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
+    assert_eq!(r.body["message"], message);
+}
+
 async fn verify_consistent(state: &AppState) {
     let v = state.registry.verify().await.unwrap();
     assert!(v.is_consistent(), "bitmaps differ from Services: {v:?}");
@@ -353,10 +359,9 @@ async fn two_ports_of_one_protocol_asking_for_one_node_port_are_refused_as_kube_
         ),
     )
     .await;
-    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
-    assert_eq!(
-        r.body["message"],
-        "Service \"dup\" is invalid: spec.ports[1].nodePort: Invalid value: 30400: provided port is already allocated"
+    assert_invalid(
+        &r,
+        "Service \"dup\" is invalid: spec.ports[1].nodePort: Invalid value: 30400: provided port is already allocated",
     );
 
     let r = post(
@@ -391,10 +396,9 @@ async fn two_ports_of_one_protocol_asking_for_one_node_port_are_refused_as_kube_
         {"name":"http","port":80,"protocol":"TCP","nodePort":30400},
         {"name":"alt","port":8080,"protocol":"TCP","nodePort":30400}]);
     let r = put(&s, &format!("{SERVICES}/one"), updated).await;
-    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
-    assert_eq!(
-        r.body["message"],
-        "Service \"one\" is invalid: spec.ports[1].nodePort: Duplicate value: 30400"
+    assert_invalid(
+        &r,
+        "Service \"one\" is invalid: spec.ports[1].nodePort: Duplicate value: 30400",
     );
     verify_consistent(&s).await;
 }
@@ -417,10 +421,9 @@ async fn a_taken_node_port_asked_for_by_a_later_entry_is_reported_at_the_first_e
         ),
     )
     .await;
-    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
-    assert_eq!(
-        r.body["message"],
-        "Service \"dns\" is invalid: spec.ports[0].nodePort: Invalid value: 30054: provided port is already allocated"
+    assert_invalid(
+        &r,
+        "Service \"dns\" is invalid: spec.ports[0].nodePort: Invalid value: 30054: provided port is already allocated",
     );
     verify_consistent(&s).await;
 }
@@ -662,10 +665,9 @@ async fn changing_only_cluster_ip_is_refused_on_cluster_ips_as_kube_apiserver_no
         json!({"spec":{"clusterIP":"10.96.0.50"}}),
     )
     .await;
-    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
-    assert_eq!(
-        r.body["message"],
-        "Service \"a\" is invalid: spec.clusterIPs[0]: Invalid value: []string{\"10.96.0.50\"}: may not change once set"
+    assert_invalid(
+        &r,
+        "Service \"a\" is invalid: spec.clusterIPs[0]: Invalid value: []string{\"10.96.0.50\"}: may not change once set",
     );
     verify_consistent(&s).await;
 }
@@ -738,10 +740,9 @@ async fn load_balancer_status_is_validated_and_ip_mode_defaults_to_vip() {
         json!({"status":{"loadBalancer":{"ingress":[{"ip":"not-an-ip"}]}}}),
     )
     .await;
-    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
-    assert_eq!(
-        r.body["message"],
-        "Service \"lb\" is invalid: status.loadBalancer.ingress[0].ip: Invalid value: \"not-an-ip\": must be a valid IP address, (e.g. 10.9.8.7 or 2001:db8::ffff)"
+    assert_invalid(
+        &r,
+        "Service \"lb\" is invalid: status.loadBalancer.ingress[0].ip: Invalid value: \"not-an-ip\": must be a valid IP address, (e.g. 10.9.8.7 or 2001:db8::ffff)",
     );
     let r = patch(
         &s,
@@ -780,10 +781,9 @@ async fn load_balancer_status_is_validated_and_ip_mode_defaults_to_vip() {
         json!({"status":{"loadBalancer":{"ingress":[{"ip":"198.51.100.8"}]}}}),
     )
     .await;
-    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
-    assert_eq!(
-        r.body["message"],
-        "Service \"cip\" is invalid: status.loadBalancer.ingress: Forbidden: may only be used when `spec.type` is 'LoadBalancer'"
+    assert_invalid(
+        &r,
+        "Service \"cip\" is invalid: status.loadBalancer.ingress: Forbidden: may only be used when `spec.type` is 'LoadBalancer'",
     );
 }
 
@@ -1570,10 +1570,9 @@ async fn a_service_with_a_finalizer_is_only_marked_on_delete_and_keeps_its_ports
         json!({"metadata":{"finalizers":["service.kubernetes.io/load-balancer-cleanup","example.com/more"]}}),
     )
     .await;
-    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
-    assert_eq!(
-        r.body["message"],
-        "Service \"held\" is invalid: metadata.finalizers: Forbidden: no new finalizers can be added if the object is being deleted, found new finalizers []string{\"example.com/more\"}"
+    assert_invalid(
+        &r,
+        "Service \"held\" is invalid: metadata.finalizers: Forbidden: no new finalizers can be added if the object is being deleted, found new finalizers []string{\"example.com/more\"}",
     );
     verify_consistent(&s).await;
 
@@ -1791,10 +1790,9 @@ async fn an_endpoint_slices_address_type_is_immutable() {
         json!({"addressType":"IPv6"}),
     )
     .await;
-    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
-    assert_eq!(
-        r.body["message"],
-        "EndpointSlice.discovery.k8s.io \"es\" is invalid: addressType: Invalid value: \"IPv6\": field is immutable"
+    assert_invalid(
+        &r,
+        "EndpointSlice.discovery.k8s.io \"es\" is invalid: addressType: Invalid value: \"IPv6\": field is immutable",
     );
 }
 
@@ -1871,10 +1869,9 @@ async fn protobuf_bodies_create_update_and_delete_services_as_json_bodies_do() {
     // A second Service asking for the same static port: kube-apiserver's 422.
     let body = protobuf_body("v1", "Service", &protobuf_service("pb2", 30080));
     let r = call(&s, Method::POST, SERVICES, PROTOBUF, body).await;
-    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
-    assert_eq!(
-        r.body["message"],
-        "Service \"pb2\" is invalid: spec.ports[0].nodePort: Invalid value: 30080: provided port is already allocated"
+    assert_invalid(
+        &r,
+        "Service \"pb2\" is invalid: spec.ports[0].nodePort: Invalid value: 30080: provided port is already allocated",
     );
 
     // An update (PUT) moves the port; the old one is freed.
