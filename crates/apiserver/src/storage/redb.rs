@@ -9,9 +9,15 @@
 //!
 //! Record layout in the `kv` table: `create_revision` (i64 LE), `mod_revision` (i64 LE), value.
 //! The store revision is kept in the `meta` table under `revision`, written in the same transaction.
+//!
+//! A failed write (a full disk, an I/O error) fails its batch and leaves the in-memory copy as it
+//! was, so reads and watches carry on. redb then refuses every later write ("Previous I/O error
+//! occurred. Please close and re-open the database"), so the file is closed at once and opened
+//! again by the next commit: once space is freed, writes resume without a restart. The reopened
+//! file is checked against the acknowledged revision (see [`RedbBackend::reopen`]).
 
 use std::collections::{HashMap, VecDeque};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 
 use futures::future::BoxFuture;
@@ -19,6 +25,8 @@ use futures::{FutureExt, StreamExt};
 use imbl::OrdMap;
 use redb::{ReadableDatabase, ReadableTable, TableDefinition};
 use tokio::sync::broadcast;
+
+pub mod fault;
 
 use super::{
     Backend, Batch, Commit, Error, Event, EventKind, Fetched, KeyValue, ListPage, ListRequest, Op,
@@ -60,12 +68,18 @@ pub struct RedbBackend {
 }
 
 struct Inner {
-    db: redb::Database,
+    /// The open database, or `None` from a failed write until the next commit opens it again.
+    /// Held for the whole of a commit, which serialises commits (redb allows one write
+    /// transaction at a time anyway).
+    db: Mutex<Option<redb::Database>>,
+    /// How to open the file again; `None` for a store in memory, which has nothing to reopen.
+    opener: Option<Opener>,
     state: RwLock<State>,
-    /// Serialises commits: redb allows one write transaction at a time anyway.
-    commit_lock: Mutex<()>,
     events: broadcast::Sender<Arc<Published>>,
 }
+
+/// Opens the database file: at start, and again after a failed write.
+type Opener = Box<dyn Fn() -> Result<redb::Database, Error> + Send + Sync>;
 
 struct State {
     revision: Revision,
@@ -98,8 +112,45 @@ macro_rules! db {
 impl RedbBackend {
     /// Opens (or creates) the store in `path`.
     pub fn open(path: &Path, config: Config) -> Result<Self, Error> {
-        let db = db!("open", redb::Database::create(path))?;
-        Self::from_database(db, config)
+        let path = path.to_path_buf();
+        Self::with_opener(
+            Box::new(move || db!("open", redb::Database::create(&path))),
+            config,
+        )
+    }
+
+    /// Like [`RedbBackend::open`], with every read, write and sync of the file going through
+    /// `faults` ([`fault::Faults`]): storage faults that a test cannot make a real disk produce.
+    pub fn open_with_faults(
+        path: &Path,
+        config: Config,
+        faults: Arc<fault::Faults>,
+    ) -> Result<Self, Error> {
+        let path: PathBuf = path.to_path_buf();
+        Self::with_opener(
+            Box::new(move || {
+                let file = db!(
+                    "open",
+                    std::fs::OpenOptions::new()
+                        .read(true)
+                        .write(true)
+                        .create(true)
+                        .truncate(false)
+                        .open(&path)
+                )?;
+                let backend = fault::FaultyFile::new(file, faults.clone())?;
+                db!(
+                    "open",
+                    redb::Database::builder().create_with_backend(backend)
+                )
+            }),
+            config,
+        )
+    }
+
+    fn with_opener(opener: Opener, config: Config) -> Result<Self, Error> {
+        let db = opener()?;
+        Self::from_database(db, Some(opener), config)
     }
 
     /// A store that lives in memory only (tests).
@@ -108,39 +159,21 @@ impl RedbBackend {
             "open",
             redb::Database::builder().create_with_backend(redb::backends::InMemoryBackend::new())
         )?;
-        Self::from_database(db, config)
+        Self::from_database(db, None, config)
     }
 
-    fn from_database(db: redb::Database, config: Config) -> Result<Self, Error> {
-        // Make sure both tables exist so that read transactions can open them.
-        let txn = db!("begin write", db.begin_write())?;
-        {
-            db!("open table", txn.open_table(KV))?;
-            db!("open table", txn.open_table(META))?;
-        }
-        db!("commit", txn.commit())?;
-
-        let read = db!("begin read", db.begin_read())?;
-        let revision = {
-            let meta = db!("open table", read.open_table(META))?;
-            db!("read revision", meta.get(REVISION))?
-                .map(|v| v.value())
-                .unwrap_or(0)
-        };
-        let mut map = OrdMap::new();
-        {
-            let kv = db!("open table", read.open_table(KV))?;
-            for entry in db!("scan", kv.iter())? {
-                let (key, record) = db!("scan", entry)?;
-                let key = key.value().to_owned();
-                let kv = decode_record(&key, record.value())?;
-                map.insert(key, kv);
-            }
-        }
+    fn from_database(
+        db: redb::Database,
+        opener: Option<Opener>,
+        config: Config,
+    ) -> Result<Self, Error> {
+        create_tables(&db)?;
+        let (revision, map) = read_all(&db)?;
         let (events, _) = broadcast::channel(config.watcher_buffer.max(16));
         Ok(RedbBackend {
             inner: Arc::new(Inner {
-                db,
+                db: Mutex::new(Some(db)),
+                opener,
                 state: RwLock::new(State {
                     revision,
                     map,
@@ -149,7 +182,6 @@ impl RedbBackend {
                     capacity: config.event_history.max(1),
                     pinned: VecDeque::new(),
                 }),
-                commit_lock: Mutex::new(()),
                 events,
             }),
         })
@@ -162,7 +194,10 @@ impl RedbBackend {
     }
 
     fn commit_blocking(&self, batch: Batch) -> Result<Commit, Error> {
-        let _guard = self.inner.commit_lock.lock().expect("commit lock");
+        let mut db = self.inner.db.lock().expect("commit lock");
+        if db.is_none() {
+            *db = Some(self.reopen()?);
+        }
         let (base_revision, mut map) = {
             let state = self.inner.state.read().expect("state lock");
             for compare in &batch.compares {
@@ -233,31 +268,95 @@ impl RedbBackend {
             .filter_map(|(key, kv)| kv.as_ref().map(|kv| (key.clone(), kv.mod_revision)))
             .collect();
 
-        let mut txn = db!("begin write", self.inner.db.begin_write())?;
-        db!(
-            "set durability",
-            txn.set_durability(redb::Durability::Immediate)
-        )?;
-        {
-            let mut kv = db!("open table", txn.open_table(KV))?;
-            let mut record = Vec::new();
-            for (key, value) in &writes {
-                match value {
-                    Some(value) => {
-                        encode_record(value, &mut record);
-                        db!("put", kv.insert(key.as_str(), record.as_slice()))?;
-                    }
-                    None => {
-                        db!("delete", kv.remove(key.as_str()))?;
-                    }
+        if let Err(err) = write(db.as_ref().expect("opened above"), &writes, revision) {
+            if self.inner.opener.is_some() {
+                // redb refuses every write after an I/O error until the database is closed and
+                // opened again: close it now (releasing the file), and let the next commit
+                // reopen it, so that writes resume once the cause (a full disk) is gone.
+                // The error itself is logged once, with the request it failed.
+                *db = None;
+                tracing::warn!(
+                    "embedded store closed after a failed write; the next write reopens it"
+                );
+            }
+            return Err(err);
+        }
+        let mut state = self.inner.state.write().expect("state lock");
+        self.publish(&mut state, map, revision, events);
+        Ok(Commit::Committed {
+            revisions,
+            revision,
+            put_revisions,
+        })
+    }
+
+    /// Opens the file again after a failed write, and checks it against what was acknowledged.
+    ///
+    /// The file normally holds exactly the acknowledged revision. It may hold more when the
+    /// failed commit reached the disk after all (an fsync that failed after the header was
+    /// written): the batch was answered with an error, yet it is durable, as a write to etcd
+    /// that timed out may be. Its changes are then taken into the in-memory copy and sent to
+    /// watchers, so that memory, disk and watches agree; deletions in it get the file's revision,
+    /// since the file does not record theirs. A file older than what was acknowledged means
+    /// acknowledged writes are gone: that is reported as corruption and nothing is written.
+    fn reopen(&self) -> Result<redb::Database, Error> {
+        let opener = self
+            .inner
+            .opener
+            .as_ref()
+            .expect("only a file-backed store closes its database");
+        let db = opener()?;
+        let (revision, map) = read_all(&db)?;
+        let mut state = self.inner.state.write().expect("state lock");
+        if revision < state.revision {
+            return Err(Error::Corrupt {
+                key: REVISION.to_owned(),
+                reason: format!(
+                    "the reopened file is at revision {revision}, older than the acknowledged {}",
+                    state.revision
+                ),
+            });
+        }
+        if revision > state.revision {
+            let mut events = Vec::new();
+            for (key, kv) in map.iter() {
+                let prev = state.map.get(key);
+                if prev.is_none_or(|p| p.mod_revision != kv.mod_revision) {
+                    events.push(Event::new(EventKind::Put, kv.clone(), prev.cloned()));
                 }
             }
-            let mut meta = db!("open table", txn.open_table(META))?;
-            db!("write revision", meta.insert(REVISION, revision))?;
+            for (key, prev) in state.map.iter() {
+                if !map.contains_key(key) {
+                    let deleted = KeyValue {
+                        mod_revision: revision,
+                        ..prev.clone()
+                    };
+                    events.push(Event::new(EventKind::Delete, deleted, Some(prev.clone())));
+                }
+            }
+            events.sort_by_key(|e| e.kv.mod_revision);
+            tracing::warn!(
+                acknowledged = state.revision,
+                on_disk = revision,
+                changes = events.len(),
+                "a write reported as failed reached the embedded store's file; taking it in"
+            );
+            self.publish(&mut state, map, revision, events);
         }
-        db!("commit", txn.commit())?;
+        tracing::info!(revision, "embedded store reopened");
+        Ok(db)
+    }
 
-        let mut state = self.inner.state.write().expect("state lock");
+    /// Makes a committed batch visible: the new keyspace and revision, the watch log, and the
+    /// watchers. Called under the state's write lock, so a watch that registers under the read
+    /// lock sees each event exactly once: either in the log or on the channel.
+    fn publish(
+        &self,
+        state: &mut State,
+        map: OrdMap<String, KeyValue>,
+        revision: Revision,
+        events: Vec<Event>,
+    ) {
         state.map = map;
         state.revision = revision;
         for event in &events {
@@ -267,17 +366,10 @@ impl RedbBackend {
             let dropped = state.log.pop_front().expect("non-empty");
             state.oldest = dropped.kv.mod_revision;
         }
-        // Sent under the write lock, so a watch that registers under the read lock sees each
-        // event exactly once: either in the log or on the channel.
         let _ = self
             .inner
             .events
             .send(Arc::new(Published { events, revision }));
-        Ok(Commit::Committed {
-            revisions,
-            revision,
-            put_revisions,
-        })
     }
 
     fn list_now(&self, request: ListRequest) -> Result<ListPage, Error> {
@@ -396,6 +488,71 @@ impl RedbBackend {
         );
         Ok(stream.boxed())
     }
+}
+
+/// Writes one batch's last value of each key, and the new store revision, in one fsynced redb
+/// transaction.
+fn write(
+    db: &redb::Database,
+    writes: &OrdMap<String, Option<KeyValue>>,
+    revision: Revision,
+) -> Result<(), Error> {
+    let mut txn = db!("begin write", db.begin_write())?;
+    db!(
+        "set durability",
+        txn.set_durability(redb::Durability::Immediate)
+    )?;
+    {
+        let mut kv = db!("open table", txn.open_table(KV))?;
+        let mut record = Vec::new();
+        for (key, value) in writes {
+            match value {
+                Some(value) => {
+                    encode_record(value, &mut record);
+                    db!("put", kv.insert(key.as_str(), record.as_slice()))?;
+                }
+                None => {
+                    db!("delete", kv.remove(key.as_str()))?;
+                }
+            }
+        }
+        let mut meta = db!("open table", txn.open_table(META))?;
+        db!("write revision", meta.insert(REVISION, revision))?;
+    }
+    db!("commit", txn.commit())
+}
+
+/// Creates both tables if they are missing, so that read transactions can open them.
+fn create_tables(db: &redb::Database) -> Result<(), Error> {
+    let txn = db!("begin write", db.begin_write())?;
+    {
+        db!("open table", txn.open_table(KV))?;
+        db!("open table", txn.open_table(META))?;
+    }
+    db!("commit", txn.commit())
+}
+
+/// The store revision and every key of a database whose tables exist. Writes nothing, so that
+/// a file can be reopened on a disk that is still full.
+fn read_all(db: &redb::Database) -> Result<(Revision, OrdMap<String, KeyValue>), Error> {
+    let read = db!("begin read", db.begin_read())?;
+    let revision = {
+        let meta = db!("open table", read.open_table(META))?;
+        db!("read revision", meta.get(REVISION))?
+            .map(|v| v.value())
+            .unwrap_or(0)
+    };
+    let mut map = OrdMap::new();
+    {
+        let kv = db!("open table", read.open_table(KV))?;
+        for entry in db!("scan", kv.iter())? {
+            let (key, record) = db!("scan", entry)?;
+            let key = key.value().to_owned();
+            let kv = decode_record(&key, record.value())?;
+            map.insert(key, kv);
+        }
+    }
+    Ok((revision, map))
 }
 
 fn encode_record(kv: &KeyValue, out: &mut Vec<u8>) {
@@ -540,6 +697,123 @@ mod tests {
         assert_eq!(dump.len(), 1);
         assert_eq!(dump[0].key, "/b");
         assert_eq!(dump[0].create_revision, 1);
+    }
+
+    async fn try_commit(b: &RedbBackend, groups: Vec<Vec<Op>>) -> Result<Commit, Error> {
+        b.commit(Batch {
+            compares: vec![],
+            groups,
+        })
+        .await
+    }
+
+    /// The events a watch has delivered so far (it is polled until nothing more is ready).
+    async fn drain(watch: &mut WatchStream) -> Vec<(String, Revision)> {
+        let mut seen = Vec::new();
+        while let Ok(Some(item)) =
+            tokio::time::timeout(std::time::Duration::from_millis(50), watch.next()).await
+        {
+            if let WatchItem::Event(e) = item.unwrap() {
+                seen.push((e.kv.key.clone(), e.kv.mod_revision));
+            }
+        }
+        seen
+    }
+
+    /// What the file holds, read by a second handle after the first is dropped.
+    fn on_disk(path: &Path) -> Vec<(String, Revision)> {
+        RedbBackend::open(path, Config::default())
+            .unwrap()
+            .dump()
+            .into_iter()
+            .map(|kv| (kv.key, kv.mod_revision))
+            .collect()
+    }
+
+    fn in_memory(b: &RedbBackend) -> Vec<(String, Revision)> {
+        b.dump()
+            .into_iter()
+            .map(|kv| (kv.key, kv.mod_revision))
+            .collect()
+    }
+
+    /// A full disk (ENOSPC on write) fails the batch and keeps reads and watches; once space is
+    /// back, the next write reopens the file and succeeds: no restart (issue #20).
+    #[tokio::test]
+    async fn writes_resume_after_a_full_disk_without_a_restart_and_watches_survive() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        let faults = fault::Faults::new();
+        let b = RedbBackend::open_with_faults(&path, Config::default(), faults.clone()).unwrap();
+        commit(&b, vec![vec![put("/a", "1")]]).await;
+        let mut watch = b.watch("/".into(), 1).await.unwrap();
+
+        faults.fail_writes(Some(libc::ENOSPC));
+        for _ in 0..3 {
+            let err = try_commit(&b, vec![vec![put("/b", "2")]])
+                .await
+                .expect_err("a write on a full disk fails");
+            let text = crate::report(&err);
+            assert!(text.contains("No space left on device"), "{text}");
+        }
+        assert_eq!(b.current_revision().await.unwrap(), 1);
+        assert_eq!(in_memory(&b), vec![("/a".to_owned(), 1)]);
+
+        faults.fail_writes(None);
+        assert_eq!(commit(&b, vec![vec![put("/c", "3")]]).await, vec![2]);
+        assert_eq!(drain(&mut watch).await, vec![("/c".to_owned(), 2)]);
+        let memory = in_memory(&b);
+        assert_eq!(memory, vec![("/a".to_owned(), 1), ("/c".to_owned(), 2)]);
+        drop(b);
+        assert_eq!(on_disk(&path), memory);
+    }
+
+    /// EIO on write and on fsync, each: the failed batch is not acknowledged, the next one is,
+    /// and afterwards the file, the in-memory copy and the watch all agree.
+    #[tokio::test]
+    async fn an_io_error_on_write_or_fsync_leaves_memory_disk_and_watches_in_agreement() {
+        for fail_sync in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("db");
+            let faults = fault::Faults::new();
+            let b =
+                RedbBackend::open_with_faults(&path, Config::default(), faults.clone()).unwrap();
+            commit(&b, vec![vec![put("/a", "1"), put("/gone", "x")]]).await;
+            let mut watch = b.watch("/".into(), 1).await.unwrap();
+
+            if fail_sync {
+                faults.fail_syncs(Some(libc::EIO));
+            } else {
+                faults.fail_writes(Some(libc::EIO));
+            }
+            let err = try_commit(
+                &b,
+                vec![vec![
+                    put("/b", "2"),
+                    Op::Delete {
+                        key: "/gone".into(),
+                    },
+                ]],
+            )
+            .await
+            .expect_err("the faulty write fails");
+            assert!(crate::report(&err).contains("Input/output error"), "{err}");
+            faults.fail_syncs(None);
+            faults.fail_writes(None);
+
+            let revs = commit(&b, vec![vec![put("/c", "3")]]).await;
+            let memory = in_memory(&b);
+            assert!(memory.contains(&("/c".to_owned(), revs[0])), "{memory:?}");
+            // Every key the watch reported is where memory says it is.
+            for (key, rev) in drain(&mut watch).await {
+                assert!(
+                    memory.contains(&(key.clone(), rev)) || !memory.iter().any(|(k, _)| *k == key),
+                    "watch saw {key}@{rev}, memory holds {memory:?}"
+                );
+            }
+            drop(b);
+            assert_eq!(on_disk(&path), memory, "fail_sync={fail_sync}");
+        }
     }
 
     #[tokio::test]

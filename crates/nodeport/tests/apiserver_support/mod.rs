@@ -57,12 +57,33 @@ impl Server {
     /// [`Server::start`], with the server's log (`warn` and up) written to `log` instead of the
     /// test's stderr when given.
     pub fn start_logging(data_dir: &Path, extra: &[&str], log: Option<&Path>) -> Server {
+        Self::start_wrapped(data_dir, extra, log, &[])
+    }
+
+    /// [`Server::start_logging`], with the server run by `wrapper` (a command and its
+    /// arguments, which must end by exec'ing the rest of its command line, e.g. `unshare`), so
+    /// that [`Server::pid`] is the server's own.
+    pub fn start_wrapped(
+        data_dir: &Path,
+        extra: &[&str],
+        log: Option<&Path>,
+        wrapper: &[&str],
+    ) -> Server {
         let port = free_port();
         let stderr = match log {
             Some(path) => Stdio::from(std::fs::File::create(path).expect("create the log file")),
             None => Stdio::inherit(),
         };
-        let child = Command::new(env!("CARGO_BIN_EXE_nodeport"))
+        let binary = env!("CARGO_BIN_EXE_nodeport");
+        let mut command = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(binary);
+                c
+            }
+            None => Command::new(binary),
+        };
+        let child = command
             .args(["apiserver", "--port", &port.to_string(), "--data-dir"])
             .arg(data_dir)
             .args(extra)
@@ -127,6 +148,11 @@ impl Server {
         let _ = child.kill();
         let _ = child.wait();
         false
+    }
+
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
     }
 
     /// Kills the server with SIGKILL and waits for it.
