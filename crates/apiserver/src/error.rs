@@ -409,6 +409,11 @@ impl ApiError {
         )
     }
 
+    /// 504 `Timeout: <message>` (`NewTimeoutError`).
+    pub fn timeout(message: impl Into<String>) -> Self {
+        Self::new(504, "Timeout", format!("Timeout: {}", message.into()))
+    }
+
     /// 410 `Expired` (`NewResourceExpired`).
     pub fn expired(message: impl Into<String>) -> Self {
         Self::new(410, "Expired", message)

@@ -6,6 +6,7 @@
 
 pub mod discovery;
 mod json;
+pub mod limits;
 pub mod protobuf;
 pub mod table;
 pub mod watch;
@@ -45,6 +46,13 @@ pub struct Config {
     pub watch_timeout: Duration,
     /// The address clients reach this server at, for `/api`'s `serverAddressByClientCIDRs`.
     pub server_address: String,
+    /// In-flight limits and the request timeout.
+    pub limits: limits::Config,
+    /// How long a watch may wait for its client to read before the server closes it. Default
+    /// 30 s: the watch's buffer (256 chunks) is full by then, and the client has read nothing
+    /// for that long. kube-apiserver likewise closes a watcher whose buffer stays full
+    /// ("Forcing watcher close due to unresponsiveness").
+    pub unresponsive_watch_timeout: Duration,
 }
 
 impl Default for Config {
@@ -53,6 +61,8 @@ impl Default for Config {
             bookmark_interval: Duration::from_secs(60),
             watch_timeout: Duration::from_secs(30 * 60),
             server_address: "127.0.0.1:6443".into(),
+            limits: limits::Config::default(),
+            unresponsive_watch_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -69,6 +79,8 @@ pub struct AppState {
     pub shutting_down: tokio::sync::watch::Receiver<bool>,
     /// The sender of [`AppState::shutting_down`].
     pub shut_down: Arc<tokio::sync::watch::Sender<bool>>,
+    /// The in-flight limits and what they count.
+    pub limits: Arc<limits::Limits>,
 }
 
 impl AppState {
@@ -77,6 +89,7 @@ impl AppState {
         let (shut_down, shutting_down) = tokio::sync::watch::channel(false);
         AppState {
             registry,
+            limits: Arc::new(limits::Limits::new(config.limits)),
             config: Arc::new(config),
             shutting_down,
             shut_down: Arc::new(shut_down),
@@ -107,6 +120,10 @@ pub fn router(state: AppState) -> Router {
         .route("/ranges", get(ranges_handler))
         .route("/metrics", get(metrics_handler))
         .fallback(resource_handler)
+        .layer(axum::middleware::from_fn_with_state(
+            state.limits.clone(),
+            limits::limit,
+        ))
         .with_state(state)
 }
 
@@ -190,7 +207,7 @@ async fn metrics_handler(State(state): State<AppState>) -> Response {
         Ok(text) => (
             StatusCode::OK,
             [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-            text,
+            text + &state.limits.metrics(),
         )
             .into_response(),
         Err(err) => err.into_response(),

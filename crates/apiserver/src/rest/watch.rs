@@ -23,7 +23,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tracing::Instrument;
 
-use super::{AppState, Query, flag, parse_revision, table};
+use super::{AppState, Query, flag, limits, parse_revision, table};
 use crate::error::ApiError;
 use crate::registry::{self, ListOptions, selector};
 use crate::resource::Kind;
@@ -153,26 +153,31 @@ pub async fn serve(
     let stream = state.registry.store().backend().watch(prefix, after).await;
 
     let (tx, rx) = mpsc::channel::<Result<Bytes, Infallible>>(256);
+    let out = Out {
+        tx,
+        unresponsive: state.config.unresponsive_watch_timeout,
+        limits: state.limits.clone(),
+    };
     let interval = state.config.bookmark_interval;
     let mut shutting_down = state.shutting_down.clone();
+    let watcher = state.limits.watcher();
     let task = async move {
+        let _watcher = watcher;
         for object in initial {
-            if tx
-                .send(Ok(encoder.line("ADDED", &with_type(kind, object))))
+            if !out
+                .send(encoder.line("ADDED", &with_type(kind, object)))
                 .await
-                .is_err()
             {
                 return;
             }
         }
-        if send_initial && bookmarks && tx.send(Ok(encoder.bookmark(after, true))).await.is_err() {
+        if send_initial && bookmarks && !out.send(encoder.bookmark(after, true)).await {
             return;
         }
         let mut stream = match stream {
             Ok(stream) => stream,
             Err(err) => {
-                let _ = tx
-                    .send(Ok(encoder.line("ERROR", &ApiError::from(err).to_status())))
+                out.send(encoder.line("ERROR", &ApiError::from(err).to_status()))
                     .await;
                 return;
             }
@@ -191,7 +196,7 @@ pub async fn serve(
                 // The server is shutting down: the client will watch again elsewhere.
                 () = &mut stopping => return,
                 _ = ticker.tick(), if bookmarks => {
-                    if tx.send(Ok(encoder.bookmark(delivered, false))).await.is_err() {
+                    if !out.send(encoder.bookmark(delivered, false)).await {
                         return;
                     }
                 }
@@ -230,7 +235,7 @@ pub async fn serve(
                             None => break,
                         }
                     }
-                    if !chunk.is_empty() && tx.send(Ok(Bytes::from(chunk))).await.is_err() {
+                    if !chunk.is_empty() && !out.send(Bytes::from(chunk)).await {
                         return;
                     }
                     if end {
@@ -251,6 +256,34 @@ pub async fn serve(
 }
 
 /// The line one watcher sends for a storage event, if its selectors let it see the event.
+/// The watch's end of its response body.
+struct Out {
+    tx: mpsc::Sender<Result<Bytes, Infallible>>,
+    /// How long a send may wait for room before the client counts as gone.
+    unresponsive: std::time::Duration,
+    limits: std::sync::Arc<limits::Limits>,
+}
+
+impl Out {
+    /// Sends one chunk; `false` when the watch must end: its client went away, or has read
+    /// nothing while the body's buffer stayed full for [`Out::unresponsive`]. The watch then
+    /// stops reading the store, so a client that never reads holds at most the buffer.
+    async fn send(&self, chunk: Bytes) -> bool {
+        match tokio::time::timeout(self.unresponsive, self.tx.send(Ok(chunk))).await {
+            Ok(Ok(())) => true,
+            Ok(Err(_)) => false,
+            Err(_) => {
+                tracing::info!(
+                    waited = ?self.unresponsive,
+                    "closing a watch whose client stopped reading"
+                );
+                self.limits.unresponsive_watcher_closed();
+                false
+            }
+        }
+    }
+}
+
 fn event_line(encoder: &Encoder, options: &ListOptions, event: &storage::Event) -> Option<Bytes> {
     let kind = encoder.kind;
     let shared = event.memo.get_or_init(|| Shared::new(kind, event));

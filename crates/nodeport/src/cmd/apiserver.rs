@@ -56,6 +56,18 @@ pub struct Args {
     /// from this server.
     #[arg(long)]
     advertise_address: Option<String>,
+    /// Read-only requests served at once; more are answered 429 with Retry-After (watches and
+    /// health checks are not counted); 0: no limit. As kube-apiserver's flag.
+    #[arg(long, default_value_t = 400)]
+    max_requests_inflight: usize,
+    /// Mutating requests served at once; more are answered 429 with Retry-After; 0: no limit.
+    /// As kube-apiserver's flag.
+    #[arg(long, default_value_t = 200)]
+    max_mutating_requests_inflight: usize,
+    /// The longest a request other than a watch may take, body included, before it is answered
+    /// 504 ("30s", "1m"). As kube-apiserver's flag.
+    #[arg(long, default_value = "1m")]
+    request_timeout: String,
 }
 
 fn usage(message: impl Into<String>) -> anyhow::Error {
@@ -188,12 +200,26 @@ fn config(args: &Args) -> anyhow::Result<Config> {
         ..Config::default()
     };
     config.rest.server_address = format!("{}:{}", bind_address, args.port);
+    let request_timeout = duration(&args.request_timeout)
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| {
+            usage(format!(
+                "--request-timeout {:?} is not a positive duration (like 60s or 1m)",
+                args.request_timeout
+            ))
+        })?;
+    config.rest.limits = nodeport_apiserver::rest::limits::Config {
+        max_requests_inflight: args.max_requests_inflight,
+        max_mutating_requests_inflight: args.max_mutating_requests_inflight,
+        request_timeout,
+    };
     Ok(config)
 }
 
 /// Runs `nodeport apiserver` until SIGTERM or SIGINT.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let config = config(&args)?;
+    super::raise_open_files_limit();
     let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
     // A bad certificate, key or token file is a usage error, found before anything is opened.
     let security = nodeport_apiserver::Security::load(&config)

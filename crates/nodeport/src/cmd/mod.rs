@@ -49,3 +49,19 @@ pub fn run(command: Command) -> anyhow::Result<()> {
         Command::PodServer(args) => lab::run_pod_server(args),
     }
 }
+
+/// Raises this process's soft limit on open files to its hard limit, as Go programs (and so
+/// kube-apiserver and kube-proxy) do at start since Go 1.19: a server holding one descriptor per
+/// connection and watch must not stop accepting at the common soft default of 1024.
+pub fn raise_open_files_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => {
+            if let Err(err) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+                tracing::warn!(soft, hard, error = %err, "cannot raise the open files limit");
+            }
+        }
+        Ok(_) => {}
+        Err(err) => tracing::warn!(error = %err, "cannot read the open files limit"),
+    }
+}

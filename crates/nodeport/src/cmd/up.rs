@@ -138,6 +138,7 @@ fn proxy_config(args: &Args, node_name: &str) -> anyhow::Result<ProxyConfig> {
 /// Runs `nodeport up` until SIGTERM or SIGINT.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let config = api_config(&args)?;
+    super::raise_open_files_limit();
     let node_name = match &args.hostname_override {
         Some(name) => name.clone(),
         None => std::fs::read_to_string("/proc/sys/kernel/hostname")
