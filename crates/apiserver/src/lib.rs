@@ -35,6 +35,7 @@
 
 pub mod auth;
 pub mod error;
+pub mod fuzzing;
 pub mod ranges;
 pub mod registry;
 pub mod resource;

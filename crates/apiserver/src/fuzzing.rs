@@ -1,0 +1,193 @@
+//! Entry points for fuzzing: untrusted bytes through the whole HTTP API, as a client would send
+//! them. The fuzz targets under `fuzz/` (cargo-fuzz, nightly) and the replay of their corpora
+//! in `cargo test` (`tests/fuzz_corpus.rs`, stable) both call these, so a finding stays a
+//! regression test without nightly.
+//!
+//! Each call must return normally whatever the bytes are. A panic, a hang, or a 5xx answer to
+//! a client's bad input (an internal error where kube-apiserver answers 4xx) is a finding: the
+//! harness panics on a 5xx so that the fuzzer reports it. Writes are dry runs (`dryRun=All`),
+//! so every input meets the same stored state and the fuzzer's memory stays flat.
+
+use axum::body::Body;
+use http::{Method, Request};
+use tower::ServiceExt;
+
+use crate::resource::Kind;
+use crate::rest::AppState;
+use crate::{Config, router};
+
+/// Content types a request body may come in.
+const BODY_TYPES: [&str; 3] = [
+    "application/json",
+    "application/yaml",
+    "application/vnd.kubernetes.protobuf",
+];
+
+/// Patch content types.
+const PATCH_TYPES: [&str; 3] = [
+    "application/json-patch+json",
+    "application/merge-patch+json",
+    "application/strategic-merge-patch+json",
+];
+
+/// The Service every patch is applied to.
+const WEB: &str = r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"web","labels":{"app":"web"}},"spec":{"type":"NodePort","selector":{"app":"web"},"ports":[{"name":"http","port":80,"targetPort":8080}],"externalTrafficPolicy":"Local"}}"#;
+
+/// An in-memory API server, built once per fuzzing process.
+pub struct Api {
+    runtime: tokio::runtime::Runtime,
+    state: AppState,
+}
+
+impl Default for Api {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Api {
+    /// A server on the embedded store in memory, holding the NodePort Service `default/web`.
+    pub fn new() -> Self {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("a tokio runtime");
+        let state = runtime
+            .block_on(crate::in_memory(&Config::default()))
+            .expect("an in-memory server");
+        let api = Api { runtime, state };
+        let status = api.send(
+            Method::POST,
+            "/api/v1/namespaces/default/services".into(),
+            "application/json",
+            WEB.as_bytes().to_vec(),
+        );
+        assert_eq!(status, 201, "the Service to patch could not be created");
+        api
+    }
+
+    /// A create or an update of any served kind. `data[0]` picks the kind, POST or PUT, and the
+    /// body's content type; the rest of `data` is the body. Returns the HTTP status.
+    pub fn body(&self, data: &[u8]) -> u16 {
+        let Some((&selector, body)) = data.split_first() else {
+            return 0;
+        };
+        let kind = Kind::ALL[usize::from(selector) % Kind::ALL.len()];
+        let content_type = BODY_TYPES[usize::from(selector / 8) % BODY_TYPES.len()];
+        let collection = collection(kind);
+        let (method, path) = if selector & 0x80 == 0 {
+            (Method::POST, format!("{collection}?dryRun=All"))
+        } else {
+            (Method::PUT, format!("{collection}/web?dryRun=All"))
+        };
+        self.checked(method, path, content_type, body.to_vec(), data)
+    }
+
+    /// A patch of `default/web`. `data[0]` picks the patch type; the rest is the patch.
+    pub fn patch(&self, data: &[u8]) -> u16 {
+        let Some((&selector, body)) = data.split_first() else {
+            return 0;
+        };
+        let content_type = PATCH_TYPES[usize::from(selector) % PATCH_TYPES.len()];
+        let subresource = if selector & 0x80 == 0 { "" } else { "/status" };
+        self.checked(
+            Method::PATCH,
+            format!("/api/v1/namespaces/default/services/web{subresource}?dryRun=All"),
+            content_type,
+            body.to_vec(),
+            data,
+        )
+    }
+
+    /// A list (or a get, when `data[0]`'s top bit is set) of any served kind with `data[1..]` as
+    /// the query string: label and field selectors, `limit`, `continue`, `resourceVersion` and
+    /// the rest. `watch` parameters are dropped: a watch on a quiet store only ends at its
+    /// timeout, and it is fuzzed through the same query parsing.
+    pub fn query(&self, data: &[u8]) -> u16 {
+        let Some((&selector, query)) = data.split_first() else {
+            return 0;
+        };
+        let kind = Kind::ALL[usize::from(selector) % Kind::ALL.len()];
+        let query: String = String::from_utf8_lossy(query)
+            .split('&')
+            .filter(|pair| {
+                let key = pair.split('=').next().unwrap_or("");
+                !key.eq_ignore_ascii_case("watch")
+            })
+            .collect::<Vec<_>>()
+            .join("&");
+        let target = if selector & 0x80 == 0 {
+            collection(kind)
+        } else {
+            format!("{}/web", collection(kind))
+        };
+        // Bytes a URI cannot hold are percent-encoded, as a client library would send them.
+        let query: String = query
+            .bytes()
+            .map(|b| {
+                if b.is_ascii_graphic() && b != b'#' {
+                    (b as char).to_string()
+                } else {
+                    format!("%{b:02X}")
+                }
+            })
+            .collect();
+        self.checked(
+            Method::GET,
+            format!("{target}?{query}"),
+            "",
+            Vec::new(),
+            data,
+        )
+    }
+
+    fn checked(
+        &self,
+        method: Method,
+        path: String,
+        content_type: &str,
+        body: Vec<u8>,
+        input: &[u8],
+    ) -> u16 {
+        let status = self.send(method.clone(), path.clone(), content_type, body);
+        assert!(
+            status < 500,
+            "{method} {path} ({content_type}) answered {status} for input {:?}",
+            String::from_utf8_lossy(input)
+        );
+        status
+    }
+
+    fn send(&self, method: Method, path: String, content_type: &str, body: Vec<u8>) -> u16 {
+        let mut request = Request::builder().method(method).uri(path);
+        if !content_type.is_empty() {
+            request = request.header(http::header::CONTENT_TYPE, content_type);
+        }
+        let Ok(request) = request.body(Body::from(body)) else {
+            return 0; // not a request a client could send (an invalid URI)
+        };
+        self.runtime.block_on(async {
+            let response = router(self.state.clone())
+                .oneshot(request)
+                .await
+                .expect("the router is infallible");
+            let status = response.status().as_u16();
+            // Read the whole answer, as a client would: encoding errors show up here too.
+            let _ = http_body_util::BodyExt::collect(response.into_body()).await;
+            status
+        })
+    }
+}
+
+/// The collection path of `kind` (in namespace `default` when namespaced).
+fn collection(kind: Kind) -> String {
+    let prefix = match kind.group() {
+        "" => "/api/v1".to_owned(),
+        group => format!("/apis/{group}/{}", kind.version()),
+    };
+    if kind.namespaced() {
+        format!("{prefix}/namespaces/default/{}", kind.resource())
+    } else {
+        format!("{prefix}/{}", kind.resource())
+    }
+}
