@@ -8,6 +8,7 @@
 //! Objects are stored as JSON without `metadata.resourceVersion`; on every read the key's
 //! `mod_revision` is written into it, as kube-apiserver's etcd3 store does.
 
+pub mod gvk;
 pub mod kinds;
 pub mod master_leases;
 pub mod namespace;
@@ -296,32 +297,6 @@ fn typed_from_entry(kind: Kind, value: &[u8]) -> Result<Object, ApiError> {
     Ok(Object::decode(kind, &v)?.object)
 }
 
-/// Checks `apiVersion` and `kind` of a request body against the endpoint.
-fn check_type(kind: Kind, body: &Value) -> Result<(), ApiError> {
-    match body.get("kind").and_then(Value::as_str) {
-        None | Some("") => {
-            return Err(ApiError::bad_request(format!(
-                "Object 'Kind' is missing in '{}'",
-                serde_json::to_string(body).unwrap_or_default()
-            )));
-        }
-        Some(k) if k != kind.kind() => {
-            return Err(ApiError::bad_request(format!(
-                "the kind in the data ({k}) does not match the expected kind ({})",
-                kind.kind()
-            )));
-        }
-        _ => {}
-    }
-    match body.get("apiVersion").and_then(Value::as_str) {
-        Some(v) if v != kind.api_version() => Err(ApiError::bad_request(format!(
-            "the API version in the data ({v}) does not match the expected API version ({})",
-            kind.api_version()
-        ))),
-        _ => Ok(()),
-    }
-}
-
 fn unknown_field_handling(
     unknown: &[String],
     mode: FieldValidation,
@@ -514,11 +489,11 @@ impl Registry {
     /// Decodes a request body, applying `fieldValidation`.
     fn decode_body(
         kind: Kind,
-        body: &Value,
+        mut body: Value,
         mode: FieldValidation,
     ) -> Result<(Object, Vec<String>), ApiError> {
-        check_type(kind, body)?;
-        let decoded = Object::decode(kind, body)?;
+        gvk::default_and_check(kind, &mut body)?;
+        let decoded = Object::decode(kind, &body)?;
         // A create or update wraps the strict decoding error as any decoding error
         // (kube-apiserver's `transformDecodeError`).
         let warnings = unknown_field_handling(&decoded.unknown_fields, mode)
@@ -534,7 +509,7 @@ impl Registry {
         body: Value,
         options: WriteOptions,
     ) -> Result<Written, ApiError> {
-        let (mut object, warnings) = Self::decode_body(kind, &body, options.field_validation)?;
+        let (mut object, warnings) = Self::decode_body(kind, body, options.field_validation)?;
         let resource_version_set;
         {
             let meta = object.metadata_mut();
@@ -636,7 +611,7 @@ impl Registry {
         body: Value,
         options: WriteOptions,
     ) -> Result<Written, ApiError> {
-        let (mut object, warnings) = Self::decode_body(kind, &body, options.field_validation)?;
+        let (mut object, warnings) = Self::decode_body(kind, body, options.field_validation)?;
         match object.metadata().name.as_deref() {
             None | Some("") => object.metadata_mut().name = Some(name.to_owned()),
             Some(n) if n != name => {

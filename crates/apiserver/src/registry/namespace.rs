@@ -247,7 +247,7 @@ impl Registry {
         body: Value,
         options: WriteOptions,
     ) -> Result<Value, ApiError> {
-        let (object, _) = Self::decode_body(Kind::Namespace, &body, options.field_validation)?;
+        let (object, _) = Self::decode_body(Kind::Namespace, body, options.field_validation)?;
         let Object::Namespace(new) = object else {
             return Err(ApiError::internal("decoded namespace is not a Namespace"));
         };
