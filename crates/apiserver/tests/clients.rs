@@ -198,3 +198,309 @@ async fn a_kind_or_version_that_disagrees_with_the_url_keeps_kubes_400_and_messa
         assert_eq!(reply["message"], message, "{body}");
     }
 }
+
+const CORE_EVENTS: &str = "/api/v1/namespaces/default/events";
+const NEW_EVENTS: &str = "/apis/events.k8s.io/v1/namespaces/default/events";
+
+/// A core/v1 Event about the `default/web` Service, as client-go's legacy recorder posts it.
+fn legacy_event(name: &str, uid: &str) -> Value {
+    json!({"metadata": {"name": name, "namespace": "default"},
+        "involvedObject": {"kind": "Service", "namespace": "default", "name": "web", "uid": uid, "apiVersion": "v1"},
+        "reason": "Synced", "message": "legacy recorder", "source": {"component": "test-controller"},
+        "firstTimestamp": "2026-01-01T00:00:00Z", "lastTimestamp": "2026-01-01T00:00:00Z",
+        "count": 1, "type": "Normal"})
+}
+
+#[tokio::test]
+async fn an_event_is_one_object_in_both_apis_with_kubes_field_names() {
+    let s = server().await;
+    let (status, created) =
+        json_call(&s, Method::POST, CORE_EVENTS, &legacy_event("web.1", "u-1")).await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    assert_eq!(created["involvedObject"]["name"], "web");
+    // The same object through events.k8s.io/v1, with that API's names.
+    let (status, new) = json_call(
+        &s,
+        Method::GET,
+        &format!("{NEW_EVENTS}/web.1"),
+        &Value::Null,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{new}");
+    assert_eq!(new["apiVersion"], "events.k8s.io/v1");
+    assert_eq!(new["regarding"]["uid"], "u-1");
+    assert_eq!(new["note"], "legacy recorder");
+    assert_eq!(new["deprecatedSource"]["component"], "test-controller");
+    assert_eq!(new["deprecatedCount"], 1);
+    assert!(new.get("message").is_none() && new.get("involvedObject").is_none());
+    assert_eq!(
+        new["metadata"]["resourceVersion"],
+        created["metadata"]["resourceVersion"]
+    );
+
+    // A new-style event through events.k8s.io/v1, read back through core/v1.
+    let body = json!({"metadata": {"name": "web.2"}, "eventTime": "2026-01-01T00:00:00.000001Z",
+        "regarding": {"kind": "Service", "namespace": "default", "name": "web", "uid": "u-1"},
+        "reason": "Probed", "action": "Probe", "note": "new recorder", "type": "Warning",
+        "reportingController": "test-controller", "reportingInstance": "test-1"});
+    let (status, created) = json_call(&s, Method::POST, NEW_EVENTS, &body).await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    assert_eq!(created["kind"], "Event");
+    assert_eq!(created["note"], "new recorder");
+    let (_, core) = json_call(
+        &s,
+        Method::GET,
+        &format!("{CORE_EVENTS}/web.2"),
+        &Value::Null,
+    )
+    .await;
+    assert_eq!(core["message"], "new recorder");
+    assert_eq!(core["reportingComponent"], "test-controller");
+    assert_eq!(core["eventTime"], "2026-01-01T00:00:00.000001Z");
+
+    // Lists of both forms hold both events.
+    let (_, list) = json_call(&s, Method::GET, NEW_EVENTS, &Value::Null).await;
+    assert_eq!(list["kind"], "EventList");
+    assert_eq!(list["apiVersion"], "events.k8s.io/v1");
+    assert_eq!(list["items"].as_array().unwrap().len(), 2);
+    assert!(list["items"][0].get("regarding").is_some());
+
+    // A watch through events.k8s.io/v1 streams the new form.
+    let (status, stream) = call(
+        &s,
+        Method::GET,
+        &format!("{NEW_EVENTS}?watch=true&timeoutSeconds=1"),
+        "",
+        Vec::new(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let lines: Vec<Value> = stream
+        .as_str()
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2, "{stream}");
+    for line in &lines {
+        assert_eq!(line["type"], "ADDED");
+        assert_eq!(line["object"]["apiVersion"], "events.k8s.io/v1");
+        assert!(line["object"].get("regarding").is_some(), "{line}");
+        assert!(line["object"].get("involvedObject").is_none(), "{line}");
+    }
+}
+
+#[tokio::test]
+async fn field_selectors_name_the_involved_object_in_core_and_regarding_in_events_k8s_io() {
+    let s = server().await;
+    for (name, uid) in [("web.1", "u-1"), ("web.2", "u-2")] {
+        let (status, body) =
+            json_call(&s, Method::POST, CORE_EVENTS, &legacy_event(name, uid)).await;
+        assert_eq!(status, StatusCode::CREATED, "{body}");
+    }
+    let names = |list: &Value| -> Vec<String> {
+        list["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i["metadata"]["name"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    // What `kubectl describe svc` asks for.
+    let (_, list) = json_call(
+        &s,
+        Method::GET,
+        &format!("{CORE_EVENTS}?fieldSelector=involvedObject.name%3Dweb,involvedObject.namespace%3Ddefault,involvedObject.kind%3DService,involvedObject.uid%3Du-2"),
+        &Value::Null,
+    )
+    .await;
+    assert_eq!(names(&list), ["web.2"]);
+    let (_, list) = json_call(
+        &s,
+        Method::GET,
+        &format!("{NEW_EVENTS}?fieldSelector=regarding.uid%3Du-1,reason%3DSynced,source%3Dtest-controller"),
+        &Value::Null,
+    )
+    .await;
+    assert_eq!(names(&list), ["web.1"]);
+    // Each API refuses the other's names, with kube's message.
+    let (status, reply) = json_call(
+        &s,
+        Method::GET,
+        &format!("{NEW_EVENTS}?fieldSelector=involvedObject.name%3Dweb"),
+        &Value::Null,
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        reply["message"],
+        "field label not supported: involvedObject.name"
+    );
+    let (status, _) = json_call(
+        &s,
+        Method::GET,
+        &format!("{CORE_EVENTS}?fieldSelector=regarding.name%3Dweb"),
+        &Value::Null,
+    )
+    .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test]
+async fn events_are_validated_as_kube_validates_them_in_each_api() {
+    let s = server().await;
+    let mut wrong_namespace = legacy_event("web.1", "u-1");
+    wrong_namespace["involvedObject"]["namespace"] = json!("other");
+    let (status, reply) = json_call(&s, Method::POST, CORE_EVENTS, &wrong_namespace).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{reply}");
+    assert_eq!(
+        reply["message"],
+        "Event \"web.1\" is invalid: involvedObject.namespace: Invalid value: \"other\": does not match event.namespace"
+    );
+    // events.k8s.io/v1 asks for the new-style fields and refuses the deprecated ones.
+    let body = json!({"metadata": {"name": "web.3"}, "regarding": {"kind": "Node", "name": "n"},
+        "deprecatedCount": 2});
+    let (status, reply) = json_call(&s, Method::POST, NEW_EVENTS, &body).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{reply}");
+    assert_eq!(
+        reply["message"],
+        "Event.events.k8s.io \"web.3\" is invalid: [eventTime: Required value, type: Invalid value: \"\": has invalid value: , count: Invalid value: \"\": needs to be unset]"
+    );
+    // A core/v1 body sent to events.k8s.io/v1 keeps kube's API version error.
+    let mut core_body = legacy_event("web.4", "u-1");
+    core_body["apiVersion"] = json!("v1");
+    core_body["kind"] = json!("Event");
+    let (status, reply) = json_call(&s, Method::POST, NEW_EVENTS, &core_body).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        reply["message"],
+        "the API version in the data (v1) does not match the expected API version (events.k8s.io/v1)"
+    );
+}
+
+#[tokio::test]
+async fn events_posted_in_protobuf_by_either_recorder_are_stored() {
+    use k8s_pb::api::core::v1 as pb_core;
+    use k8s_pb::api::events::v1 as pb_events;
+    use k8s_pb::apimachinery::pkg::apis::meta::v1 as pb_meta;
+    use prost::Message;
+    fn wire(api_version: &str, kind: &str, raw: Vec<u8>) -> Vec<u8> {
+        let unknown = k8s_pb::apimachinery::pkg::runtime::Unknown {
+            type_meta: Some(k8s_pb::apimachinery::pkg::runtime::TypeMeta {
+                api_version: Some(api_version.into()),
+                kind: Some(kind.into()),
+            }),
+            raw: Some(raw),
+            content_encoding: Some(String::new()),
+            content_type: Some(String::new()),
+        };
+        let mut body = b"k8s\0".to_vec();
+        body.extend(unknown.encode_to_vec());
+        body
+    }
+    let s = server().await;
+    let regarding = pb_core::ObjectReference {
+        kind: Some("Service".into()),
+        namespace: Some("default".into()),
+        name: Some("web".into()),
+        ..Default::default()
+    };
+    let meta = |name: &str| pb_meta::ObjectMeta {
+        name: Some(name.into()),
+        namespace: Some("default".into()),
+        ..Default::default()
+    };
+    let legacy = pb_core::Event {
+        metadata: Some(meta("web.1")),
+        involved_object: Some(regarding.clone()),
+        reason: Some("Synced".into()),
+        message: Some("protobuf legacy".into()),
+        count: Some(1),
+        r#type: Some("Normal".into()),
+        first_timestamp: Some(pb_meta::Time {
+            seconds: Some(1_767_225_600),
+            nanos: Some(0),
+        }),
+        ..Default::default()
+    };
+    let (status, body) = call(
+        &s,
+        Method::POST,
+        CORE_EVENTS,
+        "application/vnd.kubernetes.protobuf",
+        wire("v1", "Event", legacy.encode_to_vec()),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    assert_eq!(body["message"], "protobuf legacy");
+    let new = pb_events::Event {
+        metadata: Some(meta("web.2")),
+        event_time: Some(pb_meta::MicroTime {
+            seconds: Some(1_767_225_600),
+            nanos: Some(5_000),
+        }),
+        reporting_controller: Some("test-controller".into()),
+        reporting_instance: Some("test-1".into()),
+        action: Some("Probe".into()),
+        reason: Some("Probed".into()),
+        regarding: Some(regarding),
+        note: Some("protobuf new".into()),
+        r#type: Some("Normal".into()),
+        ..Default::default()
+    };
+    let (status, body) = call(
+        &s,
+        Method::POST,
+        NEW_EVENTS,
+        "application/vnd.kubernetes.protobuf",
+        wire("events.k8s.io/v1", "Event", new.encode_to_vec()),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    assert_eq!(body["eventTime"], "2026-01-01T00:00:00.000005Z");
+    assert_eq!(body["note"], "protobuf new");
+}
+
+#[tokio::test]
+async fn events_last_recorded_longer_ago_than_the_ttl_are_deleted() {
+    use k8s_openapi::jiff::{SignedDuration, Timestamp};
+    let s = server().await;
+    let now = Timestamp::now();
+    let micro = |t: Timestamp| t.strftime("%Y-%m-%dT%H:%M:%S%.6fZ").to_string();
+    // Created now: its TTL counts from its creation.
+    let once = legacy_event("web.once", "u-1");
+    // Recorded again 90 minutes from now (a series), as a recorder would have updated it.
+    let mut again = legacy_event("web.again", "u-1");
+    again["series"] =
+        json!({"count": 2, "lastObservedTime": micro(now + SignedDuration::from_mins(90))});
+    for body in [&once, &again] {
+        let (status, reply) = json_call(&s, Method::POST, CORE_EVENTS, body).await;
+        assert_eq!(status, StatusCode::CREATED, "{reply}");
+    }
+    let ttl = std::time::Duration::from_secs(3600);
+    assert_eq!(s.registry.expire_events_at(now, ttl).await.unwrap(), 0);
+    let two_hours_later = now + SignedDuration::from_hours(2);
+    assert_eq!(
+        s.registry
+            .expire_events_at(two_hours_later, ttl)
+            .await
+            .unwrap(),
+        1
+    );
+    let (status, _) = json_call(
+        &s,
+        Method::GET,
+        &format!("{CORE_EVENTS}/web.once"),
+        &Value::Null,
+    )
+    .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, _) = json_call(
+        &s,
+        Method::GET,
+        &format!("{CORE_EVENTS}/web.again"),
+        &Value::Null,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+}

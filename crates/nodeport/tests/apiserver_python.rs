@@ -40,3 +40,8 @@ fn run_case(case: &str) {
 fn python_client_creates_and_replaces_every_kind_built_without_kind_or_api_version() {
     run_case("kinds");
 }
+
+#[test]
+fn python_client_writes_and_selects_events_through_both_apis() {
+    run_case("events");
+}

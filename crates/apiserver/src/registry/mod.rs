@@ -8,6 +8,7 @@
 //! Objects are stored as JSON without `metadata.resourceVersion`; on every read the key's
 //! `mod_revision` is written into it, as kube-apiserver's etcd3 store does.
 
+pub mod event;
 pub mod gvk;
 pub mod kinds;
 pub mod master_leases;
@@ -294,7 +295,7 @@ pub fn set_resource_version(value: &mut Value, revision: Revision) {
 fn typed_from_entry(kind: Kind, value: &[u8]) -> Result<Object, ApiError> {
     let v: Value = serde_json::from_slice(value)
         .map_err(|e| ApiError::internal(format!("stored object is not JSON: {e}")))?;
-    Ok(Object::decode(kind, &v)?.object)
+    Ok(Object::decode(kind.stored_as(), &v)?.object)
 }
 
 fn unknown_field_handling(
@@ -544,7 +545,12 @@ impl Registry {
         }
         kinds::prepare_create(&mut object);
         let name = object.name().to_owned();
-        if !matches!(object, Object::Service(_)) {
+        if let Object::Event(event) = &object {
+            let errs = event::validate_create(kind, event);
+            if !errs.is_empty() {
+                return Err(invalid(kind, &name, errs));
+            }
+        } else if !matches!(object, Object::Service(_)) {
             let errs = kinds::validate(&object);
             if !errs.is_empty() {
                 return Err(invalid(kind, &name, errs));
@@ -660,6 +666,11 @@ impl Registry {
                     kinds::prepare_create(&mut object);
                     if let Object::Service(svc) = &mut object {
                         service::create(svc, txn.allocators()?, &ranges)?;
+                    } else if let Object::Event(event) = &object {
+                        let errs = event::validate_create(kind, event);
+                        if !errs.is_empty() {
+                            return Err(invalid(kind, &name, errs));
+                        }
                     } else {
                         let errs = kinds::validate(&object);
                         if !errs.is_empty() {
@@ -735,7 +746,7 @@ impl Registry {
                 let Some(old) = txn.get(&key) else {
                     return Err(ApiError::not_found(kind.subject(), &name));
                 };
-                let old_value = decode_stored(&old.value, old.mod_revision)?;
+                let old_value = event::present(kind, decode_stored(&old.value, old.mod_revision)?);
                 let patched = patch::apply(kind, patch_type, &old_value, &patch)?;
                 let decoded = Object::decode(kind, &patched)?;
                 let warnings =
@@ -1482,6 +1493,12 @@ fn apply_update(
                 new_ns.spec = old_ns.spec.clone();
             }
             let errs = kinds::validate(&new);
+            if !errs.is_empty() {
+                return Err(invalid(kind, &name, errs));
+            }
+        }
+        (Object::Event(new_event), Object::Event(old_event)) => {
+            let errs = event::validate_update(kind, new_event, old_event);
             if !errs.is_empty() {
                 return Err(invalid(kind, &name, errs));
             }

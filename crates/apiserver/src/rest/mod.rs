@@ -580,7 +580,11 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
             if let Some(remaining) = list.remaining {
                 metadata["remainingItemCount"] = json!(remaining);
             }
-            let items: Vec<Value> = list.items.into_iter().map(list_item).collect();
+            let items: Vec<Value> = list
+                .items
+                .into_iter()
+                .map(|item| list_item(crate::registry::event::present(kind, item)))
+                .collect();
             Ok(negotiated_response(
                 StatusCode::OK,
                 &json!({
@@ -608,7 +612,10 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
             let options = write_options(&query)?;
             let list = list_options(kind, &query)?;
             let deleted = registry.delete_collection(kind, ns, &list, options).await?;
-            let items: Vec<Value> = deleted.into_iter().map(list_item).collect();
+            let items: Vec<Value> = deleted
+                .into_iter()
+                .map(|item| list_item(crate::registry::event::present(kind, item)))
+                .collect();
             Ok(json_response(
                 StatusCode::OK,
                 &json!({
@@ -720,6 +727,7 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
 }
 
 fn object_response(code: StatusCode, kind: Kind, object: Value, accept: &str) -> Response {
+    let object = crate::registry::event::present(kind, object);
     if table::wants_table(accept) {
         let rv = object
             .pointer("/metadata/resourceVersion")
