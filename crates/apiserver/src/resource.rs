@@ -239,4 +239,21 @@ mod tests {
             "/registry/servicecidrs/kubernetes"
         );
     }
+
+    #[test]
+    fn both_forms_of_event_share_kube_apiservers_event_keys() {
+        for kind in [Kind::Event, Kind::EventsV1] {
+            assert_eq!(
+                kind.key("/registry", Some("default"), "web.1"),
+                "/registry/events/default/web.1"
+            );
+            assert_eq!(kind.stored_as(), Kind::Event);
+        }
+        assert_eq!(Kind::EventsV1.api_version(), "events.k8s.io/v1");
+        assert_eq!(
+            Kind::from_path("events.k8s.io", "v1", "events"),
+            Some(Kind::EventsV1)
+        );
+        assert_eq!(Kind::from_path("", "v1", "events"), Some(Kind::Event));
+    }
 }

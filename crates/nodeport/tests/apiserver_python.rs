@@ -1,16 +1,26 @@
 //! The official Kubernetes Python client (`pip install kubernetes`, which `scripts/test.sh`
-//! installs when missing) against `nodeport apiserver`: `tests/python/clients.py` runs one case
-//! per test and fails at the first answer that is not kube-apiserver's.
+//! installs when missing) against `nodeport apiserver`, on the embedded store and on etcd:
+//! `tests/python/clients.py` runs one case per test and fails at the first answer that is not
+//! kube-apiserver's.
 
 mod apiserver_support;
 
 use std::path::Path;
 use std::process::Command;
 
+use apiserver_support::etcd::{Etcd, etcd_available};
 use apiserver_support::{Server, text};
 
-/// Runs `clients.py <url> <case>` against a fresh server; panics with its output on failure.
-fn run_case(case: &str) {
+/// Where the server under test keeps its objects.
+#[derive(Clone, Copy)]
+enum Store {
+    Embedded,
+    Etcd,
+}
+
+/// Runs `clients.py <url> <case>` against a fresh server on `store`; panics with its output on
+/// failure.
+fn run_case(case: &str, store: Store) {
     let python = Command::new("python3")
         .args(["-c", "import kubernetes"])
         .output()
@@ -21,7 +31,18 @@ fn run_case(case: &str) {
         text(&python).1
     );
     let dir = tempfile::tempdir().unwrap();
-    let server = Server::start(&dir.path().join("data"), &[]);
+    let (_etcd, server) = match store {
+        Store::Embedded => (None, Server::start(&dir.path().join("data"), &[])),
+        Store::Etcd => {
+            if !etcd_available() {
+                return;
+            }
+            let etcd = Etcd::start(&dir.path().join("etcd"));
+            let url = etcd.url();
+            let server = Server::start(&dir.path().join("data"), &["--etcd-servers", &url]);
+            (Some(etcd), server)
+        }
+    };
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/python/clients.py");
     let out = Command::new("python3")
         .arg(&script)
@@ -38,10 +59,20 @@ fn run_case(case: &str) {
 
 #[test]
 fn python_client_creates_and_replaces_every_kind_built_without_kind_or_api_version() {
-    run_case("kinds");
+    run_case("kinds", Store::Embedded);
+}
+
+#[test]
+fn python_client_creates_and_replaces_every_kind_built_without_kind_or_api_version_on_etcd() {
+    run_case("kinds", Store::Etcd);
 }
 
 #[test]
 fn python_client_writes_and_selects_events_through_both_apis() {
-    run_case("events");
+    run_case("events", Store::Embedded);
+}
+
+#[test]
+fn python_client_writes_and_selects_events_through_both_apis_on_etcd() {
+    run_case("events", Store::Etcd);
 }
