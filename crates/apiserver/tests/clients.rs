@@ -504,3 +504,57 @@ async fn events_last_recorded_longer_ago_than_the_ttl_are_deleted() {
     .await;
     assert_eq!(status, StatusCode::OK);
 }
+
+#[tokio::test]
+async fn recorders_patch_repeated_events_through_either_api() {
+    let s = server().await;
+    let (status, body) =
+        json_call(&s, Method::POST, CORE_EVENTS, &legacy_event("web.1", "u-1")).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    // client-go's legacy recorder: a strategic merge patch of count and lastTimestamp.
+    let (status, patched) = call(
+        &s,
+        Method::PATCH,
+        &format!("{CORE_EVENTS}/web.1"),
+        "application/strategic-merge-patch+json",
+        br#"{"count":2,"lastTimestamp":"2026-01-01T00:01:00Z"}"#.to_vec(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{patched}");
+    assert_eq!(patched["count"], 2);
+    // The new recorder: a merge patch of the series, through events.k8s.io/v1.
+    let body = json!({"metadata": {"name": "web.2"}, "eventTime": "2026-01-01T00:00:00.000000Z",
+        "regarding": {"kind": "Service", "namespace": "default", "name": "web"},
+        "reason": "Probed", "action": "Probe", "type": "Normal",
+        "reportingController": "test-controller", "reportingInstance": "test-1"});
+    let (status, created) = json_call(&s, Method::POST, NEW_EVENTS, &body).await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    let (status, patched) = call(
+        &s,
+        Method::PATCH,
+        &format!("{NEW_EVENTS}/web.2"),
+        "application/merge-patch+json",
+        br#"{"series":{"count":2,"lastObservedTime":"2026-01-01T00:02:00.000000Z"}}"#.to_vec(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{patched}");
+    assert_eq!(patched["apiVersion"], "events.k8s.io/v1");
+    assert_eq!(patched["series"]["count"], 2);
+    assert_eq!(patched["regarding"]["name"], "web");
+    // A fixed field of a new-style event may not change through events.k8s.io/v1.
+    let (status, reply) = call(
+        &s,
+        Method::PATCH,
+        &format!("{NEW_EVENTS}/web.2"),
+        "application/merge-patch+json",
+        br#"{"reason":"Other"}"#.to_vec(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{reply}");
+    assert_eq!(
+        reply["message"],
+        "Event.events.k8s.io \"web.2\" is invalid: reason: Invalid value: \"Other\": field is immutable"
+    );
+    // kube's list names `reason` twice: the message says it once, the causes twice.
+    assert_eq!(reply["details"]["causes"].as_array().unwrap().len(), 2);
+}
