@@ -558,3 +558,33 @@ async fn recorders_patch_repeated_events_through_either_api() {
     // kube's list names `reason` twice: the message says it once, the causes twice.
     assert_eq!(reply["details"]["causes"].as_array().unwrap().len(), 2);
 }
+
+#[tokio::test]
+async fn deleting_a_namespace_deletes_its_events_as_kubes_namespace_controller_does() {
+    let s = server().await;
+    let (status, body) = json_call(
+        &s,
+        Method::POST,
+        "/api/v1/namespaces",
+        &json!({"metadata": {"name": "team"}}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    let mut event = legacy_event("web.1", "u-1");
+    event["metadata"]["namespace"] = json!("team");
+    event["involvedObject"]["namespace"] = json!("team");
+    let (status, body) =
+        json_call(&s, Method::POST, "/api/v1/namespaces/team/events", &event).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    let (status, _) = json_call(&s, Method::DELETE, "/api/v1/namespaces/team", &Value::Null).await;
+    assert_eq!(status, StatusCode::OK);
+    for _ in 0..1000 {
+        let (status, _) = json_call(&s, Method::GET, "/api/v1/namespaces/team", &Value::Null).await;
+        if status == StatusCode::NOT_FOUND {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let (_, list) = json_call(&s, Method::GET, "/api/v1/events", &Value::Null).await;
+    assert_eq!(list["items"], json!([]), "{list}");
+}
