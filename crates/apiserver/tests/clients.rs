@@ -265,6 +265,30 @@ async fn an_event_is_one_object_in_both_apis_with_kubes_field_names() {
     assert_eq!(list["items"].as_array().unwrap().len(), 2);
     assert!(list["items"][0].get("regarding").is_some());
 
+    // kubectl's Table of one event through events.k8s.io/v1: kube's event columns.
+    let response = nodeport_apiserver::router(s.clone())
+        .oneshot(
+            Request::get(format!("{NEW_EVENTS}/web.1"))
+                .header("accept", "application/json;as=Table;v=v1;g=meta.k8s.io")
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let table: Value =
+        serde_json::from_slice(&response.into_body().collect().await.unwrap().to_bytes()).unwrap();
+    let cells = &table["rows"][0]["cells"];
+    assert_eq!(
+        (&cells[1], &cells[2], &cells[3], &cells[6]),
+        (
+            &json!("Normal"),
+            &json!("Synced"),
+            &json!("service/web"),
+            &json!("legacy recorder")
+        ),
+        "{table}"
+    );
+
     // A watch through events.k8s.io/v1 streams the new form.
     let (status, stream) = call(
         &s,

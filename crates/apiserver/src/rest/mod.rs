@@ -727,7 +727,6 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
 }
 
 fn object_response(code: StatusCode, kind: Kind, object: Value, accept: &str) -> Response {
-    let object = crate::registry::event::present(kind, object);
     if table::wants_table(accept) {
         let rv = object
             .pointer("/metadata/resourceVersion")
@@ -736,7 +735,7 @@ fn object_response(code: StatusCode, kind: Kind, object: Value, accept: &str) ->
             .to_owned();
         return json_response(code, &table::table(kind, &[object], &rv, None, "Metadata"));
     }
-    negotiated_response(code, &object, accept)
+    negotiated_response(code, &crate::registry::event::present(kind, object), accept)
 }
 
 /// Whether `Accept` prefers YAML among what this server writes, as kube-apiserver negotiates

@@ -49,7 +49,7 @@ impl Encoder {
                 "Metadata",
             );
             encode_line(event_type, &table)
-        } else if self.kind == Kind::EventsV1 && event_type != "ERROR" {
+        } else if self.kind == Kind::EventsV1 && !matches!(event_type, "ERROR" | "BOOKMARK") {
             encode_line(
                 event_type,
                 &registry::event::present(self.kind, object.clone()),
