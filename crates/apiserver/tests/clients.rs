@@ -612,3 +612,41 @@ async fn deleting_a_namespace_deletes_its_events_as_kubes_namespace_controller_d
     let (_, list) = json_call(&s, Method::GET, "/api/v1/events", &Value::Null).await;
     assert_eq!(list["items"], json!([]), "{list}");
 }
+
+#[tokio::test]
+async fn openapi_v3_carries_kubes_list_types_and_map_keys() {
+    let s = server().await;
+    let (_, core) = json_call(&s, Method::GET, "/openapi/v3/api/v1", &Value::Null).await;
+    let schemas = &core["components"]["schemas"];
+    let ports = &schemas["io.k8s.api.core.v1.ServiceSpec"]["properties"]["ports"];
+    assert_eq!(ports["x-kubernetes-list-type"], "map", "{ports}");
+    assert_eq!(
+        ports["x-kubernetes-list-map-keys"],
+        json!(["port", "protocol"])
+    );
+    let spec = &schemas["io.k8s.api.core.v1.ServiceSpec"]["properties"];
+    for atomic in ["clusterIPs", "ipFamilies", "externalIPs"] {
+        assert_eq!(spec[atomic]["x-kubernetes-list-type"], "atomic", "{atomic}");
+    }
+    assert_eq!(spec["selector"]["x-kubernetes-map-type"], "atomic");
+    assert_eq!(
+        schemas["io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"]["properties"]["finalizers"]["x-kubernetes-list-type"],
+        "set"
+    );
+    let (_, discovery) = json_call(
+        &s,
+        Method::GET,
+        "/openapi/v3/apis/discovery.k8s.io/v1",
+        &Value::Null,
+    )
+    .await;
+    let schemas = &discovery["components"]["schemas"];
+    assert_eq!(
+        schemas["io.k8s.api.discovery.v1.EndpointSlice"]["properties"]["endpoints"]["x-kubernetes-list-type"],
+        "atomic"
+    );
+    assert_eq!(
+        schemas["io.k8s.api.discovery.v1.Endpoint"]["properties"]["addresses"]["x-kubernetes-list-type"],
+        "set"
+    );
+}

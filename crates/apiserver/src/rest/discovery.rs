@@ -229,6 +229,12 @@ fn schemas_of(group: &str) -> serde_json::Map<String, Value> {
     generator.take_definitions(true)
 }
 
+/// [`schemas_of`], for the marker table's own test.
+#[cfg(test)]
+pub(crate) fn schemas_for_test(group: &str) -> serde_json::Map<String, Value> {
+    schemas_of(group)
+}
+
 /// `/openapi/v3/<path>`: each kind's schema and operations, with the markers kubectl looks for.
 pub fn openapi_v3_document(path: &str) -> Option<Value> {
     let (_, group, version, package) = openapi_paths()
@@ -236,6 +242,7 @@ pub fn openapi_v3_document(path: &str) -> Option<Value> {
         .find(|(p, _, _, _)| *p == path)?;
     let mut paths = serde_json::Map::new();
     let mut schemas = schemas_of(group);
+    super::list_types::annotate(&mut schemas);
     let field_validation = json!({
         "name": "fieldValidation",
         "in": "query",

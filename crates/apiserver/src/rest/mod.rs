@@ -6,6 +6,7 @@
 
 pub mod discovery;
 mod json;
+mod list_types;
 pub mod protobuf;
 pub mod table;
 pub mod watch;
