@@ -17,6 +17,7 @@ declare -A packages=(
   [ipset]=ipset
   [curl]=curl
   [protoc]=protobuf-compiler
+  [python3]=python3
 )
 missing=()
 for cmd in "${!packages[@]}"; do
@@ -38,6 +39,18 @@ fi
 for cmd in "${!packages[@]}" kubectl; do
   command -v "$cmd" >/dev/null 2>&1 || { echo "test.sh: $cmd is still missing" >&2; exit 1; }
 done
+
+# Python packages the tests use: the official Kubernetes client (apiserver_python.rs), from PyPI
+# (Debian's python3-kubernetes is years behind). A Debian python3 is "externally managed".
+if ! python3 -c 'import kubernetes' >/dev/null 2>&1; then
+  echo "test.sh: installing the Python package kubernetes" >&2
+  if ! python3 -m pip --version >/dev/null 2>&1; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-pip
+  fi
+  python3 -m pip install -q kubernetes 2>/dev/null \
+    || python3 -m pip install -q --break-system-packages kubernetes
+  python3 -c 'import kubernetes' || { echo "test.sh: the kubernetes package is still missing" >&2; exit 1; }
+fi
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings

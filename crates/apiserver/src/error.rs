@@ -336,10 +336,17 @@ impl ApiError {
 
     /// 422 `Service "x" is invalid: ...` with one cause per field error.
     pub fn invalid(subject: Subject, name: &str, errors: Vec<FieldError>) -> Self {
-        let joined = if errors.len() == 1 {
-            errors[0].to_string()
+        // `ErrorList.ToAggregate`: a message given twice is written once (the causes keep both).
+        let mut parts: Vec<String> = Vec::with_capacity(errors.len());
+        for e in &errors {
+            let text = e.to_string();
+            if !parts.contains(&text) {
+                parts.push(text);
+            }
+        }
+        let joined = if parts.len() == 1 {
+            parts.remove(0)
         } else {
-            let parts: Vec<String> = errors.iter().map(ToString::to_string).collect();
             format!("[{}]", parts.join(", "))
         };
         // apimachinery's `NewInvalid` names the GroupKind.

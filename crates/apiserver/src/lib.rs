@@ -6,9 +6,11 @@
 //!   etcd backend (several API servers on one etcd);
 //! - [`store`]: the single writer that runs every mutation against the latest state and commits
 //!   batches of them, with the allocation bitmaps, in one transaction (group commit);
-//! - [`registry`]: kube-apiserver's generic store for Services, Endpoints, EndpointSlices, Nodes and
-//!   Namespaces, with the Service rules (defaulting, allocation, validation) in [`registry::service`],
-//!   and the default ServiceCIDR (read-only) in [`registry::service_cidr`];
+//! - [`registry`]: kube-apiserver's generic store for Services, Endpoints, EndpointSlices, Nodes,
+//!   Namespaces and Events, with the Service rules (defaulting, allocation, validation) in
+//!   [`registry::service`], the default ServiceCIDR (read-only) in [`registry::service_cidr`], the
+//!   two forms of Event in [`registry::event`], and `kind`/`apiVersion` defaulting in
+//!   [`registry::gvk`];
 //! - [`rest`]: the HTTP API (`router`), discovery, Table output, watch, patch, and protobuf
 //!   request bodies turned into JSON ([`rest::protobuf`]);
 //! - [`ranges`]: `GET /ranges` (NodePort and ClusterIP occupancy per band) and `/metrics`;
@@ -20,6 +22,7 @@
 //!   crash or a lost race leaks a port; a verification loop still compares the bitmaps with the
 //!   Services (at start and every `--allocation-check-interval`) and frees only leaks, which only
 //!   a hand edit of the storage can make;
+//! - Events expire `--event-ttl` after the latest time they carry, not through an etcd lease;
 //! - a duplicate nodePort inside one update is a 422 `Duplicate value` rather than a 500;
 //! - a `dryRun=All` create shows the port and address that would really be allocated instead of
 //!   kube-apiserver's placeholders (32769..., the network address);
@@ -103,6 +106,8 @@ pub struct Config {
     pub endpoint_lease_ttl: std::time::Duration,
     /// How often the lease is renewed and the endpoints rewritten (kube-apiserver: 10 s).
     pub endpoint_lease_renew: std::time::Duration,
+    /// `--event-ttl`: how long an Event is kept after it was last recorded (kube-apiserver: 1 h).
+    pub event_ttl: std::time::Duration,
 }
 
 impl Default for Config {
@@ -125,6 +130,7 @@ impl Default for Config {
             advertise_address: None,
             endpoint_lease_ttl: registry::master_leases::LEASE_TTL,
             endpoint_lease_renew: registry::master_leases::RENEW_INTERVAL,
+            event_ttl: registry::event::DEFAULT_TTL,
         }
     }
 }
@@ -290,6 +296,29 @@ async fn state_over(backend: Arc<dyn Backend>, config: &Config) -> Result<AppSta
     tokio::spawn(tracing::Instrument::instrument(
         check_loop,
         tracing::info_span!("allocation_check"),
+    ));
+    // Events expire `--event-ttl` after they were last recorded (kube-apiserver: an etcd lease
+    // per write); looked for every quarter of the TTL, at least every minute.
+    let expirer = registry.clone();
+    let ttl = config.event_ttl;
+    let expire_loop = async move {
+        let every = (ttl / 4).clamp(
+            std::time::Duration::from_secs(1),
+            std::time::Duration::from_secs(60),
+        );
+        let mut ticker = tokio::time::interval(every);
+        loop {
+            ticker.tick().await;
+            match expirer.expire_events(ttl).await {
+                Ok(0) => {}
+                Ok(expired) => tracing::debug!(expired, "expired events deleted"),
+                Err(err) => tracing::debug!(error = %err, "cannot expire events"),
+            }
+        }
+    };
+    tokio::spawn(tracing::Instrument::instrument(
+        expire_loop,
+        tracing::info_span!("event_ttl"),
     ));
     if let Some(ip) = config.advertise_address {
         // Renewed at once, so `default/kubernetes` has this server before it serves.

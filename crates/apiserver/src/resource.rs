@@ -18,17 +18,24 @@ pub enum Kind {
     /// `networking.k8s.io/v1` ServiceCIDR (cluster-scoped, read-only here: the default
     /// `kubernetes` object, which mirrors `--service-cluster-ip-range`).
     ServiceCidr,
+    /// `core/v1` Event (namespaced), stored as kube-apiserver stores it.
+    Event,
+    /// `events.k8s.io/v1` Event: the same objects as [`Kind::Event`], in the newer form
+    /// (`regarding`, `note`, `reportingController`, ...), converted on the way in and out.
+    EventsV1,
 }
 
 impl Kind {
     /// Every served resource.
-    pub const ALL: [Kind; 6] = [
+    pub const ALL: [Kind; 8] = [
         Kind::Namespace,
         Kind::Service,
         Kind::Endpoints,
         Kind::Node,
         Kind::EndpointSlice,
         Kind::ServiceCidr,
+        Kind::Event,
+        Kind::EventsV1,
     ];
 
     /// The API group (`""` for core).
@@ -36,6 +43,7 @@ impl Kind {
         match self {
             Kind::EndpointSlice => "discovery.k8s.io",
             Kind::ServiceCidr => "networking.k8s.io",
+            Kind::EventsV1 => "events.k8s.io",
             _ => "",
         }
     }
@@ -50,6 +58,7 @@ impl Kind {
         match self {
             Kind::EndpointSlice => "discovery.k8s.io/v1",
             Kind::ServiceCidr => "networking.k8s.io/v1",
+            Kind::EventsV1 => "events.k8s.io/v1",
             _ => "v1",
         }
     }
@@ -63,6 +72,7 @@ impl Kind {
             Kind::Node => "Node",
             Kind::Namespace => "Namespace",
             Kind::ServiceCidr => "ServiceCIDR",
+            Kind::Event | Kind::EventsV1 => "Event",
         }
     }
 
@@ -80,6 +90,7 @@ impl Kind {
             Kind::Node => "nodes",
             Kind::Namespace => "namespaces",
             Kind::ServiceCidr => "servicecidrs",
+            Kind::Event | Kind::EventsV1 => "events",
         }
     }
 
@@ -92,6 +103,7 @@ impl Kind {
             Kind::Node => "node",
             Kind::Namespace => "namespace",
             Kind::ServiceCidr => "servicecidr",
+            Kind::Event | Kind::EventsV1 => "event",
         }
     }
 
@@ -103,6 +115,7 @@ impl Kind {
             Kind::EndpointSlice | Kind::ServiceCidr => &[],
             Kind::Node => &["no"],
             Kind::Namespace => &["ns"],
+            Kind::Event | Kind::EventsV1 => &["ev"],
         }
     }
 
@@ -126,7 +139,10 @@ impl Kind {
 
     /// Whether PUT of a missing object creates it (`AllowCreateOnUpdate` of the kube strategy).
     pub fn allow_create_on_update(self) -> bool {
-        matches!(self, Kind::Service | Kind::Endpoints | Kind::EndpointSlice)
+        matches!(
+            self,
+            Kind::Service | Kind::Endpoints | Kind::EndpointSlice | Kind::Event | Kind::EventsV1
+        )
     }
 
     /// The storage directory under the prefix, as kube-apiserver names it.
@@ -138,6 +154,16 @@ impl Kind {
             Kind::Node => "minions",
             Kind::Namespace => "namespaces",
             Kind::ServiceCidr => "servicecidrs",
+            // Both forms of Event are one resource in storage, as in kube-apiserver.
+            Kind::Event | Kind::EventsV1 => "events",
+        }
+    }
+
+    /// The kind whose form objects of this kind are stored in: core/v1 for both Events.
+    pub fn stored_as(self) -> Kind {
+        match self {
+            Kind::EventsV1 => Kind::Event,
+            other => other,
         }
     }
 
@@ -212,5 +238,22 @@ mod tests {
             Kind::ServiceCidr.key("/registry", None, "kubernetes"),
             "/registry/servicecidrs/kubernetes"
         );
+    }
+
+    #[test]
+    fn both_forms_of_event_share_kube_apiservers_event_keys() {
+        for kind in [Kind::Event, Kind::EventsV1] {
+            assert_eq!(
+                kind.key("/registry", Some("default"), "web.1"),
+                "/registry/events/default/web.1"
+            );
+            assert_eq!(kind.stored_as(), Kind::Event);
+        }
+        assert_eq!(Kind::EventsV1.api_version(), "events.k8s.io/v1");
+        assert_eq!(
+            Kind::from_path("events.k8s.io", "v1", "events"),
+            Some(Kind::EventsV1)
+        );
+        assert_eq!(Kind::from_path("", "v1", "events"), Some(Kind::Event));
     }
 }

@@ -125,3 +125,17 @@ fn sigterm_ends_open_watches_and_stops_the_server() {
         "the watch did not end"
     );
 }
+
+#[test]
+fn an_event_ttl_that_is_not_a_positive_duration_is_refused_with_exit_64() {
+    for bad in ["0", "soon", "10x"] {
+        let (code, stderr) = run(&["--event-ttl", bad]);
+        assert_eq!(code, Some(64), "{bad}: {stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "--event-ttl {bad:?} is not a duration of at least 1s (like 1h, 30m or 90s)"
+            )),
+            "{stderr}"
+        );
+    }
+}

@@ -68,6 +68,26 @@ fn nodeport_reaches_all_three_pods_and_is_refused_once_endpoints_are_gone(mode: 
         "{metrics}"
     );
 
+    // As kube-proxy, the proxy announced its start with an Event about its Node.
+    let started = c
+        .kubectl(&[
+            "get",
+            "events",
+            "-n",
+            "default",
+            "--field-selector",
+            "involvedObject.kind=Node,reason=Starting",
+            "-o",
+            "jsonpath={range .items[*]}{.reportingComponent} {.action} {.type}{\"\\n\"}{end}",
+        ])
+        .unwrap();
+    assert!(
+        started
+            .lines()
+            .any(|l| l == "kube-proxy StartKubeProxy Normal"),
+        "{started}"
+    );
+
     c.apply(&service_yaml("web", 30080, "", &[])).unwrap();
     eventually(&c.client, &to, "a Service without endpoints refuses", |r| {
         *r == Reply::Refused

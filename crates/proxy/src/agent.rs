@@ -617,6 +617,11 @@ pub async fn run_with_backend(
         )
         .await
     });
+    // kube-proxy announces itself with an Event about its Node.
+    tasks.spawn(crate::events::post_starting(
+        client.clone(),
+        config.node_name.clone(),
+    ));
     // ServiceCIDRs are optional: an API server that does not serve them (404) leaves the
     // unallocated-ClusterIP drop rule out, as kube-proxy does without ServiceCIDR data.
     let s = shared.clone();

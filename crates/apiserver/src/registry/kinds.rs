@@ -67,6 +67,7 @@ pub fn prepare_create(object: &mut Object) {
             slice.metadata.generation = Some(1);
         }
         Object::Node(_) | Object::Endpoints(_) | Object::ServiceCidr(_) => {}
+        Object::Event(_) => {}
     }
 }
 
@@ -106,6 +107,8 @@ fn check_port(errs: &mut Vec<FieldError>, path: &str, port: Option<i32>, protoco
 /// Validation of the kinds other than Service.
 pub fn validate(object: &Object) -> Vec<FieldError> {
     match object {
+        // Through core/v1; `events.k8s.io/v1` adds its own rules (see `super::event`).
+        Object::Event(event) => super::event::validate_create(crate::resource::Kind::Event, event),
         Object::Service(svc) => super::service::validate(svc),
         Object::Namespace(ns) => {
             let mut errs = validation::object_meta(&ns.metadata, false, NameRule::Dns1123Label);

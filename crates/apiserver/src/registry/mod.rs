@@ -8,6 +8,8 @@
 //! Objects are stored as JSON without `metadata.resourceVersion`; on every read the key's
 //! `mod_revision` is written into it, as kube-apiserver's etcd3 store does.
 
+pub mod event;
+pub mod gvk;
 pub mod kinds;
 pub mod master_leases;
 pub mod namespace;
@@ -293,33 +295,7 @@ pub fn set_resource_version(value: &mut Value, revision: Revision) {
 fn typed_from_entry(kind: Kind, value: &[u8]) -> Result<Object, ApiError> {
     let v: Value = serde_json::from_slice(value)
         .map_err(|e| ApiError::internal(format!("stored object is not JSON: {e}")))?;
-    Ok(Object::decode(kind, &v)?.object)
-}
-
-/// Checks `apiVersion` and `kind` of a request body against the endpoint.
-fn check_type(kind: Kind, body: &Value) -> Result<(), ApiError> {
-    match body.get("kind").and_then(Value::as_str) {
-        None | Some("") => {
-            return Err(ApiError::bad_request(format!(
-                "Object 'Kind' is missing in '{}'",
-                serde_json::to_string(body).unwrap_or_default()
-            )));
-        }
-        Some(k) if k != kind.kind() => {
-            return Err(ApiError::bad_request(format!(
-                "the kind in the data ({k}) does not match the expected kind ({})",
-                kind.kind()
-            )));
-        }
-        _ => {}
-    }
-    match body.get("apiVersion").and_then(Value::as_str) {
-        Some(v) if v != kind.api_version() => Err(ApiError::bad_request(format!(
-            "the API version in the data ({v}) does not match the expected API version ({})",
-            kind.api_version()
-        ))),
-        _ => Ok(()),
-    }
+    Ok(Object::decode(kind.stored_as(), &v)?.object)
 }
 
 fn unknown_field_handling(
@@ -514,11 +490,11 @@ impl Registry {
     /// Decodes a request body, applying `fieldValidation`.
     fn decode_body(
         kind: Kind,
-        body: &Value,
+        mut body: Value,
         mode: FieldValidation,
     ) -> Result<(Object, Vec<String>), ApiError> {
-        check_type(kind, body)?;
-        let decoded = Object::decode(kind, body)?;
+        gvk::default_and_check(kind, &mut body)?;
+        let decoded = Object::decode(kind, &body)?;
         // A create or update wraps the strict decoding error as any decoding error
         // (kube-apiserver's `transformDecodeError`).
         let warnings = unknown_field_handling(&decoded.unknown_fields, mode)
@@ -534,7 +510,7 @@ impl Registry {
         body: Value,
         options: WriteOptions,
     ) -> Result<Written, ApiError> {
-        let (mut object, warnings) = Self::decode_body(kind, &body, options.field_validation)?;
+        let (mut object, warnings) = Self::decode_body(kind, body, options.field_validation)?;
         let resource_version_set;
         {
             let meta = object.metadata_mut();
@@ -569,7 +545,12 @@ impl Registry {
         }
         kinds::prepare_create(&mut object);
         let name = object.name().to_owned();
-        if !matches!(object, Object::Service(_)) {
+        if let Object::Event(event) = &object {
+            let errs = event::validate_create(kind, event);
+            if !errs.is_empty() {
+                return Err(invalid(kind, &name, errs));
+            }
+        } else if !matches!(object, Object::Service(_)) {
             let errs = kinds::validate(&object);
             if !errs.is_empty() {
                 return Err(invalid(kind, &name, errs));
@@ -636,7 +617,7 @@ impl Registry {
         body: Value,
         options: WriteOptions,
     ) -> Result<Written, ApiError> {
-        let (mut object, warnings) = Self::decode_body(kind, &body, options.field_validation)?;
+        let (mut object, warnings) = Self::decode_body(kind, body, options.field_validation)?;
         match object.metadata().name.as_deref() {
             None | Some("") => object.metadata_mut().name = Some(name.to_owned()),
             Some(n) if n != name => {
@@ -685,6 +666,11 @@ impl Registry {
                     kinds::prepare_create(&mut object);
                     if let Object::Service(svc) = &mut object {
                         service::create(svc, txn.allocators()?, &ranges)?;
+                    } else if let Object::Event(event) = &object {
+                        let errs = event::validate_create(kind, event);
+                        if !errs.is_empty() {
+                            return Err(invalid(kind, &name, errs));
+                        }
                     } else {
                         let errs = kinds::validate(&object);
                         if !errs.is_empty() {
@@ -760,7 +746,7 @@ impl Registry {
                 let Some(old) = txn.get(&key) else {
                     return Err(ApiError::not_found(kind.subject(), &name));
                 };
-                let old_value = decode_stored(&old.value, old.mod_revision)?;
+                let old_value = event::present(kind, decode_stored(&old.value, old.mod_revision)?);
                 let patched = patch::apply(kind, patch_type, &old_value, &patch)?;
                 let decoded = Object::decode(kind, &patched)?;
                 let warnings =
@@ -1507,6 +1493,12 @@ fn apply_update(
                 new_ns.spec = old_ns.spec.clone();
             }
             let errs = kinds::validate(&new);
+            if !errs.is_empty() {
+                return Err(invalid(kind, &name, errs));
+            }
+        }
+        (Object::Event(new_event), Object::Event(old_event)) => {
+            let errs = event::validate_update(kind, new_event, old_event);
             if !errs.is_empty() {
                 return Err(invalid(kind, &name, errs));
             }

@@ -247,7 +247,7 @@ impl Registry {
         body: Value,
         options: WriteOptions,
     ) -> Result<Value, ApiError> {
-        let (object, _) = Self::decode_body(Kind::Namespace, &body, options.field_validation)?;
+        let (object, _) = Self::decode_body(Kind::Namespace, body, options.field_validation)?;
         let Object::Namespace(new) = object else {
             return Err(ApiError::internal("decoded namespace is not a Namespace"));
         };
@@ -431,12 +431,17 @@ impl Registry {
         Ok(())
     }
 
-    /// Deletes every Service, Endpoints and EndpointSlice in `namespace`, until a listing finds
-    /// none. Nothing new can appear: creates are refused while the namespace is Terminating.
+    /// Deletes every Service, Endpoints, EndpointSlice and Event in `namespace`, until a listing
+    /// finds none. Nothing new can appear: creates are refused while the namespace is Terminating.
     async fn delete_namespace_contents(&self, namespace: &str) -> Result<(), ApiError> {
         for _round in 0..10 {
             let (mut found, mut pending) = (0, 0);
-            for kind in [Kind::Service, Kind::Endpoints, Kind::EndpointSlice] {
+            for kind in [
+                Kind::Service,
+                Kind::Endpoints,
+                Kind::EndpointSlice,
+                Kind::Event,
+            ] {
                 let page = self
                     .store
                     .backend()

@@ -1,6 +1,6 @@
 //! Typed objects: decoding from JSON with unknown-field detection, and back.
 
-use k8s_openapi::api::core::v1::{Endpoints, Namespace, Node, Service};
+use k8s_openapi::api::core::v1::{Endpoints, Event, Namespace, Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -24,6 +24,8 @@ pub enum Object {
     Namespace(Box<Namespace>),
     /// A ServiceCIDR.
     ServiceCidr(Box<ServiceCIDR>),
+    /// An Event, in its stored (core/v1) form whichever API it came through.
+    Event(Box<Event>),
 }
 
 /// A decoded object and the input fields the typed object does not know.
@@ -55,6 +57,21 @@ impl Object {
         fn typed<T: serde::de::DeserializeOwned>(kind: Kind, value: &Value) -> Result<T, ApiError> {
             serde_json::from_value(value.clone()).map_err(|e| undecodable(kind, e))
         }
+        if kind == Kind::EventsV1 {
+            // Decoded in the core form; unknown fields are named as the new form names them.
+            let (core, moved) = super::event::to_core(value);
+            let mut decoded = Object::decode(Kind::Event, &core)?;
+            decoded.unknown_fields = moved
+                .into_iter()
+                .chain(
+                    decoded
+                        .unknown_fields
+                        .iter()
+                        .map(|p| super::event::events_path(p)),
+                )
+                .collect();
+            return Ok(decoded);
+        }
         let object = match kind {
             Kind::Service => Object::Service(Box::new(typed(kind, value)?)),
             Kind::Endpoints => Object::Endpoints(Box::new(typed(kind, value)?)),
@@ -62,6 +79,7 @@ impl Object {
             Kind::Node => Object::Node(Box::new(typed(kind, value)?)),
             Kind::Namespace => Object::Namespace(Box::new(typed(kind, value)?)),
             Kind::ServiceCidr => Object::ServiceCidr(Box::new(typed(kind, value)?)),
+            Kind::Event | Kind::EventsV1 => Object::Event(Box::new(typed(kind, value)?)),
         };
         let mut unknown_fields = Vec::new();
         let round_trip = object.to_value();
@@ -81,6 +99,7 @@ impl Object {
             Object::Node(_) => Kind::Node,
             Object::Namespace(_) => Kind::Namespace,
             Object::ServiceCidr(_) => Kind::ServiceCidr,
+            Object::Event(_) => Kind::Event,
         }
     }
 
@@ -93,6 +112,7 @@ impl Object {
             Object::Node(o) => &o.metadata,
             Object::Namespace(o) => &o.metadata,
             Object::ServiceCidr(o) => &o.metadata,
+            Object::Event(o) => &o.metadata,
         }
     }
 
@@ -105,6 +125,7 @@ impl Object {
             Object::Node(o) => &mut o.metadata,
             Object::Namespace(o) => &mut o.metadata,
             Object::ServiceCidr(o) => &mut o.metadata,
+            Object::Event(o) => &mut o.metadata,
         }
     }
 
@@ -122,6 +143,7 @@ impl Object {
             Object::Node(o) => serde_json::to_value(o),
             Object::Namespace(o) => serde_json::to_value(o),
             Object::ServiceCidr(o) => serde_json::to_value(o),
+            Object::Event(o) => serde_json::to_value(o),
         }
         .expect("k8s-openapi objects serialize");
         if let Value::Object(map) = &mut value {

@@ -162,7 +162,9 @@ impl FieldSelector {
                     "field label not supported: {field}"
                 )));
             }
-            reqs.push((field.to_owned(), equal, value.trim().to_owned()));
+            // `events.k8s.io/v1` names are selected by their core/v1 names, the stored form's.
+            let field = super::event::core_field_label(field);
+            reqs.push((field, equal, value.trim().to_owned()));
         }
         Ok(FieldSelector(reqs))
     }
@@ -201,11 +203,15 @@ pub fn supported_fields(kind: Kind) -> &'static [&'static str] {
         Kind::ServiceCidr => &["metadata.name"],
         Kind::Namespace => &["metadata.name", "status.phase"],
         Kind::Endpoints | Kind::EndpointSlice => &["metadata.name", "metadata.namespace"],
+        Kind::Event | Kind::EventsV1 => super::event::selectable_fields(kind),
     }
 }
 
 /// The value of a selectable field, as a string (`""` when unset; booleans as `true`/`false`).
 pub fn field_value(object: &Value, field: &str) -> String {
+    if field == "source" {
+        return super::event::source_field(object);
+    }
     let mut current = object;
     for part in field.split('.') {
         match current.get(part) {

@@ -50,12 +50,20 @@ fn networking_group() -> Value {
     })
 }
 
+fn events_group() -> Value {
+    json!({
+        "name": "events.k8s.io",
+        "versions": [{"groupVersion": "events.k8s.io/v1", "version": "v1"}],
+        "preferredVersion": {"groupVersion": "events.k8s.io/v1", "version": "v1"},
+    })
+}
+
 /// `/apis`.
 pub fn api_group_list() -> Value {
     json!({
         "kind": "APIGroupList",
         "apiVersion": "v1",
-        "groups": [discovery_group(), networking_group()],
+        "groups": [discovery_group(), networking_group(), events_group()],
     })
 }
 
@@ -64,6 +72,7 @@ pub fn api_group(group: &str) -> Option<Value> {
     let mut g = match group {
         "discovery.k8s.io" => discovery_group(),
         "networking.k8s.io" => networking_group(),
+        "events.k8s.io" => events_group(),
         _ => return None,
     };
     g["kind"] = json!("APIGroup");
@@ -157,7 +166,7 @@ pub fn version() -> Value {
 }
 
 /// The group-version paths of `/openapi/v3`: path, group, version, schema package.
-fn openapi_paths() -> [(&'static str, &'static str, &'static str, &'static str); 3] {
+fn openapi_paths() -> [(&'static str, &'static str, &'static str, &'static str); 4] {
     [
         ("api/v1", "", "v1", "core"),
         (
@@ -172,6 +181,7 @@ fn openapi_paths() -> [(&'static str, &'static str, &'static str, &'static str);
             "v1",
             "networking",
         ),
+        ("apis/events.k8s.io/v1", "events.k8s.io", "v1", "events"),
     ]
 }
 
@@ -201,6 +211,7 @@ fn hash_of(path: &str) -> String {
 /// kube-apiserver names them (`io.k8s.api.core.v1.ServiceSpec`), with the field descriptions
 /// `kubectl explain` prints: k8s-openapi's, which come from the same API definitions.
 fn schemas_of(group: &str) -> serde_json::Map<String, Value> {
+    use k8s_openapi::api::events::v1 as events;
     use k8s_openapi::api::{core::v1 as core, discovery::v1 as discovery, networking::v1 as net};
     let mut generator = schemars::generate::SchemaSettings::openapi3().into_generator();
     for kind in Kind::ALL.into_iter().filter(|k| k.group() == group) {
@@ -211,9 +222,17 @@ fn schemas_of(group: &str) -> serde_json::Map<String, Value> {
             Kind::Namespace => generator.subschema_for::<core::Namespace>(),
             Kind::EndpointSlice => generator.subschema_for::<discovery::EndpointSlice>(),
             Kind::ServiceCidr => generator.subschema_for::<net::ServiceCIDR>(),
+            Kind::Event => generator.subschema_for::<core::Event>(),
+            Kind::EventsV1 => generator.subschema_for::<events::Event>(),
         };
     }
     generator.take_definitions(true)
+}
+
+/// [`schemas_of`], for the marker table's own test.
+#[cfg(test)]
+pub(crate) fn schemas_for_test(group: &str) -> serde_json::Map<String, Value> {
+    schemas_of(group)
 }
 
 /// `/openapi/v3/<path>`: each kind's schema and operations, with the markers kubectl looks for.
@@ -223,6 +242,7 @@ pub fn openapi_v3_document(path: &str) -> Option<Value> {
         .find(|(p, _, _, _)| *p == path)?;
     let mut paths = serde_json::Map::new();
     let mut schemas = schemas_of(group);
+    super::list_types::annotate(&mut schemas);
     let field_validation = json!({
         "name": "fieldValidation",
         "in": "query",

@@ -7,6 +7,7 @@
 pub mod discovery;
 mod json;
 pub mod limits;
+mod list_types;
 pub mod protobuf;
 pub mod table;
 pub mod watch;
@@ -597,7 +598,11 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
             if let Some(remaining) = list.remaining {
                 metadata["remainingItemCount"] = json!(remaining);
             }
-            let items: Vec<Value> = list.items.into_iter().map(list_item).collect();
+            let items: Vec<Value> = list
+                .items
+                .into_iter()
+                .map(|item| list_item(crate::registry::event::present(kind, item)))
+                .collect();
             Ok(negotiated_response(
                 StatusCode::OK,
                 &json!({
@@ -625,7 +630,10 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
             let options = write_options(&query)?;
             let list = list_options(kind, &query)?;
             let deleted = registry.delete_collection(kind, ns, &list, options).await?;
-            let items: Vec<Value> = deleted.into_iter().map(list_item).collect();
+            let items: Vec<Value> = deleted
+                .into_iter()
+                .map(|item| list_item(crate::registry::event::present(kind, item)))
+                .collect();
             Ok(json_response(
                 StatusCode::OK,
                 &json!({
@@ -745,7 +753,7 @@ fn object_response(code: StatusCode, kind: Kind, object: Value, accept: &str) ->
             .to_owned();
         return json_response(code, &table::table(kind, &[object], &rv, None, "Metadata"));
     }
-    negotiated_response(code, &object, accept)
+    negotiated_response(code, &crate::registry::event::present(kind, object), accept)
 }
 
 /// Whether `Accept` prefers YAML among what this server writes, as kube-apiserver negotiates

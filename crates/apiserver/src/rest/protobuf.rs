@@ -19,6 +19,7 @@ use std::collections::BTreeMap;
 
 use k8s_pb::api::core::v1 as core;
 use k8s_pb::api::discovery::v1 as discovery;
+use k8s_pb::api::events::v1 as events;
 use k8s_pb::apimachinery::pkg::apis::meta::v1 as meta;
 use k8s_pb::apimachinery::pkg::runtime::Unknown;
 use k8s_pb::apimachinery::pkg::util::intstr::IntOrString;
@@ -34,12 +35,14 @@ pub const MEDIA_TYPE: &str = "application/vnd.kubernetes.protobuf";
 pub const MAGIC: [u8; 4] = *b"k8s\0";
 
 /// The kinds whose protobuf bodies are decoded, as `(apiVersion, kind)`.
-pub const DECODED: [(&str, &str); 5] = [
+pub const DECODED: [(&str, &str); 7] = [
     ("v1", "Service"),
     ("v1", "Namespace"),
     ("v1", "Node"),
     ("v1", "Endpoints"),
     ("discovery.k8s.io/v1", "EndpointSlice"),
+    ("v1", "Event"),
+    ("events.k8s.io/v1", "Event"),
 ];
 
 /// Why a protobuf body could not be turned into JSON.
@@ -168,6 +171,8 @@ pub fn decode_object(body: &[u8], endpoint: Kind) -> Result<Value, Error> {
         ("v1", "Node") => node(head, typed(&envelope)?),
         ("v1", "Endpoints") => endpoints(head, typed(&envelope)?),
         ("discovery.k8s.io/v1", "EndpointSlice") => endpoint_slice(head, typed(&envelope)?),
+        ("v1", "Event") => core_event(head, typed(&envelope)?),
+        ("events.k8s.io/v1", "Event") => events_event(head, typed(&envelope)?),
         _ => Err(Error::UnsupportedKind {
             api_version: envelope.api_version,
             kind: envelope.kind,
@@ -320,6 +325,31 @@ impl Fields {
 
     fn done(self) -> Value {
         Value::Object(self.0)
+    }
+
+    /// `metav1.MicroTime`: RFC 3339 with microseconds, in UTC; the zero time is left out (Go
+    /// writes `null`).
+    fn micro_time(self, key: &'static str, time: Option<meta::MicroTime>) -> Result<Self, Error> {
+        let Some(time) = time.filter(|t| t.seconds.is_some() || t.nanos.is_some()) else {
+            return Ok(self);
+        };
+        let seconds = time.seconds.unwrap_or(0);
+        let stamp = Some(seconds)
+            .filter(|s| (YEAR_0..=END_OF_YEAR_9999).contains(s))
+            .and_then(|s| {
+                k8s_openapi::jiff::Timestamp::new(s, time.nanos.unwrap_or(0).clamp(0, 999_999_999))
+                    .ok()
+            })
+            .ok_or(Error::Time {
+                field: key,
+                seconds,
+            })?;
+        let text = k8s_openapi::jiff::fmt::strtime::format("%Y-%m-%dT%H:%M:%S%.6fZ", stamp)
+            .map_err(|_| Error::Time {
+                field: key,
+                seconds,
+            })?;
+        Ok(self.put(key, text))
     }
 }
 
@@ -717,6 +747,71 @@ fn slice_endpoint(e: discovery::Endpoint) -> Result<Value, Error> {
                 .map(Fields::done)
         })
         .map(Fields::done)
+}
+
+fn event_source(s: core::EventSource) -> Result<Value, Error> {
+    Ok(Fields::default()
+        .nonzero("component", s.component)
+        .nonzero("host", s.host)
+        .done())
+}
+
+/// core/v1 `EventSeries` (`count`, `lastObservedTime`, both `omitempty`).
+fn core_event_series(s: core::EventSeries) -> Result<Value, Error> {
+    Fields::default()
+        .nonzero("count", s.count)
+        .micro_time("lastObservedTime", s.last_observed_time)
+        .map(Fields::done)
+}
+
+/// events.k8s.io/v1 `EventSeries` (neither field `omitempty`).
+fn events_event_series(s: events::EventSeries) -> Result<Value, Error> {
+    Fields::default()
+        .always("count", s.count)
+        .micro_time("lastObservedTime", s.last_observed_time)
+        .map(Fields::done)
+}
+
+/// core/v1 Event, as client-go's legacy event recorder sends it.
+fn core_event(head: Fields, e: core::Event) -> Result<Value, Error> {
+    Ok(head
+        .object("metadata", e.metadata, object_meta)?
+        .object("involvedObject", e.involved_object, object_reference)?
+        .nonzero("reason", e.reason)
+        .nonzero("message", e.message)
+        .object("source", e.source, event_source)?
+        .time("firstTimestamp", e.first_timestamp)?
+        .time("lastTimestamp", e.last_timestamp)?
+        .nonzero("count", e.count)
+        .nonzero("type", e.r#type)
+        .micro_time("eventTime", e.event_time)?
+        .object("series", e.series, core_event_series)?
+        .nonzero("action", e.action)
+        .object("related", e.related, object_reference)?
+        .always("reportingComponent", e.reporting_component)
+        .always("reportingInstance", e.reporting_instance)
+        .done())
+}
+
+/// events.k8s.io/v1 Event, as client-go's new event recorder sends it.
+fn events_event(head: Fields, e: events::Event) -> Result<Value, Error> {
+    Ok(head
+        .object("metadata", e.metadata, object_meta)?
+        .micro_time("eventTime", e.event_time)?
+        .object("series", e.series, events_event_series)?
+        .nonzero("reportingController", e.reporting_controller)
+        .nonzero("reportingInstance", e.reporting_instance)
+        .nonzero("action", e.action)
+        .nonzero("reason", e.reason)
+        .object("regarding", e.regarding, object_reference)?
+        .object("related", e.related, object_reference)?
+        .nonzero("note", e.note)
+        .nonzero("type", e.r#type)
+        .object("deprecatedSource", e.deprecated_source, event_source)?
+        .time("deprecatedFirstTimestamp", e.deprecated_first_timestamp)?
+        .time("deprecatedLastTimestamp", e.deprecated_last_timestamp)?
+        .nonzero("deprecatedCount", e.deprecated_count)
+        .done())
 }
 
 #[cfg(test)]
@@ -1394,5 +1489,124 @@ mod tests {
             ),
             "{err}"
         );
+    }
+}
+
+#[cfg(test)]
+mod event_tests {
+    use super::*;
+
+    fn wire(api_version: &str, kind: &str, object: &impl Message) -> Vec<u8> {
+        let unknown = Unknown {
+            type_meta: Some(k8s_pb::apimachinery::pkg::runtime::TypeMeta {
+                api_version: Some(api_version.to_owned()),
+                kind: Some(kind.to_owned()),
+            }),
+            raw: Some(object.encode_to_vec()),
+            content_encoding: Some(String::new()),
+            content_type: Some(String::new()),
+        };
+        let mut body = MAGIC.to_vec();
+        body.extend(unknown.encode_to_vec());
+        body
+    }
+
+    fn reference() -> core::ObjectReference {
+        core::ObjectReference {
+            kind: Some("Service".into()),
+            namespace: Some("default".into()),
+            name: Some("web".into()),
+            uid: Some("u-1".into()),
+            api_version: Some("v1".into()),
+            resource_version: Some(String::new()),
+            field_path: Some(String::new()),
+        }
+    }
+
+    #[test]
+    fn a_legacy_recorders_core_event_decodes_to_its_json() {
+        let event = core::Event {
+            metadata: Some(meta::ObjectMeta {
+                name: Some("web.1".into()),
+                namespace: Some("default".into()),
+                ..Default::default()
+            }),
+            involved_object: Some(reference()),
+            reason: Some("Synced".into()),
+            message: Some("synced".into()),
+            source: Some(core::EventSource {
+                component: Some("ctl".into()),
+                host: Some(String::new()),
+            }),
+            first_timestamp: Some(meta::Time {
+                seconds: Some(1_767_225_600),
+                nanos: Some(0),
+            }),
+            last_timestamp: Some(meta::Time {
+                seconds: Some(1_767_225_600),
+                nanos: Some(0),
+            }),
+            count: Some(1),
+            r#type: Some("Normal".into()),
+            event_time: Some(meta::MicroTime::default()),
+            series: None,
+            action: Some(String::new()),
+            related: None,
+            reporting_component: Some(String::new()),
+            reporting_instance: Some(String::new()),
+        };
+        let body = decode_object(&wire("v1", "Event", &event), Kind::Event).unwrap();
+        assert_eq!(
+            body,
+            serde_json::json!({"apiVersion": "v1", "kind": "Event",
+                "metadata": {"name": "web.1", "namespace": "default"},
+                "involvedObject": {"kind": "Service", "namespace": "default", "name": "web", "uid": "u-1", "apiVersion": "v1"},
+                "reason": "Synced", "message": "synced", "source": {"component": "ctl"},
+                "firstTimestamp": "2026-01-01T00:00:00Z", "lastTimestamp": "2026-01-01T00:00:00Z",
+                "count": 1, "type": "Normal", "reportingComponent": "", "reportingInstance": ""})
+        );
+    }
+
+    #[test]
+    fn a_new_recorders_events_k8s_io_event_keeps_its_microsecond_times() {
+        let event = events::Event {
+            metadata: Some(meta::ObjectMeta {
+                name: Some("web.2".into()),
+                namespace: Some("default".into()),
+                ..Default::default()
+            }),
+            event_time: Some(meta::MicroTime {
+                seconds: Some(1_767_225_600),
+                nanos: Some(123_456_789),
+            }),
+            series: Some(events::EventSeries {
+                count: Some(2),
+                last_observed_time: Some(meta::MicroTime {
+                    seconds: Some(1_767_225_601),
+                    nanos: Some(0),
+                }),
+            }),
+            reporting_controller: Some("ctl".into()),
+            reporting_instance: Some("ctl-1".into()),
+            action: Some("Sync".into()),
+            reason: Some("Synced".into()),
+            regarding: Some(reference()),
+            note: Some("synced".into()),
+            r#type: Some("Normal".into()),
+            deprecated_source: Some(core::EventSource::default()),
+            deprecated_count: Some(0),
+            ..Default::default()
+        };
+        let body =
+            decode_object(&wire("events.k8s.io/v1", "Event", &event), Kind::EventsV1).unwrap();
+        assert_eq!(body["eventTime"], "2026-01-01T00:00:00.123456Z");
+        assert_eq!(
+            body["series"],
+            serde_json::json!({"count": 2, "lastObservedTime": "2026-01-01T00:00:01.000000Z"})
+        );
+        assert_eq!(body["regarding"]["name"], "web");
+        assert_eq!(body["deprecatedSource"], serde_json::json!({}));
+        assert!(body.get("deprecatedCount").is_none());
+        assert_eq!(body["reportingController"], "ctl");
     }
 }

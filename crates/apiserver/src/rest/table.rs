@@ -77,6 +77,46 @@ fn columns(kind: Kind) -> Vec<(&'static str, &'static str, i32)> {
             ),
             age,
         ],
+        Kind::Event | Kind::EventsV1 => vec![
+            (
+                "Last Seen",
+                "The time at which the most recent occurrence of this event was recorded.",
+                0,
+            ),
+            (
+                "Type",
+                "Type of this event (Normal, Warning), new types could be added in the future",
+                0,
+            ),
+            (
+                "Reason",
+                "This should be a short, machine understandable string that gives the reason for the transition into the object's current status.",
+                0,
+            ),
+            ("Object", "The object that this event is about.", 0),
+            (
+                "Subobject",
+                "If referring to a piece of an object instead of an entire object, this string should contain a valid JSON/Go field access statement, such as desiredState.manifest.containers[2].",
+                1,
+            ),
+            (
+                "Source",
+                "The component reporting this event. Should be a short machine understandable string.",
+                1,
+            ),
+            (
+                "Message",
+                "A human-readable description of the status of this operation.",
+                0,
+            ),
+            (
+                "First Seen",
+                "The time at which the event was first recorded. (Time of server receipt is in TypeMeta.)",
+                1,
+            ),
+            ("Count", "The number of times this event has occurred.", 1),
+            ("Name", "Name must be unique within a namespace.", 1),
+        ],
     }
 }
 
@@ -378,6 +418,74 @@ fn namespace_cells(ns: &Value) -> Vec<Value> {
     ]
 }
 
+/// kube's `translateTimestampSince` (and its MicroTime twin): the age of a time, `<unknown>`
+/// when unset.
+fn since(object: &Value, pointer: &str) -> Option<String> {
+    let ts = object
+        .pointer(pointer)
+        .and_then(Value::as_str)
+        .and_then(|s| s.parse::<Timestamp>().ok())?;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64);
+    Some(human_duration(now - ts.as_second()))
+}
+
+/// kube's `printEvent` (server-side, wide), over the stored core/v1 form.
+fn event_cells(event: &Value) -> Vec<Value> {
+    let first = since(event, "/firstTimestamp")
+        .or_else(|| since(event, "/eventTime"))
+        .unwrap_or_else(|| "<unknown>".into());
+    let mut last = since(event, "/lastTimestamp").unwrap_or_else(|| first.clone());
+    let mut count = event.get("count").and_then(Value::as_i64).unwrap_or(0);
+    if event.get("series").is_some_and(|s| !s.is_null()) {
+        last = since(event, "/series/lastObservedTime").unwrap_or_else(|| "<unknown>".into());
+        count = event
+            .pointer("/series/count")
+            .and_then(Value::as_i64)
+            .unwrap_or(0);
+    } else if count == 0 {
+        // Singleton events have no count in the new API.
+        count = 1;
+    }
+    let kind = s(event, "/involvedObject/kind").to_lowercase();
+    let name = s(event, "/involvedObject/name");
+    let target = if name.is_empty() {
+        kind
+    } else {
+        format!("{kind}/{name}")
+    };
+    let first_non_empty = |a: &str, b: &str| {
+        if a.is_empty() {
+            b.to_owned()
+        } else {
+            a.to_owned()
+        }
+    };
+    let component = first_non_empty(
+        s(event, "/source/component"),
+        s(event, "/reportingComponent"),
+    );
+    let instance = first_non_empty(s(event, "/source/host"), s(event, "/reportingInstance"));
+    let source = if instance.is_empty() {
+        component
+    } else {
+        format!("{component}, {instance}")
+    };
+    vec![
+        json!(last),
+        json!(s(event, "/type")),
+        json!(s(event, "/reason")),
+        json!(target),
+        json!(s(event, "/involvedObject/fieldPath")),
+        json!(source),
+        json!(s(event, "/message").trim()),
+        json!(first),
+        json!(count),
+        json!(s(event, "/metadata/name")),
+    ]
+}
+
 /// One row for `object`. `include_object` is `None`, `Metadata` (default) or `Object`.
 pub fn row(kind: Kind, object: &Value, include_object: &str) -> Value {
     let cells = match kind {
@@ -387,11 +495,12 @@ pub fn row(kind: Kind, object: &Value, include_object: &str) -> Value {
         Kind::Node => node_cells(object),
         Kind::Namespace => namespace_cells(object),
         Kind::ServiceCidr => service_cidr_cells(object),
+        Kind::Event | Kind::EventsV1 => event_cells(object),
     };
     let embedded = match include_object {
         "None" => Value::Null,
         "Object" => {
-            let mut o = object.clone();
+            let mut o = crate::registry::event::present(kind, object.clone());
             o["kind"] = json!(kind.kind());
             o["apiVersion"] = json!(kind.api_version());
             o

@@ -49,6 +49,11 @@ impl Encoder {
                 "Metadata",
             );
             encode_line(event_type, &table)
+        } else if self.kind == Kind::EventsV1 && !matches!(event_type, "ERROR" | "BOOKMARK") {
+            encode_line(
+                event_type,
+                &registry::event::present(self.kind, object.clone()),
+            )
         } else {
             encode_line(event_type, object)
         }
@@ -61,7 +66,7 @@ impl Encoder {
             .current
             .as_ref()
             .expect("translated events have an object");
-        if self.table {
+        if self.table || self.kind == Kind::EventsV1 {
             return self.line(change.event_type(), object);
         }
         shared.lines[change as usize]

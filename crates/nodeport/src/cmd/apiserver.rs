@@ -68,6 +68,10 @@ pub struct Args {
     /// 504 ("30s", "1m"). As kube-apiserver's flag.
     #[arg(long, default_value = "1m")]
     request_timeout: String,
+    /// How long Events are kept after they were last recorded, like kube-apiserver's flag:
+    /// "1h", "30m", "90s".
+    #[arg(long, default_value = "1h")]
+    event_ttl: String,
 }
 
 fn usage(message: impl Into<String>) -> anyhow::Error {
@@ -145,6 +149,14 @@ fn config(args: &Args) -> anyhow::Result<Config> {
             args.etcd_compaction_interval
         ))
     })?;
+    let event_ttl = duration(&args.event_ttl)
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| {
+            usage(format!(
+                "--event-ttl {:?} is not a duration of at least 1s (like 1h, 30m or 90s)",
+                args.event_ttl
+            ))
+        })?;
     if args.allocation_check_interval == 0 {
         return Err(usage(
             "--allocation-check-interval must be at least 1 second",
@@ -197,6 +209,7 @@ fn config(args: &Args) -> anyhow::Result<Config> {
         etcd_servers,
         etcd_compaction_interval,
         allocation_check_interval: std::time::Duration::from_secs(args.allocation_check_interval),
+        event_ttl,
         ..Config::default()
     };
     config.rest.server_address = format!("{}:{}", bind_address, args.port);
