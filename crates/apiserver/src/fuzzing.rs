@@ -16,6 +16,24 @@ use crate::resource::Kind;
 use crate::rest::AppState;
 use crate::{Config, router};
 
+/// The kinds an input's first byte picks from (its low four bits). New kinds are appended,
+/// never inserted, so that a saved input keeps meaning the same request.
+const KINDS: &[Kind] = &[
+    Kind::Namespace,
+    Kind::Service,
+    Kind::Endpoints,
+    Kind::Node,
+    Kind::EndpointSlice,
+    Kind::ServiceCidr,
+    Kind::Event,
+    Kind::EventsV1,
+];
+
+/// The kind an input's first byte names.
+fn kind(selector: u8) -> Kind {
+    KINDS[usize::from(selector & 0x0f) % KINDS.len()]
+}
+
 /// Content types a request body may come in.
 const BODY_TYPES: [&str; 3] = [
     "application/json",
@@ -66,14 +84,15 @@ impl Api {
         api
     }
 
-    /// A create or an update of any served kind. `data[0]` picks the kind, POST or PUT, and the
-    /// body's content type; the rest of `data` is the body. Returns the HTTP status.
+    /// A create or an update of any served kind. `data[0]` picks the kind (low four bits), the
+    /// body's content type (bits 4 and 5: JSON, YAML, protobuf) and POST or PUT (top bit); the
+    /// rest of `data` is the body. Returns the HTTP status.
     pub fn body(&self, data: &[u8]) -> u16 {
         let Some((&selector, body)) = data.split_first() else {
             return 0;
         };
-        let kind = Kind::ALL[usize::from(selector) % Kind::ALL.len()];
-        let content_type = BODY_TYPES[usize::from(selector / 8) % BODY_TYPES.len()];
+        let kind = kind(selector);
+        let content_type = BODY_TYPES[usize::from((selector >> 4) & 0x03) % BODY_TYPES.len()];
         let collection = collection(kind);
         let (method, path) = if selector & 0x80 == 0 {
             (Method::POST, format!("{collection}?dryRun=All"))
@@ -99,7 +118,8 @@ impl Api {
         )
     }
 
-    /// A list (or a get, when `data[0]`'s top bit is set) of any served kind with `data[1..]` as
+    /// A list (or a get, when `data[0]`'s top bit is set) of any served kind (`data[0]`'s low
+    /// four bits) with `data[1..]` as
     /// the query string: label and field selectors, `limit`, `continue`, `resourceVersion` and
     /// the rest. `watch` parameters are dropped: a watch on a quiet store only ends at its
     /// timeout, and it is fuzzed through the same query parsing.
@@ -107,7 +127,7 @@ impl Api {
         let Some((&selector, query)) = data.split_first() else {
             return 0;
         };
-        let kind = Kind::ALL[usize::from(selector) % Kind::ALL.len()];
+        let kind = kind(selector);
         let query: String = String::from_utf8_lossy(query)
             .split('&')
             .filter(|pair| {
@@ -189,5 +209,20 @@ fn collection(kind: Kind) -> String {
         format!("{prefix}/namespaces/default/{}", kind.resource())
     } else {
         format!("{prefix}/{}", kind.resource())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_served_kind_can_be_fuzzed() {
+        for kind in Kind::ALL {
+            assert!(
+                KINDS.contains(&kind),
+                "{kind:?} is missing from fuzzing::KINDS"
+            );
+        }
     }
 }
