@@ -1,0 +1,281 @@
+//! The compiled object (`bpf/nodeport.c`, built by `build.rs` with clang), loaded with aya:
+//! its programs and typed access to its maps.
+
+use std::net::IpAddr;
+
+use aya::maps::lpm_trie::{Key as LpmKey, LpmTrie};
+use aya::maps::{Array, HashMap, MapData, MapError};
+use aya::programs::{CgroupSockAddr, ProgramError, SchedClassifier};
+use aya::{Ebpf, EbpfError, EbpfLoader};
+use ipnet::IpNet;
+
+use super::maps::{self, BackendEntry, Frontend, FrontendKey, MAGLEV_M, Translation, Tuple, names};
+
+/// The object file, aligned for the ELF parser.
+pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/nodeport.bpf.o"));
+
+/// The tc program for packets arriving on a node interface.
+pub const TC_INGRESS: &str = "np_tc_ingress";
+/// The tc program for packets leaving a node interface.
+pub const TC_EGRESS: &str = "np_tc_egress";
+/// The cgroup socket programs, each with the hook it attaches to.
+pub const SOCK_PROGRAMS: [&str; 8] = [
+    "np_connect4_prog",
+    "np_connect6_prog",
+    "np_sendmsg4_prog",
+    "np_sendmsg6_prog",
+    "np_recvmsg4_prog",
+    "np_recvmsg6_prog",
+    "np_getpeername4_prog",
+    "np_getpeername6_prog",
+];
+
+/// Map sizes (`--ebpf-*-map-max`). The defaults hold the benchmark's 100,000 Services × 10
+/// endpoints, with Cilium's conntrack size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MapSizes {
+    /// Frontends (`np_services`): one per service address, port and scope.
+    pub services: u32,
+    /// Backends (`np_backends`, and `np_members` alike).
+    pub backends: u32,
+    /// Connections (`np_ct`, and `np_nat` alike: one reply entry per connection).
+    pub conntrack: u32,
+    /// Affinity entries (`np_affinity`).
+    pub affinity: u32,
+    /// Source ranges (`np_src_ranges`).
+    pub source_ranges: u32,
+    /// Maglev tables (`np_maglev`), 64 KiB each.
+    pub maglev: u32,
+    /// Socket reverse entries (`np_sock_rev`).
+    pub sockets: u32,
+}
+
+impl Default for MapSizes {
+    fn default() -> Self {
+        MapSizes {
+            // 100,000 Services: ClusterIP, NodePort on a few addresses, both scopes.
+            services: 1 << 20,
+            // 100,000 × 10 endpoints, and room for the next backend set during a switch.
+            backends: 1 << 21,
+            // Cilium's CT default (bpf-ct-global-tcp-max, 512 Ki).
+            conntrack: 512 * 1024,
+            affinity: 256 * 1024,
+            source_ranges: 64 * 1024,
+            maglev: 4096,
+            sockets: 256 * 1024,
+        }
+    }
+}
+
+impl MapSizes {
+    /// Each map's `max_entries`.
+    pub fn entries(&self) -> [(&'static str, u32); 9] {
+        [
+            (names::SERVICES, self.services),
+            (names::BACKENDS, self.backends),
+            (names::MEMBERS, self.backends),
+            (names::CT, self.conntrack),
+            (names::NAT, self.conntrack),
+            (names::AFFINITY, self.affinity),
+            (names::SOURCE_RANGES, self.source_ranges),
+            (names::MAGLEV, self.maglev),
+            (names::SOCK_REV, self.sockets),
+        ]
+    }
+}
+
+/// Loading the object or using its maps failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The kernel refused the object (maps or programs).
+    #[error("loading the eBPF object")]
+    Load(#[source] EbpfError),
+    /// A program failed to load or attach.
+    #[error("eBPF program {name}")]
+    Program {
+        /// The program.
+        name: &'static str,
+        /// Why.
+        #[source]
+        source: ProgramError,
+    },
+    /// A map operation failed.
+    #[error("eBPF map {name}")]
+    Map {
+        /// The map.
+        name: &'static str,
+        /// Why.
+        #[source]
+        source: MapError,
+    },
+    /// A Maglev table of the wrong size.
+    #[error("a Maglev table has {MAGLEV_M} slots, not {0}")]
+    MaglevSize(usize),
+    /// The object lacks a map or program (built from another source).
+    #[error("the eBPF object has no {0}")]
+    Missing(&'static str),
+}
+
+/// The loaded object.
+pub struct Programs {
+    ebpf: Ebpf,
+}
+
+impl std::fmt::Debug for Programs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Programs").finish_non_exhaustive()
+    }
+}
+
+fn map_err(name: &'static str) -> impl FnOnce(MapError) -> Error {
+    move |source| Error::Map { name, source }
+}
+
+impl Programs {
+    /// Loads the maps (sized from `sizes`) and every program into the kernel, unpinned.
+    pub fn load(sizes: &MapSizes) -> Result<Self, Error> {
+        let mut loader = EbpfLoader::new();
+        for (name, size) in sizes.entries() {
+            loader.map_max_entries(name, size);
+        }
+        let mut ebpf = loader.load(OBJECT).map_err(Error::Load)?;
+        for name in [TC_INGRESS, TC_EGRESS] {
+            let prog: &mut SchedClassifier = ebpf
+                .program_mut(name)
+                .ok_or(Error::Missing(name))?
+                .try_into()
+                .map_err(|source| Error::Program { name, source })?;
+            prog.load()
+                .map_err(|source| Error::Program { name, source })?;
+        }
+        for name in SOCK_PROGRAMS {
+            let prog: &mut CgroupSockAddr = ebpf
+                .program_mut(name)
+                .ok_or(Error::Missing(name))?
+                .try_into()
+                .map_err(|source| Error::Program { name, source })?;
+            prog.load()
+                .map_err(|source| Error::Program { name, source })?;
+        }
+        Ok(Programs { ebpf })
+    }
+
+    /// A loaded tc program ([`TC_INGRESS`] or [`TC_EGRESS`]).
+    pub fn classifier(&self, name: &'static str) -> Result<&SchedClassifier, Error> {
+        self.ebpf
+            .program(name)
+            .ok_or(Error::Missing(name))?
+            .try_into()
+            .map_err(|source| Error::Program { name, source })
+    }
+
+    fn hash<K: aya::Pod, V: aya::Pod>(
+        &mut self,
+        name: &'static str,
+    ) -> Result<HashMap<&mut MapData, K, V>, Error> {
+        HashMap::try_from(self.ebpf.map_mut(name).ok_or(Error::Missing(name))?)
+            .map_err(map_err(name))
+    }
+
+    fn hash_ref<K: aya::Pod, V: aya::Pod>(
+        &self,
+        name: &'static str,
+    ) -> Result<HashMap<&MapData, K, V>, Error> {
+        HashMap::try_from(self.ebpf.map(name).ok_or(Error::Missing(name))?).map_err(map_err(name))
+    }
+
+    /// Writes a frontend.
+    pub fn set_frontend(&mut self, key: &FrontendKey, value: &Frontend) -> Result<(), Error> {
+        self.hash::<[u8; 20], [u8; 16]>(names::SERVICES)?
+            .insert(key.encode(), value.encode(), 0)
+            .map_err(map_err(names::SERVICES))
+    }
+
+    /// Writes backend `ordinal` (1-based) of a backend set, and its membership entry.
+    pub fn set_backend(
+        &mut self,
+        be_set: u32,
+        ordinal: u32,
+        backend: &BackendEntry,
+    ) -> Result<(), Error> {
+        self.hash::<[u8; 8], [u8; 20]>(names::BACKENDS)?
+            .insert(maps::backend_key(be_set, ordinal), backend.encode(), 0)
+            .map_err(map_err(names::BACKENDS))?;
+        self.hash::<[u8; 24], u32>(names::MEMBERS)?
+            .insert(
+                maps::member_key(be_set, backend.addr, backend.port),
+                ordinal,
+                0,
+            )
+            .map_err(map_err(names::MEMBERS))
+    }
+
+    /// Writes a backend set's Maglev table ([`MAGLEV_M`] ordinals).
+    pub fn set_maglev(&mut self, be_set: u32, table: &[u32]) -> Result<(), Error> {
+        let value: Box<[u32; MAGLEV_M]> = table
+            .to_vec()
+            .into_boxed_slice()
+            .try_into()
+            .map_err(|_| Error::MaglevSize(table.len()))?;
+        self.hash::<u32, [u32; MAGLEV_M]>(names::MAGLEV)?
+            .insert(be_set, value.as_ref(), 0)
+            .map_err(map_err(names::MAGLEV))
+    }
+
+    /// Admits the sources in `net` to service port `svc_id`.
+    pub fn add_source_range(&mut self, svc_id: u32, net: IpNet) -> Result<(), Error> {
+        let name = names::SOURCE_RANGES;
+        let mut trie: LpmTrie<&mut MapData, [u8; 20], u8> =
+            LpmTrie::try_from(self.ebpf.map_mut(name).ok_or(Error::Missing(name))?)
+                .map_err(map_err(name))?;
+        let (len, data) = maps::range_key(svc_id, net);
+        trie.insert(&LpmKey::new(len, data), 1, 0)
+            .map_err(map_err(name))
+    }
+
+    /// Sets the address remote backends' connections are SNATed to, for its family.
+    pub fn set_snat_address(&mut self, addr: IpAddr) -> Result<(), Error> {
+        let name = names::CONFIG;
+        let mut config: Array<&mut MapData, [u8; 16]> =
+            Array::try_from(self.ebpf.map_mut(name).ok_or(Error::Missing(name))?)
+                .map_err(map_err(name))?;
+        config
+            .set(maps::config_index(addr), maps::addr_bytes(addr), 0)
+            .map_err(map_err(name))
+    }
+
+    fn translations(&self, name: &'static str) -> Result<Vec<(Tuple, Translation)>, Error> {
+        let map = self.hash_ref::<[u8; 40], [u8; 56]>(name)?;
+        let mut out = Vec::new();
+        for entry in map.iter() {
+            let (k, v) = entry.map_err(map_err(name))?;
+            out.push((Tuple::decode(&k), Translation::decode(&v)));
+        }
+        Ok(out)
+    }
+
+    /// The forward conntrack entries (`np_ct`).
+    pub fn conntrack(&self) -> Result<Vec<(Tuple, Translation)>, Error> {
+        self.translations(names::CT)
+    }
+
+    /// The reply-direction entries (`np_nat`).
+    pub fn nat(&self) -> Result<Vec<(Tuple, Translation)>, Error> {
+        self.translations(names::NAT)
+    }
+
+    /// The backend `client` is stuck to for service port `svc_id`, if any: address, port
+    /// and last use (`CLOCK_MONOTONIC` nanoseconds).
+    pub fn affinity(
+        &self,
+        svc_id: u32,
+        client: IpAddr,
+    ) -> Result<Option<(IpAddr, u16, u64)>, Error> {
+        let map = self.hash_ref::<[u8; 20], [u8; 32]>(names::AFFINITY)?;
+        match map.get(&maps::affinity_key(svc_id, client), 0) {
+            Ok(v) => Ok(Some(maps::decode_affinity(&v))),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(map_err(names::AFFINITY)(e)),
+        }
+    }
+}

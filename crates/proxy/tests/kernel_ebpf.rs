@@ -1,0 +1,787 @@
+//! The eBPF dataplane's tc programs run by the kernel on crafted packets
+//! (`BPF_PROG_TEST_RUN`, no topology): frontend lookup, DNAT and SNAT with valid IPv4 header
+//! and TCP/UDP checksums, reverse translation of replies, the ICMP port unreachable of a
+//! Service without endpoints, drops, affinity, Maglev tables and source ranges. Each test
+//! loads its own copy of the maps, so the tests run in parallel. They need root (BPF).
+
+use std::net::IpAddr;
+
+use aya::programs::TestRun;
+use aya::programs::TestRunOptions;
+use nodeport_proxy::ebpf::maps::{
+    BackendEntry, CT_SNAT, Frontend, FrontendKey, MAGLEV_M, SVC_AFFINITY, SVC_DROP, SVC_MAGLEV,
+    SVC_RANGES, SVC_REJECT, Scope,
+};
+use nodeport_proxy::ebpf::programs::{MapSizes, Programs, TC_EGRESS, TC_INGRESS};
+use nodeport_testbed::require_tools;
+
+const TC_ACT_OK: u32 = 0;
+const TC_ACT_SHOT: u32 = 2;
+const TC_ACT_REDIRECT: u32 = 7;
+const TCP: u8 = 6;
+const UDP: u8 = 17;
+const SYN: u8 = 0x02;
+const ACK: u8 = 0x10;
+
+fn ip(s: &str) -> IpAddr {
+    s.parse().expect("test address")
+}
+
+/// Loads the programs with small maps, or `None` when privileged tests are skipped.
+fn load(test: &str) -> Option<Programs> {
+    if !require_tools(test, &[]) {
+        return None;
+    }
+    let sizes = MapSizes {
+        services: 64,
+        backends: 64,
+        conntrack: 1024,
+        affinity: 64,
+        source_ranges: 64,
+        maglev: 4,
+        sockets: 64,
+    };
+    Some(Programs::load(&sizes).expect("the eBPF object loads (root and BPF needed)"))
+}
+
+/// A packet to craft or to read back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Packet {
+    src: IpAddr,
+    dst: IpAddr,
+    proto: u8,
+    sport: u16,
+    dport: u16,
+    tcp_flags: u8,
+    payload: Vec<u8>,
+}
+
+impl Packet {
+    fn new(proto: u8, src: &str, sport: u16, dst: &str, dport: u16) -> Self {
+        Packet {
+            src: ip(src),
+            dst: ip(dst),
+            proto,
+            sport,
+            dport,
+            tcp_flags: if proto == TCP { SYN } else { 0 },
+            payload: b"hello".to_vec(),
+        }
+    }
+
+    fn flags(mut self, flags: u8) -> Self {
+        self.tcp_flags = flags;
+        self
+    }
+}
+
+const CLIENT_MAC: [u8; 6] = [2, 0, 0, 0, 0, 1];
+const NODE_MAC: [u8; 6] = [2, 0, 0, 0, 0, 2];
+
+/// One's complement sum of 16-bit words.
+fn sum16(data: &[u8], mut acc: u32) -> u32 {
+    for chunk in data.chunks(2) {
+        let word = u16::from_be_bytes([chunk[0], *chunk.get(1).unwrap_or(&0)]);
+        acc += u32::from(word);
+    }
+    acc
+}
+
+fn fold(mut acc: u32) -> u16 {
+    while acc > 0xffff {
+        acc = (acc & 0xffff) + (acc >> 16);
+    }
+    !(acc as u16)
+}
+
+fn addr_octets(a: IpAddr) -> Vec<u8> {
+    match a {
+        IpAddr::V4(v) => v.octets().to_vec(),
+        IpAddr::V6(v) => v.octets().to_vec(),
+    }
+}
+
+/// The pseudo-header sum of an L4 segment.
+fn pseudo(src: IpAddr, dst: IpAddr, proto: u8, len: usize) -> u32 {
+    let mut acc = sum16(&addr_octets(src), 0);
+    acc = sum16(&addr_octets(dst), acc);
+    acc + u32::from(proto) + len as u32
+}
+
+/// Ethernet + IPv4/IPv6 + TCP/UDP, every checksum valid.
+fn frame(p: &Packet) -> Vec<u8> {
+    let mut l4 = Vec::new();
+    l4.extend_from_slice(&p.sport.to_be_bytes());
+    l4.extend_from_slice(&p.dport.to_be_bytes());
+    let csum_at;
+    if p.proto == TCP {
+        l4.extend_from_slice(&1000u32.to_be_bytes()); // seq
+        l4.extend_from_slice(&0u32.to_be_bytes()); // ack
+        l4.push(5 << 4);
+        l4.push(p.tcp_flags);
+        l4.extend_from_slice(&64240u16.to_be_bytes());
+        csum_at = 16;
+        l4.extend_from_slice(&[0, 0, 0, 0]); // checksum, urgent
+    } else {
+        l4.extend_from_slice(&((8 + p.payload.len()) as u16).to_be_bytes());
+        csum_at = 6;
+        l4.extend_from_slice(&[0, 0]);
+    }
+    l4.extend_from_slice(&p.payload);
+    let c = fold(sum16(&l4, pseudo(p.src, p.dst, p.proto, l4.len())));
+    l4[csum_at..csum_at + 2].copy_from_slice(&c.to_be_bytes());
+
+    let mut out = Vec::new();
+    out.extend_from_slice(&NODE_MAC);
+    out.extend_from_slice(&CLIENT_MAC);
+    match (p.src, p.dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            out.extend_from_slice(&0x0800u16.to_be_bytes());
+            let mut h = vec![0x45, 0];
+            h.extend_from_slice(&((20 + l4.len()) as u16).to_be_bytes());
+            h.extend_from_slice(&[0x12, 0x34, 0x40, 0, 64, p.proto, 0, 0]);
+            h.extend_from_slice(&s.octets());
+            h.extend_from_slice(&d.octets());
+            let c = fold(sum16(&h, 0));
+            h[10..12].copy_from_slice(&c.to_be_bytes());
+            out.extend_from_slice(&h);
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            out.extend_from_slice(&0x86ddu16.to_be_bytes());
+            out.extend_from_slice(&[0x60, 0, 0, 0]);
+            out.extend_from_slice(&(l4.len() as u16).to_be_bytes());
+            out.extend_from_slice(&[p.proto, 64]);
+            out.extend_from_slice(&s.octets());
+            out.extend_from_slice(&d.octets());
+        }
+        _ => panic!("mixed families"),
+    }
+    out.extend_from_slice(&l4);
+    out
+}
+
+/// Reads a TCP/UDP frame back, asserting that every checksum is valid.
+#[track_caller]
+fn parse(f: &[u8]) -> Packet {
+    let ethertype = u16::from_be_bytes([f[12], f[13]]);
+    let (src, dst, proto, l4) = match ethertype {
+        0x0800 => {
+            let h = &f[14..34];
+            assert_eq!(fold(sum16(h, 0)), 0, "IPv4 header checksum of {h:02x?}");
+            let len = usize::from(u16::from_be_bytes([h[2], h[3]]));
+            let s: [u8; 4] = h[12..16].try_into().unwrap();
+            let d: [u8; 4] = h[16..20].try_into().unwrap();
+            (IpAddr::from(s), IpAddr::from(d), h[9], &f[34..14 + len])
+        }
+        0x86dd => {
+            let h = &f[14..54];
+            let len = usize::from(u16::from_be_bytes([h[4], h[5]]));
+            let s: [u8; 16] = h[8..24].try_into().unwrap();
+            let d: [u8; 16] = h[24..40].try_into().unwrap();
+            (IpAddr::from(s), IpAddr::from(d), h[6], &f[54..54 + len])
+        }
+        other => panic!("ethertype {other:#x}"),
+    };
+    let udp_no_csum = proto == UDP && l4[6..8] == [0, 0];
+    if !udp_no_csum {
+        assert_eq!(
+            fold(sum16(l4, pseudo(src, dst, proto, l4.len()))),
+            0,
+            "L4 checksum of {l4:02x?} from {src} to {dst}"
+        );
+    }
+    let header = if proto == TCP { 20 } else { 8 };
+    Packet {
+        src,
+        dst,
+        proto,
+        sport: u16::from_be_bytes([l4[0], l4[1]]),
+        dport: u16::from_be_bytes([l4[2], l4[3]]),
+        tcp_flags: if proto == TCP { l4[13] } else { 0 },
+        payload: l4[header..].to_vec(),
+    }
+}
+
+/// Runs a tc program on a frame: its verdict and the frame it leaves.
+fn run(progs: &Programs, name: &'static str, frame: &[u8]) -> (u32, Vec<u8>) {
+    let prog = progs.classifier(name).expect("program loaded");
+    let mut out = vec![0u8; 512];
+    let r = prog
+        .test_run(TestRunOptions {
+            data_in: Some(frame),
+            data_out: Some(&mut out),
+            ..Default::default()
+        })
+        .expect("BPF_PROG_TEST_RUN");
+    out.truncate(r.data_size_out as usize);
+    (r.return_value, out)
+}
+
+/// Runs the ingress program and reads the translated packet back.
+#[track_caller]
+fn ingress(progs: &Programs, p: &Packet) -> Packet {
+    let (verdict, out) = run(progs, TC_INGRESS, &frame(p));
+    assert_eq!(verdict, TC_ACT_OK, "verdict for {p:?}");
+    parse(&out)
+}
+
+/// A frontend with its backends written as the applier writes them.
+fn service(
+    progs: &mut Programs,
+    key: FrontendKey,
+    svc_id: u32,
+    be_set: u32,
+    flags: u16,
+    backends: &[BackendEntry],
+) {
+    for (i, be) in backends.iter().enumerate() {
+        progs
+            .set_backend(be_set, i as u32 + 1, be)
+            .expect("backend");
+    }
+    let fe = Frontend {
+        svc_id,
+        be_set,
+        count: backends.len() as u16,
+        flags,
+        affinity_timeout: 10800,
+    };
+    progs.set_frontend(&key, &fe).expect("frontend");
+}
+
+fn ext(addr: &str, port: u16, proto: u8) -> FrontendKey {
+    FrontendKey {
+        addr: ip(addr),
+        port,
+        proto,
+        scope: Scope::External,
+    }
+}
+
+fn local(addr: &str, port: u16) -> BackendEntry {
+    BackendEntry {
+        addr: ip(addr),
+        port,
+        remote: false,
+    }
+}
+
+fn remote(addr: &str, port: u16) -> BackendEntry {
+    BackendEntry {
+        remote: true,
+        ..local(addr, port)
+    }
+}
+
+#[test]
+fn a_tcp_packet_to_a_nodeport_is_dnated_to_a_local_backend_with_valid_checksums() {
+    let Some(mut progs) = load("a_tcp_packet_to_a_nodeport_is_dnated") else {
+        return;
+    };
+    service(
+        &mut progs,
+        ext("192.168.1.10", 30080, TCP),
+        1,
+        1,
+        0,
+        &[local("10.244.1.5", 8080)],
+    );
+    let syn = Packet::new(TCP, "203.0.113.7", 40000, "192.168.1.10", 30080);
+    let out = ingress(&progs, &syn);
+    assert_eq!(
+        out,
+        Packet {
+            dst: ip("10.244.1.5"),
+            dport: 8080,
+            ..syn.clone()
+        }
+    );
+    // Both directions are recorded: the client's packets and the backend's replies.
+    let ct = progs.conntrack().unwrap();
+    assert_eq!(ct.len(), 1);
+    assert_eq!((ct[0].1.daddr, ct[0].1.dport), (ip("10.244.1.5"), 8080));
+    let nat = progs.nat().unwrap();
+    assert_eq!(nat.len(), 1);
+    assert_eq!(
+        (
+            nat[0].0.saddr,
+            nat[0].0.sport,
+            nat[0].0.daddr,
+            nat[0].0.dport
+        ),
+        (ip("10.244.1.5"), 8080, ip("203.0.113.7"), 40000)
+    );
+    // The next packet of the connection follows the entry.
+    let ack = syn.clone().flags(ACK);
+    assert_eq!(ingress(&progs, &ack).dst, ip("10.244.1.5"));
+}
+
+#[test]
+fn a_local_backends_reply_leaving_the_node_is_translated_back_to_the_nodeport() {
+    let Some(mut progs) = load("a_local_backends_reply_is_translated_back") else {
+        return;
+    };
+    service(
+        &mut progs,
+        ext("192.168.1.10", 30080, TCP),
+        1,
+        1,
+        0,
+        &[local("10.244.1.5", 8080)],
+    );
+    let syn = Packet::new(TCP, "203.0.113.7", 40000, "192.168.1.10", 30080);
+    ingress(&progs, &syn);
+    let reply = Packet::new(TCP, "10.244.1.5", 8080, "203.0.113.7", 40000).flags(SYN | ACK);
+    let (verdict, out) = run(&progs, TC_EGRESS, &frame(&reply));
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(
+        parse(&out),
+        Packet {
+            src: ip("192.168.1.10"),
+            sport: 30080,
+            ..reply
+        }
+    );
+}
+
+#[test]
+fn a_udp_packet_for_a_remote_backend_is_snated_to_the_node_and_its_reply_reversed() {
+    let Some(mut progs) = load("a_udp_packet_for_a_remote_backend_is_snated") else {
+        return;
+    };
+    progs.set_snat_address(ip("192.168.1.10")).unwrap();
+    service(
+        &mut progs,
+        ext("198.51.100.200", 53, UDP),
+        2,
+        5,
+        0,
+        &[remote("10.244.2.7", 5353)],
+    );
+    let query = Packet::new(UDP, "203.0.113.7", 40000, "198.51.100.200", 53);
+    let out = ingress(&progs, &query);
+    assert_eq!(
+        (out.src, out.dst, out.dport),
+        (ip("192.168.1.10"), ip("10.244.2.7"), 5353)
+    );
+    assert!(
+        out.sport >= 32768,
+        "SNAT port {} from the NAT range",
+        out.sport
+    );
+    assert_eq!(out.payload, query.payload);
+    let nat = progs.nat().unwrap();
+    assert_eq!(nat.len(), 1);
+    assert_eq!(nat[0].1.flags & CT_SNAT, CT_SNAT);
+
+    // The backend answers the node; the node answers the client from the service address.
+    let answer = Packet::new(UDP, "10.244.2.7", 5353, "192.168.1.10", out.sport);
+    let back = ingress(&progs, &answer);
+    assert_eq!(
+        back,
+        Packet {
+            src: ip("198.51.100.200"),
+            sport: 53,
+            dst: ip("203.0.113.7"),
+            dport: 40000,
+            ..answer
+        }
+    );
+}
+
+#[test]
+fn udp_without_a_checksum_keeps_none_after_translation() {
+    let Some(mut progs) = load("udp_without_a_checksum_keeps_none") else {
+        return;
+    };
+    service(
+        &mut progs,
+        ext("192.168.1.10", 30053, UDP),
+        1,
+        1,
+        0,
+        &[local("10.244.1.5", 53)],
+    );
+    let query = Packet::new(UDP, "203.0.113.7", 40000, "192.168.1.10", 30053);
+    let mut f = frame(&query);
+    f[14 + 20 + 6] = 0;
+    f[14 + 20 + 7] = 0;
+    let (verdict, out) = run(&progs, TC_INGRESS, &f);
+    assert_eq!(verdict, TC_ACT_OK);
+    assert_eq!(&out[14 + 20 + 6..14 + 20 + 8], &[0, 0]);
+    assert_eq!(parse(&out).dst, ip("10.244.1.5"));
+}
+
+#[test]
+fn ipv6_nodeports_are_translated_both_ways() {
+    let Some(mut progs) = load("ipv6_nodeports_are_translated_both_ways") else {
+        return;
+    };
+    progs.set_snat_address(ip("fd00:1::10")).unwrap();
+    service(
+        &mut progs,
+        ext("fd00:1::10", 30080, TCP),
+        3,
+        3,
+        0,
+        &[remote("fd00:244:2::7", 8080)],
+    );
+    let syn = Packet::new(TCP, "2001:db8::7", 40000, "fd00:1::10", 30080);
+    let out = ingress(&progs, &syn);
+    assert_eq!(
+        (out.src, out.dst, out.dport),
+        (ip("fd00:1::10"), ip("fd00:244:2::7"), 8080)
+    );
+    let reply = Packet::new(TCP, "fd00:244:2::7", 8080, "fd00:1::10", out.sport).flags(SYN | ACK);
+    let back = ingress(&progs, &reply);
+    assert_eq!(
+        (back.src, back.sport, back.dst, back.dport),
+        (ip("fd00:1::10"), 30080, ip("2001:db8::7"), 40000)
+    );
+}
+
+/// Asserts an ICMP (ICMPv6) port unreachable answering `sent`, and returns the quoted bytes.
+#[track_caller]
+fn assert_port_unreachable(out: &[u8], sent: &Packet) -> Vec<u8> {
+    assert_eq!(&out[0..6], &CLIENT_MAC, "sent back to the client's MAC");
+    assert_eq!(&out[6..12], &NODE_MAC);
+    match sent.src {
+        IpAddr::V4(_) => {
+            assert_eq!(u16::from_be_bytes([out[12], out[13]]), 0x0800);
+            let h = &out[14..34];
+            assert_eq!(fold(sum16(h, 0)), 0, "IPv4 header checksum");
+            assert_eq!(h[9], 1, "ICMP");
+            assert_eq!(
+                IpAddr::from(<[u8; 4]>::try_from(&h[12..16]).unwrap()),
+                sent.dst
+            );
+            assert_eq!(
+                IpAddr::from(<[u8; 4]>::try_from(&h[16..20]).unwrap()),
+                sent.src
+            );
+            let total = usize::from(u16::from_be_bytes([h[2], h[3]]));
+            assert_eq!(out.len(), 14 + total);
+            let icmp = &out[34..];
+            assert_eq!((icmp[0], icmp[1]), (3, 3), "destination unreachable, port");
+            assert_eq!(fold(sum16(icmp, 0)), 0, "ICMP checksum");
+            icmp[8..].to_vec()
+        }
+        IpAddr::V6(_) => {
+            assert_eq!(u16::from_be_bytes([out[12], out[13]]), 0x86dd);
+            let h = &out[14..54];
+            assert_eq!(h[6], 58, "ICMPv6");
+            assert_eq!(
+                IpAddr::from(<[u8; 16]>::try_from(&h[8..24]).unwrap()),
+                sent.dst
+            );
+            assert_eq!(
+                IpAddr::from(<[u8; 16]>::try_from(&h[24..40]).unwrap()),
+                sent.src
+            );
+            let icmp = &out[54..];
+            assert_eq!(usize::from(u16::from_be_bytes([h[4], h[5]])), icmp.len());
+            assert_eq!((icmp[0], icmp[1]), (1, 4), "destination unreachable, port");
+            assert_eq!(
+                fold(sum16(icmp, pseudo(sent.dst, sent.src, 58, icmp.len()))),
+                0,
+                "ICMPv6 checksum"
+            );
+            icmp[8..].to_vec()
+        }
+    }
+}
+
+#[test]
+fn a_service_without_endpoints_answers_tcp_and_udp_with_port_unreachable() {
+    let Some(mut progs) = load("a_service_without_endpoints_answers_port_unreachable") else {
+        return;
+    };
+    for proto in [TCP, UDP] {
+        service(
+            &mut progs,
+            ext("192.168.1.10", 30443, proto),
+            4,
+            4,
+            SVC_REJECT,
+            &[],
+        );
+        service(
+            &mut progs,
+            ext("fd00:1::10", 30443, proto),
+            5,
+            5,
+            SVC_REJECT,
+            &[],
+        );
+        for (src, dst) in [
+            ("203.0.113.7", "192.168.1.10"),
+            ("2001:db8::7", "fd00:1::10"),
+        ] {
+            let p = Packet::new(proto, src, 40000, dst, 30443);
+            let sent = frame(&p);
+            let (verdict, out) = run(&progs, TC_INGRESS, &sent);
+            assert_eq!(verdict, TC_ACT_REDIRECT, "sent back out of the interface");
+            let quote = assert_port_unreachable(&out, &p);
+            // The quote is the offending packet's IP header and first 8 bytes of L4.
+            let ip_len = if p.src.is_ipv4() { 20 } else { 40 };
+            assert_eq!(quote, sent[14..14 + ip_len + 8].to_vec(), "{p:?}");
+        }
+    }
+    assert!(progs.conntrack().unwrap().is_empty());
+}
+
+#[test]
+fn a_local_policy_without_local_endpoints_drops() {
+    let Some(mut progs) = load("a_local_policy_without_local_endpoints_drops") else {
+        return;
+    };
+    service(
+        &mut progs,
+        ext("192.168.1.10", 30080, TCP),
+        1,
+        1,
+        SVC_DROP,
+        &[],
+    );
+    let syn = Packet::new(TCP, "203.0.113.7", 40000, "192.168.1.10", 30080);
+    assert_eq!(run(&progs, TC_INGRESS, &frame(&syn)).0, TC_ACT_SHOT);
+}
+
+#[test]
+fn packets_for_no_frontend_pass_untouched() {
+    let Some(mut progs) = load("packets_for_no_frontend_pass_untouched") else {
+        return;
+    };
+    service(
+        &mut progs,
+        ext("192.168.1.10", 30080, TCP),
+        1,
+        1,
+        0,
+        &[local("10.244.1.5", 8080)],
+    );
+    for p in [
+        Packet::new(TCP, "203.0.113.7", 40000, "192.168.1.10", 22),
+        Packet::new(UDP, "203.0.113.7", 40000, "192.168.1.10", 30080),
+        Packet::new(TCP, "203.0.113.7", 40000, "192.168.1.11", 30080),
+        Packet::new(TCP, "2001:db8::7", 40000, "fd00:1::10", 30080),
+    ] {
+        let f = frame(&p);
+        assert_eq!(run(&progs, TC_INGRESS, &f), (TC_ACT_OK, f.clone()));
+        assert_eq!(run(&progs, TC_EGRESS, &f), (TC_ACT_OK, f));
+    }
+    assert!(progs.conntrack().unwrap().is_empty());
+}
+
+#[test]
+fn new_connections_are_spread_over_every_backend() {
+    let Some(mut progs) = load("new_connections_are_spread_over_every_backend") else {
+        return;
+    };
+    let backends = [
+        local("10.244.1.5", 8080),
+        local("10.244.1.6", 8080),
+        local("10.244.1.7", 8080),
+    ];
+    service(
+        &mut progs,
+        ext("192.168.1.10", 30080, TCP),
+        1,
+        1,
+        0,
+        &backends,
+    );
+    let mut seen = std::collections::BTreeSet::new();
+    for sport in 40000..40060 {
+        let syn = Packet::new(TCP, "203.0.113.7", sport, "192.168.1.10", 30080);
+        seen.insert(ingress(&progs, &syn).dst);
+    }
+    // Random choice: missing one of three in 60 tries has probability 3·(2/3)^60 ≈ 1e-10.
+    assert_eq!(seen.len(), 3, "{seen:?}");
+}
+
+#[test]
+fn session_affinity_keeps_a_client_on_its_backend_while_the_backend_stays() {
+    let Some(mut progs) = load("session_affinity_keeps_a_client_on_its_backend") else {
+        return;
+    };
+    let backends = [
+        local("10.244.1.5", 8080),
+        local("10.244.1.6", 8080),
+        local("10.244.1.7", 8080),
+    ];
+    service(
+        &mut progs,
+        ext("192.168.1.10", 30080, TCP),
+        9,
+        1,
+        SVC_AFFINITY,
+        &backends,
+    );
+    let first = ingress(
+        &progs,
+        &Packet::new(TCP, "203.0.113.7", 40000, "192.168.1.10", 30080),
+    );
+    for sport in 40001..40030 {
+        let syn = Packet::new(TCP, "203.0.113.7", sport, "192.168.1.10", 30080);
+        assert_eq!(ingress(&progs, &syn).dst, first.dst, "source port {sport}");
+    }
+    let (addr, port, _) = progs
+        .affinity(9, ip("203.0.113.7"))
+        .unwrap()
+        .expect("recorded");
+    assert_eq!((addr, port), (first.dst, 8080));
+
+    // A new backend set that keeps the backend keeps the client on it; one without it
+    // sends the client elsewhere.
+    let kept: Vec<BackendEntry> = backends.iter().rev().copied().collect();
+    service(
+        &mut progs,
+        ext("192.168.1.10", 30080, TCP),
+        9,
+        2,
+        SVC_AFFINITY,
+        &kept,
+    );
+    let syn = Packet::new(TCP, "203.0.113.7", 41000, "192.168.1.10", 30080);
+    assert_eq!(ingress(&progs, &syn).dst, first.dst);
+    let without: Vec<BackendEntry> = backends
+        .iter()
+        .filter(|b| b.addr != first.dst)
+        .copied()
+        .collect();
+    service(
+        &mut progs,
+        ext("192.168.1.10", 30080, TCP),
+        9,
+        3,
+        SVC_AFFINITY,
+        &without,
+    );
+    let syn = Packet::new(TCP, "203.0.113.7", 41001, "192.168.1.10", 30080);
+    assert_ne!(ingress(&progs, &syn).dst, first.dst);
+}
+
+#[test]
+fn maglev_sends_each_flow_to_the_backend_its_table_slot_names() {
+    let Some(mut progs) = load("maglev_sends_each_flow_to_the_backend_its_table_slot_names") else {
+        return;
+    };
+    let backends = [local("10.244.1.5", 8080), local("10.244.1.6", 8080)];
+    service(
+        &mut progs,
+        ext("192.168.1.10", 30080, TCP),
+        1,
+        1,
+        SVC_MAGLEV,
+        &backends,
+    );
+    // Every slot names backend 2: every flow goes there, whatever its hash.
+    progs.set_maglev(1, &vec![2u32; MAGLEV_M]).unwrap();
+    for sport in 40000..40020 {
+        let syn = Packet::new(TCP, "203.0.113.7", sport, "192.168.1.10", 30080);
+        assert_eq!(ingress(&progs, &syn).dst, ip("10.244.1.6"));
+    }
+    // A real table: the same new flow hashes to the same slot, so the same backend.
+    let names: Vec<String> = backends
+        .iter()
+        .map(|b| format!("{}:{}", b.addr, b.port))
+        .collect();
+    service(
+        &mut progs,
+        ext("192.168.1.10", 30080, TCP),
+        1,
+        2,
+        SVC_MAGLEV,
+        &backends,
+    );
+    progs
+        .set_maglev(2, &nodeport_proxy::ebpf::maglev::table(&names))
+        .unwrap();
+    let mut seen = std::collections::BTreeSet::new();
+    for sport in 41000..41060 {
+        let syn = Packet::new(TCP, "203.0.113.7", sport, "192.168.1.10", 30080);
+        seen.insert(ingress(&progs, &syn).dst);
+    }
+    assert_eq!(seen.len(), 2, "both backends own slots: {seen:?}");
+}
+
+#[test]
+fn a_maglev_service_without_its_table_drops_rather_than_guess() {
+    let Some(mut progs) = load("a_maglev_service_without_its_table_drops") else {
+        return;
+    };
+    service(
+        &mut progs,
+        ext("192.168.1.10", 30080, TCP),
+        1,
+        1,
+        SVC_MAGLEV,
+        &[local("10.244.1.5", 8080)],
+    );
+    let syn = Packet::new(TCP, "203.0.113.7", 40000, "192.168.1.10", 30080);
+    assert_eq!(run(&progs, TC_INGRESS, &frame(&syn)).0, TC_ACT_SHOT);
+}
+
+#[test]
+fn load_balancer_source_ranges_admit_only_their_sources() {
+    let Some(mut progs) = load("load_balancer_source_ranges_admit_only_their_sources") else {
+        return;
+    };
+    service(
+        &mut progs,
+        ext("198.51.100.200", 80, TCP),
+        6,
+        1,
+        SVC_RANGES,
+        &[local("10.244.1.5", 8080)],
+    );
+    progs
+        .add_source_range(6, "203.0.113.0/24".parse().unwrap())
+        .unwrap();
+    // Another service's range admits nothing here.
+    progs
+        .add_source_range(7, "192.0.2.0/24".parse().unwrap())
+        .unwrap();
+    let inside = Packet::new(TCP, "203.0.113.7", 40000, "198.51.100.200", 80);
+    assert_eq!(ingress(&progs, &inside).dst, ip("10.244.1.5"));
+    for src in ["203.0.114.7", "192.0.2.7"] {
+        let outside = Packet::new(TCP, src, 40000, "198.51.100.200", 80);
+        assert_eq!(
+            run(&progs, TC_INGRESS, &frame(&outside)).0,
+            TC_ACT_SHOT,
+            "{src}"
+        );
+    }
+}
+
+#[test]
+fn an_established_connection_keeps_its_backend_when_the_service_switches_sets() {
+    let Some(mut progs) = load("an_established_connection_keeps_its_backend") else {
+        return;
+    };
+    service(
+        &mut progs,
+        ext("192.168.1.10", 30080, TCP),
+        1,
+        1,
+        0,
+        &[local("10.244.1.5", 8080)],
+    );
+    let syn = Packet::new(TCP, "203.0.113.7", 40000, "192.168.1.10", 30080);
+    assert_eq!(ingress(&progs, &syn).dst, ip("10.244.1.5"));
+    service(
+        &mut progs,
+        ext("192.168.1.10", 30080, TCP),
+        1,
+        2,
+        0,
+        &[local("10.244.1.6", 8080)],
+    );
+    assert_eq!(
+        ingress(&progs, &syn.clone().flags(ACK)).dst,
+        ip("10.244.1.5")
+    );
+    let other = Packet::new(TCP, "203.0.113.7", 40001, "192.168.1.10", 30080);
+    assert_eq!(ingress(&progs, &other).dst, ip("10.244.1.6"));
+}
