@@ -785,3 +785,180 @@ fn an_established_connection_keeps_its_backend_when_the_service_switches_sets() 
     let other = Packet::new(TCP, "203.0.113.7", 40001, "192.168.1.10", 30080);
     assert_eq!(ingress(&progs, &other).dst, ip("10.244.1.6"));
 }
+
+/// A cgroup v2 directory of this test's own, removed on drop (its processes have exited).
+struct TestCgroup(std::path::PathBuf);
+
+impl TestCgroup {
+    fn new(test: &str) -> Self {
+        let root = std::path::Path::new("/sys/fs/cgroup/unified");
+        assert!(
+            root.join("cgroup.procs").is_file(),
+            "{test} needs the cgroup v2 hierarchy at {} (a cgroup2 mount)",
+            root.display()
+        );
+        let dir = root.join(format!("nodeport-test-{}-{test}", std::process::id()));
+        std::fs::create_dir(&dir).expect("creating a test cgroup");
+        TestCgroup(dir)
+    }
+
+    /// Runs `script` under `sh` inside this cgroup: the shell moves itself in before it
+    /// `exec`s, so every socket the command opens belongs to the cgroup.
+    fn run(&self, script: &str) -> std::process::Output {
+        let procs = self.0.join("cgroup.procs");
+        std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!("echo $$ > {} && exec {script}", procs.display()))
+            .output()
+            .expect("running sh")
+    }
+}
+
+impl Drop for TestCgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+/// A one-shot HTTP server on `addr`, answering `body`.
+fn http_once(
+    addr: &str,
+    body: &'static str,
+) -> (std::net::SocketAddr, std::thread::JoinHandle<()>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind(addr).expect("binding the backend");
+    let local = listener.local_addr().unwrap();
+    let handle = std::thread::spawn(move || {
+        let (mut conn, _) = listener.accept().expect("accept");
+        let mut buf = [0u8; 1024];
+        let _ = conn.read(&mut buf);
+        let _ = write!(
+            conn,
+            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+    });
+    (local, handle)
+}
+
+fn internal(addr: &str, port: u16, proto: u8) -> FrontendKey {
+    FrontendKey {
+        scope: Scope::Internal,
+        ..ext(addr, port, proto)
+    }
+}
+
+#[test]
+fn a_socket_connecting_to_a_cluster_ip_reaches_a_backend_and_sees_the_service_as_its_peer() {
+    let test = "cluster_ip_connect";
+    let Some(mut progs) = load(test) else {
+        return;
+    };
+    assert!(require_tools(test, &["curl"]));
+    let cgroup = TestCgroup::new(test);
+    progs
+        .attach_cgroup(&cgroup.0)
+        .expect("attaching to the test cgroup");
+    for (vip, listen) in [("10.96.0.10", "127.0.0.1:0"), ("fd00:96::10", "[::1]:0")] {
+        let (backend, server) = http_once(listen, "from the backend");
+        service(
+            &mut progs,
+            internal(vip, 80, TCP),
+            1,
+            1,
+            0,
+            &[local(&backend.ip().to_string(), backend.port())],
+        );
+        let url = if vip.contains(':') {
+            format!("http://[{vip}]:80/")
+        } else {
+            format!("http://{vip}:80/")
+        };
+        // curl's %{remote_ip} and %{remote_port} come from getpeername().
+        let out = cgroup.run(&format!(
+            "curl -sS --max-time 5 -w ' %{{remote_ip}} %{{remote_port}}' {url}"
+        ));
+        server.join().unwrap();
+        assert!(
+            out.status.success(),
+            "curl: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            format!("from the backend {vip} 80")
+        );
+    }
+}
+
+#[test]
+fn a_socket_connecting_to_a_cluster_ip_without_endpoints_is_refused() {
+    let test = "cluster_ip_without_endpoints";
+    let Some(mut progs) = load(test) else {
+        return;
+    };
+    assert!(require_tools(test, &["curl"]));
+    let cgroup = TestCgroup::new(test);
+    progs
+        .attach_cgroup(&cgroup.0)
+        .expect("attaching to the test cgroup");
+    service(
+        &mut progs,
+        internal("10.96.0.11", 443, TCP),
+        2,
+        2,
+        SVC_REJECT,
+        &[],
+    );
+    // bash's /dev/tcp prints connect()'s error: ECONNREFUSED, what kube-proxy's reject
+    // makes a client see.
+    let out = cgroup.run("bash -c 'exec 3<>/dev/tcp/10.96.0.11/443'");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("Connection refused"), "{stderr}");
+}
+
+#[test]
+fn a_udp_socket_connected_to_a_cluster_ip_talks_to_a_backend() {
+    let test = "cluster_ip_udp";
+    let Some(mut progs) = load(test) else {
+        return;
+    };
+    let cgroup = TestCgroup::new(test);
+    progs
+        .attach_cgroup(&cgroup.0)
+        .expect("attaching to the test cgroup");
+    let backend = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    backend
+        .set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    let port = backend.local_addr().unwrap().port();
+    service(
+        &mut progs,
+        internal("10.96.0.12", 53, UDP),
+        3,
+        3,
+        0,
+        &[local("127.0.0.1", port)],
+    );
+    let server = std::thread::spawn(move || {
+        let mut buf = [0u8; 64];
+        let (n, from) = backend
+            .recv_from(&mut buf)
+            .expect("a datagram at the backend");
+        backend.send_to(&buf[..n], from).unwrap();
+        String::from_utf8_lossy(&buf[..n]).into_owned()
+    });
+    // bash's /dev/udp connects a UDP socket (the connect4 hook); `head` reads the echoed
+    // datagram back in one read.
+    let out = cgroup.run(
+        "bash -c 'exec 3<>/dev/udp/10.96.0.12/53; printf ping >&3; exec timeout 5 head -c 4 <&3'",
+    );
+    assert_eq!(server.join().unwrap(), "ping");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "ping");
+}

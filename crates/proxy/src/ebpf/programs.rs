@@ -2,10 +2,11 @@
 //! its programs and typed access to its maps.
 
 use std::net::IpAddr;
+use std::path::{Path, PathBuf};
 
 use aya::maps::lpm_trie::{Key as LpmKey, LpmTrie};
 use aya::maps::{Array, HashMap, MapData, MapError};
-use aya::programs::{CgroupSockAddr, ProgramError, SchedClassifier};
+use aya::programs::{CgroupAttachMode, CgroupSockAddr, ProgramError, SchedClassifier};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use ipnet::IpNet;
 
@@ -108,6 +109,15 @@ pub enum Error {
         #[source]
         source: MapError,
     },
+    /// A cgroup directory could not be opened.
+    #[error("opening cgroup {path}")]
+    Cgroup {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
     /// A Maglev table of the wrong size.
     #[error("a Maglev table has {MAGLEV_M} slots, not {0}")]
     MaglevSize(usize),
@@ -167,6 +177,28 @@ impl Programs {
             .ok_or(Error::Missing(name))?
             .try_into()
             .map_err(|source| Error::Program { name, source })
+    }
+
+    /// Attaches the socket programs to a cgroup v2 directory as bpf_links, which run
+    /// alongside any other programs there (the kernel refuses attach flags on links; they
+    /// always behave as `BPF_F_ALLOW_MULTI`). The links belong to this object: they
+    /// detach when it is dropped.
+    pub fn attach_cgroup(&mut self, cgroup: &Path) -> Result<(), Error> {
+        let dir = std::fs::File::open(cgroup).map_err(|source| Error::Cgroup {
+            path: cgroup.to_path_buf(),
+            source,
+        })?;
+        for name in SOCK_PROGRAMS {
+            let prog: &mut CgroupSockAddr = self
+                .ebpf
+                .program_mut(name)
+                .ok_or(Error::Missing(name))?
+                .try_into()
+                .map_err(|source| Error::Program { name, source })?;
+            prog.attach(&dir, CgroupAttachMode::Single)
+                .map_err(|source| Error::Program { name, source })?;
+        }
+        Ok(())
     }
 
     fn hash<K: aya::Pod, V: aya::Pod>(
