@@ -8,11 +8,13 @@ use std::net::IpAddr;
 
 use aya::programs::TestRun;
 use aya::programs::TestRunOptions;
+use nodeport_proxy::ebpf::apply::Applier;
 use nodeport_proxy::ebpf::maps::{
     BackendEntry, CT_SNAT, Frontend, FrontendKey, MAGLEV_M, SVC_AFFINITY, SVC_DROP, SVC_MAGLEV,
     SVC_RANGES, SVC_REJECT, Scope,
 };
-use nodeport_proxy::ebpf::programs::{MapSizes, Programs, TC_EGRESS, TC_INGRESS};
+use nodeport_proxy::ebpf::programs::{MapSizes, Maps, Programs, TC_EGRESS, TC_INGRESS};
+use nodeport_proxy::ebpf::render::RenderConfig;
 use nodeport_testbed::require_tools;
 
 const TC_ACT_OK: u32 = 0;
@@ -27,12 +29,28 @@ fn ip(s: &str) -> IpAddr {
     s.parse().expect("test address")
 }
 
-/// Loads the programs with small maps, or `None` when privileged tests are skipped.
-fn load(test: &str) -> Option<Programs> {
-    if !require_tools(test, &[]) {
-        return None;
+/// The programs and their maps, as the tests use them.
+struct Loaded {
+    programs: Programs,
+    maps: Maps,
+}
+
+impl std::ops::Deref for Loaded {
+    type Target = Maps;
+    fn deref(&self) -> &Maps {
+        &self.maps
     }
-    let sizes = MapSizes {
+}
+
+impl std::ops::DerefMut for Loaded {
+    fn deref_mut(&mut self) -> &mut Maps {
+        &mut self.maps
+    }
+}
+
+/// Small maps for tests.
+fn sizes() -> MapSizes {
+    MapSizes {
         services: 64,
         backends: 64,
         conntrack: 1024,
@@ -40,8 +58,17 @@ fn load(test: &str) -> Option<Programs> {
         source_ranges: 64,
         maglev: 4,
         sockets: 64,
-    };
-    Some(Programs::load(&sizes).expect("the eBPF object loads (root and BPF needed)"))
+    }
+}
+
+/// Loads the programs with small maps, or `None` when privileged tests are skipped.
+fn load(test: &str) -> Option<Loaded> {
+    if !require_tools(test, &[]) {
+        return None;
+    }
+    let (programs, maps) =
+        Programs::load(&sizes()).expect("the eBPF object loads (root and BPF needed)");
+    Some(Loaded { programs, maps })
 }
 
 /// A packet to craft or to read back.
@@ -203,7 +230,12 @@ fn parse(f: &[u8]) -> Packet {
 }
 
 /// Runs a tc program on a frame: its verdict and the frame it leaves.
-fn run(progs: &Programs, name: &'static str, frame: &[u8]) -> (u32, Vec<u8>) {
+fn run(progs: &Loaded, name: &'static str, frame: &[u8]) -> (u32, Vec<u8>) {
+    run_on(&progs.programs, name, frame)
+}
+
+/// [`run`] on programs whose maps are elsewhere.
+fn run_on(progs: &Programs, name: &'static str, frame: &[u8]) -> (u32, Vec<u8>) {
     let prog = progs.classifier(name).expect("program loaded");
     let mut out = vec![0u8; 512];
     let r = prog
@@ -219,7 +251,7 @@ fn run(progs: &Programs, name: &'static str, frame: &[u8]) -> (u32, Vec<u8>) {
 
 /// Runs the ingress program and reads the translated packet back.
 #[track_caller]
-fn ingress(progs: &Programs, p: &Packet) -> Packet {
+fn ingress(progs: &Loaded, p: &Packet) -> Packet {
     let (verdict, out) = run(progs, TC_INGRESS, &frame(p));
     assert_eq!(verdict, TC_ACT_OK, "verdict for {p:?}");
     parse(&out)
@@ -227,7 +259,7 @@ fn ingress(progs: &Programs, p: &Packet) -> Packet {
 
 /// A frontend with its backends written as the applier writes them.
 fn service(
-    progs: &mut Programs,
+    progs: &mut Loaded,
     key: FrontendKey,
     svc_id: u32,
     be_set: u32,
@@ -857,6 +889,7 @@ fn a_socket_connecting_to_a_cluster_ip_reaches_a_backend_and_sees_the_service_as
     assert!(require_tools(test, &["curl"]));
     let cgroup = TestCgroup::new(test);
     progs
+        .programs
         .attach_cgroup(&cgroup.0)
         .expect("attaching to the test cgroup");
     for (vip, listen) in [("10.96.0.10", "127.0.0.1:0"), ("fd00:96::10", "[::1]:0")] {
@@ -900,6 +933,7 @@ fn a_socket_connecting_to_a_cluster_ip_without_endpoints_is_refused() {
     assert!(require_tools(test, &["curl"]));
     let cgroup = TestCgroup::new(test);
     progs
+        .programs
         .attach_cgroup(&cgroup.0)
         .expect("attaching to the test cgroup");
     service(
@@ -926,6 +960,7 @@ fn a_udp_socket_connected_to_a_cluster_ip_talks_to_a_backend() {
     };
     let cgroup = TestCgroup::new(test);
     progs
+        .programs
         .attach_cgroup(&cgroup.0)
         .expect("attaching to the test cgroup");
     let backend = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
@@ -961,4 +996,301 @@ fn a_udp_socket_connected_to_a_cluster_ip_talks_to_a_backend() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(String::from_utf8_lossy(&out.stdout), "ping");
+}
+
+/// A NodePort Service `web` (port 80, NodePort 30080, target 8080) with endpoints given as
+/// `ip@node`, on node-a (192.0.2.10).
+fn web(endpoints: &[&str]) -> String {
+    let eps: Vec<String> = endpoints
+        .iter()
+        .map(|e| {
+            let (ip, node) = e.split_once('@').expect("ip@node");
+            format!("- {{addresses: [{ip}], nodeName: {node}}}")
+        })
+        .collect();
+    format!(
+        r#"
+apiVersion: v1
+kind: Service
+metadata: {{name: web, namespace: default}}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.10
+  ports: [{{name: http, port: 80, targetPort: 8080, nodePort: 30080}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: web-1, namespace: default, labels: {{kubernetes.io/service-name: web}}}}
+addressType: IPv4
+ports: [{{name: http, port: 8080}}]
+endpoints:
+{}
+"#,
+        if eps.is_empty() {
+            "  []".to_string()
+        } else {
+            eps.join("\n")
+        }
+    )
+}
+
+/// The cluster and desired state the applier tests sync from.
+struct Cluster {
+    cluster: nodeport_proxy::objects::Cluster,
+    desired: nodeport_proxy::desired::DesiredState,
+}
+
+impl Cluster {
+    fn facts() -> nodeport_proxy::nodeaddr::NodeFacts {
+        nodeport_proxy::nodeaddr::NodeFacts {
+            node_ips: vec![ip("192.0.2.10")],
+            local_ips: vec![ip("192.0.2.10")],
+            ..Default::default()
+        }
+    }
+
+    fn new(yaml: &str) -> Self {
+        let cluster = nodeport_proxy::objects::load(yaml).unwrap().cluster;
+        let desired = nodeport_proxy::desired::build(
+            &cluster,
+            nodeport_proxy::desired::NodeView::named("node-a"),
+            &Self::facts(),
+            &nodeport_proxy::desired::StateConfig::default(),
+        );
+        Cluster { cluster, desired }
+    }
+
+    /// Replaces every object with those of `yaml`; returns the service ports that changed.
+    fn update(
+        &mut self,
+        yaml: &str,
+    ) -> std::collections::BTreeSet<nodeport_proxy::model::ServicePortName> {
+        use nodeport_proxy::model::ServiceName;
+        let fresh = nodeport_proxy::objects::load(yaml).unwrap().cluster;
+        let slice = ServiceName::new("default", "web-1");
+        self.cluster
+            .update_slice(slice.clone(), fresh.slices.get(&slice).cloned());
+        let svc = ServiceName::new("default", "web");
+        self.cluster
+            .update_service(svc.clone(), fresh.services.get(&svc).cloned());
+        let changes = self.cluster.take_changes();
+        self.desired.refresh_services(
+            &self.cluster,
+            nodeport_proxy::desired::NodeView::named("node-a"),
+            &changes.services,
+        )
+    }
+}
+
+fn applier(test: &str) -> Option<(Programs, Applier)> {
+    if !require_tools(test, &[]) {
+        return None;
+    }
+    let (programs, maps) = Programs::load(&sizes()).expect("the eBPF object loads");
+    Some((programs, Applier::new(maps, RenderConfig::default())))
+}
+
+#[test]
+fn the_applier_writes_the_rendered_frontends_and_nodeport_packets_follow_them() {
+    let Some((programs, mut applier)) = applier("the_applier_writes_the_rendered_frontends") else {
+        return;
+    };
+    let c = Cluster::new(&web(&["10.244.1.5@node-a", "10.244.2.7@node-b"]));
+    let report = applier.sync(&c.desired, None).unwrap();
+    assert!(report.full);
+    let mut keys: Vec<String> = applier
+        .maps()
+        .frontends()
+        .unwrap()
+        .iter()
+        .map(|(k, fe)| format!("{}:{} {:?} count {}", k.addr, k.port, k.scope, fe.count))
+        .collect();
+    keys.sort();
+    assert_eq!(
+        keys,
+        [
+            "10.96.0.10:80 External count 2",
+            "10.96.0.10:80 Internal count 2",
+            "192.0.2.10:30080 External count 2",
+            "192.0.2.10:30080 Internal count 2",
+        ]
+    );
+    // Both backends are used; the remote one gets the connection SNATed to the node.
+    let mut seen = std::collections::BTreeSet::new();
+    for sport in 40000..40060 {
+        let syn = Packet::new(TCP, "203.0.113.7", sport, "192.0.2.10", 30080);
+        let (verdict, out) = run_on(&programs, TC_INGRESS, &frame(&syn));
+        assert_eq!(verdict, TC_ACT_OK);
+        let out = parse(&out);
+        let want_src = if out.dst == ip("10.244.2.7") {
+            ip("192.0.2.10")
+        } else {
+            ip("203.0.113.7")
+        };
+        assert_eq!(out.src, want_src, "{out:?}");
+        seen.insert(out.dst);
+    }
+    assert_eq!(seen.len(), 2);
+    // A second full sync of the same state writes nothing.
+    let again = applier.sync(&c.desired, None).unwrap();
+    assert_eq!((again.services_written, again.map_operations), (0, 0));
+}
+
+#[test]
+fn an_endpoint_change_writes_a_fresh_backend_set_and_deletes_the_old_one() {
+    let Some((_programs, mut applier)) = applier("an_endpoint_change_writes_a_fresh_set") else {
+        return;
+    };
+    let mut c = Cluster::new(&web(&["10.244.1.5@node-a", "10.244.2.7@node-b"]));
+    applier.sync(&c.desired, None).unwrap();
+    let before: std::collections::BTreeSet<u32> = applier
+        .maps()
+        .backends()
+        .unwrap()
+        .iter()
+        .map(|((set, _), _)| *set)
+        .collect();
+    let changed = c.update(&web(&["10.244.1.5@node-a", "10.244.3.9@node-c"]));
+    let report = applier.sync(&c.desired, Some(&changed)).unwrap();
+    assert!(!report.full);
+    assert_eq!(report.services_written, 1);
+    let backends = applier.maps().backends().unwrap();
+    let addrs: std::collections::BTreeSet<IpAddr> = backends.iter().map(|(_, b)| b.addr).collect();
+    assert_eq!(addrs, [ip("10.244.1.5"), ip("10.244.3.9")].into());
+    assert!(
+        backends.iter().all(|((set, _), _)| !before.contains(set)),
+        "the new set has a fresh id, the old set is gone: {backends:?}"
+    );
+    for (_, fe) in applier.maps().frontends().unwrap() {
+        assert!(
+            backends.iter().any(|((set, _), _)| *set == fe.be_set),
+            "{fe:?}"
+        );
+    }
+    // The Service goes away: nothing of it stays.
+    c.cluster.update_service(
+        nodeport_proxy::model::ServiceName::new("default", "web"),
+        None,
+    );
+    let changes = c.cluster.take_changes();
+    c.desired.refresh_services(
+        &c.cluster,
+        nodeport_proxy::desired::NodeView::named("node-a"),
+        &changes.services,
+    );
+    applier.sync(&c.desired, Some(&changed)).unwrap();
+    assert!(applier.maps().frontends().unwrap().is_empty());
+    assert!(applier.maps().backends().unwrap().is_empty());
+}
+
+#[test]
+fn a_full_sync_sweeps_entries_the_applier_did_not_write() {
+    if !require_tools("a_full_sync_sweeps_entries", &[]) {
+        return;
+    }
+    let c = Cluster::new(&web(&["10.244.1.5@node-a"]));
+    // Maps holding a frontend and a set no Service asks for, as an earlier run could leave
+    // them; a new applier's first sync is full and sweeps them.
+    let stale = FrontendKey {
+        addr: ip("10.96.9.9"),
+        port: 99,
+        proto: TCP,
+        scope: Scope::Internal,
+    };
+    let (programs2, mut maps2) = Programs::load(&sizes()).unwrap();
+    drop(programs2);
+    maps2
+        .set_frontend(
+            &stale,
+            &Frontend {
+                svc_id: 77,
+                be_set: 500,
+                count: 1,
+                flags: 0,
+                affinity_timeout: 0,
+            },
+        )
+        .unwrap();
+    maps2.set_backend(500, 1, &local("10.244.9.9", 80)).unwrap();
+    let mut fresh = Applier::new(maps2, RenderConfig::default());
+    fresh.sync(&c.desired, None).unwrap();
+    let keys: Vec<FrontendKey> = fresh
+        .maps()
+        .frontends()
+        .unwrap()
+        .into_iter()
+        .map(|(k, _)| k)
+        .collect();
+    assert!(!keys.contains(&stale));
+    assert_eq!(keys.len(), 4, "{keys:?}");
+    assert!(
+        fresh
+            .maps()
+            .backends()
+            .unwrap()
+            .iter()
+            .all(|(_, b)| b.addr == ip("10.244.1.5"))
+    );
+}
+
+#[test]
+fn backend_set_switches_racing_new_connections_never_show_a_half_written_service() {
+    let Some((programs, mut applier)) = applier("backend_set_switches_racing_new_connections")
+    else {
+        return;
+    };
+    let a = web(&[
+        "10.244.1.1@node-b",
+        "10.244.1.2@node-b",
+        "10.244.1.3@node-b",
+    ]);
+    let b = web(&["10.244.2.1@node-b", "10.244.2.2@node-b"]);
+    let mut c = Cluster::new(&a);
+    applier.sync(&c.desired, None).unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let traffic = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut failures = Vec::new();
+            let mut sent = 0u32;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) || sent < 2000 {
+                let sport = 10000 + (sent % 50000) as u16;
+                let mut syn = Packet::new(TCP, "203.0.113.7", sport, "192.0.2.10", 30080);
+                // A fresh client each time: no conntrack entry to follow.
+                syn.src = IpAddr::from([203, 0, 113, (sent % 250) as u8 + 1]);
+                let (verdict, out) = run_on(&programs, TC_INGRESS, &frame(&syn));
+                let ok = verdict == TC_ACT_OK && {
+                    let p = parse(&out);
+                    p.dport == 8080 && p.dst.to_string().starts_with("10.244.")
+                };
+                if !ok {
+                    failures.push((verdict, out));
+                }
+                sent += 1;
+                if sent >= 20000 {
+                    break;
+                }
+            }
+            (sent, failures)
+        })
+    };
+    let mut switches = 0;
+    while !traffic.is_finished() && switches < 400 {
+        let yaml = if switches % 2 == 0 { &b } else { &a };
+        let changed = c.update(yaml);
+        applier.sync(&c.desired, Some(&changed)).unwrap();
+        switches += 1;
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (sent, failures) = traffic.join().unwrap();
+    assert!(
+        switches >= 20,
+        "only {switches} switches raced {sent} connections"
+    );
+    assert!(
+        failures.is_empty(),
+        "{} of {sent} connections failed: {:?}",
+        failures.len(),
+        &failures[..failures.len().min(3)]
+    );
 }

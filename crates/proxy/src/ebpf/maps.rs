@@ -378,6 +378,21 @@ pub fn range_key(svc_id: u32, net: ipnet::IpNet) -> (u32, [u8; 20]) {
     (32 + bits, b)
 }
 
+/// Reads an LPM key back into (service id, range).
+pub fn decode_range_key(prefixlen: u32, data: &[u8; 20]) -> (u32, ipnet::IpNet) {
+    let svc_id = u32_at(data, 0);
+    let bits = prefixlen.saturating_sub(32);
+    let net = match addr_from(&data[4..20]) {
+        IpAddr::V4(v4) => ipnet::IpNet::V4(
+            ipnet::Ipv4Net::new(v4, bits.saturating_sub(96).min(32) as u8).expect("bounded"),
+        ),
+        IpAddr::V6(v6) => {
+            ipnet::IpNet::V6(ipnet::Ipv6Net::new(v6, bits.min(128) as u8).expect("bounded"))
+        }
+    };
+    (svc_id, net)
+}
+
 /// `struct np_config_val` index of a family's SNAT address.
 pub fn config_index(addr: IpAddr) -> u32 {
     match addr {

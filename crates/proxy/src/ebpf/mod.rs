@@ -22,13 +22,20 @@
 //! # Files
 //!
 //! [`maps`] (keys and values, byte for byte), [`maglev`] (consistent hashing tables),
-//! [`programs`] (the object, loading, typed map access).
+//! [`programs`] (the object, loading, typed map access), [`mod@render`] (desired state →
+//! frontends and backend sets, pure), [`apply`] (the applier: ordered map writes, sweep,
+//! conntrack collector).
 //!
 //! # Not handled by the programs
 //!
 //! IP fragments and IPv4 options (passed untranslated), SCTP (its CRC32c cannot be patched
 //! incrementally), ICMP errors about translated connections (passed untranslated).
 
+pub mod apply;
 pub mod maglev;
 pub mod maps;
 pub mod programs;
+pub mod render;
+
+#[cfg(test)]
+mod tests;

@@ -126,6 +126,9 @@ pub enum Error {
     Missing(&'static str),
 }
 
+/// A backend's place: (backend set, ordinal).
+pub type BackendSlot = (u32, u32);
+
 /// The loaded object.
 pub struct Programs {
     ebpf: Ebpf,
@@ -137,13 +140,22 @@ impl std::fmt::Debug for Programs {
     }
 }
 
+/// Treats a missing key as done (removals are idempotent).
+fn absent_ok(r: Result<(), MapError>, name: &'static str) -> Result<(), Error> {
+    match r {
+        Ok(()) | Err(MapError::KeyNotFound) | Err(MapError::ElementNotFound) => Ok(()),
+        Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+        Err(source) => Err(Error::Map { name, source }),
+    }
+}
+
 fn map_err(name: &'static str) -> impl FnOnce(MapError) -> Error {
     move |source| Error::Map { name, source }
 }
 
 impl Programs {
     /// Loads the maps (sized from `sizes`) and every program into the kernel, unpinned.
-    pub fn load(sizes: &MapSizes) -> Result<Self, Error> {
+    pub fn load(sizes: &MapSizes) -> Result<(Self, Maps), Error> {
         let mut loader = EbpfLoader::new();
         for (name, size) in sizes.entries() {
             loader.map_max_entries(name, size);
@@ -167,7 +179,11 @@ impl Programs {
             prog.load()
                 .map_err(|source| Error::Program { name, source })?;
         }
-        Ok(Programs { ebpf })
+        let mut maps = std::collections::BTreeMap::new();
+        for name in names::ALL {
+            maps.insert(name, ebpf.take_map(name).ok_or(Error::Missing(name))?);
+        }
+        Ok((Programs { ebpf }, Maps { maps }))
     }
 
     /// A loaded tc program ([`TC_INGRESS`] or [`TC_EGRESS`]).
@@ -200,20 +216,41 @@ impl Programs {
         }
         Ok(())
     }
+}
+
+/// The object's maps, taken out of it so that they can be written while the programs run
+/// (and tested) elsewhere: the kernel keeps the programs' references to them.
+pub struct Maps {
+    maps: std::collections::BTreeMap<&'static str, aya::maps::Map>,
+}
+
+impl std::fmt::Debug for Maps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Maps").finish_non_exhaustive()
+    }
+}
+
+impl Maps {
+    fn map(&self, name: &'static str) -> Result<&aya::maps::Map, Error> {
+        self.maps.get(name).ok_or(Error::Missing(name))
+    }
+
+    fn map_mut(&mut self, name: &'static str) -> Result<&mut aya::maps::Map, Error> {
+        self.maps.get_mut(name).ok_or(Error::Missing(name))
+    }
 
     fn hash<K: aya::Pod, V: aya::Pod>(
         &mut self,
         name: &'static str,
     ) -> Result<HashMap<&mut MapData, K, V>, Error> {
-        HashMap::try_from(self.ebpf.map_mut(name).ok_or(Error::Missing(name))?)
-            .map_err(map_err(name))
+        HashMap::try_from(self.map_mut(name)?).map_err(map_err(name))
     }
 
     fn hash_ref<K: aya::Pod, V: aya::Pod>(
         &self,
         name: &'static str,
     ) -> Result<HashMap<&MapData, K, V>, Error> {
-        HashMap::try_from(self.ebpf.map(name).ok_or(Error::Missing(name))?).map_err(map_err(name))
+        HashMap::try_from(self.map(name)?).map_err(map_err(name))
     }
 
     /// Writes a frontend.
@@ -258,8 +295,7 @@ impl Programs {
     pub fn add_source_range(&mut self, svc_id: u32, net: IpNet) -> Result<(), Error> {
         let name = names::SOURCE_RANGES;
         let mut trie: LpmTrie<&mut MapData, [u8; 20], u8> =
-            LpmTrie::try_from(self.ebpf.map_mut(name).ok_or(Error::Missing(name))?)
-                .map_err(map_err(name))?;
+            LpmTrie::try_from(self.map_mut(name)?).map_err(map_err(name))?;
         let (len, data) = maps::range_key(svc_id, net);
         trie.insert(&LpmKey::new(len, data), 1, 0)
             .map_err(map_err(name))
@@ -269,11 +305,141 @@ impl Programs {
     pub fn set_snat_address(&mut self, addr: IpAddr) -> Result<(), Error> {
         let name = names::CONFIG;
         let mut config: Array<&mut MapData, [u8; 16]> =
-            Array::try_from(self.ebpf.map_mut(name).ok_or(Error::Missing(name))?)
-                .map_err(map_err(name))?;
+            Array::try_from(self.map_mut(name)?).map_err(map_err(name))?;
         config
             .set(maps::config_index(addr), maps::addr_bytes(addr), 0)
             .map_err(map_err(name))
+    }
+
+    /// Removes a frontend (absent: nothing to do).
+    pub fn remove_frontend(&mut self, key: &FrontendKey) -> Result<(), Error> {
+        let r = self
+            .hash::<[u8; 20], [u8; 16]>(names::SERVICES)?
+            .remove(&key.encode());
+        absent_ok(r, names::SERVICES)
+    }
+
+    /// Every frontend in the map.
+    pub fn frontends(&self) -> Result<Vec<(FrontendKey, Frontend)>, Error> {
+        let map = self.hash_ref::<[u8; 20], [u8; 16]>(names::SERVICES)?;
+        let mut out = Vec::new();
+        for entry in map.iter() {
+            let (k, v) = entry.map_err(map_err(names::SERVICES))?;
+            out.push((FrontendKey::decode(&k), Frontend::decode(&v)));
+        }
+        Ok(out)
+    }
+
+    /// Removes backend `ordinal` of a set and its membership entry.
+    pub fn remove_backend(
+        &mut self,
+        be_set: u32,
+        ordinal: u32,
+        backend: &BackendEntry,
+    ) -> Result<(), Error> {
+        let r = self
+            .hash::<[u8; 8], [u8; 20]>(names::BACKENDS)?
+            .remove(&maps::backend_key(be_set, ordinal));
+        absent_ok(r, names::BACKENDS)?;
+        let r = self
+            .hash::<[u8; 24], u32>(names::MEMBERS)?
+            .remove(&maps::member_key(be_set, backend.addr, backend.port));
+        absent_ok(r, names::MEMBERS)
+    }
+
+    /// Every backend entry: (set, ordinal) → backend.
+    pub fn backends(&self) -> Result<Vec<(BackendSlot, BackendEntry)>, Error> {
+        let map = self.hash_ref::<[u8; 8], [u8; 20]>(names::BACKENDS)?;
+        let mut out = Vec::new();
+        for entry in map.iter() {
+            let (k, v) = entry.map_err(map_err(names::BACKENDS))?;
+            out.push((maps::decode_backend_key(&k), BackendEntry::decode(&v)));
+        }
+        Ok(out)
+    }
+
+    /// Removes a set's Maglev table (absent: nothing to do).
+    pub fn remove_maglev(&mut self, be_set: u32) -> Result<(), Error> {
+        let r = self
+            .hash::<u32, [u32; MAGLEV_M]>(names::MAGLEV)?
+            .remove(&be_set);
+        absent_ok(r, names::MAGLEV)
+    }
+
+    /// The backend sets that have a Maglev table.
+    pub fn maglev_sets(&self) -> Result<Vec<u32>, Error> {
+        let map = self.hash_ref::<u32, [u32; MAGLEV_M]>(names::MAGLEV)?;
+        map.keys()
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(map_err(names::MAGLEV))
+    }
+
+    /// Removes a source range of a service port.
+    pub fn remove_source_range(&mut self, svc_id: u32, net: IpNet) -> Result<(), Error> {
+        let name = names::SOURCE_RANGES;
+        let mut trie: LpmTrie<&mut MapData, [u8; 20], u8> =
+            LpmTrie::try_from(self.map_mut(name)?).map_err(map_err(name))?;
+        let (len, data) = maps::range_key(svc_id, net);
+        absent_ok(trie.remove(&LpmKey::new(len, data)), name)
+    }
+
+    /// Every source range: (service id, range).
+    pub fn source_ranges(&self) -> Result<Vec<(u32, IpNet)>, Error> {
+        let name = names::SOURCE_RANGES;
+        let trie: LpmTrie<&MapData, [u8; 20], u8> =
+            LpmTrie::try_from(self.map(name)?).map_err(map_err(name))?;
+        let mut out = Vec::new();
+        for key in trie.keys() {
+            let key = key.map_err(map_err(name))?;
+            out.push(maps::decode_range_key(key.prefix_len(), &key.data()));
+        }
+        Ok(out)
+    }
+
+    /// Removes connections from `np_ct` (`nat: false`) or `np_nat` (`nat: true`).
+    pub fn remove_connections(&mut self, nat: bool, tuples: &[Tuple]) -> Result<(), Error> {
+        let name = if nat { names::NAT } else { names::CT };
+        let mut map = self.hash::<[u8; 40], [u8; 56]>(name)?;
+        for t in tuples {
+            absent_ok(map.remove(&t.encode()), name)?;
+        }
+        Ok(())
+    }
+
+    /// How many entries each map holds (a walk over every key: for metrics, not per packet).
+    pub fn entry_counts(&self) -> Result<Vec<(&'static str, usize)>, Error> {
+        Ok(vec![
+            (
+                names::SERVICES,
+                self.count::<[u8; 20], [u8; 16]>(names::SERVICES)?,
+            ),
+            (
+                names::BACKENDS,
+                self.count::<[u8; 8], [u8; 20]>(names::BACKENDS)?,
+            ),
+            (names::MEMBERS, self.count::<[u8; 24], u32>(names::MEMBERS)?),
+            (names::CT, self.count::<[u8; 40], [u8; 56]>(names::CT)?),
+            (names::NAT, self.count::<[u8; 40], [u8; 56]>(names::NAT)?),
+            (
+                names::AFFINITY,
+                self.count::<[u8; 20], [u8; 32]>(names::AFFINITY)?,
+            ),
+            (names::SOURCE_RANGES, self.source_ranges()?.len()),
+            (names::MAGLEV, self.maglev_sets()?.len()),
+            (
+                names::SOCK_REV,
+                self.count::<[u8; 32], [u8; 20]>(names::SOCK_REV)?,
+            ),
+        ])
+    }
+
+    fn count<K: aya::Pod, V: aya::Pod>(&self, name: &'static str) -> Result<usize, Error> {
+        // Keys that vanish during the walk (LRU evictions) are skipped, not errors.
+        Ok(self
+            .hash_ref::<K, V>(name)?
+            .keys()
+            .filter(Result::is_ok)
+            .count())
     }
 
     fn translations(&self, name: &'static str) -> Result<Vec<(Tuple, Translation)>, Error> {
