@@ -130,6 +130,19 @@ struct {
 	__type(value, struct np_sock_val);
 } np_sock_rev SEC(".maps");
 
+/* np_flags[0]: NP_FLAG_FIB_FORWARD sends packets translated at ingress straight to their
+ * next hop (bpf_fib_lookup + bpf_redirect_neigh), as Cilium does: a reply reversed at
+ * ingress carries the node's own address as its source, which the stack's input routing
+ * would drop as martian. Off, packets go up the stack (program tests). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32);
+} np_flags SEC(".maps");
+
+#define NP_FLAG_FIB_FORWARD 0x1
+
 #define NP_NAT_PORT_MIN 32768
 #define NP_NAT_PORT_TRIES 8
 
@@ -498,6 +511,94 @@ static __always_inline int np_reject_v6(struct __sk_buff *skb, const struct np_p
 	return bpf_redirect(skb->ifindex, 0);
 }
 
+#define NP_AF_INET 2
+#define NP_AF_INET6 10
+
+/* Forwards a packet translated at ingress to its next hop, decrementing its TTL (hop
+ * limit) as the stack would. Anything the FIB cannot forward (local destinations, no
+ * route, fragmentation needed, TTL running out) goes up the stack. */
+static __always_inline int np_forward(struct __sk_buff *skb, const struct np_pkt *p)
+{
+	struct bpf_fib_lookup fib = {};
+	__u32 zero = 0, *flags = bpf_map_lookup_elem(&np_flags, &zero);
+	struct ethhdr eth;
+	long rc;
+
+	if (!flags || !(*flags & NP_FLAG_FIB_FORWARD))
+		return TC_ACT_OK;
+	fib.ifindex = skb->ingress_ifindex;
+	fib.l4_protocol = p->proto;
+	if (p->eth_proto == bpf_htons(ETH_P_IP)) {
+		struct iphdr ip;
+
+		if (bpf_skb_load_bytes(skb, p->l3_off, &ip, sizeof(ip)) < 0)
+			return TC_ACT_OK;
+		if (ip.ttl <= 1)
+			return TC_ACT_OK;
+		fib.family = NP_AF_INET;
+		fib.tos = ip.tos;
+		fib.tot_len = bpf_ntohs(ip.tot_len);
+		fib.ipv4_src = ip.saddr;
+		fib.ipv4_dst = ip.daddr;
+	} else {
+		struct ipv6hdr ip6;
+
+		if (bpf_skb_load_bytes(skb, p->l3_off, &ip6, sizeof(ip6)) < 0)
+			return TC_ACT_OK;
+		if (ip6.hop_limit <= 1)
+			return TC_ACT_OK;
+		fib.family = NP_AF_INET6;
+		fib.tot_len = bpf_ntohs(ip6.payload_len) + sizeof(ip6);
+		__builtin_memcpy(fib.ipv6_src, &ip6.saddr, 16);
+		__builtin_memcpy(fib.ipv6_dst, &ip6.daddr, 16);
+	}
+	fib.sport = p->tuple.sport;
+	fib.dport = p->tuple.dport;
+	rc = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
+	if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH)
+		return TC_ACT_OK;
+
+	if (p->eth_proto == bpf_htons(ETH_P_IP)) {
+		/* TTL and protocol share a 16-bit word of the header checksum. */
+		__u8 ttl;
+		__u16 old, new;
+
+		if (bpf_skb_load_bytes(skb, p->l3_off + offsetof(struct iphdr, ttl), &ttl, 1) < 0)
+			return TC_ACT_OK;
+		old = bpf_htons(((__u16)ttl << 8) | p->proto);
+		ttl--;
+		new = bpf_htons(((__u16)ttl << 8) | p->proto);
+		if (bpf_l3_csum_replace(skb, p->l3_off + offsetof(struct iphdr, check), old, new, 2) < 0 ||
+		    bpf_skb_store_bytes(skb, p->l3_off + offsetof(struct iphdr, ttl), &ttl, 1, 0) < 0)
+			return TC_ACT_SHOT;
+	} else {
+		__u8 hops;
+
+		if (bpf_skb_load_bytes(skb, p->l3_off + offsetof(struct ipv6hdr, hop_limit), &hops, 1) < 0)
+			return TC_ACT_OK;
+		hops--;
+		if (bpf_skb_store_bytes(skb, p->l3_off + offsetof(struct ipv6hdr, hop_limit), &hops, 1, 0) < 0)
+			return TC_ACT_SHOT;
+	}
+	if (rc == BPF_FIB_LKUP_RET_NO_NEIGH) {
+		struct bpf_redir_neigh nh = {};
+
+		nh.nh_family = fib.family;
+		if (fib.family == NP_AF_INET)
+			nh.ipv4_nh = fib.ipv4_dst;
+		else
+			__builtin_memcpy(nh.ipv6_nh, fib.ipv6_dst, 16);
+		return bpf_redirect_neigh(fib.ifindex, &nh, sizeof(nh), 0);
+	}
+	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) < 0)
+		return TC_ACT_OK;
+	__builtin_memcpy(eth.h_dest, fib.dmac, ETH_ALEN);
+	__builtin_memcpy(eth.h_source, fib.smac, ETH_ALEN);
+	if (bpf_skb_store_bytes(skb, 0, &eth, sizeof(eth), 0) < 0)
+		return TC_ACT_SHOT;
+	return bpf_redirect(fib.ifindex, 0);
+}
+
 /* Reverses a translated connection's reply (np_nat). Returns 1 when the packet was one. */
 static __always_inline int np_reverse(struct __sk_buff *skb, struct np_pkt *p, int *verdict)
 {
@@ -593,14 +694,14 @@ int np_tc_ingress(struct __sk_buff *skb)
 	if (np_parse(skb, &p) < 0)
 		return TC_ACT_OK;
 	if (np_reverse(skb, &p, &verdict))
-		return verdict;
+		return verdict == TC_ACT_OK ? np_forward(skb, &p) : verdict;
 	ct = bpf_map_lookup_elem(&np_ct, &p.tuple);
 	if (ct) {
 		/* A new connection reusing an old tuple after the old one closed: choose again. */
 		if (!((ct->flags & NP_CT_CLOSING) && (p.tcp_flags & TCP_FLAG_SYN) &&
 		      !(p.tcp_flags & 0x10))) {
 			np_touch(ct, &p, 0);
-			return np_translate(skb, &p, ct) < 0 ? TC_ACT_SHOT : TC_ACT_OK;
+			return np_translate(skb, &p, ct) < 0 ? TC_ACT_SHOT : np_forward(skb, &p);
 		}
 	}
 	key.addr = p.tuple.daddr;
@@ -616,7 +717,8 @@ int np_tc_ingress(struct __sk_buff *skb)
 								   : np_reject_v6(skb, &p);
 		return TC_ACT_SHOT;
 	}
-	return np_open(skb, &p, svc);
+	verdict = np_open(skb, &p, svc);
+	return verdict == TC_ACT_OK ? np_forward(skb, &p) : verdict;
 }
 
 SEC("classifier")

@@ -10,12 +10,13 @@ use aya::programs::TestRun;
 use aya::programs::TestRunOptions;
 use nodeport_proxy::ebpf::apply::Applier;
 use nodeport_proxy::ebpf::maps::{
-    BackendEntry, CT_SNAT, Frontend, FrontendKey, MAGLEV_M, SVC_AFFINITY, SVC_DROP, SVC_MAGLEV,
-    SVC_RANGES, SVC_REJECT, Scope,
+    BackendEntry, CT_SNAT, FLAG_FIB_FORWARD, Frontend, FrontendKey, MAGLEV_M, SVC_AFFINITY,
+    SVC_DROP, SVC_MAGLEV, SVC_RANGES, SVC_REJECT, Scope,
 };
 use nodeport_proxy::ebpf::programs::{MapSizes, Maps, Programs, TC_EGRESS, TC_INGRESS};
 use nodeport_proxy::ebpf::render::RenderConfig;
-use nodeport_testbed::require_tools;
+use nodeport_testbed::server::{Server, ServerConfig};
+use nodeport_testbed::{Netns, require_tools, veth};
 
 const TC_ACT_OK: u32 = 0;
 const TC_ACT_SHOT: u32 = 2;
@@ -1293,4 +1294,127 @@ fn backend_set_switches_racing_new_connections_never_show_a_half_written_service
         failures.len(),
         &failures[..failures.len().min(3)]
     );
+}
+
+/// client (192.168.50.2) ⇄ node (eth0 192.168.50.1, eth1 10.244.1.1, forwarding) ⇄ pod
+/// (10.244.1.5, an HTTP server on 8080), with the tc programs on both node interfaces.
+struct Topology {
+    client: Netns,
+    node: Netns,
+    _pod: Netns,
+    _server: Server,
+}
+
+impl Topology {
+    fn new(programs: &mut Programs) -> Self {
+        let client = Netns::new("ebpf-client").unwrap();
+        let node = Netns::new("ebpf-node").unwrap();
+        let pod = Netns::new("ebpf-pod").unwrap();
+        veth(&client, "eth0", &node, "eth0").unwrap();
+        veth(&node, "eth1", &pod, "eth0").unwrap();
+        client.add_addr("eth0", "192.168.50.2/24").unwrap();
+        node.add_addr("eth0", "192.168.50.1/24").unwrap();
+        node.add_addr("eth1", "10.244.1.1/24").unwrap();
+        pod.add_addr("eth0", "10.244.1.5/24").unwrap();
+        client
+            .run(&["ip", "route", "add", "default", "via", "192.168.50.1"])
+            .unwrap();
+        pod.run(&["ip", "route", "add", "default", "via", "10.244.1.1"])
+            .unwrap();
+        node.sysctl("net.ipv4.ip_forward", "1").unwrap();
+        let server = Server::start_in(&pod, ServerConfig::http("pod-a", 8080)).unwrap();
+        node.enter(|| {
+            programs.attach_tc("eth0").expect("tc on eth0");
+            programs.attach_tc("eth1").expect("tc on eth1");
+        })
+        .unwrap();
+        Topology {
+            client,
+            node,
+            _pod: pod,
+            _server: server,
+        }
+    }
+
+    /// What the pod saw as the client of `GET /clientip` sent to `url` by the client.
+    fn client_ip(&self, url: &str) -> String {
+        self.client
+            .run(&["curl", "-sS", "--max-time", "5", url])
+            .unwrap_or_else(|e| panic!("curl {url}: {e}"))
+    }
+}
+
+#[test]
+fn nodeports_are_served_through_veths_by_the_tc_programs() {
+    let test = "nodeports_are_served_through_veths";
+    if !require_tools(test, &["curl"]) {
+        return;
+    }
+    let (mut programs, mut maps) = Programs::load(&sizes()).expect("the eBPF object loads");
+    let topo = Topology::new(&mut programs);
+    maps.set_flags(FLAG_FIB_FORWARD).unwrap();
+    maps.set_snat_address(ip("192.168.50.1")).unwrap();
+    let pod = BackendEntry {
+        addr: ip("10.244.1.5"),
+        port: 8080,
+        remote: false,
+    };
+    let fe = |be_set| Frontend {
+        svc_id: be_set,
+        be_set,
+        count: 1,
+        flags: 0,
+        affinity_timeout: 0,
+    };
+    // A local backend: DNAT only, the client's address kept; the reply is reversed by the
+    // egress program on eth0.
+    maps.set_backend(1, 1, &pod).unwrap();
+    maps.set_frontend(&ext("192.168.50.1", 30080, TCP), &fe(1))
+        .unwrap();
+    let seen = topo.client_ip("http://192.168.50.1:30080/clientip");
+    assert!(seen.starts_with("192.168.50.2:"), "the pod saw {seen}");
+    // A remote backend: SNAT to the node too; the reply comes back to the node (ingress on
+    // eth1) and is reversed there.
+    maps.set_backend(
+        2,
+        1,
+        &BackendEntry {
+            remote: true,
+            ..pod
+        },
+    )
+    .unwrap();
+    maps.set_frontend(&ext("192.168.50.1", 30081, TCP), &fe(2))
+        .unwrap();
+    let seen = topo.client_ip("http://192.168.50.1:30081/clientip");
+    let port: u16 = seen
+        .strip_prefix("192.168.50.1:")
+        .unwrap_or_else(|| panic!("the pod saw {seen}, not the node"))
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(port >= 32768, "SNAT port {port}");
+    // No endpoints: refused by the ICMP port unreachable the program sends back.
+    maps.set_frontend(
+        &ext("192.168.50.1", 30082, TCP),
+        &Frontend {
+            flags: SVC_REJECT,
+            count: 0,
+            ..fe(3)
+        },
+    )
+    .unwrap();
+    let out = topo
+        .client
+        .command("curl")
+        .args(["-sS", "--max-time", "5", "http://192.168.50.1:30082/"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(7),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    drop(topo.node);
 }

@@ -156,6 +156,12 @@ impl Applier {
             ..Default::default()
         };
         if !self.started {
+            let flags = if self.config.fib_forward {
+                super::maps::FLAG_FIB_FORWARD
+            } else {
+                0
+            };
+            self.maps.set_flags(flags)?;
             self.adopt()?;
             self.started = true;
         }

@@ -31,9 +31,11 @@ pub mod names {
     pub const CONFIG: &str = "np_config";
     /// Socket reverse translation for recvmsg and getpeername (LRU).
     pub const SOCK_REV: &str = "np_sock_rev";
+    /// Dataplane flags (`FLAG_*`).
+    pub const FLAGS: &str = "np_flags";
 
     /// Every map, in the order the metrics list them.
-    pub const ALL: [&str; 10] = [
+    pub const ALL: [&str; 11] = [
         SERVICES,
         BACKENDS,
         MEMBERS,
@@ -44,6 +46,7 @@ pub mod names {
         MAGLEV,
         CONFIG,
         SOCK_REV,
+        FLAGS,
     ];
 }
 
@@ -60,6 +63,10 @@ pub const SVC_AFFINITY: u16 = 0x4;
 pub const SVC_MAGLEV: u16 = 0x8;
 /// Frontend flag: `loadBalancerSourceRanges` apply.
 pub const SVC_RANGES: u16 = 0x10;
+
+/// Dataplane flag: forward packets translated at ingress with `bpf_fib_lookup` and
+/// `bpf_redirect_neigh` rather than up the stack.
+pub const FLAG_FIB_FORWARD: u32 = 0x1;
 
 /// Backend flag: on another node (SNAT to this node).
 pub const BE_REMOTE: u8 = 0x1;

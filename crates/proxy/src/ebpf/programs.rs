@@ -6,7 +6,9 @@ use std::path::{Path, PathBuf};
 
 use aya::maps::lpm_trie::{Key as LpmKey, LpmTrie};
 use aya::maps::{Array, HashMap, MapData, MapError};
-use aya::programs::{CgroupAttachMode, CgroupSockAddr, ProgramError, SchedClassifier};
+use aya::programs::{
+    CgroupAttachMode, CgroupSockAddr, ProgramError, SchedClassifier, TcAttachType,
+};
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use ipnet::IpNet;
 
@@ -193,6 +195,26 @@ impl Programs {
             .ok_or(Error::Missing(name))?
             .try_into()
             .map_err(|source| Error::Program { name, source })
+    }
+
+    /// Attaches [`TC_INGRESS`] and [`TC_EGRESS`] to an interface of the calling thread's
+    /// network namespace (TCX links on kernels since 6.6, clsact filters before). The links
+    /// belong to this object: they detach when it is dropped.
+    pub fn attach_tc(&mut self, interface: &str) -> Result<(), Error> {
+        for (name, kind) in [
+            (TC_INGRESS, TcAttachType::Ingress),
+            (TC_EGRESS, TcAttachType::Egress),
+        ] {
+            let prog: &mut SchedClassifier = self
+                .ebpf
+                .program_mut(name)
+                .ok_or(Error::Missing(name))?
+                .try_into()
+                .map_err(|source| Error::Program { name, source })?;
+            prog.attach(interface, kind)
+                .map_err(|source| Error::Program { name, source })?;
+        }
+        Ok(())
     }
 
     /// Attaches the socket programs to a cgroup v2 directory as bpf_links, which run
@@ -440,6 +462,14 @@ impl Maps {
             .keys()
             .filter(Result::is_ok)
             .count())
+    }
+
+    /// Sets the dataplane flags (`maps::FLAG_*`).
+    pub fn set_flags(&mut self, flags: u32) -> Result<(), Error> {
+        let name = names::FLAGS;
+        let mut map: Array<&mut MapData, u32> =
+            Array::try_from(self.map_mut(name)?).map_err(map_err(name))?;
+        map.set(0, flags, 0).map_err(map_err(name))
     }
 
     fn translations(&self, name: &'static str) -> Result<Vec<(Tuple, Translation)>, Error> {

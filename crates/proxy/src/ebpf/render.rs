@@ -56,6 +56,11 @@ pub struct RenderConfig {
     pub algorithm: Algorithm,
     /// Every local address, for `--nodeport-addresses` selections that match them all.
     pub local_ips: Vec<IpAddr>,
+    /// Packets translated at ingress go straight to their next hop (`bpf_fib_lookup`,
+    /// `bpf_redirect_neigh`): what a node needs (a reversed reply carries the node's own
+    /// source address, which the stack would drop as martian). Off only for program tests
+    /// on crafted packets, whose verdicts must not depend on the host's routes.
+    pub fib_forward: bool,
 }
 
 /// A backend set: one service port's endpoints under one policy.

@@ -66,7 +66,7 @@ endpoints:
 fn lines(yaml: &str, algorithm: Algorithm) -> Vec<String> {
     let config = RenderConfig {
         algorithm,
-        local_ips: Vec::new(),
+        ..Default::default()
     };
     render(&desired_of(yaml), &config).lines(algorithm)
 }
