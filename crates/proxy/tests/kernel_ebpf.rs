@@ -1051,11 +1051,15 @@ impl Cluster {
     }
 
     fn new(yaml: &str) -> Self {
+        Self::on_node(yaml, Self::facts())
+    }
+
+    fn on_node(yaml: &str, facts: nodeport_proxy::nodeaddr::NodeFacts) -> Self {
         let cluster = nodeport_proxy::objects::load(yaml).unwrap().cluster;
         let desired = nodeport_proxy::desired::build(
             &cluster,
             nodeport_proxy::desired::NodeView::named("node-a"),
-            &Self::facts(),
+            &facts,
             &nodeport_proxy::desired::StateConfig::default(),
         );
         Cluster { cluster, desired }
@@ -1307,6 +1311,18 @@ struct Topology {
 
 impl Topology {
     fn new(programs: &mut Programs) -> Self {
+        let topo = Self::unattached();
+        topo.node
+            .enter(|| {
+                programs.attach_tc("eth0").expect("tc on eth0");
+                programs.attach_tc("eth1").expect("tc on eth1");
+            })
+            .unwrap();
+        topo
+    }
+
+    /// The namespaces and the pod's server, without programs.
+    fn unattached() -> Self {
         let client = Netns::new("ebpf-client").unwrap();
         let node = Netns::new("ebpf-node").unwrap();
         let pod = Netns::new("ebpf-pod").unwrap();
@@ -1323,11 +1339,6 @@ impl Topology {
             .unwrap();
         node.sysctl("net.ipv4.ip_forward", "1").unwrap();
         let server = Server::start_in(&pod, ServerConfig::http("pod-a", 8080)).unwrap();
-        node.enter(|| {
-            programs.attach_tc("eth0").expect("tc on eth0");
-            programs.attach_tc("eth1").expect("tc on eth1");
-        })
-        .unwrap();
         Topology {
             client,
             node,
@@ -1417,4 +1428,116 @@ fn nodeports_are_served_through_veths_by_the_tc_programs() {
         String::from_utf8_lossy(&out.stderr)
     );
     drop(topo.node);
+}
+
+/// A bpffs of the test's own on a temporary directory of the host's mount namespace (never
+/// inside `ip netns exec`, whose private mounts die with it); on drop every pin in it is
+/// removed (pinned links detach) and it is unmounted.
+struct PinRoot(tempfile::TempDir);
+
+impl PinRoot {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        nodeport_proxy::ebpf::programs::ensure_bpffs(dir.path()).expect("mounting bpffs");
+        PinRoot(dir)
+    }
+
+    fn path(&self) -> &std::path::Path {
+        self.0.path()
+    }
+}
+
+impl Drop for PinRoot {
+    fn drop(&mut self) {
+        let _ = nodeport_proxy::ebpf::programs::remove_pins(self.0.path());
+        let _ = nix::mount::umount(self.0.path());
+    }
+}
+
+#[test]
+fn a_restarted_dataplane_takes_its_pins_over_and_no_connection_fails() {
+    let test = "a_restarted_dataplane_takes_its_pins_over";
+    if !require_tools(test, &["curl"]) {
+        return;
+    }
+    let pins = PinRoot::new();
+    let topo = Topology::unattached();
+    let facts = nodeport_proxy::nodeaddr::NodeFacts {
+        node_ips: vec![ip("192.168.50.1")],
+        local_ips: vec![ip("192.168.50.1"), ip("10.244.1.1")],
+        ..Default::default()
+    };
+    let c = Cluster::on_node(&web(&["10.244.1.5@node-a"]), facts);
+    let config = RenderConfig {
+        fib_forward: true,
+        ..Default::default()
+    };
+    let start = |pins: &std::path::Path| {
+        let (mut programs, maps) = Programs::load_pinned(&sizes(), pins).expect("loading pinned");
+        topo.node
+            .enter(|| {
+                programs.attach_tc_pinned("eth0", pins).expect("tc on eth0");
+                programs.attach_tc_pinned("eth1", pins).expect("tc on eth1");
+            })
+            .unwrap();
+        let mut applier = Applier::new(maps, config.clone());
+        applier.sync(&c.desired, None).expect("sync");
+        (programs, applier)
+    };
+    let url = "http://192.168.50.1:30080/clientip";
+    let first = start(pins.path());
+    assert!(topo.client_ip(url).starts_with("192.168.50.2:"));
+
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (sent, failures) = std::thread::scope(|scope| {
+        let traffic = scope.spawn(|| {
+            let (mut sent, mut failures) = (0, Vec::new());
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let out = topo
+                    .client
+                    .command("curl")
+                    .args(["-sS", "--max-time", "2", url])
+                    .output()
+                    .unwrap();
+                sent += 1;
+                if !out.status.success() {
+                    failures.push(String::from_utf8_lossy(&out.stderr).into_owned());
+                }
+            }
+            (sent, failures)
+        });
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        // The process goes away: its pinned links and maps keep serving.
+        drop(first);
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        // A new one takes the pins over: the same maps, its links in place of the old.
+        let second = start(pins.path());
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let result = traffic.join().unwrap();
+        // The new process rewrote the Service under fresh set ids and swept the old.
+        let frontends = second.1.maps().frontends().unwrap();
+        let sets: std::collections::BTreeSet<u32> = second
+            .1
+            .maps()
+            .backends()
+            .unwrap()
+            .iter()
+            .map(|((set, _), _)| *set)
+            .collect();
+        assert!(frontends.iter().all(|(_, fe)| sets.contains(&fe.be_set)));
+        assert_eq!(sets.len(), 1, "{sets:?}");
+        result
+    });
+    assert!(sent >= 5, "only {sent} connections tried");
+    assert!(
+        failures.is_empty(),
+        "{} of {sent} failed: {failures:?}",
+        failures.len()
+    );
+    let links: Vec<String> = std::fs::read_dir(pins.path().join("links"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(links.len(), 4, "{links:?}");
 }

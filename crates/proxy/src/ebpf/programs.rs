@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use aya::maps::lpm_trie::{Key as LpmKey, LpmTrie};
 use aya::maps::{Array, HashMap, MapData, MapError};
+use aya::programs::links::{FdLink, LinkError, PinnedLink};
 use aya::programs::{
     CgroupAttachMode, CgroupSockAddr, ProgramError, SchedClassifier, TcAttachType,
 };
@@ -120,6 +121,24 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// The pin root is not on a bpffs and one could not be mounted there.
+    #[error("pin root {path}: mounting bpffs")]
+    Mount {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Pinning, finding or replacing a pinned link failed.
+    #[error("pinned link {path}")]
+    Link {
+        /// The pin.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
     /// A Maglev table of the wrong size.
     #[error("a Maglev table has {MAGLEV_M} slots, not {0}")]
     MaglevSize(usize),
@@ -142,6 +161,68 @@ impl std::fmt::Debug for Programs {
     }
 }
 
+/// `BPF_FS_MAGIC`: the `f_type` of a bpffs.
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+/// Makes sure `dir` is on a bpffs, mounting one there when it is not.
+pub fn ensure_bpffs(dir: &Path) -> Result<(), Error> {
+    let err = |source: std::io::Error| Error::Mount {
+        path: dir.to_path_buf(),
+        source,
+    };
+    std::fs::create_dir_all(dir).map_err(err)?;
+    let st = nix::sys::statfs::statfs(dir).map_err(|e| err(e.into()))?;
+    if st.filesystem_type().0 as i64 == BPF_FS_MAGIC {
+        return Ok(());
+    }
+    nix::mount::mount(
+        Some("bpf"),
+        dir,
+        Some("bpf"),
+        nix::mount::MsFlags::empty(),
+        None::<&str>,
+    )
+    .map_err(|e| err(e.into()))
+}
+
+/// Pins `link` at `path`, replacing (and so detaching) a link pinned there before.
+fn pin_replacing(link: Result<FdLink, LinkError>, path: &Path) -> Result<(), Error> {
+    let err = |source: std::io::Error| Error::Link {
+        path: path.to_path_buf(),
+        source,
+    };
+    let link = link.map_err(|e| err(std::io::Error::other(e)))?;
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(err)?;
+    }
+    // The old link stays attached while its descriptor is open: unpin it, pin the new one,
+    // then let it go.
+    let old = match PinnedLink::from_pin(path) {
+        Ok(old) => Some(old.unpin().map_err(err)?),
+        Err(_) if !path.exists() => None,
+        Err(e) => return Err(err(std::io::Error::other(e))),
+    };
+    link.pin(path).map_err(|e| err(std::io::Error::other(e)))?;
+    drop(old);
+    Ok(())
+}
+
+/// Removes every pin under `pin_root` (maps and links: the links detach, the maps go once no
+/// program uses them). For `nodeport proxy --cleanup`-style teardown and tests.
+pub fn remove_pins(pin_root: &Path) -> std::io::Result<()> {
+    for sub in ["links", "maps"] {
+        let dir = pin_root.join(sub);
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries {
+            std::fs::remove_file(entry?.path())?;
+        }
+        std::fs::remove_dir(&dir)?;
+    }
+    Ok(())
+}
+
 /// Treats a missing key as done (removals are idempotent).
 fn absent_ok(r: Result<(), MapError>, name: &'static str) -> Result<(), Error> {
     match r {
@@ -158,9 +239,32 @@ fn map_err(name: &'static str) -> impl FnOnce(MapError) -> Error {
 impl Programs {
     /// Loads the maps (sized from `sizes`) and every program into the kernel, unpinned.
     pub fn load(sizes: &MapSizes) -> Result<(Self, Maps), Error> {
+        Self::load_with(sizes, None)
+    }
+
+    /// Loads with the maps pinned under `<pin_root>/maps/`: maps already pinned there (by an
+    /// earlier run) are taken over with their contents, others are created and pinned. The
+    /// pin root must be on a bpffs; one is mounted there when it is not (as Cilium's agent
+    /// does). Pinned maps keep the size they were created with.
+    pub fn load_pinned(sizes: &MapSizes, pin_root: &Path) -> Result<(Self, Maps), Error> {
+        ensure_bpffs(pin_root)?;
+        let dir = pin_root.join("maps");
+        std::fs::create_dir_all(&dir).map_err(|source| Error::Mount {
+            path: dir.clone(),
+            source,
+        })?;
+        Self::load_with(sizes, Some(&dir))
+    }
+
+    fn load_with(sizes: &MapSizes, pin_dir: Option<&Path>) -> Result<(Self, Maps), Error> {
         let mut loader = EbpfLoader::new();
         for (name, size) in sizes.entries() {
             loader.map_max_entries(name, size);
+        }
+        if let Some(dir) = pin_dir {
+            for name in names::ALL {
+                loader.map_pin_path(name, dir.join(name));
+            }
         }
         let mut ebpf = loader.load(OBJECT).map_err(Error::Load)?;
         for name in [TC_INGRESS, TC_EGRESS] {
@@ -213,6 +317,59 @@ impl Programs {
                 .map_err(|source| Error::Program { name, source })?;
             prog.attach(interface, kind)
                 .map_err(|source| Error::Program { name, source })?;
+        }
+        Ok(())
+    }
+
+    /// [`Programs::attach_tc`], with the links pinned as `<pin_root>/links/tc-<interface>-
+    /// ingress` and `-egress`, so that they outlive this process. Links pinned there by an
+    /// earlier run are replaced without a gap: the new link is attached (both run for a
+    /// moment, over the same maps), pinned in the old one's place, then the old one detached.
+    pub fn attach_tc_pinned(&mut self, interface: &str, pin_root: &Path) -> Result<(), Error> {
+        for (name, kind, dir) in [
+            (TC_INGRESS, TcAttachType::Ingress, "ingress"),
+            (TC_EGRESS, TcAttachType::Egress, "egress"),
+        ] {
+            let prog: &mut SchedClassifier = self
+                .ebpf
+                .program_mut(name)
+                .ok_or(Error::Missing(name))?
+                .try_into()
+                .map_err(|source| Error::Program { name, source })?;
+            let id = prog
+                .attach(interface, kind)
+                .map_err(|source| Error::Program { name, source })?;
+            let link = prog
+                .take_link(id)
+                .map_err(|source| Error::Program { name, source })?;
+            let path = pin_root.join("links").join(format!("tc-{interface}-{dir}"));
+            pin_replacing(FdLink::try_from(link), &path)?;
+        }
+        Ok(())
+    }
+
+    /// [`Programs::attach_cgroup`], with the links pinned as `<pin_root>/links/cgroup-<program>`
+    /// and earlier ones replaced as [`Programs::attach_tc_pinned`] replaces them.
+    pub fn attach_cgroup_pinned(&mut self, cgroup: &Path, pin_root: &Path) -> Result<(), Error> {
+        let dir = std::fs::File::open(cgroup).map_err(|source| Error::Cgroup {
+            path: cgroup.to_path_buf(),
+            source,
+        })?;
+        for name in SOCK_PROGRAMS {
+            let prog: &mut CgroupSockAddr = self
+                .ebpf
+                .program_mut(name)
+                .ok_or(Error::Missing(name))?
+                .try_into()
+                .map_err(|source| Error::Program { name, source })?;
+            let id = prog
+                .attach(&dir, CgroupAttachMode::Single)
+                .map_err(|source| Error::Program { name, source })?;
+            let link = prog
+                .take_link(id)
+                .map_err(|source| Error::Program { name, source })?;
+            let path = pin_root.join("links").join(format!("cgroup-{name}"));
+            pin_replacing(FdLink::try_from(link), &path)?;
         }
         Ok(())
     }
