@@ -8,7 +8,7 @@ use std::net::IpAddr;
 
 use aya::programs::TestRun;
 use aya::programs::TestRunOptions;
-use nodeport_proxy::ebpf::apply::Applier;
+use nodeport_proxy::ebpf::apply::{Applier, Timeouts, monotonic_now_ns};
 use nodeport_proxy::ebpf::maps::{
     BackendEntry, CT_SNAT, FLAG_FIB_FORWARD, Frontend, FrontendKey, MAGLEV_M, SVC_AFFINITY,
     SVC_DROP, SVC_MAGLEV, SVC_RANGES, SVC_REJECT, Scope,
@@ -254,6 +254,14 @@ fn run_on(progs: &Programs, name: &'static str, frame: &[u8]) -> (u32, Vec<u8>) 
 #[track_caller]
 fn ingress(progs: &Loaded, p: &Packet) -> Packet {
     let (verdict, out) = run(progs, TC_INGRESS, &frame(p));
+    assert_eq!(verdict, TC_ACT_OK, "verdict for {p:?}");
+    parse(&out)
+}
+
+/// [`ingress`] on programs whose maps are elsewhere.
+#[track_caller]
+fn ingress_on(progs: &Programs, p: &Packet) -> Packet {
+    let (verdict, out) = run_on(progs, TC_INGRESS, &frame(p));
     assert_eq!(verdict, TC_ACT_OK, "verdict for {p:?}");
     parse(&out)
 }
@@ -1540,4 +1548,58 @@ fn a_restarted_dataplane_takes_its_pins_over_and_no_connection_fails() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     assert_eq!(links.len(), 4, "{links:?}");
+}
+
+#[test]
+fn the_collector_expires_idle_connections_and_udp_ones_to_removed_backends() {
+    let Some((programs, mut applier)) = applier("the_collector_expires_idle_connections") else {
+        return;
+    };
+    let yaml = |eps: &[&str]| {
+        web(eps).replace(
+            "ports: [{name: http, port: 80, targetPort: 8080, nodePort: 30080}]",
+            "ports: [{name: http, port: 80, targetPort: 8080, nodePort: 30080}, {name: dns, port: 53, protocol: UDP, targetPort: 5353}]",
+        )
+        .replace("ports: [{name: http, port: 8080}]", "ports: [{name: http, port: 8080}, {name: dns, port: 5353, protocol: UDP}]")
+    };
+    let mut c = Cluster::new(&yaml(&["10.244.1.5@node-a"]));
+    applier.sync(&c.desired, None).unwrap();
+    let tcp = Packet::new(TCP, "203.0.113.7", 40000, "10.96.0.10", 80);
+    let udp = Packet::new(UDP, "203.0.113.7", 40001, "10.96.0.10", 53);
+    assert_eq!(ingress_on(&programs, &tcp).dst, ip("10.244.1.5"));
+    assert_eq!(ingress_on(&programs, &udp).dst, ip("10.244.1.5"));
+    // The backend answers the TCP connection: it counts as established.
+    let reply = Packet::new(TCP, "10.244.1.5", 8080, "203.0.113.7", 40000).flags(SYN | ACK);
+    assert_eq!(run_on(&programs, TC_EGRESS, &frame(&reply)).0, TC_ACT_OK);
+    let timeouts = Timeouts::default();
+    let now = monotonic_now_ns();
+    assert_eq!(
+        applier.collect(now, &timeouts).unwrap(),
+        0,
+        "nothing is stale yet"
+    );
+    assert_eq!(applier.maps().conntrack().unwrap().len(), 2);
+
+    // The endpoint goes away: its UDP flow is dropped at once (as kube-proxy clears UDP
+    // conntrack entries), the TCP connection stays until it ends or idles out.
+    let changed = c.update(&yaml(&["10.244.1.6@node-a"]));
+    applier.sync(&c.desired, Some(&changed)).unwrap();
+    assert_eq!(
+        applier.collect(now, &timeouts).unwrap(),
+        2,
+        "the UDP flow, both ways"
+    );
+    let left: Vec<u8> = applier
+        .maps()
+        .conntrack()
+        .unwrap()
+        .iter()
+        .map(|(t, _)| t.proto)
+        .collect();
+    assert_eq!(left, [TCP]);
+    // Idle past the established-TCP timeout: gone too.
+    let later = now + timeouts.tcp.as_nanos() as u64 + 1;
+    assert_eq!(applier.collect(later, &timeouts).unwrap(), 2);
+    assert!(applier.maps().conntrack().unwrap().is_empty());
+    assert!(applier.maps().nat().unwrap().is_empty());
 }

@@ -499,6 +499,16 @@ fn frontend_value(
     }
 }
 
+/// `CLOCK_MONOTONIC` in nanoseconds: the clock of `bpf_ktime_get_ns()`, which stamps the
+/// connections' last use.
+pub fn monotonic_now_ns() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).map_or(0, |t| {
+        (t.tv_sec() as u64)
+            .saturating_mul(1_000_000_000)
+            .saturating_add(t.tv_nsec() as u64)
+    })
+}
+
 fn ranges_of_maps(maps: &ServiceMaps) -> BTreeSet<IpNet> {
     maps.frontends
         .values()
