@@ -9,6 +9,7 @@ use std::net::IpAddr;
 use aya::programs::TestRun;
 use aya::programs::TestRunOptions;
 use nodeport_proxy::ebpf::apply::{Applier, Timeouts, monotonic_now_ns};
+use nodeport_proxy::ebpf::dataplane::{Config as DataplaneConfig, Dataplane};
 use nodeport_proxy::ebpf::maps::{
     BackendEntry, CT_SNAT, FLAG_FIB_FORWARD, Frontend, FrontendKey, MAGLEV_M, SVC_AFFINITY,
     SVC_DROP, SVC_MAGLEV, SVC_RANGES, SVC_REJECT, Scope,
@@ -1602,4 +1603,64 @@ fn the_collector_expires_idle_connections_and_udp_ones_to_removed_backends() {
     assert_eq!(applier.collect(later, &timeouts).unwrap(), 2);
     assert!(applier.maps().conntrack().unwrap().is_empty());
     assert!(applier.maps().nat().unwrap().is_empty());
+}
+
+#[test]
+fn a_node_dataplane_serves_nodeports_and_cluster_ips_from_desired_state() {
+    let test = "a_node_dataplane_serves";
+    if !require_tools(test, &["curl"]) {
+        return;
+    }
+    let cgroup = TestCgroup::new(test);
+    let pins = PinRoot::new();
+    let topo = Topology::unattached();
+    let facts = nodeport_proxy::nodeaddr::NodeFacts {
+        node_ips: vec![ip("192.168.50.1")],
+        local_ips: vec![ip("192.168.50.1"), ip("10.244.1.1")],
+        ..Default::default()
+    };
+    let c = Cluster::on_node(&web(&["10.244.1.5@node-a"]), facts);
+    let config = DataplaneConfig {
+        sizes: sizes(),
+        render: RenderConfig {
+            fib_forward: true,
+            ..Default::default()
+        },
+        pin_root: Some(pins.path().to_path_buf()),
+        cgroup_root: Some(cgroup.0.clone()),
+    };
+    let dataplane = topo
+        .node
+        .enter(|| {
+            let mut d = Dataplane::start(config).expect("the dataplane starts");
+            d.sync(&c.desired, None).expect("first sync");
+            d
+        })
+        .unwrap();
+    // tc went on the interface carrying the NodePort address (--nodeport-addresses primary).
+    assert_eq!(dataplane.interfaces().iter().collect::<Vec<_>>(), ["eth0"]);
+    assert!(
+        topo.client_ip("http://192.168.50.1:30080/clientip")
+            .starts_with("192.168.50.2:")
+    );
+    // A process of the node in the dataplane's cgroup reaches the ClusterIP through the
+    // socket programs (the shell joins the cgroup before `ip netns exec` remounts /sys).
+    let out = cgroup.run(&format!(
+        "ip netns exec {} curl -sS --max-time 5 http://10.96.0.10:80/clientip",
+        topo.node.name()
+    ));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).starts_with("10.244.1.1:"),
+        "the pod saw {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let fill = dataplane.fill().unwrap();
+    let services = fill.iter().find(|(m, _, _)| *m == "np_services").unwrap();
+    assert_eq!((services.1, services.2), (4, sizes().services));
+    drop(dataplane);
 }

@@ -120,6 +120,15 @@ impl Applier {
         &self.maps
     }
 
+    /// Sets the node's local addresses (for NodePort selections that match them all); a
+    /// change makes the next sync full.
+    pub fn set_local_ips(&mut self, ips: Vec<IpAddr>) {
+        if self.config.local_ips != ips {
+            self.config.local_ips = ips;
+            self.needs_full = true;
+        }
+    }
+
     /// Whether the next sync is full whatever is asked.
     pub fn needs_full_sync(&self) -> bool {
         self.needs_full

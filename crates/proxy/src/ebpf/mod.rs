@@ -24,7 +24,8 @@
 //! [`maps`] (keys and values, byte for byte), [`maglev`] (consistent hashing tables),
 //! [`programs`] (the object, loading, typed map access), [`mod@render`] (desired state →
 //! frontends and backend sets, pure), [`apply`] (the applier: ordered map writes, sweep,
-//! conntrack collector).
+//! conntrack collector), [`dataplane`] (one node's dataplane: loading, pins, cgroup and
+//! tc attachment following the NodePort addresses, fill levels).
 //!
 //! # Not handled by the programs
 //!
@@ -32,6 +33,7 @@
 //! incrementally), ICMP errors about translated connections (passed untranslated).
 
 pub mod apply;
+pub mod dataplane;
 pub mod maglev;
 pub mod maps;
 pub mod programs;

@@ -131,7 +131,11 @@ fn backends(eps: &[EndpointTarget]) -> Vec<BackendEntry> {
     out
 }
 
-/// The NodePort addresses of a family that tc and the socket hooks serve.
+/// The NodePort addresses of a family that tc and the socket hooks serve. A selection of
+/// every local address (a `0.0.0.0/0` CIDR, or no address of the family to select from)
+/// takes this node's addresses of the family except loopback and IPv6 link-local ones:
+/// frontends are per address here, and a NodePort on every interface's `fe80::` address
+/// would put the tc programs on every interface.
 pub fn nodeport_ips(fam: &FamilyState, config: &RenderConfig) -> Vec<IpAddr> {
     match &fam.nodeport_ips {
         Selection::Ips(ips) => ips.iter().copied().collect(),
@@ -139,7 +143,11 @@ pub fn nodeport_ips(fam: &FamilyState, config: &RenderConfig) -> Vec<IpAddr> {
             .local_ips
             .iter()
             .copied()
-            .filter(|ip| IpFamily::of(*ip) == fam.family && !ip.is_loopback())
+            .filter(|ip| {
+                IpFamily::of(*ip) == fam.family
+                    && !ip.is_loopback()
+                    && !matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local())
+            })
             .collect(),
     }
 }
