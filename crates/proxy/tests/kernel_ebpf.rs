@@ -833,10 +833,13 @@ struct TestCgroup(std::path::PathBuf);
 
 impl TestCgroup {
     fn new(test: &str) -> Self {
-        let root = std::path::Path::new("/sys/fs/cgroup/unified");
+        // Found, not assumed: this machine's hybrid hierarchy mounts it at
+        // /sys/fs/cgroup/unified.
+        let root = nodeport_proxy::ebpf::dataplane::cgroup2_mount()
+            .unwrap_or_else(|| panic!("{test} needs a cgroup v2 (cgroup2) mount"));
         assert!(
             root.join("cgroup.procs").is_file(),
-            "{test} needs the cgroup v2 hierarchy at {} (a cgroup2 mount)",
+            "{test}: {} is not a cgroup v2 hierarchy",
             root.display()
         );
         let dir = root.join(format!("nodeport-test-{}-{test}", std::process::id()));

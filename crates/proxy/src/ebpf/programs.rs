@@ -34,8 +34,15 @@ pub const SOCK_PROGRAMS: [&str; 8] = [
     "np_getpeername6_prog",
 ];
 
-/// Map sizes (`--ebpf-*-map-max`). The defaults hold the benchmark's 100,000 Services × 10
-/// endpoints, with Cilium's conntrack size.
+/// Map sizes (`--ebpf-*-map-max` when the mode is wired to flags). The defaults hold the
+/// benchmark's 100,000 Services × 10 endpoints, with Cilium's conntrack size.
+///
+/// Memory (kernel 6.18, `bpftool map show`): the LRU maps are preallocated, about 160 bytes
+/// per entry (`np_ct` and `np_nat` 80 MiB each at 512 Ki, `np_affinity` 8 MiB at 64 Ki,
+/// `np_sock_rev` 15 MiB at 128 Ki); the hash maps take 16 bytes per entry of bucket array at
+/// load (`np_services` 16 MiB, `np_backends` and `np_members` 32 MiB each) and about
+/// 100 bytes per element as they fill; a Maglev table takes 64 KiB. About 265 MiB at load with
+/// the defaults.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MapSizes {
     /// Frontends (`np_services`): one per service address, port and scope.
@@ -63,10 +70,10 @@ impl Default for MapSizes {
             backends: 1 << 21,
             // Cilium's CT default (bpf-ct-global-tcp-max, 512 Ki).
             conntrack: 512 * 1024,
-            affinity: 256 * 1024,
+            affinity: 64 * 1024,
             source_ranges: 64 * 1024,
             maglev: 4096,
-            sockets: 256 * 1024,
+            sockets: 128 * 1024,
         }
     }
 }
