@@ -18,6 +18,7 @@ declare -A packages=(
   [curl]=curl
   [protoc]=protobuf-compiler
   [clang-19]=clang-19
+  [python3]=python3-minimal
 )
 missing=()
 for cmd in "${!packages[@]}"; do

@@ -1312,8 +1312,9 @@ fn backend_set_switches_racing_new_connections_never_show_a_half_written_service
     );
 }
 
-/// client (192.168.50.2) ⇄ node (eth0 192.168.50.1, eth1 10.244.1.1, forwarding) ⇄ pod
-/// (10.244.1.5, an HTTP server on 8080), with the tc programs on both node interfaces.
+/// client (192.168.50.2, fd00:50::2) ⇄ node (eth0 192.168.50.1 and fd00:50::1, eth1
+/// 10.244.1.1 and fd00:244:1::1, forwarding) ⇄ pod (10.244.1.5 and fd00:244:1::5, HTTP on 8080
+/// and UDP echo on 5353), with the tc programs on both node interfaces.
 struct Topology {
     client: Netns,
     node: Netns,
@@ -1350,7 +1351,27 @@ impl Topology {
         pod.run(&["ip", "route", "add", "default", "via", "10.244.1.1"])
             .unwrap();
         node.sysctl("net.ipv4.ip_forward", "1").unwrap();
-        let server = Server::start_in(&pod, ServerConfig::http("pod-a", 8080)).unwrap();
+        // IPv6 beside: client fd00:50::2, node fd00:50::1 and fd00:244:1::1, pod fd00:244:1::5.
+        client.add_addr("eth0", "fd00:50::2/64").unwrap();
+        node.add_addr("eth0", "fd00:50::1/64").unwrap();
+        node.add_addr("eth1", "fd00:244:1::1/64").unwrap();
+        pod.add_addr("eth0", "fd00:244:1::5/64").unwrap();
+        client
+            .run(&["ip", "-6", "route", "add", "default", "via", "fd00:50::1"])
+            .unwrap();
+        pod.run(&[
+            "ip",
+            "-6",
+            "route",
+            "add",
+            "default",
+            "via",
+            "fd00:244:1::1",
+        ])
+        .unwrap();
+        node.sysctl("net.ipv6.conf.all.forwarding", "1").unwrap();
+        let server =
+            Server::start_in(&pod, ServerConfig::http("pod-a", 8080).with_udp(5353)).unwrap();
         Topology {
             client,
             node,
@@ -1618,8 +1639,13 @@ fn a_node_dataplane_serves_nodeports_and_cluster_ips_from_desired_state() {
     let pins = PinRoot::new();
     let topo = Topology::unattached();
     let facts = nodeport_proxy::nodeaddr::NodeFacts {
-        node_ips: vec![ip("192.168.50.1")],
-        local_ips: vec![ip("192.168.50.1"), ip("10.244.1.1")],
+        node_ips: vec![ip("192.168.50.1"), ip("fd00:50::1")],
+        local_ips: vec![
+            ip("192.168.50.1"),
+            ip("10.244.1.1"),
+            ip("fd00:50::1"),
+            ip("fd00:244:1::1"),
+        ],
         ..Default::default()
     };
     let c = Cluster::on_node(&web(&["10.244.1.5@node-a"]), facts);
@@ -1666,4 +1692,106 @@ fn a_node_dataplane_serves_nodeports_and_cluster_ips_from_desired_state() {
     let services = fill.iter().find(|(m, _, _)| *m == "np_services").unwrap();
     assert_eq!((services.1, services.2), (4, sizes().services));
     drop(dataplane);
+}
+
+#[test]
+fn udp_and_ipv6_nodeports_are_served_through_veths() {
+    let test = "udp_and_ipv6_nodeports_are_served_through_veths";
+    if !require_tools(test, &["curl"]) {
+        return;
+    }
+    let (mut programs, mut maps) = Programs::load(&sizes()).expect("the eBPF object loads");
+    let topo = Topology::new(&mut programs);
+    maps.set_flags(FLAG_FIB_FORWARD).unwrap();
+    maps.set_snat_address(ip("192.168.50.1")).unwrap();
+    maps.set_snat_address(ip("fd00:50::1")).unwrap();
+    let fe = |be_set| Frontend {
+        svc_id: be_set,
+        be_set,
+        count: 1,
+        flags: 0,
+        affinity_timeout: 0,
+    };
+    // UDP to a remote backend: SNATed to the node; the echo comes back to the client (`dd`
+    // reads the one datagram in one read).
+    maps.set_backend(1, 1, &remote("10.244.1.5", 5353)).unwrap();
+    maps.set_frontend(&ext("192.168.50.1", 30053, UDP), &fe(1))
+        .unwrap();
+    let out = topo
+        .client
+        .run(&[
+            "bash",
+            "-c",
+            "exec 3<>/dev/udp/192.168.50.1/30053; printf ping >&3; exec timeout 5 dd bs=512 count=1 status=none <&3",
+        ])
+        .expect("a UDP answer through the NodePort");
+    assert!(
+        out.starts_with("pod-a 192.168.50.1:"),
+        "the pod answered {out:?}"
+    );
+
+    // IPv6, a local backend (the client's address kept) and a remote one (SNATed).
+    maps.set_backend(2, 1, &local("fd00:244:1::5", 8080))
+        .unwrap();
+    maps.set_frontend(&ext("fd00:50::1", 30080, TCP), &fe(2))
+        .unwrap();
+    let seen = topo.client_ip("http://[fd00:50::1]:30080/clientip");
+    assert!(seen.contains("fd00:50::2"), "the pod saw {seen}");
+    maps.set_backend(3, 1, &remote("fd00:244:1::5", 8080))
+        .unwrap();
+    maps.set_frontend(&ext("fd00:50::1", 30081, TCP), &fe(3))
+        .unwrap();
+    let seen = topo.client_ip("http://[fd00:50::1]:30081/clientip");
+    assert!(seen.contains("fd00:50::1"), "the pod saw {seen}");
+}
+
+#[test]
+fn an_unconnected_udp_socket_sends_to_a_cluster_ip_and_sees_answers_from_it() {
+    let test = "cluster_ip_udp_sendto";
+    let Some(mut progs) = load(test) else {
+        return;
+    };
+    assert!(require_tools(test, &["python3"]));
+    let cgroup = TestCgroup::new(test);
+    progs
+        .programs
+        .attach_cgroup(&cgroup.0)
+        .expect("attaching to the test cgroup");
+    let backend = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    backend
+        .set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    let port = backend.local_addr().unwrap().port();
+    service(
+        &mut progs,
+        internal("10.96.0.13", 53, UDP),
+        4,
+        4,
+        0,
+        &[local("127.0.0.1", port)],
+    );
+    let server = std::thread::spawn(move || {
+        let mut buf = [0u8; 64];
+        let (n, from) = backend
+            .recv_from(&mut buf)
+            .expect("a datagram at the backend");
+        backend.send_to(&buf[..n], from).unwrap();
+    });
+    // sendto() goes through sendmsg4 (to the backend), recvfrom() through recvmsg4, which
+    // shows the answer as coming from the service address.
+    let out = cgroup.run(
+        "python3 -c 'import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); \
+         s.settimeout(5); s.sendto(b\"ping\", (\"10.96.0.13\", 53)); d, a = s.recvfrom(512); \
+         print(d.decode(), a[0], a[1])'",
+    );
+    server.join().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout).trim(),
+        "ping 10.96.0.13 53"
+    );
 }
