@@ -502,7 +502,9 @@ fn frontend_value(
             .set
             .as_ref()
             .and_then(|s| maps.sets.get(s))
-            .map_or(0, |l| l.len() as u16),
+            // The programs count backends in 16 bits: a set beyond 65,535 endpoints uses its
+            // first 65,535 (kube-proxy has no such limit; EndpointSlices rarely come close).
+            .map_or(0, |l| l.len().min(usize::from(u16::MAX)) as u16),
         flags: spec.flags,
         affinity_timeout: spec.affinity_timeout,
     }

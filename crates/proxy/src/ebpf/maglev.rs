@@ -11,15 +11,16 @@ use sha2::{Digest, Sha256};
 
 use super::maps::MAGLEV_M;
 
-/// Fills a table of `m` slots (a prime, larger than the number of backends) for `backends`
-/// (any stable names, e.g. `ip:port`). Slot values are 1-based ordinals into `backends`, as
-/// the programs' backend map counts them. An empty list gives an empty table.
+/// Fills a table of `m` slots (a prime) for `backends` (any stable names, e.g. `ip:port`).
+/// Slot values are 1-based ordinals into `backends`, as the programs' backend map counts
+/// them. An empty list gives an empty table; with `m` backends or more, only the first
+/// `m - 1` get slots (Maglev needs more slots than backends).
 pub fn table_of_size(backends: &[String], m: usize) -> Vec<u32> {
+    let backends = &backends[..backends.len().min(m.saturating_sub(1))];
     let n = backends.len();
     if n == 0 {
         return Vec::new();
     }
-    assert!(n < m, "Maglev needs fewer backends ({n}) than slots ({m})");
     let perms: Vec<(usize, usize)> = backends
         .iter()
         .map(|name| {
@@ -100,6 +101,13 @@ mod tests {
             moved < MAGLEV_M * 3 / 100,
             "{moved} of {MAGLEV_M} slots of kept backends moved"
         );
+    }
+
+    #[test]
+    fn more_backends_than_slots_fill_the_table_with_the_first_ones() {
+        let t = table_of_size(&names(20), 7);
+        assert_eq!(t.len(), 7);
+        assert!(t.iter().all(|&o| (1..=6).contains(&o)), "{t:?}");
     }
 
     #[test]
