@@ -7,7 +7,8 @@
  *                  connections (np_ct) are translated as before; a packet to an external
  *                  frontend (np_services, scope EXT) opens a connection: source ranges,
  *                  affinity, backend choice (random or Maglev), DNAT, SNAT to the node when
- *                  the backend is remote; no endpoints: ICMP port unreachable or drop.
+ *                  the backend is remote or the frontend says so (externalTrafficPolicy
+ *                  Cluster); no endpoints: ICMP port unreachable or drop.
  *   np_tc_egress   replies of local backends leaving the node are reversed (np_nat).
  * cgroup socket programs (ClusterIPs, and external frontends reached from the node):
  *   connect4/6, sendmsg4/6  rewrite the destination to a backend (scope INT);
@@ -648,7 +649,7 @@ static __always_inline int np_open(struct __sk_buff *skb, struct np_pkt *p,
 	rev.svc_id = svc->svc_id;
 	rev.last_seen = now;
 
-	if (be->flags & NP_BE_REMOTE) {
+	if ((be->flags & NP_BE_REMOTE) || (svc->flags & NP_SVC_SNAT)) {
 		__u32 idx = p->eth_proto == bpf_htons(ETH_P_IP) ? 0 : 1;
 		struct np_config_val *cfg = bpf_map_lookup_elem(&np_config, &idx);
 		int done = 0;

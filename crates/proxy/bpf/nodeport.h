@@ -32,6 +32,8 @@
 #define NP_SVC_AFFINITY 0x4  /* sessionAffinity ClientIP, timeout in affinity_timeout */
 #define NP_SVC_MAGLEV 0x8    /* pick through np_maglev rather than at random */
 #define NP_SVC_RANGES 0x10   /* loadBalancerSourceRanges: the source must be in np_src_ranges */
+#define NP_SVC_SNAT 0x20     /* SNAT to the node whatever the backend (externalTrafficPolicy
+                              * Cluster: kube-proxy masquerades external traffic) */
 
 /* Backend flags. */
 #define NP_BE_REMOTE 0x1 /* on another node: SNAT to the node so that replies come back */

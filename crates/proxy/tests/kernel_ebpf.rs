@@ -12,7 +12,7 @@ use nodeport_proxy::ebpf::apply::{Applier, Timeouts, monotonic_now_ns};
 use nodeport_proxy::ebpf::dataplane::{Config as DataplaneConfig, Dataplane};
 use nodeport_proxy::ebpf::maps::{
     BackendEntry, CT_SNAT, FLAG_FIB_FORWARD, Frontend, FrontendKey, MAGLEV_M, SVC_AFFINITY,
-    SVC_DROP, SVC_MAGLEV, SVC_RANGES, SVC_REJECT, Scope,
+    SVC_DROP, SVC_MAGLEV, SVC_RANGES, SVC_REJECT, SVC_SNAT, Scope,
 };
 use nodeport_proxy::ebpf::programs::{MapSizes, Maps, Programs, TC_EGRESS, TC_INGRESS};
 use nodeport_proxy::ebpf::render::RenderConfig;
@@ -356,6 +356,31 @@ fn a_tcp_packet_to_a_nodeport_is_dnated_to_a_local_backend_with_valid_checksums(
     // The next packet of the connection follows the entry.
     let ack = syn.clone().flags(ACK);
     assert_eq!(ingress(&progs, &ack).dst, ip("10.244.1.5"));
+}
+
+#[test]
+fn a_cluster_policy_frontend_snats_even_to_a_local_backend() {
+    let Some(mut progs) = load("a_cluster_policy_frontend_snats") else {
+        return;
+    };
+    progs.set_snat_address(ip("192.168.1.10")).unwrap();
+    service(
+        &mut progs,
+        ext("192.168.1.10", 30080, TCP),
+        1,
+        1,
+        SVC_SNAT,
+        &[local("10.244.1.5", 8080)],
+    );
+    let syn = Packet::new(TCP, "203.0.113.7", 40000, "192.168.1.10", 30080);
+    let out = ingress(&progs, &syn);
+    assert_eq!((out.src, out.dst), (ip("192.168.1.10"), ip("10.244.1.5")));
+    let reply = Packet::new(TCP, "10.244.1.5", 8080, "192.168.1.10", out.sport).flags(SYN | ACK);
+    let back = ingress(&progs, &reply);
+    assert_eq!(
+        (back.src, back.sport, back.dst, back.dport),
+        (ip("192.168.1.10"), 30080, ip("203.0.113.7"), 40000)
+    );
 }
 
 #[test]
@@ -1132,19 +1157,16 @@ fn the_applier_writes_the_rendered_frontends_and_nodeport_packets_follow_them() 
             "192.0.2.10:30080 Internal count 2",
         ]
     );
-    // Both backends are used; the remote one gets the connection SNATed to the node.
+    // Both backends are used.
     let mut seen = std::collections::BTreeSet::new();
     for sport in 40000..40060 {
         let syn = Packet::new(TCP, "203.0.113.7", sport, "192.0.2.10", 30080);
         let (verdict, out) = run_on(&programs, TC_INGRESS, &frame(&syn));
         assert_eq!(verdict, TC_ACT_OK);
         let out = parse(&out);
-        let want_src = if out.dst == ip("10.244.2.7") {
-            ip("192.0.2.10")
-        } else {
-            ip("203.0.113.7")
-        };
-        assert_eq!(out.src, want_src, "{out:?}");
+        // externalTrafficPolicy Cluster: SNATed to the node, local backend or not, as
+        // kube-proxy masquerades it.
+        assert_eq!(out.src, ip("192.0.2.10"), "{out:?}");
         seen.insert(out.dst);
     }
     assert_eq!(seen.len(), 2);
@@ -1519,7 +1541,8 @@ fn a_restarted_dataplane_takes_its_pins_over_and_no_connection_fails() {
     };
     let url = "http://192.168.50.1:30080/clientip";
     let first = start(pins.path());
-    assert!(topo.client_ip(url).starts_with("192.168.50.2:"));
+    // externalTrafficPolicy Cluster: the pod sees the node, as kube-proxy masquerades.
+    assert!(topo.client_ip(url).starts_with("192.168.50.1:"));
 
     let stop = std::sync::atomic::AtomicBool::new(false);
     let (sent, failures) = std::thread::scope(|scope| {
@@ -1666,11 +1689,16 @@ fn a_node_dataplane_serves_nodeports_and_cluster_ips_from_desired_state() {
             d
         })
         .unwrap();
-    // tc went on the interface carrying the NodePort address (--nodeport-addresses primary).
-    assert_eq!(dataplane.interfaces().iter().collect::<Vec<_>>(), ["eth0"]);
+    // tc went on the interface carrying the NodePort address (--nodeport-addresses primary)
+    // and on the one towards the local pod, where the SNATed replies come back.
+    assert_eq!(
+        dataplane.interfaces().iter().collect::<Vec<_>>(),
+        ["eth0", "eth1"]
+    );
+    // externalTrafficPolicy Cluster: the pod sees the node, as kube-proxy masquerades.
     assert!(
         topo.client_ip("http://192.168.50.1:30080/clientip")
-            .starts_with("192.168.50.2:")
+            .starts_with("192.168.50.1:")
     );
     // A process of the node in the dataplane's cgroup reaches the ClusterIP through the
     // socket programs (the shell joins the cgroup before `ip netns exec` remounts /sys).

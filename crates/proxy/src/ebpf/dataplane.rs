@@ -1,7 +1,8 @@
 //! The eBPF dataplane of one node, whole: the object loaded (pinned or not), the socket
 //! programs on a cgroup, the tc programs on every interface carrying a NodePort address
-//! (followed as addresses appear), the applier, the collector and the fill levels the
-//! metrics and `/healthz` report.
+//! (followed as addresses appear) and on every interface the node routes its local endpoints
+//! through (where the replies of connections SNATed to the node come back from local pods),
+//! the applier, the collector and the fill levels the metrics and `/healthz` report.
 //!
 //! Everything here runs in the calling thread's network namespace: interface names and
 //! addresses are looked up there, as the proxy does on its node.
@@ -54,6 +55,8 @@ pub struct Dataplane {
     config: Config,
     /// Interfaces the tc programs are attached to.
     attached: BTreeSet<String>,
+    /// The interface each local endpoint is routed through (`None`: no route, or local).
+    routes: std::collections::BTreeMap<IpAddr, Option<String>>,
     sizes: Vec<(&'static str, u32)>,
 }
 
@@ -78,6 +81,7 @@ impl Dataplane {
             applier: Applier::new(maps, config.render.clone()),
             config,
             attached: BTreeSet::new(),
+            routes: std::collections::BTreeMap::new(),
             sizes,
         })
     }
@@ -117,19 +121,36 @@ impl Dataplane {
             .flat_map(|f| nodeport_ips(f, &render))
             .filter(|ip| !ip.is_loopback())
             .collect();
-        if wanted.is_empty() {
-            return Ok(report);
-        }
-        for (name, ip) in addresses {
-            if wanted.contains(&ip) && !self.attached.contains(&name) {
-                match &self.config.pin_root {
-                    Some(root) => self.programs.attach_tc_pinned(&name, root),
-                    None => self.programs.attach_tc(&name),
-                }
-                .map_err(Error::Programs)?;
-                tracing::info!(interface = %name, "eBPF tc programs attached");
-                self.attached.insert(name);
+        let mut interfaces: BTreeSet<String> = addresses
+            .into_iter()
+            .filter(|(_, ip)| wanted.contains(ip))
+            .map(|(name, _)| name)
+            .collect();
+        let local_endpoints: BTreeSet<IpAddr> = desired
+            .families
+            .iter()
+            .flat_map(|f| f.services.values())
+            .flat_map(|s| s.cluster_endpoints.iter().chain(&s.local_endpoints))
+            .filter(|e| e.local)
+            .map(|e| e.ip)
+            .collect();
+        for ip in local_endpoints {
+            let via = self.routes.entry(ip).or_insert_with(|| route_interface(ip));
+            if let Some(name) = via {
+                interfaces.insert(name.clone());
             }
+        }
+        for name in interfaces {
+            if self.attached.contains(&name) {
+                continue;
+            }
+            match &self.config.pin_root {
+                Some(root) => self.programs.attach_tc_pinned(&name, root),
+                None => self.programs.attach_tc(&name),
+            }
+            .map_err(Error::Programs)?;
+            tracing::info!(interface = %name, "eBPF tc programs attached");
+            self.attached.insert(name);
         }
         Ok(report)
     }
@@ -161,6 +182,23 @@ impl Dataplane {
             })
             .collect())
     }
+}
+
+/// The interface the kernel routes `ip` through (`ip route get`), unless it is the loopback
+/// (a local address) or there is no route.
+pub fn route_interface(ip: IpAddr) -> Option<String> {
+    let out = std::process::Command::new("ip")
+        .args(["-o", "route", "get", &ip.to_string()])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut words = text.split_whitespace();
+    words.find(|w| *w == "dev")?;
+    let dev = words.next()?;
+    (dev != "lo").then(|| dev.to_string())
 }
 
 /// Every (interface, address) of this network namespace.

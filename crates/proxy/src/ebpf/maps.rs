@@ -63,6 +63,9 @@ pub const SVC_AFFINITY: u16 = 0x4;
 pub const SVC_MAGLEV: u16 = 0x8;
 /// Frontend flag: `loadBalancerSourceRanges` apply.
 pub const SVC_RANGES: u16 = 0x10;
+/// Frontend flag: SNAT to the node whatever the backend (external traffic under the Cluster
+/// policy, which kube-proxy masquerades).
+pub const SVC_SNAT: u16 = 0x20;
 
 /// Dataplane flag: forward packets translated at ingress with `bpf_fib_lookup` and
 /// `bpf_redirect_neigh` rather than up the stack.

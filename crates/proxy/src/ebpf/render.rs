@@ -8,8 +8,10 @@
 //!   short-circuits locally originated traffic to external addresses to the cluster chain);
 //! - **external** frontends (tc): every NodePort address (`--nodeport-addresses`, loopback
 //!   excepted: loopback traffic never crosses tc), external IP and load-balancer IP, with
-//!   the external traffic policy's endpoints; load-balancer IPs carry the source ranges;
-//!   and the ClusterIP, for routed traffic, with the internal policy's endpoints.
+//!   the external traffic policy's endpoints, SNATed to the node under the Cluster policy
+//!   (kube-proxy's masquerade); load-balancer IPs carry the source ranges; and the
+//!   ClusterIP, for routed traffic, with the internal policy's endpoints (SNATed only to
+//!   remote backends, so that their replies come back).
 //!
 //! No endpoints at all: reject (ICMP port unreachable; `ECONNREFUSED` for sockets). A Local
 //! policy without local endpoints while others exist: drop (sockets: refused too, a socket
@@ -22,8 +24,8 @@ use std::net::{IpAddr, SocketAddr};
 use ipnet::IpNet;
 
 use super::maps::{
-    BackendEntry, FrontendKey, SVC_AFFINITY, SVC_DROP, SVC_MAGLEV, SVC_RANGES, SVC_REJECT, Scope,
-    ip_proto,
+    BackendEntry, FrontendKey, SVC_AFFINITY, SVC_DROP, SVC_MAGLEV, SVC_RANGES, SVC_REJECT,
+    SVC_SNAT, Scope, ip_proto,
 };
 use crate::desired::{DesiredState, EndpointTarget, FamilyState, ServicePortState};
 use crate::model::{IpFamily, Protocol, ServicePortName};
@@ -209,7 +211,10 @@ pub fn render_service(
     } else {
         set_for(false, &svc.cluster_endpoints, &mut out)
     };
-    let external_flags = if external.is_some() {
+    let external_flags = if external.is_some() && !svc.external_policy_local() {
+        // kube-proxy's external chain masquerades unless the policy is Local.
+        base_flags | SVC_SNAT
+    } else if external.is_some() {
         base_flags
     } else if svc.has_endpoints {
         base_flags | SVC_DROP
@@ -315,6 +320,9 @@ impl Rendered {
                         let _ = write!(line, "{} ({}", targets.join(", "), algorithm.as_str());
                         if spec.flags & SVC_AFFINITY != 0 {
                             let _ = write!(line, ", affinity {}s", spec.affinity_timeout);
+                        }
+                        if spec.flags & SVC_SNAT != 0 {
+                            line.push_str(", masquerade");
                         }
                         line.push(')');
                     }

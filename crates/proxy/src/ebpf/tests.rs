@@ -147,7 +147,7 @@ fn load_balancer_ips_carry_source_ranges_and_affinity_its_timeout() {
     );
     let got = lines(&yaml, Algorithm::Random);
     assert!(
-        got.contains(&"198.51.100.200:80/TCP external (default/web:http) → 10.244.1.5:8080 (random, affinity 10800s) from 203.0.113.0/24".to_string()),
+        got.contains(&"198.51.100.200:80/TCP external (default/web:http) → 10.244.1.5:8080 (random, affinity 10800s, masquerade) from 203.0.113.0/24".to_string()),
         "{got:#?}"
     );
     // From the node, the load-balancer IP is not filtered (kube-proxy admits the node's own
