@@ -683,6 +683,26 @@ static __always_inline int np_open(struct __sk_buff *skb, struct np_pkt *p,
 	return np_translate(skb, p, &fwd) < 0 ? TC_ACT_SHOT : TC_ACT_OK;
 }
 
+/* Whether a known connection must choose a backend again: a TCP SYN reusing the tuple of a
+ * closed connection, or a UDP flow whose backend left the service's backend set (kube-proxy
+ * deletes the UDP conntrack entries of removed endpoints; TCP connections keep their
+ * backend until they end). */
+static __always_inline int np_ct_stale(const struct np_ct_val *ct, const struct np_pkt *p,
+				       const struct np_svc_val *svc)
+{
+	struct np_member_key mk = {};
+
+	if (p->proto == IPPROTO_TCP)
+		return (ct->flags & NP_CT_CLOSING) && (p->tcp_flags & TCP_FLAG_SYN) &&
+		       !(p->tcp_flags & 0x10);
+	if (!svc)
+		return 0;
+	mk.be_set = svc->be_set;
+	mk.addr = ct->daddr;
+	mk.port = ct->dport;
+	return bpf_map_lookup_elem(&np_members, &mk) == 0;
+}
+
 SEC("classifier")
 int np_tc_ingress(struct __sk_buff *skb)
 {
@@ -696,20 +716,16 @@ int np_tc_ingress(struct __sk_buff *skb)
 		return TC_ACT_OK;
 	if (np_reverse(skb, &p, &verdict))
 		return verdict == TC_ACT_OK ? np_forward(skb, &p) : verdict;
-	ct = bpf_map_lookup_elem(&np_ct, &p.tuple);
-	if (ct) {
-		/* A new connection reusing an old tuple after the old one closed: choose again. */
-		if (!((ct->flags & NP_CT_CLOSING) && (p.tcp_flags & TCP_FLAG_SYN) &&
-		      !(p.tcp_flags & 0x10))) {
-			np_touch(ct, &p, 0);
-			return np_translate(skb, &p, ct) < 0 ? TC_ACT_SHOT : np_forward(skb, &p);
-		}
-	}
 	key.addr = p.tuple.daddr;
 	key.port = p.tuple.dport;
 	key.proto = p.tuple.proto;
 	key.scope = NP_SCOPE_EXT;
 	svc = bpf_map_lookup_elem(&np_services, &key);
+	ct = bpf_map_lookup_elem(&np_ct, &p.tuple);
+	if (ct && !np_ct_stale(ct, &p, svc)) {
+		np_touch(ct, &p, 0);
+		return np_translate(skb, &p, ct) < 0 ? TC_ACT_SHOT : np_forward(skb, &p);
+	}
 	if (!svc)
 		return TC_ACT_OK;
 	if (svc->count == 0) {

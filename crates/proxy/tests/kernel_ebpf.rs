@@ -1823,3 +1823,40 @@ fn an_unconnected_udp_socket_sends_to_a_cluster_ip_and_sees_answers_from_it() {
         "ping 10.96.0.13 53"
     );
 }
+
+#[test]
+fn a_udp_flow_leaves_a_removed_backend_at_its_next_packet_while_tcp_stays() {
+    let Some(mut progs) = load("a_udp_flow_leaves_a_removed_backend") else {
+        return;
+    };
+    for proto in [UDP, TCP] {
+        service(
+            &mut progs,
+            ext("192.168.1.10", 30053, proto),
+            1,
+            1,
+            0,
+            &[local("10.244.1.5", 53)],
+        );
+    }
+    let udp = Packet::new(UDP, "203.0.113.7", 40000, "192.168.1.10", 30053);
+    let tcp = Packet::new(TCP, "203.0.113.7", 40000, "192.168.1.10", 30053);
+    assert_eq!(ingress(&progs, &udp).dst, ip("10.244.1.5"));
+    assert_eq!(ingress(&progs, &tcp).dst, ip("10.244.1.5"));
+    // The endpoint is replaced (a fresh set without it, as the applier writes it).
+    for proto in [UDP, TCP] {
+        service(
+            &mut progs,
+            ext("192.168.1.10", 30053, proto),
+            1,
+            2,
+            0,
+            &[local("10.244.1.6", 53)],
+        );
+    }
+    assert_eq!(ingress(&progs, &udp).dst, ip("10.244.1.6"));
+    assert_eq!(
+        ingress(&progs, &tcp.clone().flags(ACK)).dst,
+        ip("10.244.1.5")
+    );
+}
