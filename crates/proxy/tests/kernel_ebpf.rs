@@ -1785,43 +1785,48 @@ fn an_unconnected_udp_socket_sends_to_a_cluster_ip_and_sees_answers_from_it() {
         .programs
         .attach_cgroup(&cgroup.0)
         .expect("attaching to the test cgroup");
-    let backend = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-    backend
-        .set_read_timeout(Some(std::time::Duration::from_secs(5)))
-        .unwrap();
-    let port = backend.local_addr().unwrap().port();
-    service(
-        &mut progs,
-        internal("10.96.0.13", 53, UDP),
-        4,
-        4,
-        0,
-        &[local("127.0.0.1", port)],
-    );
-    let server = std::thread::spawn(move || {
-        let mut buf = [0u8; 64];
-        let (n, from) = backend
-            .recv_from(&mut buf)
-            .expect("a datagram at the backend");
-        backend.send_to(&buf[..n], from).unwrap();
-    });
-    // sendto() goes through sendmsg4 (to the backend), recvfrom() through recvmsg4, which
-    // shows the answer as coming from the service address.
-    let out = cgroup.run(
-        "python3 -c 'import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); \
-         s.settimeout(5); s.sendto(b\"ping\", (\"10.96.0.13\", 53)); d, a = s.recvfrom(512); \
-         print(d.decode(), a[0], a[1])'",
-    );
-    server.join().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(
-        String::from_utf8_lossy(&out.stdout).trim(),
-        "ping 10.96.0.13 53"
-    );
+    for (vip, listen, family) in [
+        ("10.96.0.13", "127.0.0.1:0", "AF_INET"),
+        ("fd00:96::13", "[::1]:0", "AF_INET6"),
+    ] {
+        let backend = std::net::UdpSocket::bind(listen).unwrap();
+        backend
+            .set_read_timeout(Some(std::time::Duration::from_secs(5)))
+            .unwrap();
+        let addr = backend.local_addr().unwrap();
+        service(
+            &mut progs,
+            internal(vip, 53, UDP),
+            4,
+            4,
+            0,
+            &[local(&addr.ip().to_string(), addr.port())],
+        );
+        let server = std::thread::spawn(move || {
+            let mut buf = [0u8; 64];
+            let (n, from) = backend
+                .recv_from(&mut buf)
+                .expect("a datagram at the backend");
+            backend.send_to(&buf[..n], from).unwrap();
+        });
+        // sendto() goes through sendmsg4/6 (to the backend), recvfrom() through
+        // recvmsg4/6, which shows the answer as coming from the service address.
+        let out = cgroup.run(&format!(
+            "python3 -c 'import socket; s = socket.socket(socket.{family}, socket.SOCK_DGRAM); \
+             s.settimeout(5); s.sendto(b\"ping\", (\"{vip}\", 53)); d, a = s.recvfrom(512); \
+             print(d.decode(), a[0], a[1])'"
+        ));
+        server.join().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            format!("ping {vip} 53")
+        );
+    }
 }
 
 #[test]
