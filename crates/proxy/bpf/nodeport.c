@@ -657,9 +657,13 @@ static __always_inline int np_open(struct __sk_buff *skb, struct np_pkt *p,
 		if (!cfg)
 			return TC_ACT_SHOT;
 		fwd.saddr = cfg->snat;
+		/* No node address of this family configured: the frontend's own address, which is
+		 * the node's for a NodePort. */
+		if (!(cfg->snat.w[0] | cfg->snat.w[1] | cfg->snat.w[2] | cfg->snat.w[3]))
+			fwd.saddr = p->tuple.daddr;
 		fwd.flags = NP_CT_SNAT;
 		rev.flags = NP_CT_SNAT;
-		reply.daddr = cfg->snat;
+		reply.daddr = fwd.saddr;
 		for (i = 0; i < NP_NAT_PORT_TRIES; i++) {
 			__u16 port = NP_NAT_PORT_MIN + (bpf_get_prandom_u32() % (65536 - NP_NAT_PORT_MIN));
 

@@ -1671,7 +1671,7 @@ fn a_node_dataplane_serves_nodeports_and_cluster_ips_from_desired_state() {
         ],
         ..Default::default()
     };
-    let c = Cluster::on_node(&web(&["10.244.1.5@node-a"]), facts);
+    let mut c = Cluster::on_node(&web(&["10.244.1.5@node-a"]), facts);
     let config = DataplaneConfig {
         sizes: sizes(),
         render: RenderConfig {
@@ -1681,7 +1681,7 @@ fn a_node_dataplane_serves_nodeports_and_cluster_ips_from_desired_state() {
         pin_root: Some(pins.path().to_path_buf()),
         cgroup_root: Some(cgroup.0.clone()),
     };
-    let dataplane = topo
+    let mut dataplane = topo
         .node
         .enter(|| {
             let mut d = Dataplane::start(config).expect("the dataplane starts");
@@ -1691,10 +1691,7 @@ fn a_node_dataplane_serves_nodeports_and_cluster_ips_from_desired_state() {
         .unwrap();
     // tc went on the interface carrying the NodePort address (--nodeport-addresses primary)
     // and on the one towards the local pod, where the SNATed replies come back.
-    assert_eq!(
-        dataplane.interfaces().iter().collect::<Vec<_>>(),
-        ["eth0", "eth1"]
-    );
+    assert_eq!(dataplane.interfaces(), ["eth0", "eth1"]);
     // externalTrafficPolicy Cluster: the pod sees the node, as kube-proxy masquerades.
     assert!(
         topo.client_ip("http://192.168.50.1:30080/clientip")
@@ -1716,6 +1713,39 @@ fn a_node_dataplane_serves_nodeports_and_cluster_ips_from_desired_state() {
         "the pod saw {}",
         String::from_utf8_lossy(&out.stdout)
     );
+    // A second pod appears behind a new interface: the next sync puts tc there too, and
+    // both pods serve the NodePort.
+    let pod2 = Netns::new("ebpf-pod2").unwrap();
+    veth(&topo.node, "eth2", &pod2, "eth0").unwrap();
+    topo.node.add_addr("eth2", "10.244.2.1/24").unwrap();
+    pod2.add_addr("eth0", "10.244.2.5/24").unwrap();
+    pod2.run(&["ip", "route", "add", "default", "via", "10.244.2.1"])
+        .unwrap();
+    let _server2 = Server::start_in(&pod2, ServerConfig::http("pod-b", 8080)).unwrap();
+    let changed = c.update(&web(&["10.244.1.5@node-a", "10.244.2.5@node-a"]));
+    topo.node
+        .enter(|| {
+            dataplane
+                .sync(&c.desired, Some(&changed))
+                .expect("second sync")
+        })
+        .unwrap();
+    assert_eq!(dataplane.interfaces(), ["eth0", "eth1", "eth2"]);
+    let mut pods = std::collections::BTreeSet::new();
+    for _ in 0..40 {
+        let out = topo
+            .client
+            .run(&[
+                "curl",
+                "-sS",
+                "--max-time",
+                "5",
+                "http://192.168.50.1:30080/hostname",
+            ])
+            .unwrap();
+        pods.insert(out.trim().to_string());
+    }
+    assert_eq!(pods, ["pod-a".to_string(), "pod-b".to_string()].into());
     let fill = dataplane.fill().unwrap();
     let services = fill.iter().find(|(m, _, _)| *m == "np_services").unwrap();
     assert_eq!((services.1, services.2), (4, sizes().services));

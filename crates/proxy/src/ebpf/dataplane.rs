@@ -53,8 +53,8 @@ pub struct Dataplane {
     programs: Programs,
     applier: Applier,
     config: Config,
-    /// Interfaces the tc programs are attached to.
-    attached: BTreeSet<String>,
+    /// Interfaces the tc programs are attached to, by name, with the index they had then.
+    attached: std::collections::BTreeMap<String, u32>,
     /// The interface each local endpoint is routed through (`None`: no route, or local).
     routes: std::collections::BTreeMap<IpAddr, Option<String>>,
     sizes: Vec<(&'static str, u32)>,
@@ -80,7 +80,7 @@ impl Dataplane {
             programs,
             applier: Applier::new(maps, config.render.clone()),
             config,
-            attached: BTreeSet::new(),
+            attached: std::collections::BTreeMap::new(),
             routes: std::collections::BTreeMap::new(),
             sizes,
         })
@@ -97,8 +97,8 @@ impl Dataplane {
     }
 
     /// Interfaces the tc programs are attached to.
-    pub fn interfaces(&self) -> &BTreeSet<String> {
-        &self.attached
+    pub fn interfaces(&self) -> Vec<&str> {
+        self.attached.keys().map(String::as_str).collect()
     }
 
     /// Syncs the maps (see [`Applier::sync`]), then attaches the tc programs to interfaces
@@ -140,17 +140,24 @@ impl Dataplane {
                 interfaces.insert(name.clone());
             }
         }
+        // An interface deleted and created again under its name lost its links with it.
+        self.attached.retain(|name, index| {
+            nix::net::if_::if_nametoindex(name.as_str()).ok() == Some(*index)
+        });
         for name in interfaces {
-            if self.attached.contains(&name) {
+            if self.attached.contains_key(&name) {
                 continue;
             }
+            let Ok(index) = nix::net::if_::if_nametoindex(name.as_str()) else {
+                continue;
+            };
             match &self.config.pin_root {
                 Some(root) => self.programs.attach_tc_pinned(&name, root),
                 None => self.programs.attach_tc(&name),
             }
             .map_err(Error::Programs)?;
             tracing::info!(interface = %name, "eBPF tc programs attached");
-            self.attached.insert(name);
+            self.attached.insert(name, index);
         }
         Ok(report)
     }
