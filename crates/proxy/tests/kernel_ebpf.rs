@@ -4,7 +4,7 @@
 //! Service without endpoints, drops, affinity, Maglev tables and source ranges. Each test
 //! loads its own copy of the maps, so the tests run in parallel. They need root (BPF).
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use aya::programs::TestRun;
 use aya::programs::TestRunOptions;
@@ -1894,4 +1894,167 @@ fn a_udp_flow_leaves_a_removed_backend_at_its_next_packet_while_tcp_stays() {
         ingress(&progs, &tcp.clone().flags(ACK)).dst,
         ip("10.244.1.5")
     );
+}
+
+#[test]
+fn a_udp_socket_connected_to_a_removed_backend_is_closed() {
+    use std::io::{BufRead, Write};
+    let test = "a_udp_socket_connected_to_a_removed_backend";
+    let Some(mut progs) = load(test) else {
+        return;
+    };
+    assert!(require_tools(test, &["python3"]));
+    let cgroup = TestCgroup::new(test);
+    progs
+        .programs
+        .attach_cgroup(&cgroup.0)
+        .expect("attaching to the test cgroup");
+    let backend = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    backend
+        .set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    let addr = backend.local_addr().unwrap();
+    service(
+        &mut progs,
+        internal("10.96.0.14", 53, UDP),
+        5,
+        5,
+        0,
+        &[local("127.0.0.1", addr.port())],
+    );
+    let server = std::thread::spawn(move || {
+        let mut buf = [0u8; 64];
+        let (n, from) = backend
+            .recv_from(&mut buf)
+            .expect("a datagram at the backend");
+        backend.send_to(&buf[..n], from).unwrap();
+    });
+    let script = "import socket, sys\n\
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+        s.connect(('10.96.0.14', 53)); s.send(b'ping'); print(s.recv(64).decode(), flush=True)\n\
+        sys.stdin.readline(); s.settimeout(5)\n\
+        try:\n    s.recv(64); print('still open')\n\
+        except OSError as e:\n    print('closed', e.errno)\n";
+    let procs = cgroup.0.join("cgroup.procs");
+    let mut child = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "echo $$ > {} && exec python3 -c \"$0\"",
+            procs.display()
+        ))
+        .arg(script)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    assert_eq!(lines.next().unwrap().unwrap(), "ping");
+    server.join().unwrap();
+    // The backend leaves: its connected sockets are closed.
+    let closed = nodeport_proxy::ebpf::sockets::destroy_in_cgroup(&cgroup.0, &[addr].into())
+        .expect("SOCK_DIAG destroy");
+    assert_eq!(closed, 1);
+    writeln!(child.stdin.take().unwrap()).unwrap();
+    // ECONNABORTED.
+    assert_eq!(lines.next().unwrap().unwrap(), "closed 103");
+    child.wait().unwrap();
+}
+
+/// A ClusterIP UDP Service `dns` (10.96.0.15:53) with endpoints `ip:port` on node-a.
+fn dns(endpoints: &[SocketAddr]) -> String {
+    let eps: Vec<String> = endpoints
+        .iter()
+        .map(|e| format!("- {{addresses: [{}], nodeName: node-a}}", e.ip()))
+        .collect();
+    let port = endpoints.first().map_or(53, |e| e.port());
+    format!(
+        r#"
+apiVersion: v1
+kind: Service
+metadata: {{name: web, namespace: default}}
+spec:
+  clusterIP: 10.96.0.15
+  ports: [{{name: dns, port: 53, protocol: UDP}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: web-1, namespace: default, labels: {{kubernetes.io/service-name: web}}}}
+addressType: IPv4
+ports: [{{name: dns, port: {port}, protocol: UDP}}]
+endpoints:
+{}
+"#,
+        if eps.is_empty() {
+            "  []".to_string()
+        } else {
+            eps.join("\n")
+        }
+    )
+}
+
+#[test]
+fn the_dataplane_closes_udp_sockets_of_a_backend_that_left_in_every_namespace_of_its_cgroup() {
+    use std::io::{BufRead, Write};
+    let test = "the_dataplane_closes_udp_sockets";
+    if !require_tools(test, &["python3"]) {
+        return;
+    }
+    let cgroup = TestCgroup::new(test);
+    // The dataplane runs in a namespace of its own; the client in the test's (the cgroup's
+    // processes may live in any namespace, as pods do).
+    let node = Netns::new("ebpf-udpclose").unwrap();
+    let backend = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    backend
+        .set_read_timeout(Some(std::time::Duration::from_secs(5)))
+        .unwrap();
+    let addr = backend.local_addr().unwrap();
+    let mut c = Cluster::new(&dns(&[addr]));
+    let config = DataplaneConfig {
+        sizes: sizes(),
+        cgroup_root: Some(cgroup.0.clone()),
+        ..Default::default()
+    };
+    let mut dataplane = node
+        .enter(|| {
+            let mut d = Dataplane::start(config).expect("the dataplane starts");
+            d.sync(&c.desired, None).expect("first sync");
+            d
+        })
+        .unwrap();
+    let server = std::thread::spawn(move || {
+        let mut buf = [0u8; 64];
+        let (n, from) = backend
+            .recv_from(&mut buf)
+            .expect("a datagram at the backend");
+        backend.send_to(&buf[..n], from).unwrap();
+    });
+    let script = "import socket, sys\n\
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n\
+        s.connect(('10.96.0.15', 53)); s.send(b'ping'); print(s.recv(64).decode(), flush=True)\n\
+        sys.stdin.readline(); s.settimeout(5)\n\
+        try:\n    s.recv(64); print('still open')\n\
+        except OSError as e:\n    print('closed', e.errno)\n";
+    let mut child = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "echo $$ > {} && exec python3 -c \"$0\"",
+            cgroup.0.join("cgroup.procs").display()
+        ))
+        .arg(script)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    assert_eq!(lines.next().unwrap().unwrap(), "ping");
+    server.join().unwrap();
+    // The endpoint is replaced: the sync closes the socket still connected to the old one.
+    let moved = SocketAddr::new(ip("127.0.0.2"), addr.port());
+    let changed = c.update(&dns(&[moved]));
+    node.enter(|| dataplane.sync(&c.desired, Some(&changed)).expect("sync"))
+        .unwrap();
+    writeln!(child.stdin.take().unwrap()).unwrap();
+    assert_eq!(lines.next().unwrap().unwrap(), "closed 103", "ECONNABORTED");
+    child.wait().unwrap();
+    drop(dataplane);
 }

@@ -429,6 +429,16 @@ impl Applier {
         Ok(ops)
     }
 
+    /// Every backend of a UDP service port in the maps.
+    pub fn udp_backends(&self) -> BTreeSet<std::net::SocketAddr> {
+        self.installed
+            .iter()
+            .filter(|((name, _), _)| name.protocol == crate::model::Protocol::Udp)
+            .flat_map(|(_, i)| i.maps.sets.values().flatten())
+            .map(|b| std::net::SocketAddr::new(b.addr, b.port))
+            .collect()
+    }
+
     /// The conntrack collector: deletes connections idle past their timeout, and UDP
     /// connections whose backend no longer belongs to any backend set (kube-proxy clears
     /// UDP conntrack entries of removed endpoints; TCP connections keep going until they

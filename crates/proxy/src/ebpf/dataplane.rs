@@ -2,7 +2,8 @@
 //! programs on a cgroup, the tc programs on every interface carrying a NodePort address
 //! (followed as addresses appear) and on every interface the node routes its local endpoints
 //! through (where the replies of connections SNATed to the node come back from local pods),
-//! the applier, the collector and the fill levels the metrics and `/healthz` report.
+//! the applier, the closing of UDP sockets connected to removed backends, the collector and
+//! the fill levels the metrics and `/healthz` report.
 //!
 //! Everything here runs in the calling thread's network namespace: interface names and
 //! addresses are looked up there, as the proxy does on its node.
@@ -55,6 +56,8 @@ pub struct Dataplane {
     config: Config,
     /// Interfaces the tc programs are attached to, by name, with the index they had then.
     attached: std::collections::BTreeMap<String, u32>,
+    /// Backends of UDP service ports after the last sync.
+    udp_backends: BTreeSet<std::net::SocketAddr>,
     /// The interface each local endpoint is routed through (`None`: no route, or local).
     routes: std::collections::BTreeMap<IpAddr, Option<String>>,
     sizes: Vec<(&'static str, u32)>,
@@ -82,6 +85,7 @@ impl Dataplane {
             config,
             attached: std::collections::BTreeMap::new(),
             routes: std::collections::BTreeMap::new(),
+            udp_backends: BTreeSet::new(),
             sizes,
         })
     }
@@ -115,6 +119,24 @@ impl Dataplane {
         render.local_ips.dedup();
         self.applier.set_local_ips(render.local_ips.clone());
         let report = self.applier.sync(desired, changed).map_err(Error::Apply)?;
+        // UDP sockets connected to a backend that left: closed, so that they connect again.
+        let udp = self.applier.udp_backends();
+        let gone: BTreeSet<std::net::SocketAddr> =
+            self.udp_backends.difference(&udp).copied().collect();
+        self.udp_backends = udp;
+        if !gone.is_empty() {
+            let closed = match &self.config.cgroup_root {
+                Some(cgroup) => super::sockets::destroy_in_cgroup(cgroup, &gone),
+                None => super::sockets::destroy_connected_to(&gone),
+            };
+            match closed {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(sockets = n, "closed UDP sockets of removed backends"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "closing UDP sockets of removed backends failed")
+                }
+            }
+        }
         let wanted: BTreeSet<IpAddr> = desired
             .families
             .iter()

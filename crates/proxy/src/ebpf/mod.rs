@@ -25,7 +25,8 @@
 //! [`programs`] (the object, loading, typed map access), [`mod@render`] (desired state →
 //! frontends and backend sets, pure), [`apply`] (the applier: ordered map writes, sweep,
 //! conntrack collector), [`dataplane`] (one node's dataplane: loading, pins, cgroup and
-//! tc attachment following the NodePort addresses, fill levels).
+//! tc attachment following the NodePort addresses, fill levels), [`sockets`] (closing UDP
+//! sockets connected to removed backends).
 //!
 //! # Not handled by the programs
 //!
@@ -38,6 +39,7 @@ pub mod maglev;
 pub mod maps;
 pub mod programs;
 pub mod render;
+pub mod sockets;
 
 #[cfg(test)]
 mod tests;
