@@ -1680,6 +1680,7 @@ fn a_node_dataplane_serves_nodeports_and_cluster_ips_from_desired_state() {
         },
         pin_root: Some(pins.path().to_path_buf()),
         cgroup_root: Some(cgroup.0.clone()),
+        ..Default::default()
     };
     let mut dataplane = topo
         .node

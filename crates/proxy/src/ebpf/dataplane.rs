@@ -19,7 +19,7 @@ use crate::desired::DesiredState;
 use crate::model::ServicePortName;
 
 /// How the dataplane is set up.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Config {
     /// Map sizes.
     pub sizes: MapSizes,
@@ -32,6 +32,24 @@ pub struct Config {
     /// `--ebpf-cgroup-root`: the cgroup v2 directory whose processes get the socket
     /// programs. `None`: no socket programs.
     pub cgroup_root: Option<PathBuf>,
+    /// Connection lifetimes for the collector.
+    pub timeouts: Timeouts,
+    /// How often a sync also runs the collector (a walk over both connection maps, which
+    /// the sync waits for: about a microsecond per entry).
+    pub collect_every: std::time::Duration,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            sizes: MapSizes::default(),
+            render: RenderConfig::default(),
+            pin_root: None,
+            cgroup_root: None,
+            timeouts: Timeouts::default(),
+            collect_every: std::time::Duration::from_secs(30),
+        }
+    }
 }
 
 /// A dataplane failure.
@@ -56,6 +74,8 @@ pub struct Dataplane {
     config: Config,
     /// Interfaces the tc programs are attached to, by name, with the index they had then.
     attached: std::collections::BTreeMap<String, u32>,
+    /// When the collector last ran.
+    last_collect: Option<std::time::Instant>,
     /// Backends of UDP service ports after the last sync.
     udp_backends: BTreeSet<std::net::SocketAddr>,
     /// The interface each local endpoint is routed through (`None`: no route, or local).
@@ -86,6 +106,7 @@ impl Dataplane {
             attached: std::collections::BTreeMap::new(),
             routes: std::collections::BTreeMap::new(),
             udp_backends: BTreeSet::new(),
+            last_collect: None,
             sizes,
         })
     }
@@ -160,6 +181,18 @@ impl Dataplane {
             let via = self.routes.entry(ip).or_insert_with(|| route_interface(ip));
             if let Some(name) = via {
                 interfaces.insert(name.clone());
+            }
+        }
+        if self
+            .last_collect
+            .is_none_or(|t| t.elapsed() >= self.config.collect_every)
+        {
+            self.last_collect = Some(std::time::Instant::now());
+            let timeouts = self.config.timeouts;
+            match self.collect(&timeouts) {
+                Ok(0) => {}
+                Ok(n) => tracing::debug!(entries = n, "collected stale eBPF connections"),
+                Err(e) => tracing::warn!(error = %e, "collecting stale eBPF connections failed"),
             }
         }
         // An interface deleted and created again under its name lost its links with it.
