@@ -31,7 +31,12 @@
 //! # Not handled by the programs
 //!
 //! IP fragments and IPv4 options (passed untranslated), SCTP (its CRC32c cannot be patched
-//! incrementally), ICMP errors about translated connections (passed untranslated).
+//! incrementally), ICMP errors about translated connections (passed untranslated). SNAT
+//! ports (32768–65535, Cilium's range) are not kept apart from the node's own ephemeral
+//! ports: a connection of the node itself to a backend, from the very port a SNATed flow to
+//! that backend uses, would have its replies taken for the SNATed flow's. Packets of pods
+//! outside the dataplane's cgroup to a ClusterIP are served by tc only on interfaces the
+//! programs are on (those carrying NodePort addresses and those towards local endpoints).
 
 pub mod apply;
 pub mod dataplane;
