@@ -17,12 +17,15 @@ declare -A packages=(
   [ipset]=ipset
   [curl]=curl
   [protoc]=protobuf-compiler
+  [clang-19]=clang-19
   [python3]=python3
 )
 missing=()
 for cmd in "${!packages[@]}"; do
   command -v "$cmd" >/dev/null 2>&1 || missing+=("${packages[$cmd]}")
 done
+# libbpf's headers build the eBPF programs (crates/proxy/build.rs).
+[ -f /usr/include/bpf/bpf_helpers.h ] || missing+=(libbpf-dev)
 # kubectl: the machine's own is preferred; Debian's kubernetes-client is the fallback.
 command -v kubectl >/dev/null 2>&1 || missing+=(kubernetes-client)
 if [ ${#missing[@]} -gt 0 ]; then

@@ -24,6 +24,7 @@ pub mod config;
 pub mod conntrack;
 pub mod convert;
 pub mod desired;
+pub mod ebpf;
 pub mod events;
 pub mod health;
 pub mod iptables;

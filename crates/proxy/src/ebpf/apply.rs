@@ -1,0 +1,542 @@
+//! The applier: writes the rendered frontends and backend sets into the maps, Service by
+//! Service, so that a packet never sees a half-written Service, and collects stale
+//! connections.
+//!
+//! # Order of writes for one service port (Calico's fresh-id scheme)
+//!
+//! 1. Every backend set whose content changed is written under a **fresh** set id: its
+//!    backends at ordinals `1..=n`, their membership entries, its Maglev table.
+//! 2. Source ranges that are new are added.
+//! 3. Each frontend whose value changed is written in one map update: it now names the new
+//!    set id and count. Frontends that went away are deleted.
+//! 4. Sets no frontend names any more are deleted, then ranges no longer wanted.
+//!
+//! A lookup therefore sees either the old frontend and its complete old set, or the new
+//! frontend and its complete new set. Established connections keep their backend through
+//! `np_ct`, whatever the frontend says.
+//!
+//! # Full syncs and take-over
+//!
+//! A full sync (the first, and after a failure) also sweeps the maps: frontends, backend
+//! entries, Maglev tables and ranges the applier did not write are deleted. On its first sync
+//! the applier reads the frontends already in the maps (pinned by an earlier run) and keeps
+//! their service ids, so that affinity survives a restart; set ids start above any found.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::IpAddr;
+use std::time::Duration;
+
+use ipnet::IpNet;
+
+use super::maglev;
+use super::maps::{BackendEntry, CT_CLOSING, CT_REPLY, Frontend, FrontendKey, Tuple};
+use super::programs::{self, Maps};
+use super::render::{Algorithm, RenderConfig, ServiceMaps, SetKey, render_service};
+use crate::desired::DesiredState;
+use crate::model::{IpFamily, ServicePortName};
+
+/// A failed sync: the maps keep what was written so far, every Service whole.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A map operation failed.
+    #[error("writing the eBPF maps")]
+    Maps(#[source] programs::Error),
+}
+
+/// What one sync did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SyncReport {
+    /// A full sync (everything compared, stale entries swept).
+    pub full: bool,
+    /// Service ports written (their frontends or sets changed).
+    pub services_written: usize,
+    /// Map updates and deletions issued.
+    pub map_operations: usize,
+}
+
+/// What the applier wrote for one service port.
+#[derive(Debug, Clone)]
+struct Installed {
+    svc_id: u32,
+    maps: ServiceMaps,
+    set_ids: BTreeMap<SetKey, u32>,
+}
+
+/// Connection lifetimes for the collector (Cilium's defaults).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    /// TCP with a reply seen (`bpf-ct-timeout-regular-tcp`, 6 h).
+    pub tcp: Duration,
+    /// TCP before any reply, and after FIN or RST (`bpf-ct-timeout-regular-tcp-fin`, 10 s;
+    /// Cilium uses 60 s for SYN, we use one figure).
+    pub tcp_closing: Duration,
+    /// UDP idle time (`bpf-ct-timeout-regular-any`, 60 s).
+    pub udp: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            tcp: Duration::from_secs(6 * 3600),
+            tcp_closing: Duration::from_secs(10),
+            udp: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Writes desired state into the maps of a loaded object ([`programs::Programs::load`]).
+#[derive(Debug)]
+pub struct Applier {
+    maps: Maps,
+    config: RenderConfig,
+    installed: BTreeMap<(ServicePortName, IpFamily), Installed>,
+    /// Service ids found in the maps at start, by frontend.
+    adopted: HashMap<FrontendKey, u32>,
+    next_svc_id: u32,
+    next_be_set: u32,
+    snat: BTreeMap<IpFamily, IpAddr>,
+    needs_full: bool,
+    started: bool,
+}
+
+impl Applier {
+    /// An applier over `maps`; the first sync is full.
+    pub fn new(maps: Maps, config: RenderConfig) -> Self {
+        Applier {
+            maps,
+            config,
+            installed: BTreeMap::new(),
+            adopted: HashMap::new(),
+            next_svc_id: 1,
+            next_be_set: 1,
+            snat: BTreeMap::new(),
+            needs_full: true,
+            started: false,
+        }
+    }
+
+    /// The maps.
+    pub fn maps(&self) -> &Maps {
+        &self.maps
+    }
+
+    /// Sets the node's local addresses (for NodePort selections that match them all); a
+    /// change makes the next sync full.
+    pub fn set_local_ips(&mut self, ips: Vec<IpAddr>) {
+        if self.config.local_ips != ips {
+            self.config.local_ips = ips;
+            self.needs_full = true;
+        }
+    }
+
+    /// Whether the next sync is full whatever is asked.
+    pub fn needs_full_sync(&self) -> bool {
+        self.needs_full
+    }
+
+    /// Syncs the maps to `desired`: the service ports in `changed` only, or everything
+    /// (`None`, or when a full sync is due).
+    pub fn sync(
+        &mut self,
+        desired: &DesiredState,
+        changed: Option<&BTreeSet<ServicePortName>>,
+    ) -> Result<SyncReport, Error> {
+        let full = changed.is_none() || self.needs_full;
+        match self.sync_inner(desired, changed, full) {
+            Ok(report) => {
+                self.needs_full = false;
+                Ok(report)
+            }
+            Err(e) => {
+                self.needs_full = true;
+                Err(Error::Maps(e))
+            }
+        }
+    }
+
+    fn sync_inner(
+        &mut self,
+        desired: &DesiredState,
+        changed: Option<&BTreeSet<ServicePortName>>,
+        full: bool,
+    ) -> Result<SyncReport, programs::Error> {
+        let mut report = SyncReport {
+            full,
+            ..Default::default()
+        };
+        if !self.started {
+            let flags = if self.config.fib_forward {
+                super::maps::FLAG_FIB_FORWARD
+            } else {
+                0
+            };
+            self.maps.set_flags(flags)?;
+            self.adopt()?;
+            self.started = true;
+        }
+        for fam in &desired.families {
+            if let Some(&ip) = fam.node_ips.first()
+                && self.snat.get(&fam.family) != Some(&ip)
+            {
+                self.maps.set_snat_address(ip)?;
+                self.snat.insert(fam.family, ip);
+            }
+        }
+        let mut todo: BTreeSet<(ServicePortName, IpFamily)> = BTreeSet::new();
+        if full {
+            todo.extend(self.installed.keys().cloned());
+            for fam in &desired.families {
+                todo.extend(fam.services.keys().map(|n| (n.clone(), fam.family)));
+            }
+        } else if let Some(changed) = changed {
+            for name in changed {
+                for family in IpFamily::ALL {
+                    todo.insert((name.clone(), family));
+                }
+            }
+        }
+        for (name, family) in todo {
+            let fresh = desired.family(family).and_then(|fam| {
+                fam.services
+                    .get(&name)
+                    .map(|svc| render_service(svc, fam, &self.config))
+            });
+            let ops = self.apply_service(&name, family, fresh)?;
+            if ops > 0 {
+                report.services_written += 1;
+                report.map_operations += ops;
+            }
+        }
+        if full {
+            report.map_operations += self.sweep()?;
+        }
+        Ok(report)
+    }
+
+    /// Reads the frontends an earlier run left, for their service ids and the ids in use.
+    fn adopt(&mut self) -> Result<(), programs::Error> {
+        for (key, fe) in self.maps.frontends()? {
+            self.adopted.insert(key, fe.svc_id);
+            self.next_svc_id = self.next_svc_id.max(fe.svc_id + 1);
+            self.next_be_set = self.next_be_set.max(fe.be_set + 1);
+        }
+        for ((set, _), _) in self.maps.backends()? {
+            self.next_be_set = self.next_be_set.max(set + 1);
+        }
+        Ok(())
+    }
+
+    fn fresh_set(&mut self) -> u32 {
+        let id = self.next_be_set;
+        self.next_be_set = self.next_be_set.wrapping_add(1).max(1);
+        id
+    }
+
+    /// Brings one service port of one family from what is installed to `fresh`; returns
+    /// the map operations issued.
+    fn apply_service(
+        &mut self,
+        name: &ServicePortName,
+        family: IpFamily,
+        fresh: Option<ServiceMaps>,
+    ) -> Result<usize, programs::Error> {
+        let key = (name.clone(), family);
+        let old = self.installed.remove(&key);
+        let Some(fresh) = fresh else {
+            return match old {
+                Some(old) => self.remove_all(&old),
+                None => Ok(0),
+            };
+        };
+        if let Some(old) = &old
+            && old.maps == fresh
+        {
+            self.installed.insert(key, old.clone());
+            return Ok(0);
+        }
+        let mut ops = 0;
+        let svc_id = match &old {
+            Some(o) => o.svc_id,
+            None => {
+                let adopted = fresh
+                    .frontends
+                    .keys()
+                    .find_map(|k| self.adopted.get(k).copied());
+                adopted.unwrap_or_else(|| {
+                    let id = self.next_svc_id;
+                    self.next_svc_id += 1;
+                    id
+                })
+            }
+        };
+        // 1. Backend sets: unchanged ones keep their id, changed ones get a fresh one.
+        let mut set_ids = BTreeMap::new();
+        for (set, list) in &fresh.sets {
+            let kept = old.as_ref().and_then(|o| {
+                (o.maps.sets.get(set) == Some(list))
+                    .then(|| o.set_ids.get(set).copied())
+                    .flatten()
+            });
+            let id = match kept {
+                Some(id) => id,
+                None => {
+                    let id = self.fresh_set();
+                    ops += self.write_set(id, list)?;
+                    id
+                }
+            };
+            set_ids.insert(set.clone(), id);
+        }
+        // 2. New source ranges.
+        let old_ranges = old.as_ref().map(ranges_of).unwrap_or_default();
+        let new_ranges = ranges_of_maps(&fresh);
+        for net in new_ranges.difference(&old_ranges) {
+            self.maps.add_source_range(svc_id, *net)?;
+            ops += 1;
+        }
+        // 3. Frontends, each switched in one update.
+        for (fk, spec) in &fresh.frontends {
+            let value = frontend_value(svc_id, spec, &fresh, &set_ids);
+            let before = old.as_ref().and_then(|o| {
+                o.maps
+                    .frontends
+                    .get(fk)
+                    .map(|s| frontend_value(o.svc_id, s, &o.maps, &o.set_ids))
+            });
+            if before != Some(value) {
+                self.maps.set_frontend(fk, &value)?;
+                ops += 1;
+            }
+        }
+        if let Some(old) = &old {
+            for fk in old.maps.frontends.keys() {
+                if !fresh.frontends.contains_key(fk) {
+                    self.maps.remove_frontend(fk)?;
+                    ops += 1;
+                }
+            }
+            // 4. Sets no longer named, then ranges no longer wanted.
+            let live: BTreeSet<u32> = set_ids.values().copied().collect();
+            for (set, id) in &old.set_ids {
+                if !live.contains(id) {
+                    ops += self.delete_set(*id, &old.maps.sets[set])?;
+                }
+            }
+            for net in old_ranges.difference(&new_ranges) {
+                self.maps.remove_source_range(svc_id, *net)?;
+                ops += 1;
+            }
+        }
+        self.installed.insert(
+            key,
+            Installed {
+                svc_id,
+                maps: fresh,
+                set_ids,
+            },
+        );
+        Ok(ops)
+    }
+
+    fn remove_all(&mut self, old: &Installed) -> Result<usize, programs::Error> {
+        let mut ops = 0;
+        for fk in old.maps.frontends.keys() {
+            self.maps.remove_frontend(fk)?;
+            ops += 1;
+        }
+        for (set, id) in &old.set_ids {
+            ops += self.delete_set(*id, &old.maps.sets[set])?;
+        }
+        for net in ranges_of(old) {
+            self.maps.remove_source_range(old.svc_id, net)?;
+            ops += 1;
+        }
+        Ok(ops)
+    }
+
+    fn write_set(&mut self, id: u32, list: &[BackendEntry]) -> Result<usize, programs::Error> {
+        for (i, be) in list.iter().enumerate() {
+            self.maps.set_backend(id, i as u32 + 1, be)?;
+        }
+        let mut ops = 2 * list.len();
+        if self.config.algorithm == Algorithm::Maglev {
+            let names: Vec<String> = list
+                .iter()
+                .map(|b| std::net::SocketAddr::new(b.addr, b.port).to_string())
+                .collect();
+            self.maps.set_maglev(id, &maglev::table(&names))?;
+            ops += 1;
+        }
+        Ok(ops)
+    }
+
+    fn delete_set(&mut self, id: u32, list: &[BackendEntry]) -> Result<usize, programs::Error> {
+        let mut ops = 0;
+        if self.config.algorithm == Algorithm::Maglev {
+            self.maps.remove_maglev(id)?;
+            ops += 1;
+        }
+        for (i, be) in list.iter().enumerate() {
+            self.maps.remove_backend(id, i as u32 + 1, be)?;
+            ops += 2;
+        }
+        Ok(ops)
+    }
+
+    /// Deletes whatever the maps hold that the applier did not write.
+    fn sweep(&mut self) -> Result<usize, programs::Error> {
+        let mut ops = 0;
+        let frontends: BTreeSet<FrontendKey> = self
+            .installed
+            .values()
+            .flat_map(|i| i.maps.frontends.keys().copied())
+            .collect();
+        for (key, _) in self.maps.frontends()? {
+            if !frontends.contains(&key) {
+                self.maps.remove_frontend(&key)?;
+                ops += 1;
+            }
+        }
+        let sets: BTreeSet<u32> = self
+            .installed
+            .values()
+            .flat_map(|i| i.set_ids.values().copied())
+            .collect();
+        for ((set, ordinal), be) in self.maps.backends()? {
+            if !sets.contains(&set) {
+                self.maps.remove_backend(set, ordinal, &be)?;
+                ops += 2;
+            }
+        }
+        for set in self.maps.maglev_sets()? {
+            if !sets.contains(&set) {
+                self.maps.remove_maglev(set)?;
+                ops += 1;
+            }
+        }
+        let ranges: BTreeSet<(u32, IpNet)> = self
+            .installed
+            .values()
+            .flat_map(|i| ranges_of(i).into_iter().map(|n| (i.svc_id, n)))
+            .collect();
+        for (svc_id, net) in self.maps.source_ranges()? {
+            if !ranges.contains(&(svc_id, net)) {
+                self.maps.remove_source_range(svc_id, net)?;
+                ops += 1;
+            }
+        }
+        self.adopted.clear();
+        Ok(ops)
+    }
+
+    /// Every backend of a UDP service port in the maps.
+    pub fn udp_backends(&self) -> BTreeSet<std::net::SocketAddr> {
+        self.installed
+            .iter()
+            .filter(|((name, _), _)| name.protocol == crate::model::Protocol::Udp)
+            .flat_map(|(_, i)| i.maps.sets.values().flatten())
+            .map(|b| std::net::SocketAddr::new(b.addr, b.port))
+            .collect()
+    }
+
+    /// The conntrack collector: deletes connections idle past their timeout, and UDP
+    /// connections whose backend no longer belongs to any backend set (kube-proxy clears
+    /// UDP conntrack entries of removed endpoints; TCP connections keep going until they
+    /// end). `now_ns` is `CLOCK_MONOTONIC`, the clock of `bpf_ktime_get_ns()`. Returns the
+    /// entries deleted.
+    pub fn collect(&mut self, now_ns: u64, timeouts: &Timeouts) -> Result<usize, Error> {
+        let live: BTreeSet<(IpAddr, u16)> = self
+            .installed
+            .values()
+            .flat_map(|i| i.maps.sets.values().flatten().map(|b| (b.addr, b.port)))
+            .collect();
+        let expired = |t: &Tuple, flags: u8, last: u64, backend: (IpAddr, u16)| {
+            let idle = Duration::from_nanos(now_ns.saturating_sub(last));
+            if t.proto == 6 {
+                let closing = flags & CT_CLOSING != 0 || flags & CT_REPLY == 0;
+                idle > if closing {
+                    timeouts.tcp_closing
+                } else {
+                    timeouts.tcp
+                }
+            } else {
+                idle > timeouts.udp || !live.contains(&backend)
+            }
+        };
+        let mut deleted = 0;
+        for nat in [false, true] {
+            let entries = if nat {
+                self.maps.nat()
+            } else {
+                self.maps.conntrack()
+            }
+            .map_err(Error::Maps)?;
+            let stale: Vec<Tuple> = entries
+                .iter()
+                .filter(|(k, v)| {
+                    // Forward entries name the backend as their new destination; reply
+                    // entries are keyed by the backend's source.
+                    let backend = if nat {
+                        (k.saddr, k.sport)
+                    } else {
+                        (v.daddr, v.dport)
+                    };
+                    expired(k, v.flags, v.last_seen_ns, backend)
+                })
+                .map(|(k, _)| *k)
+                .collect();
+            deleted += stale.len();
+            self.maps
+                .remove_connections(nat, &stale)
+                .map_err(Error::Maps)?;
+        }
+        Ok(deleted)
+    }
+}
+
+/// The map value of a frontend whose sets have the ids `set_ids`.
+fn frontend_value(
+    svc_id: u32,
+    spec: &super::render::FrontendSpec,
+    maps: &ServiceMaps,
+    set_ids: &BTreeMap<SetKey, u32>,
+) -> Frontend {
+    Frontend {
+        svc_id,
+        be_set: spec
+            .set
+            .as_ref()
+            .and_then(|s| set_ids.get(s).copied())
+            .unwrap_or(0),
+        count: spec
+            .set
+            .as_ref()
+            .and_then(|s| maps.sets.get(s))
+            // The programs count backends in 16 bits: a set beyond 65,535 endpoints uses its
+            // first 65,535 (kube-proxy has no such limit; EndpointSlices rarely come close).
+            .map_or(0, |l| l.len().min(usize::from(u16::MAX)) as u16),
+        flags: spec.flags,
+        affinity_timeout: spec.affinity_timeout,
+    }
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds: the clock of `bpf_ktime_get_ns()`, which stamps the
+/// connections' last use.
+pub fn monotonic_now_ns() -> u64 {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).map_or(0, |t| {
+        (t.tv_sec() as u64)
+            .saturating_mul(1_000_000_000)
+            .saturating_add(t.tv_nsec() as u64)
+    })
+}
+
+fn ranges_of_maps(maps: &ServiceMaps) -> BTreeSet<IpNet> {
+    maps.frontends
+        .values()
+        .flat_map(|f| f.source_ranges.iter().copied())
+        .collect()
+}
+
+fn ranges_of(i: &Installed) -> BTreeSet<IpNet> {
+    ranges_of_maps(&i.maps)
+}

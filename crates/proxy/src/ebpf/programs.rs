@@ -1,0 +1,673 @@
+//! The compiled object (`bpf/nodeport.c`, built by `build.rs` with clang), loaded with aya:
+//! its programs and typed access to its maps.
+
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+
+use aya::maps::lpm_trie::{Key as LpmKey, LpmTrie};
+use aya::maps::{Array, HashMap, MapData, MapError};
+use aya::programs::links::{FdLink, LinkError, PinnedLink};
+use aya::programs::{
+    CgroupAttachMode, CgroupSockAddr, ProgramError, SchedClassifier, TcAttachType,
+};
+use aya::{Ebpf, EbpfError, EbpfLoader};
+use ipnet::IpNet;
+
+use super::maps::{self, BackendEntry, Frontend, FrontendKey, MAGLEV_M, Translation, Tuple, names};
+
+/// The object file, aligned for the ELF parser.
+pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/nodeport.bpf.o"));
+
+/// The tc program for packets arriving on a node interface.
+pub const TC_INGRESS: &str = "np_tc_ingress";
+/// The tc program for packets leaving a node interface.
+pub const TC_EGRESS: &str = "np_tc_egress";
+/// The cgroup socket programs, each with the hook it attaches to.
+pub const SOCK_PROGRAMS: [&str; 8] = [
+    "np_connect4_prog",
+    "np_connect6_prog",
+    "np_sendmsg4_prog",
+    "np_sendmsg6_prog",
+    "np_recvmsg4_prog",
+    "np_recvmsg6_prog",
+    "np_getpeername4_prog",
+    "np_getpeername6_prog",
+];
+
+/// Map sizes (`--ebpf-*-map-max` when the mode is wired to flags). The defaults hold the
+/// benchmark's 100,000 Services × 10 endpoints, with Cilium's conntrack size.
+///
+/// Memory (kernel 6.18, `bpftool map show`): the LRU maps are preallocated, about 160 bytes
+/// per entry (`np_ct` and `np_nat` 80 MiB each at 512 Ki, `np_affinity` 8 MiB at 64 Ki,
+/// `np_sock_rev` 15 MiB at 128 Ki); the hash maps take 16 bytes per entry of bucket array at
+/// load (`np_services` 16 MiB, `np_backends` and `np_members` 32 MiB each) and about
+/// 100 bytes per element as they fill; a Maglev table takes 64 KiB. About 265 MiB at load with
+/// the defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MapSizes {
+    /// Frontends (`np_services`): one per service address, port and scope.
+    pub services: u32,
+    /// Backends (`np_backends`, and `np_members` alike).
+    pub backends: u32,
+    /// Connections (`np_ct`, and `np_nat` alike: one reply entry per connection).
+    pub conntrack: u32,
+    /// Affinity entries (`np_affinity`).
+    pub affinity: u32,
+    /// Source ranges (`np_src_ranges`).
+    pub source_ranges: u32,
+    /// Maglev tables (`np_maglev`), 64 KiB each.
+    pub maglev: u32,
+    /// Socket reverse entries (`np_sock_rev`).
+    pub sockets: u32,
+}
+
+impl Default for MapSizes {
+    fn default() -> Self {
+        MapSizes {
+            // 100,000 Services: ClusterIP, NodePort on a few addresses, both scopes.
+            services: 1 << 20,
+            // 100,000 × 10 endpoints, and room for the next backend set during a switch.
+            backends: 1 << 21,
+            // Cilium's CT default (bpf-ct-global-tcp-max, 512 Ki).
+            conntrack: 512 * 1024,
+            affinity: 64 * 1024,
+            source_ranges: 64 * 1024,
+            maglev: 4096,
+            sockets: 128 * 1024,
+        }
+    }
+}
+
+impl MapSizes {
+    /// Each map's `max_entries`.
+    pub fn entries(&self) -> [(&'static str, u32); 9] {
+        [
+            (names::SERVICES, self.services),
+            (names::BACKENDS, self.backends),
+            (names::MEMBERS, self.backends),
+            (names::CT, self.conntrack),
+            (names::NAT, self.conntrack),
+            (names::AFFINITY, self.affinity),
+            (names::SOURCE_RANGES, self.source_ranges),
+            (names::MAGLEV, self.maglev),
+            (names::SOCK_REV, self.sockets),
+        ]
+    }
+}
+
+/// Loading the object or using its maps failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The kernel refused the object (maps or programs).
+    #[error("loading the eBPF object")]
+    Load(#[source] EbpfError),
+    /// A program failed to load or attach.
+    #[error("eBPF program {name}")]
+    Program {
+        /// The program.
+        name: &'static str,
+        /// Why.
+        #[source]
+        source: ProgramError,
+    },
+    /// A map operation failed.
+    #[error("eBPF map {name}")]
+    Map {
+        /// The map.
+        name: &'static str,
+        /// Why.
+        #[source]
+        source: MapError,
+    },
+    /// A cgroup directory could not be opened.
+    #[error("opening cgroup {path}")]
+    Cgroup {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The pin root is not on a bpffs and one could not be mounted there.
+    #[error("pin root {path}: mounting bpffs")]
+    Mount {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Pinning, finding or replacing a pinned link failed.
+    #[error("pinned link {path}")]
+    Link {
+        /// The pin.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A Maglev table of the wrong size.
+    #[error("a Maglev table has {MAGLEV_M} slots, not {0}")]
+    MaglevSize(usize),
+    /// The object lacks a map or program (built from another source).
+    #[error("the eBPF object has no {0}")]
+    Missing(&'static str),
+}
+
+/// A backend's place: (backend set, ordinal).
+pub type BackendSlot = (u32, u32);
+
+/// The loaded object.
+pub struct Programs {
+    ebpf: Ebpf,
+}
+
+impl std::fmt::Debug for Programs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Programs").finish_non_exhaustive()
+    }
+}
+
+/// `BPF_FS_MAGIC`: the `f_type` of a bpffs.
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+/// Makes sure `dir` is on a bpffs, mounting one there when it is not.
+pub fn ensure_bpffs(dir: &Path) -> Result<(), Error> {
+    let err = |source: std::io::Error| Error::Mount {
+        path: dir.to_path_buf(),
+        source,
+    };
+    std::fs::create_dir_all(dir).map_err(err)?;
+    let st = nix::sys::statfs::statfs(dir).map_err(|e| err(e.into()))?;
+    if st.filesystem_type().0 as i64 == BPF_FS_MAGIC {
+        return Ok(());
+    }
+    nix::mount::mount(
+        Some("bpf"),
+        dir,
+        Some("bpf"),
+        nix::mount::MsFlags::empty(),
+        None::<&str>,
+    )
+    .map_err(|e| err(e.into()))
+}
+
+/// Pins `link` at `path`, replacing (and so detaching) a link pinned there before.
+fn pin_replacing(link: Result<FdLink, LinkError>, path: &Path) -> Result<(), Error> {
+    let err = |source: std::io::Error| Error::Link {
+        path: path.to_path_buf(),
+        source,
+    };
+    let link = link.map_err(|e| err(std::io::Error::other(e)))?;
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent).map_err(err)?;
+    }
+    // The old link stays attached while its descriptor is open: unpin it, pin the new one,
+    // then let it go.
+    let old = match PinnedLink::from_pin(path) {
+        Ok(old) => Some(old.unpin().map_err(err)?),
+        Err(_) if !path.exists() => None,
+        Err(e) => return Err(err(std::io::Error::other(e))),
+    };
+    link.pin(path).map_err(|e| err(std::io::Error::other(e)))?;
+    drop(old);
+    Ok(())
+}
+
+/// Removes every pin under `pin_root` (maps and links: the links detach, the maps go once no
+/// program uses them). For `nodeport proxy --cleanup`-style teardown and tests.
+pub fn remove_pins(pin_root: &Path) -> std::io::Result<()> {
+    for sub in ["links", "maps"] {
+        let dir = pin_root.join(sub);
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries {
+            std::fs::remove_file(entry?.path())?;
+        }
+        std::fs::remove_dir(&dir)?;
+    }
+    Ok(())
+}
+
+/// Treats a missing key as done (removals are idempotent).
+fn absent_ok(r: Result<(), MapError>, name: &'static str) -> Result<(), Error> {
+    match r {
+        Ok(()) | Err(MapError::KeyNotFound) | Err(MapError::ElementNotFound) => Ok(()),
+        Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => Ok(()),
+        Err(source) => Err(Error::Map { name, source }),
+    }
+}
+
+fn map_err(name: &'static str) -> impl FnOnce(MapError) -> Error {
+    move |source| Error::Map { name, source }
+}
+
+impl Programs {
+    /// Loads the maps (sized from `sizes`) and every program into the kernel, unpinned.
+    pub fn load(sizes: &MapSizes) -> Result<(Self, Maps), Error> {
+        Self::load_with(sizes, None)
+    }
+
+    /// Loads with the maps pinned under `<pin_root>/maps/`: maps already pinned there (by an
+    /// earlier run) are taken over with their contents, others are created and pinned. The
+    /// pin root must be on a bpffs; one is mounted there when it is not (as Cilium's agent
+    /// does). Pinned maps keep the size they were created with.
+    pub fn load_pinned(sizes: &MapSizes, pin_root: &Path) -> Result<(Self, Maps), Error> {
+        ensure_bpffs(pin_root)?;
+        let dir = pin_root.join("maps");
+        std::fs::create_dir_all(&dir).map_err(|source| Error::Mount {
+            path: dir.clone(),
+            source,
+        })?;
+        Self::load_with(sizes, Some(&dir))
+    }
+
+    fn load_with(sizes: &MapSizes, pin_dir: Option<&Path>) -> Result<(Self, Maps), Error> {
+        let mut loader = EbpfLoader::new();
+        for (name, size) in sizes.entries() {
+            loader.map_max_entries(name, size);
+        }
+        if let Some(dir) = pin_dir {
+            for name in names::ALL {
+                loader.map_pin_path(name, dir.join(name));
+            }
+        }
+        let mut ebpf = loader.load(OBJECT).map_err(Error::Load)?;
+        for name in [TC_INGRESS, TC_EGRESS] {
+            let prog: &mut SchedClassifier = ebpf
+                .program_mut(name)
+                .ok_or(Error::Missing(name))?
+                .try_into()
+                .map_err(|source| Error::Program { name, source })?;
+            prog.load()
+                .map_err(|source| Error::Program { name, source })?;
+        }
+        for name in SOCK_PROGRAMS {
+            let prog: &mut CgroupSockAddr = ebpf
+                .program_mut(name)
+                .ok_or(Error::Missing(name))?
+                .try_into()
+                .map_err(|source| Error::Program { name, source })?;
+            prog.load()
+                .map_err(|source| Error::Program { name, source })?;
+        }
+        let mut maps = std::collections::BTreeMap::new();
+        for name in names::ALL {
+            maps.insert(name, ebpf.take_map(name).ok_or(Error::Missing(name))?);
+        }
+        Ok((Programs { ebpf }, Maps { maps }))
+    }
+
+    /// A loaded tc program ([`TC_INGRESS`] or [`TC_EGRESS`]).
+    pub fn classifier(&self, name: &'static str) -> Result<&SchedClassifier, Error> {
+        self.ebpf
+            .program(name)
+            .ok_or(Error::Missing(name))?
+            .try_into()
+            .map_err(|source| Error::Program { name, source })
+    }
+
+    /// Attaches [`TC_INGRESS`] and [`TC_EGRESS`] to an interface of the calling thread's
+    /// network namespace (TCX links on kernels since 6.6, clsact filters before). The links
+    /// belong to this object: they detach when it is dropped.
+    pub fn attach_tc(&mut self, interface: &str) -> Result<(), Error> {
+        for (name, kind) in [
+            (TC_INGRESS, TcAttachType::Ingress),
+            (TC_EGRESS, TcAttachType::Egress),
+        ] {
+            let prog: &mut SchedClassifier = self
+                .ebpf
+                .program_mut(name)
+                .ok_or(Error::Missing(name))?
+                .try_into()
+                .map_err(|source| Error::Program { name, source })?;
+            prog.attach(interface, kind)
+                .map_err(|source| Error::Program { name, source })?;
+        }
+        Ok(())
+    }
+
+    /// [`Programs::attach_tc`], with the links pinned as `<pin_root>/links/tc-<interface>-
+    /// ingress` and `-egress`, so that they outlive this process. Links pinned there by an
+    /// earlier run are replaced without a gap: the new link is attached (both run for a
+    /// moment, over the same maps), pinned in the old one's place, then the old one detached.
+    pub fn attach_tc_pinned(&mut self, interface: &str, pin_root: &Path) -> Result<(), Error> {
+        for (name, kind, dir) in [
+            (TC_INGRESS, TcAttachType::Ingress, "ingress"),
+            (TC_EGRESS, TcAttachType::Egress, "egress"),
+        ] {
+            let prog: &mut SchedClassifier = self
+                .ebpf
+                .program_mut(name)
+                .ok_or(Error::Missing(name))?
+                .try_into()
+                .map_err(|source| Error::Program { name, source })?;
+            let id = prog
+                .attach(interface, kind)
+                .map_err(|source| Error::Program { name, source })?;
+            let link = prog
+                .take_link(id)
+                .map_err(|source| Error::Program { name, source })?;
+            let path = pin_root.join("links").join(format!("tc-{interface}-{dir}"));
+            pin_replacing(FdLink::try_from(link), &path)?;
+        }
+        Ok(())
+    }
+
+    /// [`Programs::attach_cgroup`], with the links pinned as `<pin_root>/links/cgroup-<program>`
+    /// and earlier ones replaced as [`Programs::attach_tc_pinned`] replaces them.
+    pub fn attach_cgroup_pinned(&mut self, cgroup: &Path, pin_root: &Path) -> Result<(), Error> {
+        let dir = std::fs::File::open(cgroup).map_err(|source| Error::Cgroup {
+            path: cgroup.to_path_buf(),
+            source,
+        })?;
+        for name in SOCK_PROGRAMS {
+            let prog: &mut CgroupSockAddr = self
+                .ebpf
+                .program_mut(name)
+                .ok_or(Error::Missing(name))?
+                .try_into()
+                .map_err(|source| Error::Program { name, source })?;
+            let id = prog
+                .attach(&dir, CgroupAttachMode::Single)
+                .map_err(|source| Error::Program { name, source })?;
+            let link = prog
+                .take_link(id)
+                .map_err(|source| Error::Program { name, source })?;
+            let path = pin_root.join("links").join(format!("cgroup-{name}"));
+            pin_replacing(FdLink::try_from(link), &path)?;
+        }
+        Ok(())
+    }
+
+    /// Attaches the socket programs to a cgroup v2 directory as bpf_links, which run
+    /// alongside any other programs there (the kernel refuses attach flags on links; they
+    /// always behave as `BPF_F_ALLOW_MULTI`). The links belong to this object: they
+    /// detach when it is dropped.
+    pub fn attach_cgroup(&mut self, cgroup: &Path) -> Result<(), Error> {
+        let dir = std::fs::File::open(cgroup).map_err(|source| Error::Cgroup {
+            path: cgroup.to_path_buf(),
+            source,
+        })?;
+        for name in SOCK_PROGRAMS {
+            let prog: &mut CgroupSockAddr = self
+                .ebpf
+                .program_mut(name)
+                .ok_or(Error::Missing(name))?
+                .try_into()
+                .map_err(|source| Error::Program { name, source })?;
+            prog.attach(&dir, CgroupAttachMode::Single)
+                .map_err(|source| Error::Program { name, source })?;
+        }
+        Ok(())
+    }
+}
+
+/// The object's maps, taken out of it so that they can be written while the programs run
+/// (and tested) elsewhere: the kernel keeps the programs' references to them.
+pub struct Maps {
+    maps: std::collections::BTreeMap<&'static str, aya::maps::Map>,
+}
+
+impl std::fmt::Debug for Maps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Maps").finish_non_exhaustive()
+    }
+}
+
+impl Maps {
+    fn map(&self, name: &'static str) -> Result<&aya::maps::Map, Error> {
+        self.maps.get(name).ok_or(Error::Missing(name))
+    }
+
+    fn map_mut(&mut self, name: &'static str) -> Result<&mut aya::maps::Map, Error> {
+        self.maps.get_mut(name).ok_or(Error::Missing(name))
+    }
+
+    fn hash<K: aya::Pod, V: aya::Pod>(
+        &mut self,
+        name: &'static str,
+    ) -> Result<HashMap<&mut MapData, K, V>, Error> {
+        HashMap::try_from(self.map_mut(name)?).map_err(map_err(name))
+    }
+
+    fn hash_ref<K: aya::Pod, V: aya::Pod>(
+        &self,
+        name: &'static str,
+    ) -> Result<HashMap<&MapData, K, V>, Error> {
+        HashMap::try_from(self.map(name)?).map_err(map_err(name))
+    }
+
+    /// Writes a frontend.
+    pub fn set_frontend(&mut self, key: &FrontendKey, value: &Frontend) -> Result<(), Error> {
+        self.hash::<[u8; 20], [u8; 16]>(names::SERVICES)?
+            .insert(key.encode(), value.encode(), 0)
+            .map_err(map_err(names::SERVICES))
+    }
+
+    /// Writes backend `ordinal` (1-based) of a backend set, and its membership entry.
+    pub fn set_backend(
+        &mut self,
+        be_set: u32,
+        ordinal: u32,
+        backend: &BackendEntry,
+    ) -> Result<(), Error> {
+        self.hash::<[u8; 8], [u8; 20]>(names::BACKENDS)?
+            .insert(maps::backend_key(be_set, ordinal), backend.encode(), 0)
+            .map_err(map_err(names::BACKENDS))?;
+        self.hash::<[u8; 24], u32>(names::MEMBERS)?
+            .insert(
+                maps::member_key(be_set, backend.addr, backend.port),
+                ordinal,
+                0,
+            )
+            .map_err(map_err(names::MEMBERS))
+    }
+
+    /// Writes a backend set's Maglev table ([`MAGLEV_M`] ordinals).
+    pub fn set_maglev(&mut self, be_set: u32, table: &[u32]) -> Result<(), Error> {
+        let value: Box<[u32; MAGLEV_M]> = table
+            .to_vec()
+            .into_boxed_slice()
+            .try_into()
+            .map_err(|_| Error::MaglevSize(table.len()))?;
+        self.hash::<u32, [u32; MAGLEV_M]>(names::MAGLEV)?
+            .insert(be_set, value.as_ref(), 0)
+            .map_err(map_err(names::MAGLEV))
+    }
+
+    /// Admits the sources in `net` to service port `svc_id`.
+    pub fn add_source_range(&mut self, svc_id: u32, net: IpNet) -> Result<(), Error> {
+        let name = names::SOURCE_RANGES;
+        let mut trie: LpmTrie<&mut MapData, [u8; 20], u8> =
+            LpmTrie::try_from(self.map_mut(name)?).map_err(map_err(name))?;
+        let (len, data) = maps::range_key(svc_id, net);
+        trie.insert(&LpmKey::new(len, data), 1, 0)
+            .map_err(map_err(name))
+    }
+
+    /// Sets the address remote backends' connections are SNATed to, for its family.
+    pub fn set_snat_address(&mut self, addr: IpAddr) -> Result<(), Error> {
+        let name = names::CONFIG;
+        let mut config: Array<&mut MapData, [u8; 16]> =
+            Array::try_from(self.map_mut(name)?).map_err(map_err(name))?;
+        config
+            .set(maps::config_index(addr), maps::addr_bytes(addr), 0)
+            .map_err(map_err(name))
+    }
+
+    /// Removes a frontend (absent: nothing to do).
+    pub fn remove_frontend(&mut self, key: &FrontendKey) -> Result<(), Error> {
+        let r = self
+            .hash::<[u8; 20], [u8; 16]>(names::SERVICES)?
+            .remove(&key.encode());
+        absent_ok(r, names::SERVICES)
+    }
+
+    /// Every frontend in the map.
+    pub fn frontends(&self) -> Result<Vec<(FrontendKey, Frontend)>, Error> {
+        let map = self.hash_ref::<[u8; 20], [u8; 16]>(names::SERVICES)?;
+        let mut out = Vec::new();
+        for entry in map.iter() {
+            let (k, v) = entry.map_err(map_err(names::SERVICES))?;
+            out.push((FrontendKey::decode(&k), Frontend::decode(&v)));
+        }
+        Ok(out)
+    }
+
+    /// Removes backend `ordinal` of a set and its membership entry.
+    pub fn remove_backend(
+        &mut self,
+        be_set: u32,
+        ordinal: u32,
+        backend: &BackendEntry,
+    ) -> Result<(), Error> {
+        let r = self
+            .hash::<[u8; 8], [u8; 20]>(names::BACKENDS)?
+            .remove(&maps::backend_key(be_set, ordinal));
+        absent_ok(r, names::BACKENDS)?;
+        let r = self
+            .hash::<[u8; 24], u32>(names::MEMBERS)?
+            .remove(&maps::member_key(be_set, backend.addr, backend.port));
+        absent_ok(r, names::MEMBERS)
+    }
+
+    /// Every backend entry: (set, ordinal) → backend.
+    pub fn backends(&self) -> Result<Vec<(BackendSlot, BackendEntry)>, Error> {
+        let map = self.hash_ref::<[u8; 8], [u8; 20]>(names::BACKENDS)?;
+        let mut out = Vec::new();
+        for entry in map.iter() {
+            let (k, v) = entry.map_err(map_err(names::BACKENDS))?;
+            out.push((maps::decode_backend_key(&k), BackendEntry::decode(&v)));
+        }
+        Ok(out)
+    }
+
+    /// Removes a set's Maglev table (absent: nothing to do).
+    pub fn remove_maglev(&mut self, be_set: u32) -> Result<(), Error> {
+        let r = self
+            .hash::<u32, [u32; MAGLEV_M]>(names::MAGLEV)?
+            .remove(&be_set);
+        absent_ok(r, names::MAGLEV)
+    }
+
+    /// The backend sets that have a Maglev table.
+    pub fn maglev_sets(&self) -> Result<Vec<u32>, Error> {
+        let map = self.hash_ref::<u32, [u32; MAGLEV_M]>(names::MAGLEV)?;
+        map.keys()
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(map_err(names::MAGLEV))
+    }
+
+    /// Removes a source range of a service port.
+    pub fn remove_source_range(&mut self, svc_id: u32, net: IpNet) -> Result<(), Error> {
+        let name = names::SOURCE_RANGES;
+        let mut trie: LpmTrie<&mut MapData, [u8; 20], u8> =
+            LpmTrie::try_from(self.map_mut(name)?).map_err(map_err(name))?;
+        let (len, data) = maps::range_key(svc_id, net);
+        absent_ok(trie.remove(&LpmKey::new(len, data)), name)
+    }
+
+    /// Every source range: (service id, range).
+    pub fn source_ranges(&self) -> Result<Vec<(u32, IpNet)>, Error> {
+        let name = names::SOURCE_RANGES;
+        let trie: LpmTrie<&MapData, [u8; 20], u8> =
+            LpmTrie::try_from(self.map(name)?).map_err(map_err(name))?;
+        let mut out = Vec::new();
+        for key in trie.keys() {
+            let key = key.map_err(map_err(name))?;
+            out.push(maps::decode_range_key(key.prefix_len(), &key.data()));
+        }
+        Ok(out)
+    }
+
+    /// Removes connections from `np_ct` (`nat: false`) or `np_nat` (`nat: true`).
+    pub fn remove_connections(&mut self, nat: bool, tuples: &[Tuple]) -> Result<(), Error> {
+        let name = if nat { names::NAT } else { names::CT };
+        let mut map = self.hash::<[u8; 40], [u8; 56]>(name)?;
+        for t in tuples {
+            absent_ok(map.remove(&t.encode()), name)?;
+        }
+        Ok(())
+    }
+
+    /// How many entries each map holds (a walk over every key: for metrics, not per packet).
+    pub fn entry_counts(&self) -> Result<Vec<(&'static str, usize)>, Error> {
+        Ok(vec![
+            (
+                names::SERVICES,
+                self.count::<[u8; 20], [u8; 16]>(names::SERVICES)?,
+            ),
+            (
+                names::BACKENDS,
+                self.count::<[u8; 8], [u8; 20]>(names::BACKENDS)?,
+            ),
+            (names::MEMBERS, self.count::<[u8; 24], u32>(names::MEMBERS)?),
+            (names::CT, self.count::<[u8; 40], [u8; 56]>(names::CT)?),
+            (names::NAT, self.count::<[u8; 40], [u8; 56]>(names::NAT)?),
+            (
+                names::AFFINITY,
+                self.count::<[u8; 20], [u8; 32]>(names::AFFINITY)?,
+            ),
+            (names::SOURCE_RANGES, self.source_ranges()?.len()),
+            (names::MAGLEV, self.maglev_sets()?.len()),
+            (
+                names::SOCK_REV,
+                self.count::<[u8; 32], [u8; 20]>(names::SOCK_REV)?,
+            ),
+        ])
+    }
+
+    fn count<K: aya::Pod, V: aya::Pod>(&self, name: &'static str) -> Result<usize, Error> {
+        // Keys that vanish during the walk (LRU evictions) are skipped, not errors.
+        Ok(self
+            .hash_ref::<K, V>(name)?
+            .keys()
+            .filter(Result::is_ok)
+            .count())
+    }
+
+    /// Sets the dataplane flags (`maps::FLAG_*`).
+    pub fn set_flags(&mut self, flags: u32) -> Result<(), Error> {
+        let name = names::FLAGS;
+        let mut map: Array<&mut MapData, u32> =
+            Array::try_from(self.map_mut(name)?).map_err(map_err(name))?;
+        map.set(0, flags, 0).map_err(map_err(name))
+    }
+
+    fn translations(&self, name: &'static str) -> Result<Vec<(Tuple, Translation)>, Error> {
+        let map = self.hash_ref::<[u8; 40], [u8; 56]>(name)?;
+        let mut out = Vec::new();
+        for entry in map.iter() {
+            let (k, v) = entry.map_err(map_err(name))?;
+            out.push((Tuple::decode(&k), Translation::decode(&v)));
+        }
+        Ok(out)
+    }
+
+    /// The forward conntrack entries (`np_ct`).
+    pub fn conntrack(&self) -> Result<Vec<(Tuple, Translation)>, Error> {
+        self.translations(names::CT)
+    }
+
+    /// The reply-direction entries (`np_nat`).
+    pub fn nat(&self) -> Result<Vec<(Tuple, Translation)>, Error> {
+        self.translations(names::NAT)
+    }
+
+    /// The backend `client` is stuck to for service port `svc_id`, if any: address, port
+    /// and last use (`CLOCK_MONOTONIC` nanoseconds).
+    pub fn affinity(
+        &self,
+        svc_id: u32,
+        client: IpAddr,
+    ) -> Result<Option<(IpAddr, u16, u64)>, Error> {
+        let map = self.hash_ref::<[u8; 20], [u8; 32]>(names::AFFINITY)?;
+        match map.get(&maps::affinity_key(svc_id, client), 0) {
+            Ok(v) => Ok(Some(maps::decode_affinity(&v))),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(map_err(names::AFFINITY)(e)),
+        }
+    }
+}
