@@ -6,38 +6,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Debian packages the tests use, keyed by the command that shows they are there.
-declare -A packages=(
-  [nft]=nftables
-  [iptables]=iptables
-  [ip6tables]=iptables
-  [conntrack]=conntrack
-  [ip]=iproute2
-  [etcd]=etcd-server
-  [ipset]=ipset
-  [curl]=curl
-  [protoc]=protobuf-compiler
-)
-missing=()
-for cmd in "${!packages[@]}"; do
-  command -v "$cmd" >/dev/null 2>&1 || missing+=("${packages[$cmd]}")
-done
-# kubectl: the machine's own is preferred; Debian's kubernetes-client is the fallback.
-command -v kubectl >/dev/null 2>&1 || missing+=(kubernetes-client)
-if [ ${#missing[@]} -gt 0 ]; then
-  mapfile -t missing < <(printf '%s\n' "${missing[@]}" | sort -u)
-  echo "test.sh: installing ${missing[*]}" >&2
-  if [ "$(id -u)" -ne 0 ]; then
-    echo "test.sh: need root to install ${missing[*]} (apt-get)" >&2
-    exit 1
-  fi
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq "${missing[@]}"
-fi
-for cmd in "${!packages[@]}" kubectl; do
-  command -v "$cmd" >/dev/null 2>&1 || { echo "test.sh: $cmd is still missing" >&2; exit 1; }
-done
+# Debian packages the build, the lab and the tests use (the one list: scripts/packages.sh),
+# installed when missing; root is needed only when something is missing.
+source scripts/packages.sh
+nodeport_install build lab test
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
