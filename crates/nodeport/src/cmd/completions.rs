@@ -59,7 +59,15 @@ pub fn run_manpages(args: ManArgs) -> anyhow::Result<()> {
     let mut pages = vec![("nodeport".to_owned(), command.clone().version(version))];
     for sub in command.get_subcommands().filter(|s| !s.is_hide_set()) {
         let name = format!("nodeport-{}", sub.get_name());
-        pages.push((name.clone(), sub.clone().name(name).version(version)));
+        // Named as git names its pages (nodeport-proxy(1)); the synopsis shows the command as
+        // typed (`nodeport proxy`). Subcommands have no --version of their own.
+        let page = sub
+            .clone()
+            .name(name.clone())
+            .bin_name(format!("nodeport {}", sub.get_name()))
+            .version(version)
+            .disable_version_flag(true);
+        pages.push((name, page));
     }
     for (name, page) in pages {
         let path = args.out_dir.join(format!("{name}.1"));
