@@ -27,8 +27,9 @@ impl fmt::Display for Missing {
         }
         write!(
             f,
-            "(on Debian/Ubuntu, as root: apt-get install -y iproute2 nftables iptables; kubectl \
-             from the Kubernetes packages or Debian's kubernetes-client)"
+            "(on Debian/Ubuntu, from a checkout: `bash scripts/quickstart.sh` installs what is \
+             missing; or, as root: apt-get install -y iproute2 nftables iptables; kubectl from \
+             the Kubernetes packages or Debian's kubernetes-client)"
         )
     }
 }
