@@ -14,3 +14,5 @@ nodeport_install build lab test
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked --no-fail-fast
+# The Debian package: built, installed, verified and removed (a release build).
+bash scripts/package.sh
