@@ -13,6 +13,7 @@
 # A new dataplane adds its build tools to `build` (e.g. "build clang-19 clang-19") and the
 # commands its lab mode runs to `lab`, together with the preflight entry.
 NODEPORT_PACKAGES=(
+  "build cc gcc"                     # the linker rustc calls (rustup does not bring one)
   "build protoc protobuf-compiler"   # etcd-client's build script compiles etcd's .proto files
   "lab ip iproute2"
   "lab nft nftables"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The one test command: installs what the tests need, then runs fmt, clippy and every test.
+# The one test command: installs what the tests need, then runs fmt, clippy and every test,
+# and builds, installs, checks and removes the Debian package (scripts/package.sh).
 # Network-namespace, nftables/iptables, etcd and kubectl tests are part of it; they fail,
 # never skip, when a prerequisite is missing (only NODEPORT_SKIP_PRIVILEGED=1, which CI
 # never sets, skips the tests that need root).

@@ -46,6 +46,7 @@ fn quickstart(uid: u32) -> (Vec<String>, std::process::ExitStatus, String) {
         ("iptables", &["iptables", "iptables-restore"]),
         ("kubernetes-client", &["kubectl"]),
         ("protobuf-compiler", &["protoc"]),
+        ("gcc", &["cc"]),
     ] {
         for command in commands {
             let real = real(command).unwrap_or_else(|| panic!("{command} is not installed"));
@@ -60,7 +61,7 @@ fn quickstart(uid: u32) -> (Vec<String>, std::process::ExitStatus, String) {
     script(&target.join("release/nodeport"), &log_line);
 
     // PATH: the stand-ins and the tools every machine has (bash, coreutils, env), but not
-    // /usr/sbin or /sbin, where nft, ip and iptables live, nor protoc or kubectl.
+    // /usr/sbin or /sbin, where nft, ip and iptables live, nor cc, protoc or kubectl.
     let basics = dir.path().join("basics");
     std::fs::create_dir_all(&basics).unwrap();
     for tool in [
@@ -92,7 +93,7 @@ fn quickstart(uid: u32) -> (Vec<String>, std::process::ExitStatus, String) {
     )
 }
 
-const PACKAGES: &str = "iproute2 iptables kubernetes-client nftables protobuf-compiler";
+const PACKAGES: &str = "gcc iproute2 iptables kubernetes-client nftables protobuf-compiler";
 
 #[test]
 fn as_root_the_quick_start_installs_what_is_missing_builds_and_runs_the_lab() {
