@@ -1,47 +1,16 @@
 #!/usr/bin/env bash
-# The one test command: installs what the tests need, then runs fmt, clippy and every test.
+# The one test command: installs what the tests need, then runs fmt, clippy and every test,
+# and builds, installs, checks and removes the Debian package (scripts/package.sh).
 # Network-namespace, nftables/iptables, etcd and kubectl tests are part of it; they fail,
 # never skip, when a prerequisite is missing (only NODEPORT_SKIP_PRIVILEGED=1, which CI
 # never sets, skips the tests that need root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Debian packages the tests use, keyed by the command that shows they are there.
-declare -A packages=(
-  [nft]=nftables
-  [iptables]=iptables
-  [ip6tables]=iptables
-  [conntrack]=conntrack
-  [ip]=iproute2
-  [etcd]=etcd-server
-  [ipset]=ipset
-  [curl]=curl
-  [protoc]=protobuf-compiler
-  [clang-19]=clang-19
-  [python3]=python3
-)
-missing=()
-for cmd in "${!packages[@]}"; do
-  command -v "$cmd" >/dev/null 2>&1 || missing+=("${packages[$cmd]}")
-done
-# libbpf's headers build the eBPF programs (crates/proxy/build.rs).
-[ -f /usr/include/bpf/bpf_helpers.h ] || missing+=(libbpf-dev)
-# kubectl: the machine's own is preferred; Debian's kubernetes-client is the fallback.
-command -v kubectl >/dev/null 2>&1 || missing+=(kubernetes-client)
-if [ ${#missing[@]} -gt 0 ]; then
-  mapfile -t missing < <(printf '%s\n' "${missing[@]}" | sort -u)
-  echo "test.sh: installing ${missing[*]}" >&2
-  if [ "$(id -u)" -ne 0 ]; then
-    echo "test.sh: need root to install ${missing[*]} (apt-get)" >&2
-    exit 1
-  fi
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq "${missing[@]}"
-fi
-for cmd in "${!packages[@]}" kubectl; do
-  command -v "$cmd" >/dev/null 2>&1 || { echo "test.sh: $cmd is still missing" >&2; exit 1; }
-done
+# Debian packages the build, the lab and the tests use (the one list: scripts/packages.sh),
+# installed when missing; root is needed only when something is missing.
+source scripts/packages.sh
+nodeport_install build lab test
 
 # Python packages the tests use: the official Kubernetes client (apiserver_python.rs), from PyPI
 # (Debian's python3-kubernetes is years behind). A Debian python3 is "externally managed".
@@ -58,3 +27,5 @@ fi
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked --no-fail-fast
+# The Debian package: built, installed, verified and removed (a release build).
+bash scripts/package.sh

@@ -13,10 +13,27 @@ const EXIT_USAGE: u8 = 64;
 
 /// Kubernetes NodePort Service networking, end to end.
 #[derive(Debug, Parser)]
-#[command(name = "nodeport", version, about, propagate_version = true)]
+#[command(
+    name = "nodeport",
+    about,
+    // `--version` is ours: the same report as `nodeport version`, with the kernel checks.
+    disable_version_flag = true,
+    override_usage = "nodeport <COMMAND>\n       nodeport --version",
+    arg_required_else_help = true,
+    args_conflicts_with_subcommands = true
+)]
 struct Cli {
+    /// Print version, git commit, build date, Rust version and the dataplanes this kernel
+    /// supports (the same as `nodeport version`).
+    #[arg(short = 'V', long)]
+    version: bool,
     #[command(subcommand)]
-    command: cmd::Command,
+    command: Option<cmd::Command>,
+}
+
+/// The command-line interface as clap sees it (for completions and man pages).
+pub(crate) fn cli() -> clap::Command {
+    <Cli as clap::CommandFactory>::command()
 }
 
 fn main() -> ExitCode {
@@ -30,7 +47,17 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .init();
-    match cmd::run(cli.command) {
+    let command = match (cli.command, cli.version) {
+        (Some(command), _) => command,
+        (None, true) => cmd::Command::Version(cmd::version::Args {}),
+        (None, false) => crate::cli()
+            .error(
+                clap::error::ErrorKind::MissingSubcommand,
+                "a subcommand is required",
+            )
+            .exit(),
+    };
+    match cmd::run(command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
             if let Some(usage) = err.downcast_ref::<cmd::UsageError>() {

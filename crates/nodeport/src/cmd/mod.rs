@@ -1,10 +1,12 @@
 //! One module per subcommand; each owns its `Args` and `run`.
 
 pub mod apiserver;
+pub mod completions;
 pub mod lab;
 pub mod proxy;
 pub mod render;
 pub mod up;
+pub mod version;
 
 use clap::Subcommand;
 
@@ -36,6 +38,13 @@ pub enum Command {
     /// A pod of the lab's deployment: an HTTP server answering like nginx's welcome page.
     #[command(hide = true)]
     PodServer(lab::PodServerArgs),
+    /// Print version and build information, and which dataplanes this kernel supports.
+    Version(version::Args),
+    /// Print the shell completion script for bash, zsh or fish.
+    Completions(completions::Args),
+    /// Write the man pages (nodeport.1 and one per subcommand) into a directory.
+    #[command(hide = true)]
+    Manpages(completions::ManArgs),
 }
 
 /// Runs one subcommand to completion.
@@ -47,6 +56,9 @@ pub fn run(command: Command) -> anyhow::Result<()> {
         Command::Lab(args) => lab::run(args),
         Command::Up(args) => up::run(args),
         Command::PodServer(args) => lab::run_pod_server(args),
+        Command::Version(args) => version::run(args),
+        Command::Completions(args) => completions::run(args),
+        Command::Manpages(args) => completions::run_manpages(args),
     }
 }
 

@@ -71,6 +71,11 @@ pub struct Args {
     /// A KubeProxyConfiguration file.
     #[arg(long)]
     config: Option<PathBuf>,
+    /// Check the flags, the --config file and the kubeconfig (parsed, not contacted; the
+    /// token and CA files it names are not read), print the resulting configuration and exit:
+    /// 0 when valid, 64 naming the mistake when not.
+    #[arg(long)]
+    validate: bool,
 }
 
 fn usage(message: impl Into<String>) -> anyhow::Error {
@@ -274,6 +279,9 @@ async fn client(kubeconfig: Option<PathBuf>, master: Option<&str>) -> anyhow::Re
 /// Runs `nodeport proxy` until SIGTERM or SIGINT.
 pub fn run(args: Args) -> anyhow::Result<()> {
     let (mut config, kubeconfig, variant) = configure(&args)?;
+    if args.validate {
+        return validate(&config, kubeconfig.as_deref(), args.master.as_deref());
+    }
     if config.mode == ProxyMode::Iptables {
         // kube-proxy's images decide once, at start (iptables-wrappers); so do we.
         let chosen = resolve_variant(variant, &config.iptables.prefix);
@@ -318,4 +326,97 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .await
             .map_err(anyhow::Error::from)
     })
+}
+
+/// `--validate`: [`configure`] accepted the flags and the `--config` file; this checks where
+/// the API server is, prints the configuration and returns. The kubeconfig is parsed but the
+/// files it names (a pod's service-account token and CA) are not read: they may exist only
+/// where the proxy will run.
+fn validate(
+    config: &ProxyConfig,
+    kubeconfig: Option<&std::path::Path>,
+    master: Option<&str>,
+) -> anyhow::Result<()> {
+    let server = match (master, kubeconfig) {
+        (Some(url), _) => {
+            url.parse::<http::Uri>()
+                .map_err(|_| usage(format!("invalid value {url:?} for --master: not a URL")))?;
+            format!("{url} (--master)")
+        }
+        (None, Some(path)) => format!(
+            "{} (kubeconfig {})",
+            kubeconfig_server(path)?,
+            path.display()
+        ),
+        (None, None) => {
+            "not checked: neither --kubeconfig nor --master; found at start as kubectl does \
+             ($KUBECONFIG, ~/.kube/config, or in-cluster)"
+                .to_owned()
+        }
+    };
+    let cidrs: Vec<String> = config
+        .node
+        .cluster_cidrs
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    let addr = |a: Option<SocketAddr>| a.map_or_else(|| "off".to_owned(), |a| a.to_string());
+    println!("nodeport proxy: the configuration is valid");
+    println!("  node:                {}", config.node_name);
+    println!("  proxy mode:          {}", config.mode.as_str());
+    println!("  API server:          {server}");
+    println!("  nodeport addresses:  {}", config.nodeport_addresses);
+    println!(
+        "  cluster CIDRs:       {}",
+        if cidrs.is_empty() {
+            "none".to_owned()
+        } else {
+            cidrs.join(",")
+        }
+    );
+    println!(
+        "  healthz:             {}",
+        addr(config.healthz_bind_address)
+    );
+    println!(
+        "  metrics:             {}",
+        addr(config.metrics_bind_address)
+    );
+    println!(
+        "  sync period:         {:?} (minimum interval {:?})",
+        config.sync_period, config.min_sync_period
+    );
+    Ok(())
+}
+
+/// The server of a kubeconfig's current context, which must exist and be a URL.
+fn kubeconfig_server(path: &std::path::Path) -> anyhow::Result<String> {
+    let invalid = |what: String| usage(format!("invalid kubeconfig {}: {what}", path.display()));
+    let kc = kube::config::Kubeconfig::read_from(path).map_err(|e| invalid(format!("{e:#}")))?;
+    let current = kc
+        .current_context
+        .as_deref()
+        .ok_or_else(|| invalid("no current-context".to_owned()))?;
+    let context = kc
+        .contexts
+        .iter()
+        .find(|c| c.name == current)
+        .and_then(|c| c.context.as_ref())
+        .ok_or_else(|| invalid(format!("no context {current:?}")))?;
+    let cluster = kc
+        .clusters
+        .iter()
+        .find(|c| c.name == context.cluster)
+        .and_then(|c| c.cluster.as_ref())
+        .ok_or_else(|| invalid(format!("no cluster {:?}", context.cluster)))?;
+    let server = cluster
+        .server
+        .as_deref()
+        .ok_or_else(|| invalid(format!("cluster {:?} has no server", context.cluster)))?;
+    server
+        .parse::<http::Uri>()
+        .ok()
+        .filter(|u| u.scheme().is_some() && u.host().is_some())
+        .ok_or_else(|| invalid(format!("server {server:?} is not a URL")))?;
+    Ok(server.to_owned())
 }

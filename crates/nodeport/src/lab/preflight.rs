@@ -27,8 +27,9 @@ impl fmt::Display for Missing {
         }
         write!(
             f,
-            "(on Debian/Ubuntu, as root: apt-get install -y iproute2 nftables iptables; kubectl \
-             from the Kubernetes packages or Debian's kubernetes-client)"
+            "(on Debian/Ubuntu, from a checkout: `bash scripts/quickstart.sh` installs what is \
+             missing; or, as root: apt-get install -y iproute2 nftables iptables; kubectl from \
+             the Kubernetes packages or Debian's kubernetes-client)"
         )
     }
 }
@@ -68,6 +69,17 @@ const KUBECTL: Tool = Tool {
     purpose: "the lab writes the objects and shows the cluster with the real kubectl",
 };
 
+/// The commands the lab runs in `mode`. `scripts/packages.sh`'s `lab` group installs those of
+/// every mode (a test below keeps the two equal).
+fn tools(mode: ProxyMode) -> Vec<Tool> {
+    let mut tools = vec![IP, KUBECTL];
+    match mode {
+        ProxyMode::Nftables => tools.push(NFT),
+        ProxyMode::Iptables | ProxyMode::Ipvs => tools.extend([IPTABLES, IPTABLES_RESTORE]),
+    }
+    tools
+}
+
 /// Checks root, the commands the chosen mode needs, and kernel support, returning every
 /// missing item.
 pub fn check(mode: ProxyMode) -> Result<(), Missing> {
@@ -78,24 +90,15 @@ pub fn check(mode: ProxyMode) -> Result<(), Missing> {
             how: "the lab creates network namespaces; run it as root (e.g. with sudo)".to_owned(),
         });
     }
-    let mut tools = vec![IP, KUBECTL];
-    match mode {
-        ProxyMode::Nftables => tools.push(NFT),
-        ProxyMode::Iptables => tools.extend([IPTABLES, IPTABLES_RESTORE]),
-        ProxyMode::Ipvs => {
-            tools.extend([IPTABLES, IPTABLES_RESTORE]);
-            if !Path::new("/proc/net/ip_vs").exists() {
-                missing.push(Need {
-                    what: "IPVS in the kernel".to_owned(),
-                    how:
-                        "--proxy-mode ipvs needs the ip_vs module (`modprobe ip_vs`); this kernel \
-                          does not have it: use --proxy-mode nftables or iptables"
-                            .to_owned(),
-                });
-            }
-        }
+    if mode == ProxyMode::Ipvs && !Path::new("/proc/net/ip_vs").exists() {
+        missing.push(Need {
+            what: "IPVS in the kernel".to_owned(),
+            how: "--proxy-mode ipvs needs the ip_vs module (`modprobe ip_vs`); this kernel \
+                  does not have it: use --proxy-mode nftables or iptables"
+                .to_owned(),
+        });
     }
-    for tool in tools {
+    for tool in tools(mode) {
         if find_on_path(tool.command).is_none() {
             missing.push(Need {
                 what: format!("`{}` on PATH (package {})", tool.command, tool.package),
@@ -139,5 +142,74 @@ mod tests {
         assert!(text.contains("\n  - root: run it as root\n"));
         assert!(text.contains("\n  - `nft` on PATH (package nftables): the proxy programs"));
         assert!(text.contains("apt-get install"));
+    }
+
+    /// Every command the lab may run, in any mode, sorted.
+    fn commands() -> Vec<&'static str> {
+        let mut commands: Vec<&'static str> = <ProxyMode as clap::ValueEnum>::value_variants()
+            .iter()
+            .flat_map(|mode| tools(*mode))
+            .map(|tool| tool.command)
+            .collect();
+        commands.sort_unstable();
+        commands.dedup();
+        commands
+    }
+
+    /// `bash scripts/quickstart.sh --list-tools`: "<group> <command> <package>" lines.
+    fn quickstart_tools() -> Vec<(String, String)> {
+        let script =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/quickstart.sh");
+        let out = std::process::Command::new("bash")
+            .arg(&script)
+            .arg("--list-tools")
+            .output()
+            .expect("running bash");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout)
+            .unwrap()
+            .lines()
+            .map(|line| {
+                let words: Vec<&str> = line.split_whitespace().collect();
+                assert_eq!(words.len(), 3, "{line:?}");
+                (words[0].to_owned(), words[1].to_owned())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_quick_start_installs_exactly_the_commands_the_lab_checks_for() {
+        let listed = quickstart_tools();
+        let mut lab: Vec<&str> = listed
+            .iter()
+            .filter(|(group, _)| group == "lab")
+            .map(|(_, command)| command.as_str())
+            .collect();
+        lab.sort_unstable();
+        lab.dedup();
+        assert_eq!(
+            lab,
+            commands(),
+            "scripts/packages.sh's lab group and the preflight differ"
+        );
+        assert!(
+            listed
+                .iter()
+                .all(|(group, _)| group == "lab" || group == "build"),
+            "{listed:?}"
+        );
+    }
+
+    #[test]
+    fn the_quick_start_installs_protoc_for_the_etcd_client_build() {
+        assert!(
+            quickstart_tools()
+                .iter()
+                .any(|(group, command)| group == "build" && command == "protoc")
+        );
     }
 }
