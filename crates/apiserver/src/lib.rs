@@ -7,7 +7,9 @@
 //! - [`store`]: the single writer that runs every mutation against the latest state and commits
 //!   batches of them, with the allocation bitmaps, in one transaction (group commit);
 //! - [`registry`]: kube-apiserver's generic store for Services, Endpoints, EndpointSlices, Nodes and
-//!   Namespaces, with the Service rules (defaulting, allocation, validation) in [`registry::service`],
+//!   Namespaces, with the Service rules (defaulting, allocation, validation) in [`registry::service`]
+//!   and the dual-stack ones (`ipFamilyPolicy`, `ipFamilies`, both families' ClusterIPs) in
+//!   [`registry::ip_families`],
 //!   and the default ServiceCIDR (read-only) in [`registry::service_cidr`];
 //! - [`rest`]: the HTTP API (`router`), discovery, Table output, watch, patch, and protobuf
 //!   request bodies turned into JSON ([`rest::protobuf`]);
@@ -58,7 +60,7 @@ use crate::registry::service::ServiceRanges;
 use crate::storage::Backend;
 use crate::storage::etcd::EtcdBackend;
 use crate::storage::redb::RedbBackend;
-use crate::store::{Ranges, Store};
+use crate::store::Store;
 
 /// Configuration of the API server. CLI flags are parsed in the binary.
 #[derive(Debug, Clone)]
@@ -72,6 +74,9 @@ pub struct Config {
     /// `--service-cluster-ip-range`: default `10.96.0.0/16` (kubeadm's is `10.96.0.0/12`; a /16
     /// keeps the ClusterIP bitmap at 8 KiB per write).
     pub cluster_ip_range: IpNet,
+    /// The second CIDR of a dual-stack `--service-cluster-ip-range` (`v4,v6` or `v6,v4`), of
+    /// the other family; `None` on a single-stack server.
+    pub secondary_cluster_ip_range: Option<IpNet>,
     /// `--data-dir`: where the embedded store keeps its file; default `./nodeport-data`.
     pub data_dir: PathBuf,
     /// `--etcd-prefix`: key prefix, default `/registry`.
@@ -111,6 +116,7 @@ impl Default for Config {
             port: 6443,
             node_port_range: PortRange::default(),
             cluster_ip_range: "10.96.0.0/16".parse().expect("valid CIDR"),
+            secondary_cluster_ip_range: None,
             data_dir: PathBuf::from("./nodeport-data"),
             prefix: storage::keys::DEFAULT_PREFIX.to_owned(),
             rest: rest::Config::default(),
@@ -158,6 +164,11 @@ pub enum Error {
     /// The ClusterIP range is unusable.
     #[error("invalid --service-cluster-ip-range")]
     ClusterIpRange(#[source] nodeport_alloc::ip::Error),
+    /// The two CIDRs of a dual-stack range are of one family (kube-apiserver's text).
+    #[error(
+        "--service-cluster-ip-range[0] and --service-cluster-ip-range[1] must be of different IP family"
+    )]
+    SameFamily,
     /// The listening socket could not be bound.
     #[error("cannot listen on {address}")]
     Bind {
@@ -214,22 +225,22 @@ pub const DATA_FILE: &str = "nodeport.redb";
 
 fn service_ranges(config: &Config) -> Result<ServiceRanges, Error> {
     nodeport_alloc::ip::Allocator::new(config.cluster_ip_range).map_err(Error::ClusterIpRange)?;
+    if let Some(secondary) = config.secondary_cluster_ip_range {
+        nodeport_alloc::ip::Allocator::new(secondary).map_err(Error::ClusterIpRange)?;
+        if secondary.addr().is_ipv6() == config.cluster_ip_range.addr().is_ipv6() {
+            return Err(Error::SameFamily);
+        }
+    }
     Ok(ServiceRanges {
         node_ports: config.node_port_range,
         cluster_ips: config.cluster_ip_range,
+        secondary_cluster_ips: config.secondary_cluster_ip_range,
     })
 }
 
 async fn state_over(backend: Arc<dyn Backend>, config: &Config) -> Result<AppState, Error> {
     let ranges = service_ranges(config)?;
-    let store = Store::start(
-        backend,
-        &config.prefix,
-        Ranges {
-            node_ports: ranges.node_ports,
-            cluster_ips: ranges.cluster_ips,
-        },
-    );
+    let store = Store::start(backend, &config.prefix, ranges.store_ranges());
     let registry = Registry::new(store, ranges);
     // Like kube-apiserver, wait for the storage at start rather than fail: etcd may come up
     // after the API servers.

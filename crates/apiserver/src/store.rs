@@ -65,8 +65,37 @@ const KNOWN_MAX: usize = 4096;
 pub struct Allocators {
     /// NodePorts (`--service-node-port-range`).
     pub ports: port::Allocator,
-    /// ClusterIPs (`--service-cluster-ip-range`).
+    /// ClusterIPs of the primary range (`--service-cluster-ip-range`, its first CIDR).
     pub ips: ip::Allocator,
+    /// ClusterIPs of the secondary range (the second CIDR of a dual-stack
+    /// `--service-cluster-ip-range`), stored under `<prefix>/ranges/secondaryserviceips` as
+    /// kube-apiserver stores it.
+    pub secondary_ips: Option<ip::Allocator>,
+}
+
+impl Allocators {
+    /// The allocator of `ip`'s family, if this cluster serves that family.
+    pub fn ips_for(&mut self, ip: std::net::IpAddr) -> Option<&mut ip::Allocator> {
+        self.family(ip.is_ipv6())
+    }
+
+    /// The allocator of IPv6 (`ipv6`) or IPv4 ClusterIPs, if this cluster serves that family.
+    pub fn family(&mut self, ipv6: bool) -> Option<&mut ip::Allocator> {
+        if self.ips.cidr().addr().is_ipv6() == ipv6 {
+            return Some(&mut self.ips);
+        }
+        self.secondary_ips
+            .as_mut()
+            .filter(|a| a.cidr().addr().is_ipv6() == ipv6)
+    }
+
+    /// Gives `ip` back to the allocator of its family; an address of a family this cluster
+    /// does not serve (the flag changed) is ignored, as kube-apiserver's `releaseIPs` does.
+    pub fn release_ip(&mut self, ip: std::net::IpAddr) {
+        if let Some(allocator) = self.ips_for(ip) {
+            allocator.release(ip);
+        }
+    }
 }
 
 /// The ranges the allocators cover.
@@ -74,8 +103,10 @@ pub struct Allocators {
 pub struct Ranges {
     /// `--service-node-port-range`.
     pub node_ports: PortRange,
-    /// `--service-cluster-ip-range`.
+    /// `--service-cluster-ip-range`, its first (primary) CIDR.
     pub cluster_ips: ipnet::IpNet,
+    /// The second CIDR of a dual-stack `--service-cluster-ip-range` (the other family).
+    pub secondary_cluster_ips: Option<ipnet::IpNet>,
 }
 
 impl Ranges {
@@ -84,6 +115,11 @@ impl Ranges {
         Ok(Allocators {
             ports: port::Allocator::new(self.node_ports),
             ips: ip::Allocator::new(self.cluster_ips).map_err(ApiError::internal)?,
+            secondary_ips: self
+                .secondary_cluster_ips
+                .map(ip::Allocator::new)
+                .transpose()
+                .map_err(ApiError::internal)?,
         })
     }
 }
@@ -274,6 +310,9 @@ impl Store {
             backend: backend.clone(),
             node_port_key: storage::keys::node_port_range(prefix),
             ip_key: storage::keys::service_ip_range(prefix),
+            secondary_ip_key: ranges
+                .secondary_cluster_ips
+                .map(|_| storage::keys::secondary_service_ip_range(prefix)),
             ranges,
             cache: None,
             speculate: backend.reads_on_conflict(),
@@ -351,6 +390,8 @@ struct Writer {
     backend: Arc<dyn Backend>,
     node_port_key: String,
     ip_key: String,
+    /// The secondary ClusterIP bitmap's key, on a dual-stack server.
+    secondary_ip_key: Option<String>,
     ranges: Ranges,
     /// The allocators decoded from (or encoded into) the stored bitmaps.
     cache: Option<CachedAllocators>,
@@ -371,6 +412,7 @@ struct Writer {
 struct CachedAllocators {
     np: Arc<[u8]>,
     ip: Arc<[u8]>,
+    secondary_ip: Option<Arc<[u8]>>,
     allocs: Allocators,
 }
 
@@ -504,7 +546,11 @@ impl Writer {
         while lost < MAX_CONFLICT_RETRIES {
             let speculate = self.speculate
                 && self.known.contains_key(&self.node_port_key)
-                && self.known.contains_key(&self.ip_key);
+                && self.known.contains_key(&self.ip_key)
+                && self
+                    .secondary_ip_key
+                    .as_ref()
+                    .is_none_or(|k| self.known.contains_key(k));
             let ran_on_fresh = fresh || !speculate;
             match self.try_batch(&mut jobs, speculate).await {
                 Ok(Some((outcomes, revisions))) => {
@@ -600,6 +646,9 @@ impl Writer {
         let mut keys: BTreeSet<String> = jobs.iter().flat_map(|j| j.keys.iter().cloned()).collect();
         keys.insert(self.node_port_key.clone());
         keys.insert(self.ip_key.clone());
+        if let Some(key) = &self.secondary_ip_key {
+            keys.insert(key.clone());
+        }
         let keys: Vec<String> = keys.into_iter().collect();
         let fetched = if speculate {
             Fetched {
@@ -710,6 +759,11 @@ impl Writer {
                 .map(|kv| kv.value.clone()),
             fetched.kvs.get(&self.ip_key).map(|kv| kv.value.clone()),
         );
+        let mut stored_secondary = self
+            .secondary_ip_key
+            .as_ref()
+            .and_then(|key| fetched.kvs.get(key))
+            .map(|kv| kv.value.clone());
         if allocators_dirty && let Some(allocs) = &allocators {
             let mut ops = Vec::new();
             let ports = allocs.ports.snapshot();
@@ -734,6 +788,21 @@ impl Writer {
                     key: self.ip_key.clone(),
                     value,
                 });
+            }
+            if let (Some(key), Some(secondary)) = (&self.secondary_ip_key, &allocs.secondary_ips) {
+                let snapshot = secondary.snapshot();
+                let before = base_allocators
+                    .as_ref()
+                    .and_then(|b| b.secondary_ips.as_ref())
+                    .map(|a| a.snapshot());
+                if before.as_ref() != Some(&snapshot) {
+                    let value = encode_range(&snapshot);
+                    stored_secondary = Some(value.clone());
+                    ops.push(Op::Put {
+                        key: key.clone(),
+                        value,
+                    });
+                }
             }
             if !ops.is_empty() {
                 // The bitmaps go with the last request that wrote anything (they are not
@@ -776,7 +845,12 @@ impl Writer {
                     self.remember_writes(&batch.groups, &put_revisions);
                 }
                 if let (Some(allocs), (Some(np), Some(ip))) = (allocators, stored_ranges) {
-                    self.cache = Some(CachedAllocators { np, ip, allocs });
+                    self.cache = Some(CachedAllocators {
+                        np,
+                        ip,
+                        secondary_ip: stored_secondary,
+                        allocs,
+                    });
                 }
                 self.stats
                     .mutations
@@ -836,7 +910,9 @@ impl Writer {
     fn bound_known(&mut self) {
         if self.known.len() > KNOWN_MAX {
             let (np, ip) = (&self.node_port_key, &self.ip_key);
-            self.known.retain(|key, _| key == np || key == ip);
+            let secondary = self.secondary_ip_key.as_deref();
+            self.known
+                .retain(|key, _| key == np || key == ip || Some(key.as_str()) == secondary);
         }
     }
 
@@ -847,17 +923,28 @@ impl Writer {
         let np = kvs.get(&self.node_port_key);
         let ip = kvs.get(&self.ip_key);
         let (np, ip) = (np?, ip?);
+        // On a dual-stack server the allocators exist once all three bitmaps do.
+        let secondary = match &self.secondary_ip_key {
+            Some(key) => Some(kvs.get(key)?),
+            None => None,
+        };
         if let Some(cached) = &self.cache
             && same_bytes(&cached.np, &np.value)
             && same_bytes(&cached.ip, &ip.value)
+            && match (&cached.secondary_ip, secondary) {
+                (Some(a), Some(b)) => same_bytes(a, &b.value),
+                (None, None) => true,
+                _ => false,
+            }
         {
             return Some(cached.allocs.clone());
         }
-        match self.decode_allocators(np, ip) {
+        match self.decode_allocators(np, ip, secondary) {
             Ok(allocs) => {
                 self.cache = Some(CachedAllocators {
                     np: np.value.clone(),
                     ip: ip.value.clone(),
+                    secondary_ip: secondary.map(|kv| kv.value.clone()),
                     allocs: allocs.clone(),
                 });
                 Some(allocs)
@@ -869,7 +956,12 @@ impl Writer {
         }
     }
 
-    fn decode_allocators(&self, np: &KeyValue, ip: &KeyValue) -> Result<Allocators, String> {
+    fn decode_allocators(
+        &self,
+        np: &KeyValue,
+        ip: &KeyValue,
+        secondary: Option<&KeyValue>,
+    ) -> Result<Allocators, String> {
         let mut allocs = self.ranges.empty().map_err(|e| e.to_string())?;
         let snap = decode_range(&np.value)?;
         allocs
@@ -881,6 +973,12 @@ impl Writer {
             .ips
             .restore(&snap.range, &snap.data)
             .map_err(|e| format!("{}: {e}", ip.key))?;
+        if let (Some(kv), Some(allocator)) = (secondary, allocs.secondary_ips.as_mut()) {
+            let snap = decode_range(&kv.value)?;
+            allocator
+                .restore(&snap.range, &snap.data)
+                .map_err(|e| format!("{}: {e}", kv.key))?;
+        }
         Ok(allocs)
     }
 }
@@ -898,6 +996,7 @@ mod tests {
             Ranges {
                 node_ports: PortRange::default(),
                 cluster_ips: "10.96.0.0/16".parse().unwrap(),
+                secondary_cluster_ips: None,
             },
         )
     }

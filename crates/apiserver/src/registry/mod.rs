@@ -8,6 +8,7 @@
 //! Objects are stored as JSON without `metadata.resourceVersion`; on every read the key's
 //! `mod_revision` is written into it, as kube-apiserver's etcd3 store does.
 
+pub mod ip_families;
 pub mod kinds;
 pub mod master_leases;
 pub mod namespace;
@@ -149,6 +150,8 @@ pub struct Verification {
     pub services: usize,
     /// The `mod_revision`s of the NodePort and ClusterIP bitmaps that were checked.
     pub bitmap_revisions: (Option<Revision>, Option<Revision>),
+    /// The `mod_revision` of the secondary family's ClusterIP bitmap, on a dual-stack server.
+    pub secondary_bitmap_revision: Option<Revision>,
 }
 
 impl Verification {
@@ -177,6 +180,7 @@ impl Verification {
 struct Rebuilt {
     allocators: Allocators,
     bitmap_revisions: (Option<Revision>, Option<Revision>),
+    secondary_bitmap_revision: Option<Revision>,
     services: usize,
 }
 
@@ -956,11 +960,10 @@ impl Registry {
     async fn bootstrap_once(&self) -> Result<bool, ApiError> {
         let np_key = storage::keys::node_port_range(self.store.prefix());
         let ip_key = storage::keys::service_ip_range(self.store.prefix());
-        let fetched = self
-            .store
-            .backend()
-            .get_many(vec![np_key.clone(), ip_key.clone()])
-            .await?;
+        let secondary_key = self.secondary_ip_key();
+        let mut range_keys = vec![np_key.clone(), ip_key.clone()];
+        range_keys.extend(secondary_key.clone());
+        let fetched = self.store.backend().get_many(range_keys).await?;
         // Missing or unusable bitmaps are rebuilt from every stored Service, read at one revision
         // with the bitmaps' own revisions. The Services are not declared as keys of the write (on
         // etcd a transaction takes at most 128); the bitmaps' revisions stand for them instead:
@@ -1006,7 +1009,13 @@ impl Registry {
                         txn.get(&np_key).map(|e| e.mod_revision),
                         txn.get(&ip_key).map(|e| e.mod_revision),
                     );
-                    if now != plan.bitmap_revisions {
+                    let secondary_now = secondary_key
+                        .as_ref()
+                        .and_then(|k| txn.get(k))
+                        .map(|e| e.mod_revision);
+                    if now != plan.bitmap_revisions
+                        || secondary_now != plan.secondary_bitmap_revision
+                    {
                         return Ok(None);
                     }
                     txn.replace_allocators(plan.allocators.clone());
@@ -1054,11 +1063,11 @@ impl Registry {
                         // run with the range it holds.
                         if let Ok(Object::ServiceCidr(cidr)) =
                             typed_from_entry(Kind::ServiceCidr, &entry.value)
-                            && service_cidr::cidrs(&cidr) != [ranges.cluster_ips.to_string()]
+                            && service_cidr::cidrs(&cidr) != service_cidr::flag_cidrs(&ranges)
                         {
                             tracing::warn!(
                                 stored = ?service_cidr::cidrs(&cidr),
-                                flag = %ranges.cluster_ips,
+                                flag = ?service_cidr::flag_cidrs(&ranges),
                                 "the default ServiceCIDR does not match --service-cluster-ip-range"
                             );
                         }
@@ -1090,6 +1099,13 @@ impl Registry {
         let (Some(np), Some(ip)) = (kvs.get(np_key), kvs.get(ip_key)) else {
             return false;
         };
+        let secondary = match self.secondary_ip_key() {
+            Some(key) => match kvs.get(&key) {
+                Some(kv) => Some(kv),
+                None => return false,
+            },
+            None => None,
+        };
         let Ok(mut allocators) = self.empty_allocators() else {
             return false;
         };
@@ -1100,15 +1116,25 @@ impl Registry {
             allocators.ports.restore(range, data).is_ok()
         }) && restored(&ip.value, &mut |range, data| {
             allocators.ips.restore(range, data).is_ok()
+        }) && secondary.is_none_or(|kv| {
+            restored(&kv.value, &mut |range, data| {
+                allocators
+                    .secondary_ips
+                    .as_mut()
+                    .is_some_and(|a| a.restore(range, data).is_ok())
+            })
         })
     }
 
+    /// The key of the secondary ClusterIP bitmap, on a dual-stack server.
+    fn secondary_ip_key(&self) -> Option<String> {
+        self.ranges
+            .secondary_cluster_ips
+            .map(|_| storage::keys::secondary_service_ip_range(self.store.prefix()))
+    }
+
     fn empty_allocators(&self) -> Result<Allocators, ApiError> {
-        Ok(Allocators {
-            ports: nodeport_alloc::port::Allocator::new(self.ranges.node_ports),
-            ips: nodeport_alloc::ip::Allocator::new(self.ranges.cluster_ips)
-                .map_err(ApiError::internal)?,
-        })
+        self.ranges.store_ranges().empty()
     }
 
     /// Allocators holding exactly what the Services in `kvs` (a dump at one revision) hold.
@@ -1120,9 +1146,11 @@ impl Registry {
     ) -> Result<Rebuilt, ApiError> {
         let service_prefix = Kind::Service.list_prefix(self.store.prefix(), None);
         let mut fresh = self.empty_allocators()?;
+        let secondary_key = self.secondary_ip_key();
         let mut rebuilt = Rebuilt {
             allocators: fresh.clone(),
             bitmap_revisions: (None, None),
+            secondary_bitmap_revision: None,
             services: 0,
         };
         for kv in kvs {
@@ -1134,6 +1162,10 @@ impl Registry {
                 rebuilt.bitmap_revisions.1 = Some(kv.mod_revision);
                 continue;
             }
+            if Some(&kv.key) == secondary_key.as_ref() {
+                rebuilt.secondary_bitmap_revision = Some(kv.mod_revision);
+                continue;
+            }
             if !kv.key.starts_with(&service_prefix) {
                 continue;
             }
@@ -1143,7 +1175,13 @@ impl Registry {
             rebuilt.services += 1;
             let (ips, ports) = service::held(&svc);
             for ip in ips {
-                if let Err(e) = fresh.ips.allocate(ip) {
+                // An address of a family the flag no longer names is not restored, as
+                // kube-apiserver's repair loop skips it.
+                let Some(allocator) = fresh.ips_for(ip) else {
+                    tracing::warn!(service = %kv.key, %ip, "ClusterIP of a family this server does not serve");
+                    continue;
+                };
+                if let Err(e) = allocator.allocate(ip) {
                     tracing::warn!(service = %kv.key, %ip, error = %e, "ClusterIP not restored into the rebuilt bitmap");
                 }
             }
@@ -1185,6 +1223,8 @@ impl Registry {
         let ip_key = storage::keys::service_ip_range(self.store.prefix());
         let (ports, ips) = (report.leaked_ports.clone(), report.leaked_ips.clone());
         let expected = report.bitmap_revisions;
+        let expected_secondary = report.secondary_bitmap_revision;
+        let secondary_key = self.secondary_ip_key();
         let done = self
             .store
             .mutate(Vec::new(), move |txn| {
@@ -1192,7 +1232,11 @@ impl Registry {
                     txn.get(&np_key).map(|e| e.mod_revision),
                     txn.get(&ip_key).map(|e| e.mod_revision),
                 );
-                if now != expected {
+                let secondary_now = secondary_key
+                    .as_ref()
+                    .and_then(|k| txn.get(k))
+                    .map(|e| e.mod_revision);
+                if now != expected || secondary_now != expected_secondary {
                     return Err(ApiError::internal(
                         "the allocation bitmaps changed since they were checked",
                     ));
@@ -1202,7 +1246,7 @@ impl Registry {
                     allocators.ports.release(*port);
                 }
                 for ip in &ips {
-                    allocators.ips.release(*ip);
+                    allocators.release_ip(*ip);
                 }
                 Ok(ports.len() + ips.len())
             })
@@ -1259,6 +1303,7 @@ pub fn verify_dump(
 ) -> Result<Verification, ApiError> {
     let np_key = storage::keys::node_port_range(prefix);
     let ip_key = storage::keys::service_ip_range(prefix);
+    let secondary_key = storage::keys::secondary_service_ip_range(prefix);
     let service_prefix = Kind::Service.list_prefix(prefix, None);
     let mut report = Verification::default();
     let mut ports_held = std::collections::BTreeMap::<u16, usize>::new();
@@ -1278,6 +1323,15 @@ pub fn verify_dump(
             let snap = crate::store::decode_range(&kv.value).map_err(ApiError::internal)?;
             let mut a = nodeport_alloc::ip::Allocator::new(ranges.cluster_ips)
                 .map_err(ApiError::internal)?;
+            a.restore(&snap.range, &snap.data)
+                .map_err(ApiError::internal)?;
+            bitmap_ips.extend(a.iter());
+        } else if kv.key == secondary_key
+            && let Some(cidr) = ranges.secondary_cluster_ips
+        {
+            report.secondary_bitmap_revision = Some(kv.mod_revision);
+            let snap = crate::store::decode_range(&kv.value).map_err(ApiError::internal)?;
+            let mut a = nodeport_alloc::ip::Allocator::new(cidr).map_err(ApiError::internal)?;
             a.restore(&snap.range, &snap.data)
                 .map_err(ApiError::internal)?;
             bitmap_ips.extend(a.iter());

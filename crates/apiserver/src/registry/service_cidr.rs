@@ -29,7 +29,7 @@ pub fn default_service_cidr(ranges: &ServiceRanges, uid: String, now: Time) -> S
             ..Default::default()
         },
         spec: Some(ServiceCIDRSpec {
-            cidrs: Some(vec![ranges.cluster_ips.to_string()]),
+            cidrs: Some(flag_cidrs(ranges)),
         }),
         status: Some(ServiceCIDRStatus {
             // The controller applies the condition without a reason.
@@ -51,4 +51,12 @@ pub fn cidrs(cidr: &ServiceCIDR) -> Vec<String> {
         .as_ref()
         .and_then(|s| s.cidrs.clone())
         .unwrap_or_default()
+}
+
+/// The CIDRs of `--service-cluster-ip-range`, primary first, as the default ServiceCIDR holds them.
+pub fn flag_cidrs(ranges: &ServiceRanges) -> Vec<String> {
+    std::iter::once(ranges.cluster_ips)
+        .chain(ranges.secondary_cluster_ips)
+        .map(|net| net.to_string())
+        .collect()
 }

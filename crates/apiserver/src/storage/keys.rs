@@ -9,6 +9,7 @@
 //! | Namespace | `<prefix>/namespaces/<name>` |
 //! | NodePort bitmap | `<prefix>/ranges/servicenodeports` |
 //! | ClusterIP bitmap | `<prefix>/ranges/serviceips` |
+//! | ClusterIP bitmap of the secondary family (dual stack) | `<prefix>/ranges/secondaryserviceips` |
 
 /// kube-apiserver's default `--etcd-prefix`.
 pub const DEFAULT_PREFIX: &str = "/registry";
@@ -21,4 +22,10 @@ pub fn node_port_range(prefix: &str) -> String {
 /// The key of the ClusterIP allocation bitmap (a `RangeAllocation` JSON document).
 pub fn service_ip_range(prefix: &str) -> String {
     format!("{prefix}/ranges/serviceips")
+}
+
+/// The key of the secondary family's ClusterIP bitmap on a dual-stack server, as kube-apiserver
+/// names it (`pkg/registry/core/rest/storage_core.go`).
+pub fn secondary_service_ip_range(prefix: &str) -> String {
+    format!("{prefix}/ranges/secondaryserviceips")
 }
