@@ -82,7 +82,7 @@ fn duration(text: &str) -> Option<std::time::Duration> {
 /// `--service-cluster-ip-range`: one CIDR, or two of different families (`v4,v6` or `v6,v4`,
 /// the first the primary family), checked as kube-apiserver's `validateClusterIPFlags` checks
 /// them, in its words.
-fn cluster_ip_ranges(text: &str) -> anyhow::Result<(IpNet, Option<IpNet>)> {
+pub(crate) fn cluster_ip_ranges(text: &str) -> anyhow::Result<(IpNet, Option<IpNet>)> {
     let entries: Vec<&str> = text.split(',').map(str::trim).collect();
     if entries.len() > 2 {
         return Err(usage(
