@@ -10,7 +10,7 @@
 //!   Namespaces, with the Service rules (defaulting, allocation, validation) in [`registry::service`]
 //!   and the dual-stack ones (`ipFamilyPolicy`, `ipFamilies`, both families' ClusterIPs) in
 //!   [`registry::ip_families`],
-//!   and the default ServiceCIDR (read-only) in [`registry::service_cidr`];
+//!   and ServiceCIDRs (the default one and added ones) in [`registry::service_cidr`];
 //! - [`rest`]: the HTTP API (`router`), discovery, Table output, watch, patch, and protobuf
 //!   request bodies turned into JSON ([`rest::protobuf`]);
 //! - [`ranges`]: `GET /ranges` (NodePort and ClusterIP occupancy per band) and `/metrics`;
@@ -28,14 +28,17 @@
 //! - the namespace controller's work (deleting a Terminating namespace's contents, then the
 //!   namespace) runs inside the API server (see [`registry::namespace`]); server-side apply is
 //!   answered with 415;
-//! - `networking.k8s.io/v1` ServiceCIDRs are served read-only: the one named `kubernetes` holds
-//!   `--service-cluster-ip-range` (Ready); more ranges cannot be added through the API;
+//! - `networking.k8s.io/v1` ServiceCIDRs added through the API give ClusterIPs as in kube 1.33,
+//!   but their allocations are recorded in one stored document (`<prefix>/ranges/servicecidrs`,
+//!   see [`cidr_ranges`]), not as IPAddress objects; the ServiceCIDR controller's work (finalizer,
+//!   `Ready`, deletion once unused) runs inside the API server;
 //! - responses are JSON (or YAML for objects and lists when asked for), never protobuf; protobuf
 //!   request bodies are decoded for the served kinds only;
 //! - an etcd outage is logged once when it starts and once when it ends (`storage::outage`), with
 //!   503/504 answers meanwhile, not one ERROR line per failed request.
 
 pub mod auth;
+pub mod cidr_ranges;
 pub mod error;
 pub mod ranges;
 pub mod registry;
@@ -217,6 +220,9 @@ impl Security {
     }
 }
 
+/// How often ServiceCIDRs being deleted are checked for Services still using them.
+const SERVICE_CIDR_SYNC_PERIOD: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// How long a starting server waits for an unreachable storage before giving up.
 const BOOTSTRAP_WAIT_SECONDS: u32 = 60;
 
@@ -285,6 +291,26 @@ async fn state_over(backend: Arc<dyn Backend>, config: &Config) -> Result<AppSta
     tokio::spawn(tracing::Instrument::instrument(
         sweep_loop,
         tracing::info_span!("namespace_sweep"),
+    ));
+    // kube-controller-manager's ServiceCIDR controller, for ServiceCIDRs being deleted: each
+    // goes once no Service holds an address only it covers.
+    let cidrs = registry.clone();
+    let cidr_loop = async move {
+        let mut ticker = tokio::time::interval(SERVICE_CIDR_SYNC_PERIOD);
+        loop {
+            ticker.tick().await;
+            match cidrs.finish_service_cidr_deletions().await {
+                Ok(0) => {}
+                Ok(removed) => tracing::info!(removed, "ServiceCIDRs no longer in use removed"),
+                Err(err) => {
+                    tracing::debug!(error = %err, "cannot look for ServiceCIDRs being deleted")
+                }
+            }
+        }
+    };
+    tokio::spawn(tracing::Instrument::instrument(
+        cidr_loop,
+        tracing::info_span!("service_cidr_controller"),
     ));
     let checker = registry.clone();
     let interval = config.allocation_check_interval;

@@ -111,17 +111,19 @@ impl Kind {
         !matches!(self, Kind::Node | Kind::Namespace | Kind::ServiceCidr)
     }
 
-    /// Whether the resource is served for reading only (get, list, watch): ServiceCIDRs, whose
-    /// one object this server keeps in step with its flags (see `Registry::bootstrap`). Other
-    /// verbs are answered 405 `MethodNotAllowed`, as kube-apiserver answers a verb a resource
-    /// does not support.
+    /// Whether the resource is served for reading only (get, list, watch); other verbs are
+    /// answered 405 `MethodNotAllowed`, as kube-apiserver answers a verb a resource does not
+    /// support. Every served kind is writable (ServiceCIDRs since kube 1.33).
     pub fn read_only(self) -> bool {
-        self == Kind::ServiceCidr
+        false
     }
 
     /// Whether the resource has a `status` subresource.
     pub fn has_status(self) -> bool {
-        matches!(self, Kind::Service | Kind::Node | Kind::Namespace)
+        matches!(
+            self,
+            Kind::Service | Kind::Node | Kind::Namespace | Kind::ServiceCidr
+        )
     }
 
     /// Whether PUT of a missing object creates it (`AllowCreateOnUpdate` of the kube strategy).

@@ -41,6 +41,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument;
 
+use crate::cidr_ranges::{ExtraRanges, View};
 use crate::error::ApiError;
 use crate::storage::{self, Backend, Batch, Commit, Compare, Fetched, KeyValue, Op, Revision};
 
@@ -71,9 +72,21 @@ pub struct Allocators {
     /// `--service-cluster-ip-range`), stored under `<prefix>/ranges/secondaryserviceips` as
     /// kube-apiserver stores it.
     pub secondary_ips: Option<ip::Allocator>,
+    /// The ServiceCIDRs added through the API and the addresses allocated from them, stored
+    /// under `<prefix>/ranges/servicecidrs` (see [`crate::cidr_ranges`]).
+    pub extra: ExtraRanges,
 }
 
 impl Allocators {
+    /// ClusterIP allocation over every range: the flag's and the added ServiceCIDRs.
+    pub fn cluster_ips(&mut self) -> View<'_> {
+        View {
+            primary: &mut self.ips,
+            secondary: self.secondary_ips.as_mut(),
+            extra: &mut self.extra,
+        }
+    }
+
     /// The allocator of `ip`'s family, if this cluster serves that family.
     pub fn ips_for(&mut self, ip: std::net::IpAddr) -> Option<&mut ip::Allocator> {
         self.family(ip.is_ipv6())
@@ -92,9 +105,7 @@ impl Allocators {
     /// Gives `ip` back to the allocator of its family; an address of a family this cluster
     /// does not serve (the flag changed) is ignored, as kube-apiserver's `releaseIPs` does.
     pub fn release_ip(&mut self, ip: std::net::IpAddr) {
-        if let Some(allocator) = self.ips_for(ip) {
-            allocator.release(ip);
-        }
+        self.cluster_ips().release(ip);
     }
 }
 
@@ -120,6 +131,7 @@ impl Ranges {
                 .map(ip::Allocator::new)
                 .transpose()
                 .map_err(ApiError::internal)?,
+            extra: ExtraRanges::default(),
         })
     }
 }
@@ -313,6 +325,7 @@ impl Store {
             secondary_ip_key: ranges
                 .secondary_cluster_ips
                 .map(|_| storage::keys::secondary_service_ip_range(prefix)),
+            extra_key: storage::keys::service_cidr_ranges(prefix),
             ranges,
             cache: None,
             speculate: backend.reads_on_conflict(),
@@ -392,6 +405,8 @@ struct Writer {
     ip_key: String,
     /// The secondary ClusterIP bitmap's key, on a dual-stack server.
     secondary_ip_key: Option<String>,
+    /// The key of the added ServiceCIDRs' allocations (absent until one is created).
+    extra_key: String,
     ranges: Ranges,
     /// The allocators decoded from (or encoded into) the stored bitmaps.
     cache: Option<CachedAllocators>,
@@ -413,6 +428,7 @@ struct CachedAllocators {
     np: Arc<[u8]>,
     ip: Arc<[u8]>,
     secondary_ip: Option<Arc<[u8]>>,
+    extra: Option<Arc<[u8]>>,
     allocs: Allocators,
 }
 
@@ -649,6 +665,7 @@ impl Writer {
         if let Some(key) = &self.secondary_ip_key {
             keys.insert(key.clone());
         }
+        keys.insert(self.extra_key.clone());
         let keys: Vec<String> = keys.into_iter().collect();
         let fetched = if speculate {
             Fetched {
@@ -764,6 +781,7 @@ impl Writer {
             .as_ref()
             .and_then(|key| fetched.kvs.get(key))
             .map(|kv| kv.value.clone());
+        let mut stored_extra = fetched.kvs.get(&self.extra_key).map(|kv| kv.value.clone());
         if allocators_dirty && let Some(allocs) = &allocators {
             let mut ops = Vec::new();
             let ports = allocs.ports.snapshot();
@@ -786,6 +804,14 @@ impl Writer {
                 stored_ranges.1 = Some(value.clone());
                 ops.push(Op::Put {
                     key: self.ip_key.clone(),
+                    value,
+                });
+            }
+            if base_allocators.as_ref().map(|b| &b.extra) != Some(&allocs.extra) {
+                let value = allocs.extra.encode();
+                stored_extra = Some(value.clone());
+                ops.push(Op::Put {
+                    key: self.extra_key.clone(),
                     value,
                 });
             }
@@ -849,6 +875,7 @@ impl Writer {
                         np,
                         ip,
                         secondary_ip: stored_secondary,
+                        extra: stored_extra,
                         allocs,
                     });
                 }
@@ -911,8 +938,10 @@ impl Writer {
         if self.known.len() > KNOWN_MAX {
             let (np, ip) = (&self.node_port_key, &self.ip_key);
             let secondary = self.secondary_ip_key.as_deref();
-            self.known
-                .retain(|key, _| key == np || key == ip || Some(key.as_str()) == secondary);
+            let extra = self.extra_key.as_str();
+            self.known.retain(|key, _| {
+                key == np || key == ip || key == extra || Some(key.as_str()) == secondary
+            });
         }
     }
 
@@ -928,23 +957,27 @@ impl Writer {
             Some(key) => Some(kvs.get(key)?),
             None => None,
         };
+        let extra = kvs.get(&self.extra_key);
+        let same = |a: &Option<Arc<[u8]>>, b: Option<&KeyValue>| match (a, b) {
+            (Some(a), Some(b)) => same_bytes(a, &b.value),
+            (None, None) => true,
+            _ => false,
+        };
         if let Some(cached) = &self.cache
             && same_bytes(&cached.np, &np.value)
             && same_bytes(&cached.ip, &ip.value)
-            && match (&cached.secondary_ip, secondary) {
-                (Some(a), Some(b)) => same_bytes(a, &b.value),
-                (None, None) => true,
-                _ => false,
-            }
+            && same(&cached.secondary_ip, secondary)
+            && same(&cached.extra, extra)
         {
             return Some(cached.allocs.clone());
         }
-        match self.decode_allocators(np, ip, secondary) {
+        match self.decode_allocators(np, ip, secondary, extra) {
             Ok(allocs) => {
                 self.cache = Some(CachedAllocators {
                     np: np.value.clone(),
                     ip: ip.value.clone(),
                     secondary_ip: secondary.map(|kv| kv.value.clone()),
+                    extra: extra.map(|kv| kv.value.clone()),
                     allocs: allocs.clone(),
                 });
                 Some(allocs)
@@ -961,6 +994,7 @@ impl Writer {
         np: &KeyValue,
         ip: &KeyValue,
         secondary: Option<&KeyValue>,
+        extra: Option<&KeyValue>,
     ) -> Result<Allocators, String> {
         let mut allocs = self.ranges.empty().map_err(|e| e.to_string())?;
         let snap = decode_range(&np.value)?;
@@ -978,6 +1012,10 @@ impl Writer {
             allocator
                 .restore(&snap.range, &snap.data)
                 .map_err(|e| format!("{}: {e}", kv.key))?;
+        }
+        if let Some(kv) = extra {
+            allocs.extra =
+                ExtraRanges::decode(&kv.value).map_err(|e| format!("{}: {e}", kv.key))?;
         }
         Ok(allocs)
     }

@@ -299,3 +299,285 @@ fn three_replicas_on_etcd_create_dual_stack_services_without_doubling_either_fam
     assert!(report.is_consistent(), "{report:?}");
     assert!(report.secondary_bitmap_revision.is_some());
 }
+
+const MORE: &str = "apiVersion: networking.k8s.io/v1
+kind: ServiceCIDR
+metadata:
+  name: more
+spec:
+  cidrs: [10.97.0.0/28, fd00:10:97::/112]
+";
+
+/// kube 1.33's way to grow the ClusterIP space, with kubectl: a second ServiceCIDR added when
+/// the first is full lets creates continue; deleting it while a Service uses it waits on its
+/// finalizer; `kubectl get servicecidrs` shows kube's columns.
+#[test]
+fn kubectl_adds_a_service_cidr_when_the_first_is_full_and_its_delete_waits_on_the_finalizer() {
+    if !kubectl_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(
+        &dir.path().join("data"),
+        &["--service-cluster-ip-range", "10.96.0.0/28"],
+    );
+    for i in 0..13 {
+        ok(
+            &server,
+            &[
+                "create",
+                "service",
+                "clusterip",
+                &format!("s{i}"),
+                "--tcp=80",
+            ],
+        );
+    }
+    let err = refused(
+        &server,
+        &["create", "service", "clusterip", "full", "--tcp=80"],
+    );
+    assert!(
+        err.contains("failed to allocate a serviceIP: range is full"),
+        "{err}"
+    );
+    let file = dir.path().join("more.yaml");
+    std::fs::write(&file, MORE).unwrap();
+    assert_eq!(
+        ok(&server, &["create", "-f", file.to_str().unwrap()]).trim(),
+        "servicecidr.networking.k8s.io/more created"
+    );
+    let table = ok(&server, &["get", "servicecidrs"]);
+    let header: Vec<&str> = table.lines().next().unwrap().split_whitespace().collect();
+    assert_eq!(header, ["NAME", "CIDRS", "AGE"], "{table}");
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("more ") && l.contains("10.97.0.0/28,fd00:10:97::/112")),
+        "{table}"
+    );
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("kubernetes ") && l.contains("10.96.0.0/28")),
+        "{table}"
+    );
+    ok(
+        &server,
+        &["create", "service", "clusterip", "full", "--tcp=80"],
+    );
+    let ip = ok(
+        &server,
+        &["get", "svc", "full", "-o", "jsonpath={.spec.clusterIP}"],
+    );
+    assert!(ip.starts_with("10.97.0."), "{ip}");
+
+    // Deleting the ServiceCIDR in use: accepted, but it stays (finalizer) until `full` goes.
+    ok(&server, &["delete", "servicecidr", "more", "--wait=false"]);
+    let ready = ok(
+        &server,
+        &[
+            "get",
+            "servicecidr",
+            "more",
+            "-o",
+            "jsonpath={.status.conditions[0].reason}",
+        ],
+    );
+    assert_eq!(ready, "Terminating");
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    ok(&server, &["get", "servicecidr", "more"]);
+    ok(&server, &["delete", "svc", "full"]);
+    // `kubectl wait --for=delete` returns once the finalizer is gone and the object with it.
+    ok(
+        &server,
+        &["wait", "--for=delete", "servicecidr/more", "--timeout=20s"],
+    );
+    let out = server.kubectl(&["get", "servicecidr", "more"]);
+    assert!(!out.status.success());
+}
+
+/// Three API servers on one etcd add ServiceCIDRs while they create Services: every address
+/// once, and each ServiceCIDR's addresses come from its range.
+#[test]
+fn three_replicas_on_etcd_add_service_cidrs_while_creating_services_without_doubling_an_address() {
+    if !etcd_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(&dir.path().join("etcd"));
+    let servers = replicas(
+        &etcd,
+        dir.path(),
+        3,
+        &["--service-cluster-ip-range", "10.96.0.0/27"],
+    );
+    let ports: Vec<u16> = servers.iter().map(|s| s.port).collect();
+    let barrier = Arc::new(Barrier::new(9));
+    let threads: Vec<_> = (0..9)
+        .map(|t| {
+            let (barrier, port) = (barrier.clone(), ports[t % 3]);
+            std::thread::spawn(move || {
+                barrier.wait();
+                if t < 3 {
+                    let body = format!(
+                        r#"{{"apiVersion":"networking.k8s.io/v1","kind":"ServiceCIDR","metadata":{{"name":"extra-{t}"}},"spec":{{"cidrs":["10.9{t}.1.0/28"]}}}}"#
+                    );
+                    let (status, body) = apiserver_support::http(
+                        port,
+                        "POST",
+                        "/apis/networking.k8s.io/v1/servicecidrs",
+                        Some(&body),
+                    )
+                    .unwrap();
+                    assert_eq!(status, 201, "{body}");
+                    return 0;
+                }
+                let mut created = 0;
+                for i in 0..12 {
+                    let body = format!(
+                        r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"s{t}-{i}"}},"spec":{{"ports":[{{"port":80}}]}}}}"#
+                    );
+                    let (status, body) = apiserver_support::http(
+                        port,
+                        "POST",
+                        "/api/v1/namespaces/default/services",
+                        Some(&body),
+                    )
+                    .unwrap();
+                    // Early ones may find only the flag's /27 (30 addresses) and fill it.
+                    match status {
+                        201 => created += 1,
+                        500 => assert!(body.contains("range is full"), "{body}"),
+                        _ => panic!("{status}: {body}"),
+                    }
+                }
+                created
+            })
+        })
+        .collect();
+    let created: usize = threads.into_iter().map(|t| t.join().unwrap()).sum();
+    let (status, body) = servers[2]
+        .try_http("GET", "/api/v1/services", None)
+        .unwrap();
+    assert_eq!(status, 200);
+    let items = json(&body)["items"].as_array().unwrap().clone();
+    assert_eq!(items.len(), created + 1);
+    let mut seen = HashSet::new();
+    for item in &items {
+        let ip = item["spec"]["clusterIP"].as_str().unwrap().to_owned();
+        assert!(seen.insert(ip.clone()), "{ip} given twice");
+    }
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let dump = runtime.block_on(async {
+        let backend = EtcdBackend::connect(EtcdConfig::new(vec![etcd.url()]), "/registry")
+            .await
+            .unwrap();
+        backend.dump().await.unwrap()
+    });
+    let ranges = ServiceRanges {
+        node_ports: nodeport_apiserver::PortRange::default(),
+        cluster_ips: "10.96.0.0/27".parse().unwrap(),
+        secondary_cluster_ips: None,
+    };
+    let report = verify_dump(&dump, "/registry", &ranges).unwrap();
+    assert!(report.is_consistent(), "{report:?}");
+}
+
+/// A restart with another `--service-cluster-ip-range`, as kube-apiserver 1.33 handles it: the
+/// default ServiceCIDR `kubernetes` is not rewritten (kubernetes.io, "Kubernetes Default
+/// Service CIDR Reconfiguration": every API server must match it, the operator reconfigures);
+/// the new flag range gives addresses, and so does the old one, whose addresses Services hold
+/// stay allocated. A single-stack server restarted dual-stack serves dual-stack Services.
+#[test]
+fn a_restart_with_another_range_keeps_the_default_service_cidr_and_both_ranges_allocate() {
+    if !kubectl_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let mut server = Server::start(&data, &["--service-cluster-ip-range", "10.96.0.0/28"]);
+    for i in 0..3 {
+        ok(
+            &server,
+            &[
+                "create",
+                "service",
+                "clusterip",
+                &format!("old{i}"),
+                "--tcp=80",
+            ],
+        );
+    }
+    let old_ip = ok(
+        &server,
+        &["get", "svc", "old0", "-o", "jsonpath={.spec.clusterIP}"],
+    );
+    server.terminate();
+    drop(server);
+
+    let server = Server::start(
+        &data,
+        &[
+            "--service-cluster-ip-range",
+            "10.100.0.0/28,fd00:10:100::/120",
+        ],
+    );
+    let cidrs = ok(
+        &server,
+        &[
+            "get",
+            "servicecidr",
+            "kubernetes",
+            "-o",
+            "jsonpath={.spec.cidrs}",
+        ],
+    );
+    assert_eq!(cidrs, r#"["10.96.0.0/28"]"#, "the default is not rewritten");
+    // The old range's held address is still taken...
+    let err = refused(
+        &server,
+        &[
+            "create",
+            "service",
+            "clusterip",
+            "clash",
+            "--tcp=80",
+            &format!("--clusterip={old_ip}"),
+        ],
+    );
+    assert!(err.contains("provided IP is already allocated"), "{err}");
+    // ...and both ranges give addresses: 10 old + 14 new IPv4 addresses, no more.
+    let mut seen = HashSet::new();
+    for i in 0..24 {
+        let name = format!("new{i}");
+        ok(
+            &server,
+            &["create", "service", "clusterip", &name, "--tcp=80"],
+        );
+        let ip = ok(
+            &server,
+            &["get", "svc", &name, "-o", "jsonpath={.spec.clusterIP}"],
+        );
+        assert!(
+            ip.starts_with("10.96.0.") || ip.starts_with("10.100.0."),
+            "{ip}"
+        );
+        assert!(seen.insert(ip.clone()), "{ip} twice");
+    }
+    let err = refused(
+        &server,
+        &["create", "service", "clusterip", "full", "--tcp=80"],
+    );
+    assert!(err.contains("range is full"), "{err}");
+    // The new secondary family serves dual-stack Services.
+    let file = dir.path().join("web.yaml");
+    std::fs::write(&file, WEB).unwrap();
+    ok(&server, &["delete", "svc", "new0"]);
+    ok(&server, &["create", "-f", file.to_str().unwrap()]);
+    let ips = cluster_ips(&server, "web");
+    assert!(
+        ips.len() == 2 && ips[1].starts_with("fd00:10:100::"),
+        "{ips:?}"
+    );
+}

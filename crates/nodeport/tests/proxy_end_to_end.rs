@@ -708,6 +708,58 @@ fn a_dual_stack_nodeport_answers_over_both_families_and_so_do_its_cluster_ips(mo
     }
 }
 
+/// kube-proxy's nftables mode drops traffic to ClusterIPs that no Service holds in every
+/// ServiceCIDR (`cluster-ips-check`), so a ServiceCIDR added through our API server reaches the
+/// node's rules: an unallocated address of it is dropped, an allocated one answers.
+#[test]
+fn nftables_drops_unallocated_cluster_ips_of_an_added_service_cidr_and_serves_its_allocated_ones() {
+    let mode = Mode::Nftables;
+    if !privileged(
+        "nftables_drops_unallocated_cluster_ips_of_an_added_service_cidr",
+        mode,
+    ) {
+        return;
+    }
+    let c = Cluster::start(mode, &[]);
+    c.apply(
+        "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: more}\nspec: {cidrs: [10.97.0.0/24]}\n",
+    )
+    .unwrap();
+    let service = service_yaml("web", 30130, "", &[1]).replace(
+        "  type: NodePort\n",
+        "  type: NodePort\n  clusterIP: 10.97.0.10\n",
+    );
+    c.apply(&service).unwrap();
+    let from = &c.pods[2];
+    eventually(
+        from,
+        "10.97.0.10:80",
+        "the added range's ClusterIP answers",
+        |r| matches!(r, Reply::Pod { .. }),
+    );
+    let rules = c
+        .node
+        .run(&[
+            "nft",
+            "list",
+            "chain",
+            "ip",
+            "kube-proxy",
+            "cluster-ips-check",
+        ])
+        .unwrap();
+    // nft merges adjacent ranges (10.96.0.0/16 and 10.97.0.0/24 print as one interval).
+    let drop = rules
+        .lines()
+        .find(|l| l.contains("Drop traffic to unallocated ClusterIPs"))
+        .unwrap_or_else(|| panic!("no drop rule: {rules}"));
+    assert!(
+        drop.contains("10.97.0.0/24") || drop.contains("10.97.0.255"),
+        "the added ServiceCIDR's drop rule: {rules}"
+    );
+    assert_eq!(get(from, "10.97.0.77:80", T), Reply::Timeout);
+}
+
 macro_rules! in_every_mode {
     ($($name:ident),* $(,)?) => {
         mod nftables {

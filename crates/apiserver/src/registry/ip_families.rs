@@ -520,15 +520,11 @@ fn allocate_one(
     family: &str,
     ip: &str,
 ) -> Result<String, ApiError> {
-    let Some(allocator) = allocs.family(family == IPV6) else {
-        // init_fields refuses families the cluster does not serve.
-        return Err(ApiError::internal(format!(
-            "no allocator for the {family} family"
-        )));
-    };
+    // init_fields refuses families the cluster does not serve.
+    let mut allocator = allocs.cluster_ips();
     if ip.is_empty() {
         return allocator
-            .allocate_next()
+            .allocate_next(family == IPV6)
             .map(|ip| ip.to_string())
             .map_err(|e| ApiError::internal(format!("failed to allocate a serviceIP: {e}")));
     }

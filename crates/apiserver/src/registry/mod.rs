@@ -152,6 +152,8 @@ pub struct Verification {
     pub bitmap_revisions: (Option<Revision>, Option<Revision>),
     /// The `mod_revision` of the secondary family's ClusterIP bitmap, on a dual-stack server.
     pub secondary_bitmap_revision: Option<Revision>,
+    /// The `mod_revision` of the added ServiceCIDRs' allocations, if any exist.
+    pub extra_revision: Option<Revision>,
 }
 
 impl Verification {
@@ -181,6 +183,7 @@ struct Rebuilt {
     allocators: Allocators,
     bitmap_revisions: (Option<Revision>, Option<Revision>),
     secondary_bitmap_revision: Option<Revision>,
+    extra_revision: Option<Revision>,
     services: usize,
 }
 
@@ -620,6 +623,9 @@ impl Registry {
                 if let Object::Service(svc) = &mut object {
                     service::create(svc, txn.allocators()?, &ranges)?;
                 }
+                if let Object::ServiceCidr(cidr) = &mut object {
+                    service_cidr::on_create(cidr, &mut txn.allocators()?.extra, now());
+                }
                 if dry_run {
                     txn.set_dry_run();
                 }
@@ -860,6 +866,12 @@ impl Registry {
                     if let Some(generation) = meta.generation.filter(|g| *g > 0) {
                         meta.generation = Some(generation + 1);
                     }
+                    if let Object::ServiceCidr(cidr) = &mut marked
+                        && service_cidr::on_delete(cidr, txn.allocators()?, now())
+                    {
+                        remove_object(txn, &key, &marked, &extra)?;
+                        return Ok((marked.to_value(), None));
+                    }
                     txn.put(key.clone(), encode_stored(&marked));
                     return Ok((marked.to_value(), Some(old.mod_revision)));
                 }
@@ -961,6 +973,7 @@ impl Registry {
         let np_key = storage::keys::node_port_range(self.store.prefix());
         let ip_key = storage::keys::service_ip_range(self.store.prefix());
         let secondary_key = self.secondary_ip_key();
+        let extra_key = storage::keys::service_cidr_ranges(self.store.prefix());
         let mut range_keys = vec![np_key.clone(), ip_key.clone()];
         range_keys.extend(secondary_key.clone());
         let fetched = self.store.backend().get_many(range_keys).await?;
@@ -1013,8 +1026,10 @@ impl Registry {
                         .as_ref()
                         .and_then(|k| txn.get(k))
                         .map(|e| e.mod_revision);
+                    let extra_now = txn.get(&extra_key).map(|e| e.mod_revision);
                     if now != plan.bitmap_revisions
                         || secondary_now != plan.secondary_bitmap_revision
+                        || extra_now != plan.extra_revision
                     {
                         return Ok(None);
                     }
@@ -1060,16 +1075,23 @@ impl Registry {
                     }
                     Some(entry) => {
                         // Left as it is, as kube-apiserver leaves it; every API server must
-                        // run with the range it holds.
+                        // run with the range it holds. Its other ranges keep allocating.
                         if let Ok(Object::ServiceCidr(cidr)) =
                             typed_from_entry(Kind::ServiceCidr, &entry.value)
-                            && service_cidr::cidrs(&cidr) != service_cidr::flag_cidrs(&ranges)
                         {
-                            tracing::warn!(
-                                stored = ?service_cidr::cidrs(&cidr),
-                                flag = ?service_cidr::flag_cidrs(&ranges),
-                                "the default ServiceCIDR does not match --service-cluster-ip-range"
-                            );
+                            if service_cidr::cidrs(&cidr) != service_cidr::flag_cidrs(&ranges) {
+                                tracing::warn!(
+                                    stored = ?service_cidr::cidrs(&cidr),
+                                    flag = ?service_cidr::flag_cidrs(&ranges),
+                                    "the default ServiceCIDR does not match --service-cluster-ip-range"
+                                );
+                            }
+                            let extra = &txn.allocators()?.extra;
+                            let mut tracked = extra.clone();
+                            service_cidr::track_default(&cidr, &ranges, &mut tracked);
+                            if &tracked != extra {
+                                txn.allocators()?.extra = tracked;
+                            }
                         }
                     }
                 }
@@ -1147,10 +1169,13 @@ impl Registry {
         let service_prefix = Kind::Service.list_prefix(self.store.prefix(), None);
         let mut fresh = self.empty_allocators()?;
         let secondary_key = self.secondary_ip_key();
+        let extra_key = storage::keys::service_cidr_ranges(self.store.prefix());
+        let default_cidr_key = self.key(Kind::ServiceCidr, None, service_cidr::DEFAULT_NAME);
         let mut rebuilt = Rebuilt {
             allocators: fresh.clone(),
             bitmap_revisions: (None, None),
             secondary_bitmap_revision: None,
+            extra_revision: None,
             services: 0,
         };
         for kv in kvs {
@@ -1166,6 +1191,24 @@ impl Registry {
                 rebuilt.secondary_bitmap_revision = Some(kv.mod_revision);
                 continue;
             }
+            if kv.key == extra_key {
+                // The added ServiceCIDRs stay; their addresses are rebuilt below.
+                let stored = crate::cidr_ranges::ExtraRanges::decode(&kv.value)
+                    .map_err(ApiError::internal)?;
+                fresh.extra.service_cidrs = stored.service_cidrs;
+                rebuilt.extra_revision = Some(kv.mod_revision);
+                continue;
+            }
+            if kv.key == default_cidr_key {
+                // Written with other flags: its ranges stay allocated (see `track_default`).
+                // `servicecidrs/` sorts after `ranges/` and before `services/`.
+                if let Ok(Object::ServiceCidr(cidr)) =
+                    typed_from_entry(Kind::ServiceCidr, &kv.value)
+                {
+                    service_cidr::track_default(&cidr, &self.ranges, &mut fresh.extra);
+                }
+                continue;
+            }
             if !kv.key.starts_with(&service_prefix) {
                 continue;
             }
@@ -1174,14 +1217,10 @@ impl Registry {
             };
             rebuilt.services += 1;
             let (ips, ports) = service::held(&svc);
+            // The Services come after the ranges key in the dump (`ranges/` sorts before
+            // `services/`), so the added ServiceCIDRs are known here.
             for ip in ips {
-                // An address of a family the flag no longer names is not restored, as
-                // kube-apiserver's repair loop skips it.
-                let Some(allocator) = fresh.ips_for(ip) else {
-                    tracing::warn!(service = %kv.key, %ip, "ClusterIP of a family this server does not serve");
-                    continue;
-                };
-                if let Err(e) = allocator.allocate(ip) {
+                if let Err(e) = fresh.cluster_ips().record(ip) {
                     tracing::warn!(service = %kv.key, %ip, error = %e, "ClusterIP not restored into the rebuilt bitmap");
                 }
             }
@@ -1224,6 +1263,8 @@ impl Registry {
         let (ports, ips) = (report.leaked_ports.clone(), report.leaked_ips.clone());
         let expected = report.bitmap_revisions;
         let expected_secondary = report.secondary_bitmap_revision;
+        let expected_extra = report.extra_revision;
+        let extra_key = storage::keys::service_cidr_ranges(self.store.prefix());
         let secondary_key = self.secondary_ip_key();
         let done = self
             .store
@@ -1236,7 +1277,11 @@ impl Registry {
                     .as_ref()
                     .and_then(|k| txn.get(k))
                     .map(|e| e.mod_revision);
-                if now != expected || secondary_now != expected_secondary {
+                let extra_now = txn.get(&extra_key).map(|e| e.mod_revision);
+                if now != expected
+                    || secondary_now != expected_secondary
+                    || extra_now != expected_extra
+                {
                     return Err(ApiError::internal(
                         "the allocation bitmaps changed since they were checked",
                     ));
@@ -1295,6 +1340,73 @@ impl Registry {
     }
 }
 
+impl Registry {
+    /// The deletion side of kube-controller-manager's ServiceCIDR controller: every ServiceCIDR
+    /// marked for deletion whose addresses no Service holds any more (or another Ready range
+    /// covers) loses its finalizer and goes, in one write. Returns how many went.
+    pub async fn finish_service_cidr_deletions(&self) -> Result<usize, ApiError> {
+        let page = self
+            .store
+            .backend()
+            .list(ListRequest {
+                prefix: Kind::ServiceCidr.list_prefix(self.store.prefix(), None),
+                start: None,
+                revision: None,
+                limit: None,
+            })
+            .await?;
+        let mut removed = 0;
+        for kv in page.kvs {
+            let Ok(Object::ServiceCidr(cidr)) = typed_from_entry(Kind::ServiceCidr, &kv.value)
+            else {
+                continue;
+            };
+            let waiting = cidr.metadata.deletion_timestamp.is_some()
+                && cidr
+                    .metadata
+                    .finalizers
+                    .iter()
+                    .flatten()
+                    .any(|f| f == service_cidr::FINALIZER);
+            if !waiting {
+                continue;
+            }
+            let key = kv.key.clone();
+            let done = self
+                .store
+                .mutate(vec![key.clone()], move |txn| {
+                    let Some(entry) = txn.get(&key) else {
+                        return Ok(false);
+                    };
+                    let Object::ServiceCidr(mut cidr) =
+                        typed_from_entry(Kind::ServiceCidr, &entry.value)?
+                    else {
+                        return Ok(false);
+                    };
+                    if cidr.metadata.deletion_timestamp.is_none()
+                        || service_cidr::in_use(&cidr, txn.allocators()?)
+                    {
+                        return Ok(false);
+                    }
+                    if let Some(f) = cidr.metadata.finalizers.as_mut() {
+                        f.retain(|f| f != service_cidr::FINALIZER);
+                    }
+                    let object = Object::ServiceCidr(cidr);
+                    if has_finalizers(&object) {
+                        // Someone else's finalizer: only ours goes.
+                        txn.put(key.clone(), encode_stored(&object));
+                        return Ok(false);
+                    }
+                    remove_object(txn, &key, &object, &[])?;
+                    Ok(true)
+                })
+                .await?;
+            removed += usize::from(done.value);
+        }
+        Ok(removed)
+    }
+}
+
 /// [`Registry::verify`] over a dump of the keyspace (also used offline on a stopped server's data).
 pub fn verify_dump(
     kvs: &[KeyValue],
@@ -1304,6 +1416,7 @@ pub fn verify_dump(
     let np_key = storage::keys::node_port_range(prefix);
     let ip_key = storage::keys::service_ip_range(prefix);
     let secondary_key = storage::keys::secondary_service_ip_range(prefix);
+    let extra_key = storage::keys::service_cidr_ranges(prefix);
     let service_prefix = Kind::Service.list_prefix(prefix, None);
     let mut report = Verification::default();
     let mut ports_held = std::collections::BTreeMap::<u16, usize>::new();
@@ -1335,6 +1448,11 @@ pub fn verify_dump(
             a.restore(&snap.range, &snap.data)
                 .map_err(ApiError::internal)?;
             bitmap_ips.extend(a.iter());
+        } else if kv.key == extra_key {
+            report.extra_revision = Some(kv.mod_revision);
+            let stored =
+                crate::cidr_ranges::ExtraRanges::decode(&kv.value).map_err(ApiError::internal)?;
+            bitmap_ips.extend(stored.allocated);
         } else if kv.key.starts_with(&service_prefix) {
             let Object::Service(svc) = typed_from_entry(Kind::Service, &kv.value)? else {
                 continue;
@@ -1460,6 +1578,9 @@ fn remove_object(
     if let Object::Service(svc) = object {
         service::release(svc, txn.allocators()?);
     }
+    if let Object::ServiceCidr(cidr) = object {
+        service_cidr::on_remove(cidr, &mut txn.allocators()?.extra);
+    }
     for companion in companions {
         if txn.get(companion).is_some() {
             txn.delete(companion.clone());
@@ -1553,6 +1674,15 @@ fn apply_update(
             } else {
                 service::update(old_svc, new_svc, txn.allocators()?, ranges)?;
             }
+        }
+        (Object::ServiceCidr(new_cidr), Object::ServiceCidr(old_cidr)) => {
+            let mut errs = service_cidr::validate(new_cidr);
+            errs.extend(service_cidr::validate_update(old_cidr, new_cidr));
+            if !errs.is_empty() {
+                return Err(invalid(kind, &name, errs));
+            }
+            // A status write may make it Ready or not: allocation follows in this write.
+            service_cidr::track(new_cidr, &mut txn.allocators()?.extra);
         }
         (Object::Namespace(new_ns), Object::Namespace(old_ns)) => {
             // The namespace strategy's PrepareForUpdate: finalizers change only through
