@@ -287,3 +287,78 @@ async fn a_service_cidr_whose_addresses_another_covers_or_that_holds_none_goes_a
         StatusCode::NOT_FOUND
     );
 }
+
+/// A protobuf body (what client-go sends for a typed create) of `object` as `api_version`/`kind`.
+fn protobuf_body(api_version: &str, kind: &str, object: &impl prost::Message) -> Vec<u8> {
+    use k8s_pb::apimachinery::pkg::runtime::{TypeMeta, Unknown};
+    let unknown = Unknown {
+        type_meta: Some(TypeMeta {
+            api_version: Some(api_version.into()),
+            kind: Some(kind.into()),
+        }),
+        raw: Some(object.encode_to_vec()),
+        ..Default::default()
+    };
+    [
+        b"k8s\0".as_slice(),
+        &prost::Message::encode_to_vec(&unknown),
+    ]
+    .concat()
+}
+
+#[tokio::test]
+async fn a_protobuf_service_cidr_body_creates_and_updates_as_a_json_one_does() {
+    use k8s_pb::api::networking::v1::{ServiceCIDR, ServiceCIDRSpec};
+    use k8s_pb::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+    let s = small_server().await;
+    let mut cidr = ServiceCIDR {
+        metadata: Some(ObjectMeta {
+            name: Some("more".into()),
+            ..Default::default()
+        }),
+        spec: Some(ServiceCIDRSpec {
+            cidrs: vec!["10.97.0.0/24".into(), "fd00:10:97::/112".into()],
+        }),
+        status: None,
+    };
+    let send = |method: Method, uri: String, body: Vec<u8>| {
+        let s = s.clone();
+        async move {
+            let req = Request::builder()
+                .method(method)
+                .uri(uri)
+                .header("content-type", "application/vnd.kubernetes.protobuf")
+                .body(Body::from(body))
+                .unwrap();
+            let response = nodeport_apiserver::router(s).oneshot(req).await.unwrap();
+            let status = response.status();
+            let bytes = response.into_body().collect().await.unwrap().to_bytes();
+            (status, serde_json::from_slice::<Value>(&bytes).unwrap())
+        }
+    };
+    let body = protobuf_body("networking.k8s.io/v1", "ServiceCIDR", &cidr);
+    let (status, created) = send(Method::POST, CIDRS.into(), body).await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    assert_eq!(
+        created["spec"]["cidrs"],
+        json!(["10.97.0.0/24", "fd00:10:97::/112"])
+    );
+    assert_eq!(created["status"]["conditions"][0]["type"], "Ready");
+    // An update (PUT) through protobuf with other CIDRs is refused as the JSON one is.
+    let meta = cidr.metadata.as_mut().unwrap();
+    meta.resource_version = created["metadata"]["resourceVersion"]
+        .as_str()
+        .map(str::to_owned);
+    meta.finalizers = vec!["networking.k8s.io/service-cidr-finalizer".into()];
+    cidr.spec.as_mut().unwrap().cidrs = vec!["10.98.0.0/24".into()];
+    let body = protobuf_body("networking.k8s.io/v1", "ServiceCIDR", &cidr);
+    let (status, reply) = send(Method::PUT, format!("{CIDRS}/more"), body).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{reply}");
+    assert!(
+        reply["message"]
+            .as_str()
+            .unwrap()
+            .ends_with("spec.cidrs: Invalid value: []string{\"10.98.0.0/24\"}: field is immutable"),
+        "{reply}"
+    );
+}

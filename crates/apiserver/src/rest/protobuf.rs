@@ -19,6 +19,7 @@ use std::collections::BTreeMap;
 
 use k8s_pb::api::core::v1 as core;
 use k8s_pb::api::discovery::v1 as discovery;
+use k8s_pb::api::networking::v1 as networking;
 use k8s_pb::apimachinery::pkg::apis::meta::v1 as meta;
 use k8s_pb::apimachinery::pkg::runtime::Unknown;
 use k8s_pb::apimachinery::pkg::util::intstr::IntOrString;
@@ -34,12 +35,13 @@ pub const MEDIA_TYPE: &str = "application/vnd.kubernetes.protobuf";
 pub const MAGIC: [u8; 4] = *b"k8s\0";
 
 /// The kinds whose protobuf bodies are decoded, as `(apiVersion, kind)`.
-pub const DECODED: [(&str, &str); 5] = [
+pub const DECODED: [(&str, &str); 6] = [
     ("v1", "Service"),
     ("v1", "Namespace"),
     ("v1", "Node"),
     ("v1", "Endpoints"),
     ("discovery.k8s.io/v1", "EndpointSlice"),
+    ("networking.k8s.io/v1", "ServiceCIDR"),
 ];
 
 /// Why a protobuf body could not be turned into JSON.
@@ -168,6 +170,7 @@ pub fn decode_object(body: &[u8], endpoint: Kind) -> Result<Value, Error> {
         ("v1", "Node") => node(head, typed(&envelope)?),
         ("v1", "Endpoints") => endpoints(head, typed(&envelope)?),
         ("discovery.k8s.io/v1", "EndpointSlice") => endpoint_slice(head, typed(&envelope)?),
+        ("networking.k8s.io/v1", "ServiceCIDR") => service_cidr(head, typed(&envelope)?),
         _ => Err(Error::UnsupportedKind {
             api_version: envelope.api_version,
             kind: envelope.kind,
@@ -690,6 +693,19 @@ fn endpoint_slice(head: Fields, s: discovery::EndpointSlice) -> Result<Value, Er
                 .ptr("port", p.port)
                 .ptr("appProtocol", p.app_protocol)
                 .done())
+        })
+        .map(Fields::done)
+}
+
+fn service_cidr(head: Fields, c: networking::ServiceCIDR) -> Result<Value, Error> {
+    head.object("metadata", c.metadata, object_meta)?
+        .object("spec", c.spec, |s| {
+            Ok(Fields::default().strings("cidrs", s.cidrs).done())
+        })?
+        .object("status", c.status, |s| {
+            Fields::default()
+                .list("conditions", s.conditions, condition)
+                .map(Fields::done)
         })
         .map(Fields::done)
 }
