@@ -30,8 +30,9 @@
 //!   answered with 415;
 //! - `networking.k8s.io/v1` ServiceCIDRs added through the API give ClusterIPs as in kube 1.33,
 //!   but their allocations are recorded in one stored document (`<prefix>/ranges/servicecidrs`,
-//!   see [`cidr_ranges`]), not as IPAddress objects; the ServiceCIDR controller's work (finalizer,
-//!   `Ready`, deletion once unused) runs inside the API server;
+//!   see [`cidr_ranges`]); the IPAddress objects are written beside the allocations in the same
+//!   transaction rather than read by the allocator; the ServiceCIDR controller's work
+//!   (finalizer, `Ready`, deletion once unused) runs inside the API server;
 //! - responses are JSON (or YAML for objects and lists when asked for), never protobuf; protobuf
 //!   request bodies are decoded for the served kinds only;
 //! - an etcd outage is logged once when it starts and once when it ends (`storage::outage`), with

@@ -18,17 +18,21 @@ pub enum Kind {
     /// `networking.k8s.io/v1` ServiceCIDR (cluster-scoped, read-only here: the default
     /// `kubernetes` object, which mirrors `--service-cluster-ip-range`).
     ServiceCidr,
+    /// `networking.k8s.io/v1` IPAddress (cluster-scoped): one per allocated ClusterIP, or a
+    /// reservation a user made.
+    IpAddress,
 }
 
 impl Kind {
     /// Every served resource.
-    pub const ALL: [Kind; 6] = [
+    pub const ALL: [Kind; 7] = [
         Kind::Namespace,
         Kind::Service,
         Kind::Endpoints,
         Kind::Node,
         Kind::EndpointSlice,
         Kind::ServiceCidr,
+        Kind::IpAddress,
     ];
 
     /// The API group (`""` for core).
@@ -36,6 +40,7 @@ impl Kind {
         match self {
             Kind::EndpointSlice => "discovery.k8s.io",
             Kind::ServiceCidr => "networking.k8s.io",
+            Kind::IpAddress => "networking.k8s.io",
             _ => "",
         }
     }
@@ -50,6 +55,7 @@ impl Kind {
         match self {
             Kind::EndpointSlice => "discovery.k8s.io/v1",
             Kind::ServiceCidr => "networking.k8s.io/v1",
+            Kind::IpAddress => "networking.k8s.io/v1",
             _ => "v1",
         }
     }
@@ -63,6 +69,7 @@ impl Kind {
             Kind::Node => "Node",
             Kind::Namespace => "Namespace",
             Kind::ServiceCidr => "ServiceCIDR",
+            Kind::IpAddress => "IPAddress",
         }
     }
 
@@ -80,6 +87,7 @@ impl Kind {
             Kind::Node => "nodes",
             Kind::Namespace => "namespaces",
             Kind::ServiceCidr => "servicecidrs",
+            Kind::IpAddress => "ipaddresses",
         }
     }
 
@@ -92,6 +100,7 @@ impl Kind {
             Kind::Node => "node",
             Kind::Namespace => "namespace",
             Kind::ServiceCidr => "servicecidr",
+            Kind::IpAddress => "ipaddress",
         }
     }
 
@@ -103,12 +112,16 @@ impl Kind {
             Kind::EndpointSlice | Kind::ServiceCidr => &[],
             Kind::Node => &["no"],
             Kind::Namespace => &["ns"],
+            Kind::IpAddress => &["ip"],
         }
     }
 
     /// Whether objects live in a namespace.
     pub fn namespaced(self) -> bool {
-        !matches!(self, Kind::Node | Kind::Namespace | Kind::ServiceCidr)
+        !matches!(
+            self,
+            Kind::Node | Kind::Namespace | Kind::ServiceCidr | Kind::IpAddress
+        )
     }
 
     /// Whether the resource is served for reading only (get, list, watch); other verbs are
@@ -140,6 +153,7 @@ impl Kind {
             Kind::Node => "minions",
             Kind::Namespace => "namespaces",
             Kind::ServiceCidr => "servicecidrs",
+            Kind::IpAddress => "ipaddresses",
         }
     }
 

@@ -705,6 +705,8 @@ impl Writer {
         // for the next batch: it then reads the key with its real mod_revision, and no key is
         // written twice in one transaction (etcd refuses that).
         let mut written: std::collections::HashSet<String> = std::collections::HashSet::new();
+        let mut writes_in_batch = 0usize;
+        let write_budget = self.backend.max_batch_keys();
         for job in jobs.iter_mut() {
             let group = groups.len();
             if job.keys.iter().any(|k| written.contains(k)) {
@@ -732,7 +734,18 @@ impl Writer {
                 dry_run,
                 ..
             } = txn;
-            if result.is_ok() && !dry_run && writes.iter().any(|op| written.contains(op.key())) {
+            // A job may write keys it did not declare (a Service's IPAddress objects): the
+            // batch's writes stay within the backend's limit too (etcd's --max-txn-ops), the
+            // job that would pass it waits for the next batch.
+            let over_budget = result.is_ok()
+                && !dry_run
+                && writes_in_batch > 0
+                && writes_in_batch + writes.len() > write_budget;
+            if over_budget
+                || (result.is_ok()
+                    && !dry_run
+                    && writes.iter().any(|op| written.contains(op.key())))
+            {
                 groups.push(Vec::new());
                 outcomes.push(Outcome {
                     result: None,
@@ -741,6 +754,7 @@ impl Writer {
                 continue;
             }
             if result.is_ok() && !dry_run {
+                writes_in_batch += writes.len();
                 written.extend(writes.iter().map(|op| op.key().to_owned()));
                 for op in &writes {
                     match op {

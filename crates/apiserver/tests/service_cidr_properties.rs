@@ -1,7 +1,8 @@
 //! Property test: random creates, updates and deletes of Services across the flag's range and
 //! two added, overlapping ServiceCIDRs never give an address twice and never leak one: after
-//! every step the stored allocations equal exactly what the Services hold, and once the
-//! Services are gone only `default/kubernetes` holds an address.
+//! every step the stored allocations equal exactly what the Services hold, the IPAddress
+//! objects are exactly the Services' ClusterIPs, and once the Services are gone only
+//! `default/kubernetes` holds an address.
 
 use axum::body::Body;
 use http::{Method, Request, StatusCode};
@@ -181,6 +182,22 @@ async fn run(steps: Vec<Step>) -> Result<(), TestCaseError> {
         }
         let report = s.registry.verify().await.unwrap();
         prop_assert!(report.is_consistent(), "{:?}", report);
+        // The IPAddress objects are exactly the Services' ClusterIPs.
+        let (_, objects) = call(
+            &s,
+            Method::GET,
+            "/apis/networking.k8s.io/v1/ipaddresses",
+            "",
+            Value::Null,
+        )
+        .await;
+        let objects: std::collections::BTreeSet<String> = objects["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|o| o["metadata"]["name"].as_str().unwrap().to_owned())
+            .collect();
+        prop_assert_eq!(&objects, &seen);
     }
     for n in 0..12 {
         call(

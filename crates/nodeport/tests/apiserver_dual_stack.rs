@@ -371,6 +371,25 @@ fn kubectl_adds_a_service_cidr_when_the_first_is_full_and_its_delete_waits_on_th
         &["get", "svc", "full", "-o", "jsonpath={.spec.clusterIP}"],
     );
     assert!(ip.starts_with("10.97.0."), "{ip}");
+    // `kubectl get ipaddresses`: kube's columns, one row per ClusterIP with its Service.
+    let table = ok(&server, &["get", "ipaddresses"]);
+    let header: Vec<&str> = table.lines().next().unwrap().split_whitespace().collect();
+    assert_eq!(header, ["NAME", "PARENTREF"], "{table}");
+    assert_eq!(table.lines().count(), 1 + 14 + 1, "{table}");
+    let row: Vec<&str> = table
+        .lines()
+        .find(|l| l.starts_with(&format!("{ip} ")))
+        .unwrap_or_else(|| panic!("no row for {ip}: {table}"))
+        .split_whitespace()
+        .collect();
+    assert_eq!(row, [ip.as_str(), "services/default/full"], "{table}");
+    assert!(
+        table
+            .lines()
+            .any(|l| l.split_whitespace().collect::<Vec<_>>()
+                == ["10.96.0.1", "services/default/kubernetes"]),
+        "{table}"
+    );
 
     // Deleting the ServiceCIDR in use: accepted, but it stays (finalizer) until `full` goes.
     ok(&server, &["delete", "servicecidr", "more", "--wait=false"]);
@@ -580,4 +599,54 @@ fn a_restart_with_another_range_keeps_the_default_service_cidr_and_both_ranges_a
         ips.len() == 2 && ips[1].starts_with("fd00:10:100::"),
         "{ips:?}"
     );
+}
+
+/// Each dual-stack create writes the Service and two IPAddress objects: two hundred at once on
+/// one replica still commit, the writer keeping every etcd transaction within etcd's default
+/// `--max-txn-ops` (128) by moving what does not fit to the next batch.
+#[test]
+fn two_hundred_concurrent_dual_stack_creates_on_etcd_fit_etcds_operation_limit() {
+    if !etcd_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(&dir.path().join("etcd"));
+    let servers = replicas(
+        &etcd,
+        dir.path(),
+        1,
+        &[
+            "--service-cluster-ip-range",
+            "10.96.0.0/16,fd00:10:96::/108",
+        ],
+    );
+    let port = servers[0].port;
+    let barrier = Arc::new(Barrier::new(200));
+    let threads: Vec<_> = (0..200)
+        .map(|i| {
+            let barrier = barrier.clone();
+            std::thread::spawn(move || {
+                let body = format!(
+                    r#"{{"apiVersion":"v1","kind":"Service","metadata":{{"name":"c{i}"}},"spec":{{"ipFamilyPolicy":"RequireDualStack","ports":[{{"port":80}}]}}}}"#
+                );
+                barrier.wait();
+                apiserver_support::http(
+                    port,
+                    "POST",
+                    "/api/v1/namespaces/default/services",
+                    Some(&body),
+                )
+                .unwrap()
+            })
+        })
+        .collect();
+    for t in threads {
+        let (status, body) = t.join().unwrap();
+        assert_eq!(status, 201, "{body}");
+    }
+    let (status, body) = servers[0]
+        .try_http("GET", "/apis/networking.k8s.io/v1/ipaddresses", None)
+        .unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(json(&body)["items"].as_array().unwrap().len(), 2 * 200 + 1);
 }

@@ -67,6 +67,7 @@ pub fn prepare_create(object: &mut Object) {
             slice.metadata.generation = Some(1);
         }
         Object::Node(_) | Object::Endpoints(_) | Object::ServiceCidr(_) => {}
+        Object::IpAddress(_) => {}
     }
 }
 
@@ -116,6 +117,7 @@ pub fn validate(object: &Object) -> Vec<FieldError> {
             validation::object_meta(&node.metadata, false, NameRule::Dns1123Subdomain)
         }
         Object::ServiceCidr(cidr) => super::service_cidr::validate(cidr),
+        Object::IpAddress(ip) => super::ip_addresses::validate(ip),
         Object::Endpoints(ep) => {
             let mut errs = validation::object_meta(&ep.metadata, true, NameRule::Dns1123Subdomain);
             for (i, subset) in ep.subsets.iter().flatten().enumerate() {

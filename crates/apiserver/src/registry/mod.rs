@@ -8,6 +8,7 @@
 //! Objects are stored as JSON without `metadata.resourceVersion`; on every read the key's
 //! `mod_revision` is written into it, as kube-apiserver's etcd3 store does.
 
+pub mod ip_addresses;
 pub mod ip_families;
 pub mod kinds;
 pub mod master_leases;
@@ -154,6 +155,11 @@ pub struct Verification {
     pub secondary_bitmap_revision: Option<Revision>,
     /// The `mod_revision` of the added ServiceCIDRs' allocations, if any exist.
     pub extra_revision: Option<Revision>,
+    /// ClusterIPs held by a Service without their IPAddress object: the address, and the
+    /// Service's namespace and name.
+    pub missing_ip_addresses: Vec<(IpAddr, String, String)>,
+    /// IPAddress objects of the allocator whose address no Service holds.
+    pub stale_ip_addresses: Vec<IpAddr>,
 }
 
 impl Verification {
@@ -165,6 +171,8 @@ impl Verification {
             + self.leaked_ips.len()
             + self.missing_ips.len()
             + self.duplicate_ips.len()
+            + self.missing_ip_addresses.len()
+            + self.stale_ip_addresses.len()
     }
 
     /// Whether the bitmaps equal exactly what the Services hold.
@@ -175,6 +183,8 @@ impl Verification {
             && self.leaked_ips.is_empty()
             && self.missing_ips.is_empty()
             && self.duplicate_ips.is_empty()
+            && self.missing_ip_addresses.is_empty()
+            && self.stale_ip_addresses.is_empty()
     }
 }
 
@@ -603,6 +613,7 @@ impl Registry {
         let ns_key = ns.as_deref().map(|n| self.namespace_key(n));
         keys.extend(ns_key.clone());
         let ranges = self.ranges.clone();
+        let prefix: Arc<str> = self.store.prefix().into();
         let dry_run = options.dry_run;
         let done = self
             .store
@@ -626,10 +637,19 @@ impl Registry {
                 if let Object::ServiceCidr(cidr) = &mut object {
                     service_cidr::on_create(cidr, &mut txn.allocators()?.extra, now());
                 }
+                if let Object::IpAddress(ip) = &object
+                    && !ip_addresses::reserve(ip, txn.allocators()?)
+                {
+                    return Err(ApiError::already_exists(kind.subject(), &name));
+                }
                 if dry_run {
                     txn.set_dry_run();
                 }
                 txn.put(key.clone(), encode_stored(&object));
+                // After the object: its write's resourceVersion is the first of the request's.
+                if let Object::Service(svc) = &object {
+                    ip_addresses::sync(txn, &prefix, None, Some(svc));
+                }
                 Ok(object.to_value())
             })
             .await?;
@@ -677,7 +697,9 @@ impl Registry {
         keys.extend(ns_key.clone());
         let extra = self.companion_keys(kind, namespace, name);
         keys.extend(extra.iter().cloned());
+        keys.extend(self.ip_address_keys(kind, namespace, name).await?);
         let ranges = self.ranges.clone();
+        let prefix: Arc<str> = self.store.prefix().into();
         let name = name.to_owned();
         let namespace = namespace.map(str::to_owned);
         let done = self
@@ -705,6 +727,9 @@ impl Registry {
                         txn.set_dry_run();
                     }
                     txn.put(key.clone(), encode_stored(&object));
+                    if let Object::Service(svc) = &object {
+                        ip_addresses::sync(txn, &prefix, None, Some(svc));
+                    }
                     return Ok((object.to_value(), true, 0));
                 };
                 let old_object = typed_from_entry(kind, &old.value)?;
@@ -730,6 +755,9 @@ impl Registry {
                     return Ok((new.to_value(), false, old.mod_revision));
                 }
                 txn.put(key.clone(), encoded);
+                if let (Object::Service(before), Object::Service(after)) = (&old_object, &new) {
+                    ip_addresses::sync(txn, &prefix, Some(before), Some(after));
+                }
                 Ok((new.to_value(), false, old.mod_revision))
             })
             .await?;
@@ -762,7 +790,9 @@ impl Registry {
         let extra = self.companion_keys(kind, namespace, name);
         let mut keys = vec![key.clone()];
         keys.extend(extra.iter().cloned());
+        keys.extend(self.ip_address_keys(kind, namespace, name).await?);
         let ranges = self.ranges.clone();
+        let prefix: Arc<str> = self.store.prefix().into();
         let name = name.to_owned();
         let done = self
             .store
@@ -803,6 +833,9 @@ impl Registry {
                 let encoded = encode_stored(&new);
                 if encoded != old.value {
                     txn.put(key.clone(), encoded);
+                    if let (Object::Service(before), Object::Service(after)) = (&old_object, &new) {
+                        ip_addresses::sync(txn, &prefix, Some(before), Some(after));
+                    }
                 }
                 Ok((new.to_value(), warnings, old.mod_revision))
             })
@@ -839,6 +872,7 @@ impl Registry {
         }
         let extra = self.companion_keys(kind, namespace, name);
         keys.extend(extra.iter().cloned());
+        keys.extend(self.ip_address_keys(kind, namespace, name).await?);
         let name = name.to_owned();
         let done = self
             .store
@@ -884,6 +918,34 @@ impl Registry {
             set_resource_version(&mut object, done.revision.unwrap_or(old_revision));
         }
         Ok(object)
+    }
+
+    /// The keys of the IPAddress objects of a stored Service's ClusterIPs, declared by a write
+    /// that may remove them (a backend deletes only keys it compares). A Service whose
+    /// addresses changed since this read leaves the objects of the others to the verification
+    /// loop.
+    async fn ip_address_keys(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> Result<Vec<String>, ApiError> {
+        if kind != Kind::Service {
+            return Ok(Vec::new());
+        }
+        let key = self.key(kind, namespace, name);
+        let fetched = self.store.backend().get_many(vec![key.clone()]).await?;
+        let Some(kv) = fetched.kvs.get(&key) else {
+            return Ok(Vec::new());
+        };
+        let Ok(Object::Service(svc)) = typed_from_entry(kind, &kv.value) else {
+            return Ok(Vec::new());
+        };
+        Ok(service::held(&svc)
+            .0
+            .into_iter()
+            .map(|ip| Kind::IpAddress.key(self.store.prefix(), None, &ip.to_string()))
+            .collect())
     }
 
     /// Keys removed together with an object of `kind`: the Endpoints of a Service's name
@@ -1008,6 +1070,7 @@ impl Registry {
         let cidr_key = self.key(Kind::ServiceCidr, None, service_cidr::DEFAULT_NAME);
         keys.push(cidr_key.clone());
         let ranges = self.ranges.clone();
+        let prefix: Arc<str> = self.store.prefix().into();
         let plan = rebuilt.clone();
         let done = self
             .store
@@ -1062,8 +1125,9 @@ impl Registry {
                     service::create(&mut svc, txn.allocators()?, &ranges)?;
                     txn.put(
                         kubernetes_key.clone(),
-                        encode_stored(&Object::Service(Box::new(svc))),
+                        encode_stored(&Object::Service(Box::new(svc.clone()))),
                     );
+                    ip_addresses::sync(txn, &prefix, None, Some(&svc));
                 }
                 match txn.get(&cidr_key) {
                     None => {
@@ -1171,6 +1235,8 @@ impl Registry {
         let secondary_key = self.secondary_ip_key();
         let extra_key = storage::keys::service_cidr_ranges(self.store.prefix());
         let default_cidr_key = self.key(Kind::ServiceCidr, None, service_cidr::DEFAULT_NAME);
+        let address_prefix = Kind::IpAddress.list_prefix(self.store.prefix(), None);
+        let mut reservations = Vec::new();
         let mut rebuilt = Rebuilt {
             allocators: fresh.clone(),
             bitmap_revisions: (None, None),
@@ -1197,6 +1263,15 @@ impl Registry {
                     .map_err(ApiError::internal)?;
                 fresh.extra.service_cidrs = stored.service_cidrs;
                 rebuilt.extra_revision = Some(kv.mod_revision);
+                continue;
+            }
+            if kv.key.starts_with(&address_prefix) {
+                if let Ok(Object::IpAddress(object)) = typed_from_entry(Kind::IpAddress, &kv.value)
+                    && !ip_addresses::managed(&object)
+                    && let Some(ip) = ip_addresses::address(&object)
+                {
+                    reservations.push(ip);
+                }
                 continue;
             }
             if kv.key == default_cidr_key {
@@ -1228,6 +1303,11 @@ impl Registry {
                 if let Err(e) = fresh.ports.allocate(port) {
                     tracing::warn!(service = %kv.key, port, error = %e, "nodePort not restored into the rebuilt bitmap");
                 }
+            }
+        }
+        for ip in reservations {
+            if let Err(e) = fresh.cluster_ips().record(ip) {
+                tracing::warn!(%ip, error = %e, "reserved IPAddress not restored into the rebuilt bitmap");
             }
         }
         rebuilt.allocators = fresh;
@@ -1299,6 +1379,79 @@ impl Registry {
         Ok(done.value)
     }
 
+    /// Writes the IPAddress objects `report` found missing and removes the stale ones, if no
+    /// allocation changed since the check (as kube's repair loop keeps IPAddresses in step).
+    pub async fn repair_ip_addresses(&self, report: &Verification) -> Result<usize, ApiError> {
+        if report.missing_ip_addresses.is_empty() && report.stale_ip_addresses.is_empty() {
+            return Ok(0);
+        }
+        let prefix: Arc<str> = self.store.prefix().into();
+        let keys = (
+            storage::keys::node_port_range(&prefix),
+            storage::keys::service_ip_range(&prefix),
+            self.secondary_ip_key(),
+            storage::keys::service_cidr_ranges(&prefix),
+        );
+        let expected = (
+            report.bitmap_revisions,
+            report.secondary_bitmap_revision,
+            report.extra_revision,
+        );
+        let (missing, stale) = (
+            report.missing_ip_addresses.clone(),
+            report.stale_ip_addresses.clone(),
+        );
+        let stale_keys: Vec<String> = stale
+            .iter()
+            .map(|ip| Kind::IpAddress.key(&prefix, None, &ip.to_string()))
+            .collect();
+        let done = self
+            .store
+            .mutate(stale_keys, move |txn| {
+                let now = (
+                    (
+                        txn.get(&keys.0).map(|e| e.mod_revision),
+                        txn.get(&keys.1).map(|e| e.mod_revision),
+                    ),
+                    keys.2
+                        .as_ref()
+                        .and_then(|k| txn.get(k))
+                        .map(|e| e.mod_revision),
+                    txn.get(&keys.3).map(|e| e.mod_revision),
+                );
+                if now != expected {
+                    return Err(ApiError::internal(
+                        "the allocations changed since they were checked",
+                    ));
+                }
+                for ip in &stale {
+                    let key = Kind::IpAddress.key(&prefix, None, &ip.to_string());
+                    if txn.get(&key).is_some() {
+                        txn.delete(key);
+                    }
+                }
+                for (ip, namespace, name) in &missing {
+                    let holder = Service {
+                        metadata: ObjectMeta {
+                            namespace: Some(namespace.clone()),
+                            name: Some(name.clone()),
+                            ..Default::default()
+                        },
+                        ..Default::default()
+                    };
+                    let object =
+                        Object::IpAddress(Box::new(ip_addresses::for_service(*ip, &holder)));
+                    txn.put(
+                        Kind::IpAddress.key(&prefix, None, &ip.to_string()),
+                        encode_stored(&object),
+                    );
+                }
+                Ok(stale.len() + missing.len())
+            })
+            .await?;
+        Ok(done.value)
+    }
+
     /// One round of the verification loop: compare, log, count, free leaks.
     pub async fn verify_and_repair(&self) -> Result<Verification, ApiError> {
         let report = self.verify().await?;
@@ -1335,6 +1488,14 @@ impl Registry {
                 tracing::warn!(freed, "freed leaked allocations that no Service holds");
             }
             Err(err) => tracing::warn!(error = %err, "leaked allocations not freed this round"),
+        }
+        match self.repair_ip_addresses(&report).await {
+            Ok(0) => {}
+            Ok(fixed) => tracing::warn!(
+                fixed,
+                "IPAddress objects written again to match the Services"
+            ),
+            Err(err) => tracing::warn!(error = %err, "IPAddress objects not repaired this round"),
         }
         Ok(report)
     }
@@ -1418,7 +1579,12 @@ pub fn verify_dump(
     let secondary_key = storage::keys::secondary_service_ip_range(prefix);
     let extra_key = storage::keys::service_cidr_ranges(prefix);
     let service_prefix = Kind::Service.list_prefix(prefix, None);
+    let address_prefix = Kind::IpAddress.list_prefix(prefix, None);
     let mut report = Verification::default();
+    // IPAddress objects of the allocator, by address: the Service they name.
+    let mut objects = std::collections::BTreeMap::<IpAddr, (String, String)>::new();
+    // ClusterIPs of the Services, with the Service.
+    let mut holders = std::collections::BTreeMap::<IpAddr, (String, String)>::new();
     let mut ports_held = std::collections::BTreeMap::<u16, usize>::new();
     let mut ips_held = std::collections::BTreeMap::<IpAddr, usize>::new();
     let mut bitmap_ports = BTreeSet::new();
@@ -1448,6 +1614,20 @@ pub fn verify_dump(
             a.restore(&snap.range, &snap.data)
                 .map_err(ApiError::internal)?;
             bitmap_ips.extend(a.iter());
+        } else if kv.key.starts_with(&address_prefix) {
+            let Object::IpAddress(object) = typed_from_entry(Kind::IpAddress, &kv.value)? else {
+                continue;
+            };
+            let Some(ip) = ip_addresses::address(&object) else {
+                continue;
+            };
+            if ip_addresses::managed(&object) {
+                let parent = object.spec.map(|s| s.parent_ref).unwrap_or_default();
+                objects.insert(ip, (parent.namespace.unwrap_or_default(), parent.name));
+            } else {
+                // A user's reservation holds its address like a Service.
+                *ips_held.entry(ip).or_default() += 1;
+            }
         } else if kv.key == extra_key {
             report.extra_revision = Some(kv.mod_revision);
             let stored =
@@ -1461,6 +1641,13 @@ pub fn verify_dump(
             let (ips, ports) = service::held(&svc);
             for ip in ips {
                 *ips_held.entry(ip).or_default() += 1;
+                holders.insert(
+                    ip,
+                    (
+                        svc.metadata.namespace.clone().unwrap_or_default(),
+                        svc.metadata.name.clone().unwrap_or_default(),
+                    ),
+                );
             }
             for p in ports {
                 *ports_held.entry(p).or_default() += 1;
@@ -1490,6 +1677,18 @@ pub fn verify_dump(
     report.leaked_ips = bitmap_ips
         .into_iter()
         .filter(|ip| !ips_held.contains_key(ip))
+        .collect();
+    for (ip, holder) in &holders {
+        if objects.get(ip) != Some(holder) {
+            report
+                .missing_ip_addresses
+                .push((*ip, holder.0.clone(), holder.1.clone()));
+        }
+    }
+    report.stale_ip_addresses = objects
+        .into_iter()
+        .filter(|(ip, owner)| holders.get(ip) != Some(owner))
+        .map(|(ip, _)| ip)
         .collect();
     Ok(report)
 }
@@ -1578,6 +1777,9 @@ fn remove_object(
     if let Object::Service(svc) = object {
         service::release(svc, txn.allocators()?);
     }
+    if let Object::IpAddress(ip) = object {
+        ip_addresses::on_remove(ip, txn.allocators()?);
+    }
     if let Object::ServiceCidr(cidr) = object {
         service_cidr::on_remove(cidr, &mut txn.allocators()?.extra);
     }
@@ -1587,6 +1789,12 @@ fn remove_object(
         }
     }
     txn.delete(key.to_owned());
+    if let Object::Service(svc) = object
+        && let Some((prefix, _)) = key.split_once("/services/specs/")
+    {
+        // `<prefix>/services/specs/<namespace>/<name>`: its addresses' objects go with it.
+        ip_addresses::sync(txn, prefix, Some(svc), None);
+    }
     Ok(())
 }
 

@@ -2,7 +2,7 @@
 
 use k8s_openapi::api::core::v1::{Endpoints, Namespace, Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use k8s_openapi::api::networking::v1::ServiceCIDR;
+use k8s_openapi::api::networking::v1::{IPAddress, ServiceCIDR};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::Value;
 
@@ -24,6 +24,8 @@ pub enum Object {
     Namespace(Box<Namespace>),
     /// A ServiceCIDR.
     ServiceCidr(Box<ServiceCIDR>),
+    /// An IPAddress.
+    IpAddress(Box<IPAddress>),
 }
 
 /// A decoded object and the input fields the typed object does not know.
@@ -62,6 +64,7 @@ impl Object {
             Kind::Node => Object::Node(Box::new(typed(kind, value)?)),
             Kind::Namespace => Object::Namespace(Box::new(typed(kind, value)?)),
             Kind::ServiceCidr => Object::ServiceCidr(Box::new(typed(kind, value)?)),
+            Kind::IpAddress => Object::IpAddress(Box::new(typed(kind, value)?)),
         };
         let mut unknown_fields = Vec::new();
         let round_trip = object.to_value();
@@ -81,6 +84,7 @@ impl Object {
             Object::Node(_) => Kind::Node,
             Object::Namespace(_) => Kind::Namespace,
             Object::ServiceCidr(_) => Kind::ServiceCidr,
+            Object::IpAddress(_) => Kind::IpAddress,
         }
     }
 
@@ -93,6 +97,7 @@ impl Object {
             Object::Node(o) => &o.metadata,
             Object::Namespace(o) => &o.metadata,
             Object::ServiceCidr(o) => &o.metadata,
+            Object::IpAddress(o) => &o.metadata,
         }
     }
 
@@ -105,6 +110,7 @@ impl Object {
             Object::Node(o) => &mut o.metadata,
             Object::Namespace(o) => &mut o.metadata,
             Object::ServiceCidr(o) => &mut o.metadata,
+            Object::IpAddress(o) => &mut o.metadata,
         }
     }
 
@@ -122,6 +128,7 @@ impl Object {
             Object::Node(o) => serde_json::to_value(o),
             Object::Namespace(o) => serde_json::to_value(o),
             Object::ServiceCidr(o) => serde_json::to_value(o),
+            Object::IpAddress(o) => serde_json::to_value(o),
         }
         .expect("k8s-openapi objects serialize");
         if let Value::Object(map) = &mut value {

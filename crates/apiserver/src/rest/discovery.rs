@@ -211,6 +211,7 @@ fn schemas_of(group: &str) -> serde_json::Map<String, Value> {
             Kind::Namespace => generator.subschema_for::<core::Namespace>(),
             Kind::EndpointSlice => generator.subschema_for::<discovery::EndpointSlice>(),
             Kind::ServiceCidr => generator.subschema_for::<net::ServiceCIDR>(),
+            Kind::IpAddress => generator.subschema_for::<net::IPAddress>(),
         };
     }
     generator.take_definitions(true)

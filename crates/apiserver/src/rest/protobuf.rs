@@ -35,13 +35,14 @@ pub const MEDIA_TYPE: &str = "application/vnd.kubernetes.protobuf";
 pub const MAGIC: [u8; 4] = *b"k8s\0";
 
 /// The kinds whose protobuf bodies are decoded, as `(apiVersion, kind)`.
-pub const DECODED: [(&str, &str); 6] = [
+pub const DECODED: [(&str, &str); 7] = [
     ("v1", "Service"),
     ("v1", "Namespace"),
     ("v1", "Node"),
     ("v1", "Endpoints"),
     ("discovery.k8s.io/v1", "EndpointSlice"),
     ("networking.k8s.io/v1", "ServiceCIDR"),
+    ("networking.k8s.io/v1", "IPAddress"),
 ];
 
 /// Why a protobuf body could not be turned into JSON.
@@ -171,6 +172,7 @@ pub fn decode_object(body: &[u8], endpoint: Kind) -> Result<Value, Error> {
         ("v1", "Endpoints") => endpoints(head, typed(&envelope)?),
         ("discovery.k8s.io/v1", "EndpointSlice") => endpoint_slice(head, typed(&envelope)?),
         ("networking.k8s.io/v1", "ServiceCIDR") => service_cidr(head, typed(&envelope)?),
+        ("networking.k8s.io/v1", "IPAddress") => ip_address(head, typed(&envelope)?),
         _ => Err(Error::UnsupportedKind {
             api_version: envelope.api_version,
             kind: envelope.kind,
@@ -706,6 +708,28 @@ fn service_cidr(head: Fields, c: networking::ServiceCIDR) -> Result<Value, Error
             Fields::default()
                 .list("conditions", s.conditions, condition)
                 .map(Fields::done)
+        })
+        .map(Fields::done)
+}
+
+fn ip_address(head: Fields, a: networking::IPAddress) -> Result<Value, Error> {
+    head.object("metadata", a.metadata, object_meta)?
+        .object("spec", a.spec, |s| {
+            // `parentRef` is a pointer; its fields have no `omitempty` but `group` and
+            // `namespace`.
+            Ok(Fields::default()
+                .value(
+                    "parentRef",
+                    s.parent_ref.map(|p| {
+                        Fields::default()
+                            .nonzero("group", p.group)
+                            .always("resource", p.resource)
+                            .nonzero("namespace", p.namespace)
+                            .always("name", p.name)
+                            .done()
+                    }),
+                )
+                .done())
         })
         .map(Fields::done)
 }

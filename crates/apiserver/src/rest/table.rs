@@ -77,6 +77,14 @@ fn columns(kind: Kind) -> Vec<(&'static str, &'static str, i32)> {
             ),
             age,
         ],
+        Kind::IpAddress => vec![
+            name,
+            (
+                "ParentRef",
+                "ParentRef references the resource that an IPAddress is attached to.",
+                0,
+            ),
+        ],
     }
 }
 
@@ -370,6 +378,29 @@ fn service_cidr_cells(cidr: &Value) -> Vec<Value> {
     ]
 }
 
+/// kubectl's `NAME PARENTREF`: the parent as `<resource>[.<group>]/<namespace>/<name>`.
+fn ip_address_cells(ip: &Value) -> Vec<Value> {
+    let parent = ip.pointer("/spec/parentRef");
+    let part = |field: &str| {
+        parent
+            .and_then(|p| p.get(field))
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_owned()
+    };
+    let mut resource = part("resource");
+    if !part("group").is_empty() {
+        resource = format!("{resource}.{}", part("group"));
+    }
+    let namespace = part("namespace");
+    let reference = if namespace.is_empty() {
+        format!("{resource}/{}", part("name"))
+    } else {
+        format!("{resource}/{namespace}/{}", part("name"))
+    };
+    vec![json!(s(ip, "/metadata/name")), json!(reference)]
+}
+
 fn namespace_cells(ns: &Value) -> Vec<Value> {
     vec![
         json!(s(ns, "/metadata/name")),
@@ -387,6 +418,7 @@ pub fn row(kind: Kind, object: &Value, include_object: &str) -> Value {
         Kind::Node => node_cells(object),
         Kind::Namespace => namespace_cells(object),
         Kind::ServiceCidr => service_cidr_cells(object),
+        Kind::IpAddress => ip_address_cells(object),
     };
     let embedded = match include_object {
         "None" => Value::Null,
