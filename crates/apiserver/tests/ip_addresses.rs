@@ -196,6 +196,24 @@ async fn a_user_ip_address_reserves_its_address_until_it_is_deleted() {
     .await;
     let (status, body) = post(&s, SERVICES, svc("dns", json!({"clusterIP":"10.96.0.10"}))).await;
     assert_eq!(status, StatusCode::CREATED, "{body}");
+    // The parent of an IPAddress never changes.
+    let (_, mut dns) = get(&s, &format!("{ADDRESSES}/10.96.0.10")).await;
+    dns["spec"]["parentRef"]["name"] = json!("other");
+    let (status, body) = call(
+        &s,
+        Method::PUT,
+        &format!("{ADDRESSES}/10.96.0.10"),
+        "application/json",
+        dns,
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert_eq!(
+        body["message"],
+        "IPAddress.networking.k8s.io \"10.96.0.10\" is invalid: spec.parentRef: Invalid value: \
+         &networking.ParentReference{Group:\"\", Resource:\"services\", Namespace:\"default\", \
+         Name:\"other\"}: field is immutable"
+    );
     // Validation: the name is an address in canonical form, the parent is named.
     let bad = json!({"apiVersion":"networking.k8s.io/v1","kind":"IPAddress",
         "metadata":{"name":"fd00:10:96:0::5"},"spec":{"parentRef":{"resource":"","name":""}}});

@@ -155,3 +155,28 @@ pub fn on_remove(ip: &IPAddress, allocs: &mut Allocators) {
         allocs.cluster_ips().release(address);
     }
 }
+
+/// `ValidateIPAddressUpdate`: the parent never changes (`ValidateImmutableField`, printed as Go
+/// prints the `*networking.ParentReference`).
+pub fn validate_update(old: &IPAddress, new: &IPAddress) -> Vec<FieldError> {
+    let parent = |ip: &IPAddress| ip.spec.as_ref().map(|s| s.parent_ref.clone());
+    let (before, after) = (parent(old), parent(new));
+    if before == after {
+        return Vec::new();
+    }
+    let shown = match &after {
+        Some(p) => format!(
+            "&networking.ParentReference{{Group:{:?}, Resource:{:?}, Namespace:{:?}, Name:{:?}}}",
+            p.group.as_deref().unwrap_or(""),
+            p.resource,
+            p.namespace.as_deref().unwrap_or(""),
+            p.name
+        ),
+        None => "null".to_owned(),
+    };
+    vec![FieldError::invalid(
+        "spec.parentRef",
+        GoValue::Raw(shown),
+        "field is immutable",
+    )]
+}

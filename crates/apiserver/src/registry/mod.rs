@@ -1883,6 +1883,13 @@ fn apply_update(
                 service::update(old_svc, new_svc, txn.allocators()?, ranges)?;
             }
         }
+        (Object::IpAddress(new_ip), Object::IpAddress(old_ip)) => {
+            let mut errs = ip_addresses::validate(new_ip);
+            errs.extend(ip_addresses::validate_update(old_ip, new_ip));
+            if !errs.is_empty() {
+                return Err(invalid(kind, &name, errs));
+            }
+        }
         (Object::ServiceCidr(new_cidr), Object::ServiceCidr(old_cidr)) => {
             let mut errs = service_cidr::validate(new_cidr);
             errs.extend(service_cidr::validate_update(old_cidr, new_cidr));
