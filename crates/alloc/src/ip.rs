@@ -228,6 +228,12 @@ impl Allocator {
         }
     }
 
+    /// Whether `ip` is one of the addresses this allocator hands out (in the CIDR, not the
+    /// network or IPv4 broadcast address, within the IPv6 cap).
+    pub fn is_usable(&self, ip: IpAddr) -> bool {
+        self.offset(ip).is_some()
+    }
+
     /// Whether `ip` is allocated; false for addresses outside the usable range.
     pub fn has(&self, ip: IpAddr) -> bool {
         self.offset(ip).is_some_and(|offset| self.map.has(offset))

@@ -27,6 +27,7 @@ const KINDS: &[Kind] = &[
     Kind::ServiceCidr,
     Kind::Event,
     Kind::EventsV1,
+    Kind::IpAddress,
 ];
 
 /// The kind an input's first byte names.

@@ -7,10 +7,11 @@
 //! - [`store`]: the single writer that runs every mutation against the latest state and commits
 //!   batches of them, with the allocation bitmaps, in one transaction (group commit);
 //! - [`registry`]: kube-apiserver's generic store for Services, Endpoints, EndpointSlices, Nodes,
-//!   Namespaces and Events, with the Service rules (defaulting, allocation, validation) in
-//!   [`registry::service`], the default ServiceCIDR (read-only) in [`registry::service_cidr`], the
-//!   two forms of Event in [`registry::event`], and `kind`/`apiVersion` defaulting in
-//!   [`registry::gvk`];
+//!   Namespaces, Events, ServiceCIDRs and IPAddresses, with the Service rules (defaulting,
+//!   allocation, validation) in [`registry::service`], the dual-stack ones (`ipFamilyPolicy`,
+//!   `ipFamilies`, both families' ClusterIPs) in [`registry::ip_families`], ServiceCIDRs (the
+//!   default one and added ones) in [`registry::service_cidr`], the two forms of Event in
+//!   [`registry::event`], and `kind`/`apiVersion` defaulting in [`registry::gvk`];
 //! - [`rest`]: the HTTP API (`router`), discovery, Table output, watch, patch, and protobuf
 //!   request bodies turned into JSON ([`rest::protobuf`]);
 //! - [`ranges`]: `GET /ranges` (NodePort and ClusterIP occupancy per band) and `/metrics`;
@@ -29,14 +30,18 @@
 //! - the namespace controller's work (deleting a Terminating namespace's contents, then the
 //!   namespace) runs inside the API server (see [`registry::namespace`]); server-side apply is
 //!   answered with 415;
-//! - `networking.k8s.io/v1` ServiceCIDRs are served read-only: the one named `kubernetes` holds
-//!   `--service-cluster-ip-range` (Ready); more ranges cannot be added through the API;
+//! - `networking.k8s.io/v1` ServiceCIDRs added through the API give ClusterIPs as in kube 1.33,
+//!   but their allocations are recorded in one stored document (`<prefix>/ranges/servicecidrs`,
+//!   see [`cidr_ranges`]); the IPAddress objects are written beside the allocations in the same
+//!   transaction rather than read by the allocator; the ServiceCIDR controller's work
+//!   (finalizer, `Ready`, deletion once unused) runs inside the API server;
 //! - responses are JSON (or YAML for objects and lists when asked for), never protobuf; protobuf
 //!   request bodies are decoded for the served kinds only;
 //! - an etcd outage is logged once when it starts and once when it ends (`storage::outage`), with
 //!   503/504 answers meanwhile, not one ERROR line per failed request.
 
 pub mod auth;
+pub mod cidr_ranges;
 pub mod error;
 pub mod fuzzing;
 pub mod ranges;
@@ -62,7 +67,7 @@ use crate::registry::service::ServiceRanges;
 use crate::storage::Backend;
 use crate::storage::etcd::EtcdBackend;
 use crate::storage::redb::RedbBackend;
-use crate::store::{Ranges, Store};
+use crate::store::Store;
 
 /// Configuration of the API server. CLI flags are parsed in the binary.
 #[derive(Debug, Clone)]
@@ -76,6 +81,9 @@ pub struct Config {
     /// `--service-cluster-ip-range`: default `10.96.0.0/16` (kubeadm's is `10.96.0.0/12`; a /16
     /// keeps the ClusterIP bitmap at 8 KiB per write).
     pub cluster_ip_range: IpNet,
+    /// The second CIDR of a dual-stack `--service-cluster-ip-range` (`v4,v6` or `v6,v4`), of
+    /// the other family; `None` on a single-stack server.
+    pub secondary_cluster_ip_range: Option<IpNet>,
     /// `--data-dir`: where the embedded store keeps its file; default `./nodeport-data`.
     pub data_dir: PathBuf,
     /// `--etcd-prefix`: key prefix, default `/registry`.
@@ -117,6 +125,7 @@ impl Default for Config {
             port: 6443,
             node_port_range: PortRange::default(),
             cluster_ip_range: "10.96.0.0/16".parse().expect("valid CIDR"),
+            secondary_cluster_ip_range: None,
             data_dir: PathBuf::from("./nodeport-data"),
             prefix: storage::keys::DEFAULT_PREFIX.to_owned(),
             rest: rest::Config::default(),
@@ -165,6 +174,11 @@ pub enum Error {
     /// The ClusterIP range is unusable.
     #[error("invalid --service-cluster-ip-range")]
     ClusterIpRange(#[source] nodeport_alloc::ip::Error),
+    /// The two CIDRs of a dual-stack range are of one family (kube-apiserver's text).
+    #[error(
+        "--service-cluster-ip-range[0] and --service-cluster-ip-range[1] must be of different IP family"
+    )]
+    SameFamily,
     /// The listening socket could not be bound.
     #[error("cannot listen on {address}")]
     Bind {
@@ -213,6 +227,9 @@ impl Security {
     }
 }
 
+/// How often ServiceCIDRs being deleted are checked for Services still using them.
+const SERVICE_CIDR_SYNC_PERIOD: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// How long a starting server waits for an unreachable storage before giving up.
 const BOOTSTRAP_WAIT_SECONDS: u32 = 60;
 
@@ -221,22 +238,22 @@ pub const DATA_FILE: &str = "nodeport.redb";
 
 fn service_ranges(config: &Config) -> Result<ServiceRanges, Error> {
     nodeport_alloc::ip::Allocator::new(config.cluster_ip_range).map_err(Error::ClusterIpRange)?;
+    if let Some(secondary) = config.secondary_cluster_ip_range {
+        nodeport_alloc::ip::Allocator::new(secondary).map_err(Error::ClusterIpRange)?;
+        if secondary.addr().is_ipv6() == config.cluster_ip_range.addr().is_ipv6() {
+            return Err(Error::SameFamily);
+        }
+    }
     Ok(ServiceRanges {
         node_ports: config.node_port_range,
         cluster_ips: config.cluster_ip_range,
+        secondary_cluster_ips: config.secondary_cluster_ip_range,
     })
 }
 
 async fn state_over(backend: Arc<dyn Backend>, config: &Config) -> Result<AppState, Error> {
     let ranges = service_ranges(config)?;
-    let store = Store::start(
-        backend,
-        &config.prefix,
-        Ranges {
-            node_ports: ranges.node_ports,
-            cluster_ips: ranges.cluster_ips,
-        },
-    );
+    let store = Store::start(backend, &config.prefix, ranges.store_ranges());
     let registry = Registry::new(store, ranges);
     // Like kube-apiserver, wait for the storage at start rather than fail: etcd may come up
     // after the API servers.
@@ -281,6 +298,26 @@ async fn state_over(backend: Arc<dyn Backend>, config: &Config) -> Result<AppSta
     tokio::spawn(tracing::Instrument::instrument(
         sweep_loop,
         tracing::info_span!("namespace_sweep"),
+    ));
+    // kube-controller-manager's ServiceCIDR controller, for ServiceCIDRs being deleted: each
+    // goes once no Service holds an address only it covers.
+    let cidrs = registry.clone();
+    let cidr_loop = async move {
+        let mut ticker = tokio::time::interval(SERVICE_CIDR_SYNC_PERIOD);
+        loop {
+            ticker.tick().await;
+            match cidrs.finish_service_cidr_deletions().await {
+                Ok(0) => {}
+                Ok(removed) => tracing::info!(removed, "ServiceCIDRs no longer in use removed"),
+                Err(err) => {
+                    tracing::debug!(error = %err, "cannot look for ServiceCIDRs being deleted")
+                }
+            }
+        }
+    };
+    tokio::spawn(tracing::Instrument::instrument(
+        cidr_loop,
+        tracing::info_span!("service_cidr_controller"),
     ));
     let checker = registry.clone();
     let interval = config.allocation_check_interval;

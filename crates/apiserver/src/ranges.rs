@@ -1,6 +1,7 @@
 //! Range occupancy: `GET /ranges` (JSON, works with `kubectl get --raw /ranges`) and `/metrics`.
 //!
-//! `/ranges` shows, for the NodePort range and the ClusterIP range, the size and the used and
+//! `/ranges` shows, for the NodePort range and the ClusterIP range (and, on a dual-stack server,
+//! the secondary family's range as `secondaryClusterIPs`), the size and the used and
 //! free counts of the whole range and of each band (static: the lower band kept for hand-picked
 //! values; dynamic: where automatic picks go first), read from the stored bitmaps:
 //!
@@ -39,14 +40,19 @@ fn occupancy(range: String, o: &Occupancy) -> Value {
     })
 }
 
-async fn load(registry: &Registry) -> Result<(port::Allocator, ip::Allocator), ApiError> {
+/// The stored bitmaps: NodePorts, the primary ClusterIPs and, on a dual-stack server, the
+/// secondary family's ClusterIPs.
+type Loaded = (port::Allocator, ip::Allocator, Option<ip::Allocator>);
+
+async fn load(registry: &Registry) -> Result<Loaded, ApiError> {
     let prefix = registry.store().prefix();
     let np_key = keys::node_port_range(prefix);
     let ip_key = keys::service_ip_range(prefix);
+    let secondary_key = keys::secondary_service_ip_range(prefix);
     let fetched = registry
         .store()
         .backend()
-        .get_many(vec![np_key.clone(), ip_key.clone()])
+        .get_many(vec![np_key.clone(), ip_key.clone(), secondary_key.clone()])
         .await?;
     let ranges = registry.ranges();
     let mut ports = port::Allocator::new(ranges.node_ports);
@@ -62,24 +68,42 @@ async fn load(registry: &Registry) -> Result<(port::Allocator, ip::Allocator), A
         ips.restore(&snap.range, &snap.data)
             .map_err(ApiError::internal)?;
     }
-    Ok((ports, ips))
+    let mut secondary = ranges
+        .secondary_cluster_ips
+        .map(ip::Allocator::new)
+        .transpose()
+        .map_err(ApiError::internal)?;
+    if let (Some(kv), Some(allocator)) = (fetched.kvs.get(&secondary_key), secondary.as_mut()) {
+        let snap = decode_range(&kv.value).map_err(ApiError::internal)?;
+        allocator
+            .restore(&snap.range, &snap.data)
+            .map_err(ApiError::internal)?;
+    }
+    Ok((ports, ips, secondary))
 }
 
 /// The `/ranges` document.
 pub async fn report(registry: &Registry) -> Result<Value, ApiError> {
-    let (ports, ips) = load(registry).await?;
-    Ok(json!({
+    let (ports, ips, secondary) = load(registry).await?;
+    let mut doc = json!({
         "nodePorts": occupancy(ports.range().to_string(), &ports.occupancy()),
         "clusterIPs": occupancy(ips.cidr().to_string(), &ips.occupancy()),
-    }))
+    });
+    if let Some(secondary) = secondary {
+        doc["secondaryClusterIPs"] =
+            occupancy(secondary.cidr().to_string(), &secondary.occupancy());
+    }
+    Ok(doc)
 }
 
 /// The `/metrics` text (Prometheus exposition format).
 pub async fn metrics(registry: &Registry) -> Result<String, ApiError> {
-    let (ports, ips) = load(registry).await?;
+    let (ports, ips, secondary) = load(registry).await?;
     let po = ports.occupancy();
-    let io = ips.occupancy();
-    let cidr = ips.cidr();
+    let per_cidr: Vec<(String, Occupancy)> = std::iter::once(&ips)
+        .chain(secondary.as_ref())
+        .map(|a| (format!("{{cidr=\"{}\"}}", a.cidr()), a.occupancy()))
+        .collect();
     let mut out = String::new();
     let mut gauge = |name: &str, help: &str, samples: &[(String, usize)]| {
         out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} gauge\n"));
@@ -108,12 +132,18 @@ pub async fn metrics(registry: &Registry) -> Result<String, ApiError> {
     gauge(
         "kube_apiserver_clusterip_allocator_allocated_ips",
         "Gauge measuring the number of allocated IPs for Services",
-        &[(format!("{{cidr=\"{cidr}\"}}"), io.used())],
+        &per_cidr
+            .iter()
+            .map(|(labels, o)| (labels.clone(), o.used()))
+            .collect::<Vec<_>>(),
     );
     gauge(
         "kube_apiserver_clusterip_allocator_available_ips",
         "Gauge measuring the number of available IPs for Services",
-        &[(format!("{{cidr=\"{cidr}\"}}"), io.free())],
+        &per_cidr
+            .iter()
+            .map(|(labels, o)| (labels.clone(), o.free()))
+            .collect::<Vec<_>>(),
     );
     let stats = registry.store().stats();
     out.push_str(&format!(

@@ -15,19 +15,22 @@ pub enum Kind {
     Node,
     /// `core/v1` Namespace (cluster-scoped, `status` subresource).
     Namespace,
-    /// `networking.k8s.io/v1` ServiceCIDR (cluster-scoped, read-only here: the default
-    /// `kubernetes` object, which mirrors `--service-cluster-ip-range`).
+    /// `networking.k8s.io/v1` ServiceCIDR (cluster-scoped): the default `kubernetes` object,
+    /// which mirrors `--service-cluster-ip-range`, and those added to grow the ClusterIP space.
     ServiceCidr,
     /// `core/v1` Event (namespaced), stored as kube-apiserver stores it.
     Event,
     /// `events.k8s.io/v1` Event: the same objects as [`Kind::Event`], in the newer form
     /// (`regarding`, `note`, `reportingController`, ...), converted on the way in and out.
     EventsV1,
+    /// `networking.k8s.io/v1` IPAddress (cluster-scoped): one per allocated ClusterIP, or a
+    /// reservation a user made.
+    IpAddress,
 }
 
 impl Kind {
     /// Every served resource.
-    pub const ALL: [Kind; 8] = [
+    pub const ALL: [Kind; 9] = [
         Kind::Namespace,
         Kind::Service,
         Kind::Endpoints,
@@ -36,6 +39,7 @@ impl Kind {
         Kind::ServiceCidr,
         Kind::Event,
         Kind::EventsV1,
+        Kind::IpAddress,
     ];
 
     /// The API group (`""` for core).
@@ -44,6 +48,7 @@ impl Kind {
             Kind::EndpointSlice => "discovery.k8s.io",
             Kind::ServiceCidr => "networking.k8s.io",
             Kind::EventsV1 => "events.k8s.io",
+            Kind::IpAddress => "networking.k8s.io",
             _ => "",
         }
     }
@@ -59,6 +64,7 @@ impl Kind {
             Kind::EndpointSlice => "discovery.k8s.io/v1",
             Kind::ServiceCidr => "networking.k8s.io/v1",
             Kind::EventsV1 => "events.k8s.io/v1",
+            Kind::IpAddress => "networking.k8s.io/v1",
             _ => "v1",
         }
     }
@@ -73,6 +79,7 @@ impl Kind {
             Kind::Namespace => "Namespace",
             Kind::ServiceCidr => "ServiceCIDR",
             Kind::Event | Kind::EventsV1 => "Event",
+            Kind::IpAddress => "IPAddress",
         }
     }
 
@@ -91,6 +98,7 @@ impl Kind {
             Kind::Namespace => "namespaces",
             Kind::ServiceCidr => "servicecidrs",
             Kind::Event | Kind::EventsV1 => "events",
+            Kind::IpAddress => "ipaddresses",
         }
     }
 
@@ -104,6 +112,7 @@ impl Kind {
             Kind::Namespace => "namespace",
             Kind::ServiceCidr => "servicecidr",
             Kind::Event | Kind::EventsV1 => "event",
+            Kind::IpAddress => "ipaddress",
         }
     }
 
@@ -116,25 +125,31 @@ impl Kind {
             Kind::Node => &["no"],
             Kind::Namespace => &["ns"],
             Kind::Event | Kind::EventsV1 => &["ev"],
+            Kind::IpAddress => &["ip"],
         }
     }
 
     /// Whether objects live in a namespace.
     pub fn namespaced(self) -> bool {
-        !matches!(self, Kind::Node | Kind::Namespace | Kind::ServiceCidr)
+        !matches!(
+            self,
+            Kind::Node | Kind::Namespace | Kind::ServiceCidr | Kind::IpAddress
+        )
     }
 
-    /// Whether the resource is served for reading only (get, list, watch): ServiceCIDRs, whose
-    /// one object this server keeps in step with its flags (see `Registry::bootstrap`). Other
-    /// verbs are answered 405 `MethodNotAllowed`, as kube-apiserver answers a verb a resource
-    /// does not support.
+    /// Whether the resource is served for reading only (get, list, watch); other verbs are
+    /// answered 405 `MethodNotAllowed`, as kube-apiserver answers a verb a resource does not
+    /// support. Every served kind is writable (ServiceCIDRs since kube 1.33).
     pub fn read_only(self) -> bool {
-        self == Kind::ServiceCidr
+        false
     }
 
     /// Whether the resource has a `status` subresource.
     pub fn has_status(self) -> bool {
-        matches!(self, Kind::Service | Kind::Node | Kind::Namespace)
+        matches!(
+            self,
+            Kind::Service | Kind::Node | Kind::Namespace | Kind::ServiceCidr
+        )
     }
 
     /// Whether PUT of a missing object creates it (`AllowCreateOnUpdate` of the kube strategy).
@@ -154,6 +169,7 @@ impl Kind {
             Kind::Node => "minions",
             Kind::Namespace => "namespaces",
             Kind::ServiceCidr => "servicecidrs",
+            Kind::IpAddress => "ipaddresses",
             // Both forms of Event are one resource in storage, as in kube-apiserver.
             Kind::Event | Kind::EventsV1 => "events",
         }

@@ -41,6 +41,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument;
 
+use crate::cidr_ranges::{ExtraRanges, View};
 use crate::error::ApiError;
 use crate::storage::{self, Backend, Batch, Commit, Compare, Fetched, KeyValue, Op, Revision};
 
@@ -65,8 +66,47 @@ const KNOWN_MAX: usize = 4096;
 pub struct Allocators {
     /// NodePorts (`--service-node-port-range`).
     pub ports: port::Allocator,
-    /// ClusterIPs (`--service-cluster-ip-range`).
+    /// ClusterIPs of the primary range (`--service-cluster-ip-range`, its first CIDR).
     pub ips: ip::Allocator,
+    /// ClusterIPs of the secondary range (the second CIDR of a dual-stack
+    /// `--service-cluster-ip-range`), stored under `<prefix>/ranges/secondaryserviceips` as
+    /// kube-apiserver stores it.
+    pub secondary_ips: Option<ip::Allocator>,
+    /// The ServiceCIDRs added through the API and the addresses allocated from them, stored
+    /// under `<prefix>/ranges/servicecidrs` (see [`crate::cidr_ranges`]).
+    pub extra: ExtraRanges,
+}
+
+impl Allocators {
+    /// ClusterIP allocation over every range: the flag's and the added ServiceCIDRs.
+    pub fn cluster_ips(&mut self) -> View<'_> {
+        View {
+            primary: &mut self.ips,
+            secondary: self.secondary_ips.as_mut(),
+            extra: &mut self.extra,
+        }
+    }
+
+    /// The allocator of `ip`'s family, if this cluster serves that family.
+    pub fn ips_for(&mut self, ip: std::net::IpAddr) -> Option<&mut ip::Allocator> {
+        self.family(ip.is_ipv6())
+    }
+
+    /// The allocator of IPv6 (`ipv6`) or IPv4 ClusterIPs, if this cluster serves that family.
+    pub fn family(&mut self, ipv6: bool) -> Option<&mut ip::Allocator> {
+        if self.ips.cidr().addr().is_ipv6() == ipv6 {
+            return Some(&mut self.ips);
+        }
+        self.secondary_ips
+            .as_mut()
+            .filter(|a| a.cidr().addr().is_ipv6() == ipv6)
+    }
+
+    /// Gives `ip` back to the allocator of its family; an address of a family this cluster
+    /// does not serve (the flag changed) is ignored, as kube-apiserver's `releaseIPs` does.
+    pub fn release_ip(&mut self, ip: std::net::IpAddr) {
+        self.cluster_ips().release(ip);
+    }
 }
 
 /// The ranges the allocators cover.
@@ -74,8 +114,10 @@ pub struct Allocators {
 pub struct Ranges {
     /// `--service-node-port-range`.
     pub node_ports: PortRange,
-    /// `--service-cluster-ip-range`.
+    /// `--service-cluster-ip-range`, its first (primary) CIDR.
     pub cluster_ips: ipnet::IpNet,
+    /// The second CIDR of a dual-stack `--service-cluster-ip-range` (the other family).
+    pub secondary_cluster_ips: Option<ipnet::IpNet>,
 }
 
 impl Ranges {
@@ -84,6 +126,12 @@ impl Ranges {
         Ok(Allocators {
             ports: port::Allocator::new(self.node_ports),
             ips: ip::Allocator::new(self.cluster_ips).map_err(ApiError::internal)?,
+            secondary_ips: self
+                .secondary_cluster_ips
+                .map(ip::Allocator::new)
+                .transpose()
+                .map_err(ApiError::internal)?,
+            extra: ExtraRanges::default(),
         })
     }
 }
@@ -274,6 +322,10 @@ impl Store {
             backend: backend.clone(),
             node_port_key: storage::keys::node_port_range(prefix),
             ip_key: storage::keys::service_ip_range(prefix),
+            secondary_ip_key: ranges
+                .secondary_cluster_ips
+                .map(|_| storage::keys::secondary_service_ip_range(prefix)),
+            extra_key: storage::keys::service_cidr_ranges(prefix),
             ranges,
             cache: None,
             speculate: backend.reads_on_conflict(),
@@ -351,6 +403,10 @@ struct Writer {
     backend: Arc<dyn Backend>,
     node_port_key: String,
     ip_key: String,
+    /// The secondary ClusterIP bitmap's key, on a dual-stack server.
+    secondary_ip_key: Option<String>,
+    /// The key of the added ServiceCIDRs' allocations (absent until one is created).
+    extra_key: String,
     ranges: Ranges,
     /// The allocators decoded from (or encoded into) the stored bitmaps.
     cache: Option<CachedAllocators>,
@@ -371,6 +427,8 @@ struct Writer {
 struct CachedAllocators {
     np: Arc<[u8]>,
     ip: Arc<[u8]>,
+    secondary_ip: Option<Arc<[u8]>>,
+    extra: Option<Arc<[u8]>>,
     allocs: Allocators,
 }
 
@@ -504,7 +562,11 @@ impl Writer {
         while lost < MAX_CONFLICT_RETRIES {
             let speculate = self.speculate
                 && self.known.contains_key(&self.node_port_key)
-                && self.known.contains_key(&self.ip_key);
+                && self.known.contains_key(&self.ip_key)
+                && self
+                    .secondary_ip_key
+                    .as_ref()
+                    .is_none_or(|k| self.known.contains_key(k));
             let ran_on_fresh = fresh || !speculate;
             match self.try_batch(&mut jobs, speculate).await {
                 Ok(Some((outcomes, revisions))) => {
@@ -600,6 +662,10 @@ impl Writer {
         let mut keys: BTreeSet<String> = jobs.iter().flat_map(|j| j.keys.iter().cloned()).collect();
         keys.insert(self.node_port_key.clone());
         keys.insert(self.ip_key.clone());
+        if let Some(key) = &self.secondary_ip_key {
+            keys.insert(key.clone());
+        }
+        keys.insert(self.extra_key.clone());
         let keys: Vec<String> = keys.into_iter().collect();
         let fetched = if speculate {
             Fetched {
@@ -639,6 +705,8 @@ impl Writer {
         // for the next batch: it then reads the key with its real mod_revision, and no key is
         // written twice in one transaction (etcd refuses that).
         let mut written: std::collections::HashSet<String> = std::collections::HashSet::new();
+        let mut writes_in_batch = 0usize;
+        let write_budget = self.backend.max_batch_keys();
         for job in jobs.iter_mut() {
             let group = groups.len();
             if job.keys.iter().any(|k| written.contains(k)) {
@@ -666,7 +734,18 @@ impl Writer {
                 dry_run,
                 ..
             } = txn;
-            if result.is_ok() && !dry_run && writes.iter().any(|op| written.contains(op.key())) {
+            // A job may write keys it did not declare (a Service's IPAddress objects): the
+            // batch's writes stay within the backend's limit too (etcd's --max-txn-ops), the
+            // job that would pass it waits for the next batch.
+            let over_budget = result.is_ok()
+                && !dry_run
+                && writes_in_batch > 0
+                && writes_in_batch + writes.len() > write_budget;
+            if over_budget
+                || (result.is_ok()
+                    && !dry_run
+                    && writes.iter().any(|op| written.contains(op.key())))
+            {
                 groups.push(Vec::new());
                 outcomes.push(Outcome {
                     result: None,
@@ -675,6 +754,7 @@ impl Writer {
                 continue;
             }
             if result.is_ok() && !dry_run {
+                writes_in_batch += writes.len();
                 written.extend(writes.iter().map(|op| op.key().to_owned()));
                 for op in &writes {
                     match op {
@@ -710,6 +790,12 @@ impl Writer {
                 .map(|kv| kv.value.clone()),
             fetched.kvs.get(&self.ip_key).map(|kv| kv.value.clone()),
         );
+        let mut stored_secondary = self
+            .secondary_ip_key
+            .as_ref()
+            .and_then(|key| fetched.kvs.get(key))
+            .map(|kv| kv.value.clone());
+        let mut stored_extra = fetched.kvs.get(&self.extra_key).map(|kv| kv.value.clone());
         if allocators_dirty && let Some(allocs) = &allocators {
             let mut ops = Vec::new();
             let ports = allocs.ports.snapshot();
@@ -734,6 +820,29 @@ impl Writer {
                     key: self.ip_key.clone(),
                     value,
                 });
+            }
+            if base_allocators.as_ref().map(|b| &b.extra) != Some(&allocs.extra) {
+                let value = allocs.extra.encode();
+                stored_extra = Some(value.clone());
+                ops.push(Op::Put {
+                    key: self.extra_key.clone(),
+                    value,
+                });
+            }
+            if let (Some(key), Some(secondary)) = (&self.secondary_ip_key, &allocs.secondary_ips) {
+                let snapshot = secondary.snapshot();
+                let before = base_allocators
+                    .as_ref()
+                    .and_then(|b| b.secondary_ips.as_ref())
+                    .map(|a| a.snapshot());
+                if before.as_ref() != Some(&snapshot) {
+                    let value = encode_range(&snapshot);
+                    stored_secondary = Some(value.clone());
+                    ops.push(Op::Put {
+                        key: key.clone(),
+                        value,
+                    });
+                }
             }
             if !ops.is_empty() {
                 // The bitmaps go with the last request that wrote anything (they are not
@@ -776,7 +885,13 @@ impl Writer {
                     self.remember_writes(&batch.groups, &put_revisions);
                 }
                 if let (Some(allocs), (Some(np), Some(ip))) = (allocators, stored_ranges) {
-                    self.cache = Some(CachedAllocators { np, ip, allocs });
+                    self.cache = Some(CachedAllocators {
+                        np,
+                        ip,
+                        secondary_ip: stored_secondary,
+                        extra: stored_extra,
+                        allocs,
+                    });
                 }
                 self.stats
                     .mutations
@@ -836,7 +951,11 @@ impl Writer {
     fn bound_known(&mut self) {
         if self.known.len() > KNOWN_MAX {
             let (np, ip) = (&self.node_port_key, &self.ip_key);
-            self.known.retain(|key, _| key == np || key == ip);
+            let secondary = self.secondary_ip_key.as_deref();
+            let extra = self.extra_key.as_str();
+            self.known.retain(|key, _| {
+                key == np || key == ip || key == extra || Some(key.as_str()) == secondary
+            });
         }
     }
 
@@ -847,17 +966,32 @@ impl Writer {
         let np = kvs.get(&self.node_port_key);
         let ip = kvs.get(&self.ip_key);
         let (np, ip) = (np?, ip?);
+        // On a dual-stack server the allocators exist once all three bitmaps do.
+        let secondary = match &self.secondary_ip_key {
+            Some(key) => Some(kvs.get(key)?),
+            None => None,
+        };
+        let extra = kvs.get(&self.extra_key);
+        let same = |a: &Option<Arc<[u8]>>, b: Option<&KeyValue>| match (a, b) {
+            (Some(a), Some(b)) => same_bytes(a, &b.value),
+            (None, None) => true,
+            _ => false,
+        };
         if let Some(cached) = &self.cache
             && same_bytes(&cached.np, &np.value)
             && same_bytes(&cached.ip, &ip.value)
+            && same(&cached.secondary_ip, secondary)
+            && same(&cached.extra, extra)
         {
             return Some(cached.allocs.clone());
         }
-        match self.decode_allocators(np, ip) {
+        match self.decode_allocators(np, ip, secondary, extra) {
             Ok(allocs) => {
                 self.cache = Some(CachedAllocators {
                     np: np.value.clone(),
                     ip: ip.value.clone(),
+                    secondary_ip: secondary.map(|kv| kv.value.clone()),
+                    extra: extra.map(|kv| kv.value.clone()),
                     allocs: allocs.clone(),
                 });
                 Some(allocs)
@@ -869,7 +1003,13 @@ impl Writer {
         }
     }
 
-    fn decode_allocators(&self, np: &KeyValue, ip: &KeyValue) -> Result<Allocators, String> {
+    fn decode_allocators(
+        &self,
+        np: &KeyValue,
+        ip: &KeyValue,
+        secondary: Option<&KeyValue>,
+        extra: Option<&KeyValue>,
+    ) -> Result<Allocators, String> {
         let mut allocs = self.ranges.empty().map_err(|e| e.to_string())?;
         let snap = decode_range(&np.value)?;
         allocs
@@ -881,6 +1021,16 @@ impl Writer {
             .ips
             .restore(&snap.range, &snap.data)
             .map_err(|e| format!("{}: {e}", ip.key))?;
+        if let (Some(kv), Some(allocator)) = (secondary, allocs.secondary_ips.as_mut()) {
+            let snap = decode_range(&kv.value)?;
+            allocator
+                .restore(&snap.range, &snap.data)
+                .map_err(|e| format!("{}: {e}", kv.key))?;
+        }
+        if let Some(kv) = extra {
+            allocs.extra =
+                ExtraRanges::decode(&kv.value).map_err(|e| format!("{}: {e}", kv.key))?;
+        }
         Ok(allocs)
     }
 }
@@ -898,6 +1048,7 @@ mod tests {
             Ranges {
                 node_ports: PortRange::default(),
                 cluster_ips: "10.96.0.0/16".parse().unwrap(),
+                secondary_cluster_ips: None,
             },
         )
     }

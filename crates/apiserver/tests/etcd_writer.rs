@@ -38,6 +38,7 @@ fn ranges() -> Ranges {
     Ranges {
         node_ports: PortRange::default(),
         cluster_ips: "10.96.0.0/16".parse().unwrap(),
+        secondary_cluster_ips: None,
     }
 }
 

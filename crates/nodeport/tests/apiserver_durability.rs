@@ -84,6 +84,7 @@ fn acknowledged_creates_survive_sigkill_and_bitmaps_match_the_services() {
         let ranges = ServiceRanges {
             node_ports: nodeport_apiserver::PortRange::parse("30000-39999").unwrap(),
             cluster_ips: "10.96.0.0/16".parse().unwrap(),
+            secondary_cluster_ips: None,
         };
         let report =
             nodeport_apiserver::registry::verify_dump(&dump, "/registry", &ranges).unwrap();

@@ -61,6 +61,7 @@ fn verify(etcd: &Etcd, node_ports: &str) -> Verification {
     let ranges = ServiceRanges {
         node_ports: nodeport_apiserver::PortRange::parse(node_ports).unwrap(),
         cluster_ips: "10.96.0.0/16".parse().unwrap(),
+        secondary_cluster_ips: None,
     };
     verify_dump(&dump, "/registry", &ranges).unwrap()
 }

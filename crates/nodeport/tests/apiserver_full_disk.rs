@@ -170,6 +170,7 @@ fn writes_fail_cleanly_on_a_full_disk_and_resume_once_space_is_freed() {
     let ranges = ServiceRanges {
         node_ports: nodeport_apiserver::PortRange::parse(RANGE).unwrap(),
         cluster_ips: "10.96.0.0/16".parse().unwrap(),
+        secondary_cluster_ips: None,
     };
     let report = nodeport_apiserver::registry::verify_dump(&dump, "/registry", &ranges).unwrap();
     assert!(report.is_consistent(), "{report:?}");

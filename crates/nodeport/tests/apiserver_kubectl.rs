@@ -387,31 +387,17 @@ fn kubectl_gets_the_default_service_cidr_of_the_cluster_ip_range() {
         ["ADDED", "kubernetes", "10.43.0.0/16"],
         "{added:?}"
     );
-    // A manifest passes kubectl's validation (the group is in /openapi/v3) and reaches the
-    // server, which refuses the write: kube-apiserver would store it, this server serves
-    // ServiceCIDRs read-only.
+    // A manifest passes kubectl's validation (the group is in /openapi/v3) and is stored, as
+    // kube-apiserver 1.33 stores it (tests/apiserver_dual_stack.rs covers what it does).
     let manifest = dir.path().join("cidr.yaml");
     std::fs::write(
         &manifest,
         "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: extra}\nspec: {cidrs: [10.44.0.0/16]}\n",
     )
     .unwrap();
-    let out = server.kubectl(&["create", "-f", manifest.to_str().unwrap()]);
-    assert!(!out.status.success());
-    assert!(
-        text(&out)
-            .1
-            .contains("(MethodNotAllowed): error when creating"),
-        "{}",
-        text(&out).1
-    );
-    // Read-only: the object follows the flags.
-    let out = server.kubectl(&["delete", "servicecidr", "kubernetes"]);
-    assert!(!out.status.success());
-    assert!(
-        text(&out).1.contains("MethodNotAllowed") || text(&out).1.contains("not supported"),
-        "{}",
-        text(&out).1
+    assert_eq!(
+        ok(&server, &["create", "-f", manifest.to_str().unwrap()]).trim(),
+        "servicecidr.networking.k8s.io/extra created"
     );
     ok(&server, &["get", "servicecidr", "kubernetes"]);
 }

@@ -172,6 +172,73 @@ fn lab_in_every_proxy_mode_answers_on_every_node_ip_and_leaves_nothing_behind() 
     }
 }
 
+/// `nodeport lab --ip-family dual`: the verdict names both addresses of every node, each
+/// answered on the NodePort through a pod, in every proxy mode; the Service is dual-stack and
+/// the IPv6 rules are shown.
+#[test]
+fn lab_dual_stack_answers_on_both_families_of_every_node_in_every_proxy_mode() {
+    if !require_tools(
+        "lab_dual_stack_answers_on_both_families_of_every_node",
+        &[
+            "nft",
+            "iptables",
+            "iptables-restore",
+            "ip6tables",
+            "ip6tables-restore",
+            "kubectl",
+        ],
+    ) {
+        return;
+    }
+    for mode in MODES {
+        let out = lab(&["--proxy-mode", mode, "--ip-family", "dual"]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "nodeport lab --proxy-mode {mode} --ip-family dual failed ({}):\n{stdout}\n{stderr}",
+            out.status
+        );
+        let verdict = stdout
+            .lines()
+            .find(|l| l.starts_with("verdict: "))
+            .unwrap_or_else(|| panic!("no verdict:\n{stdout}"));
+        assert!(
+            verdict.starts_with("verdict: PASS: all 6 node IPs answered on NodePort"),
+            "{verdict}"
+        );
+        for node in [
+            "control-plane 192.0.2.10",
+            "control-plane fd00:192:0:2::10",
+            "worker 192.0.2.11",
+            "worker fd00:192:0:2::11",
+            "worker2 192.0.2.12",
+            "worker2 fd00:192:0:2::12",
+        ] {
+            assert!(verdict.contains(node), "{node} missing: {verdict}");
+        }
+        // The IPv6 request reached a pod at its IPv6 address, which saw an IPv6 client (the
+        // node's address after the masquerade).
+        let line = stdout
+            .lines()
+            .find(|l| l.contains("worker [fd00:192:0:2::11]:"))
+            .unwrap_or_else(|| panic!("no IPv6 line for worker:\n{stdout}"));
+        assert!(
+            line.contains("(fd00:10:244:") && line.contains("saw the client as [fd00:"),
+            "{line}"
+        );
+        if *mode == "nftables" {
+            assert!(
+                stdout.contains("ip6 daddr fd00:10:96::/108 drop"),
+                "the IPv6 rules are shown with the secondary range's drop rule:\n{stdout}"
+            );
+        }
+        let veths = pod_veths(&stdout);
+        assert_eq!(veths.len(), 3, "{stdout}");
+        assert_nothing_left(&lab_id(&stdout), &veths);
+    }
+}
+
 #[test]
 fn lab_interrupted_by_sigint_in_the_middle_removes_everything_and_exits_130() {
     if !require_tools("lab_interrupted_by_sigint", &["nft", "kubectl"]) {

@@ -663,6 +663,123 @@ fn proxy_killed_and_restarted_during_a_stream_of_requests_fails_none(mode: Mode)
 }
 
 /// Generates one `#[test]` per proxy mode for each test body `fn name(mode: Mode)`.
+/// A `RequireDualStack` NodePort Service on a dual-stack cluster (kube-apiserver with two
+/// `--service-cluster-ip-range`s, a node with an InternalIP of each family): a client outside
+/// reaches it on the node's IPv4 and IPv6 address, and a pod reaches both ClusterIPs, each
+/// through a pod of the family (kube-proxy programs each family on its own: `ip` and `ip6`
+/// tables, iptables and ip6tables).
+fn a_dual_stack_nodeport_answers_over_both_families_and_so_do_its_cluster_ips(mode: Mode) {
+    if !privileged(
+        "a_dual_stack_nodeport_answers_over_both_families_and_so_do_its_cluster_ips",
+        mode,
+    ) {
+        return;
+    }
+    let c = Cluster::start_with(mode, &[], Stack::Dual);
+    c.apply(&dual_stack_service_yaml("web", 30120, &[1, 2]))
+        .unwrap();
+    let ips = c
+        .kubectl(&["get", "svc", "web", "-o", "jsonpath={.spec.clusterIPs[*]}"])
+        .unwrap();
+    let ips: Vec<&str> = ips.split_whitespace().collect();
+    assert!(
+        ips.len() == 2 && ips[0].starts_with("10.96.") && ips[1].starts_with("fd00:10:96::"),
+        "{ips:?}"
+    );
+    let v4 = format!("{NODE_IP}:30120");
+    let v6 = format!("[{NODE_IP6}]:30120");
+    for (to, pod_prefix) in [(&v4, "10.244."), (&v6, "fd00:10:244:")] {
+        let reply = eventually(&c.client, to, "the NodePort answers", |r| {
+            matches!(r, Reply::Pod { .. })
+        });
+        let Reply::Pod { client, .. } = reply else {
+            unreachable!()
+        };
+        // eTP=Cluster: masqueraded to the node's address of the family towards the pod.
+        let seen = client.trim_start_matches('[');
+        assert!(
+            seen.starts_with(pod_prefix),
+            "{to}: client seen as {client}"
+        );
+    }
+    for to in [format!("{}:80", ips[0]), format!("[{}]:80", ips[1])] {
+        eventually(&c.pods[2], &to, "the ClusterIP answers from a pod", |r| {
+            matches!(r, Reply::Pod { .. })
+        });
+    }
+    // Without endpoints, both families refuse (kube-proxy's reject for a Service with none).
+    c.apply(&dual_stack_service_yaml("web", 30120, &[]))
+        .unwrap();
+    // Polled with a 2 s timeout: over IPv6 the reject was seen to answer only the SYN's
+    // retransmission, about a second after the connect began (`eventually` waits 0.7 s).
+    for to in [&v4, &v6] {
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        loop {
+            let reply = get(&c.client, to, T);
+            if reply == Reply::Refused {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{to}: a Service without endpoints refuses: last reply {reply:?}"
+            );
+            std::thread::sleep(Duration::from_millis(150));
+        }
+    }
+}
+
+/// kube-proxy's nftables mode drops traffic to ClusterIPs that no Service holds in every
+/// ServiceCIDR (`cluster-ips-check`), so a ServiceCIDR added through our API server reaches the
+/// node's rules: an unallocated address of it is dropped, an allocated one answers.
+#[test]
+fn nftables_drops_unallocated_cluster_ips_of_an_added_service_cidr_and_serves_its_allocated_ones() {
+    let mode = Mode::Nftables;
+    if !privileged(
+        "nftables_drops_unallocated_cluster_ips_of_an_added_service_cidr",
+        mode,
+    ) {
+        return;
+    }
+    let c = Cluster::start(mode, &[]);
+    c.apply(
+        "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: more}\nspec: {cidrs: [10.97.0.0/24]}\n",
+    )
+    .unwrap();
+    let service = service_yaml("web", 30130, "", &[1]).replace(
+        "  type: NodePort\n",
+        "  type: NodePort\n  clusterIP: 10.97.0.10\n",
+    );
+    c.apply(&service).unwrap();
+    let from = &c.pods[2];
+    eventually(
+        from,
+        "10.97.0.10:80",
+        "the added range's ClusterIP answers",
+        |r| matches!(r, Reply::Pod { .. }),
+    );
+    let rules = c
+        .node
+        .run(&[
+            "nft",
+            "list",
+            "chain",
+            "ip",
+            "kube-proxy",
+            "cluster-ips-check",
+        ])
+        .unwrap();
+    // nft merges adjacent ranges (10.96.0.0/16 and 10.97.0.0/24 print as one interval).
+    let drop = rules
+        .lines()
+        .find(|l| l.contains("Drop traffic to unallocated ClusterIPs"))
+        .unwrap_or_else(|| panic!("no drop rule: {rules}"));
+    assert!(
+        drop.contains("10.97.0.0/24") || drop.contains("10.97.0.255"),
+        "the added ServiceCIDR's drop rule: {rules}"
+    );
+    assert_eq!(get(from, "10.97.0.77:80", T), Reply::Timeout);
+}
+
 macro_rules! in_every_mode {
     ($($name:ident),* $(,)?) => {
         mod nftables {
@@ -694,4 +811,5 @@ in_every_mode!(
     load_balancer_source_ranges_admit_only_listed_clients,
     udp_conntrack_entries_to_a_removed_endpoint_are_cleaned,
     proxy_killed_and_restarted_during_a_stream_of_requests_fails_none,
+    a_dual_stack_nodeport_answers_over_both_families_and_so_do_its_cluster_ips,
 );

@@ -68,6 +68,7 @@ pub fn prepare_create(object: &mut Object) {
         }
         Object::Node(_) | Object::Endpoints(_) | Object::ServiceCidr(_) => {}
         Object::Event(_) => {}
+        Object::IpAddress(_) => {}
     }
 }
 
@@ -118,10 +119,8 @@ pub fn validate(object: &Object) -> Vec<FieldError> {
         Object::Node(node) => {
             validation::object_meta(&node.metadata, false, NameRule::Dns1123Subdomain)
         }
-        // Not writable through the API (see `Kind::read_only`); the server writes only its own.
-        Object::ServiceCidr(cidr) => {
-            validation::object_meta(&cidr.metadata, false, NameRule::Dns1123Subdomain)
-        }
+        Object::ServiceCidr(cidr) => super::service_cidr::validate(cidr),
+        Object::IpAddress(ip) => super::ip_addresses::validate(ip),
         Object::Endpoints(ep) => {
             let mut errs = validation::object_meta(&ep.metadata, true, NameRule::Dns1123Subdomain);
             for (i, subset) in ep.subsets.iter().flatten().enumerate() {

@@ -10,6 +10,8 @@
 
 pub mod event;
 pub mod gvk;
+pub mod ip_addresses;
+pub mod ip_families;
 pub mod kinds;
 pub mod master_leases;
 pub mod namespace;
@@ -151,6 +153,15 @@ pub struct Verification {
     pub services: usize,
     /// The `mod_revision`s of the NodePort and ClusterIP bitmaps that were checked.
     pub bitmap_revisions: (Option<Revision>, Option<Revision>),
+    /// The `mod_revision` of the secondary family's ClusterIP bitmap, on a dual-stack server.
+    pub secondary_bitmap_revision: Option<Revision>,
+    /// The `mod_revision` of the added ServiceCIDRs' allocations, if any exist.
+    pub extra_revision: Option<Revision>,
+    /// ClusterIPs held by a Service without their IPAddress object: the address, and the
+    /// Service's namespace and name.
+    pub missing_ip_addresses: Vec<(IpAddr, String, String)>,
+    /// IPAddress objects of the allocator whose address no Service holds.
+    pub stale_ip_addresses: Vec<IpAddr>,
 }
 
 impl Verification {
@@ -162,6 +173,8 @@ impl Verification {
             + self.leaked_ips.len()
             + self.missing_ips.len()
             + self.duplicate_ips.len()
+            + self.missing_ip_addresses.len()
+            + self.stale_ip_addresses.len()
     }
 
     /// Whether the bitmaps equal exactly what the Services hold.
@@ -172,6 +185,8 @@ impl Verification {
             && self.leaked_ips.is_empty()
             && self.missing_ips.is_empty()
             && self.duplicate_ips.is_empty()
+            && self.missing_ip_addresses.is_empty()
+            && self.stale_ip_addresses.is_empty()
     }
 }
 
@@ -179,6 +194,8 @@ impl Verification {
 struct Rebuilt {
     allocators: Allocators,
     bitmap_revisions: (Option<Revision>, Option<Revision>),
+    secondary_bitmap_revision: Option<Revision>,
+    extra_revision: Option<Revision>,
     services: usize,
 }
 
@@ -577,6 +594,7 @@ impl Registry {
         let ns_key = ns.as_deref().map(|n| self.namespace_key(n));
         keys.extend(ns_key.clone());
         let ranges = self.ranges.clone();
+        let prefix: Arc<str> = self.store.prefix().into();
         let dry_run = options.dry_run;
         let done = self
             .store
@@ -597,10 +615,22 @@ impl Registry {
                 if let Object::Service(svc) = &mut object {
                     service::create(svc, txn.allocators()?, &ranges)?;
                 }
+                if let Object::ServiceCidr(cidr) = &mut object {
+                    service_cidr::on_create(cidr, &mut txn.allocators()?.extra, now());
+                }
+                if let Object::IpAddress(ip) = &object
+                    && !ip_addresses::reserve(ip, txn.allocators()?)
+                {
+                    return Err(ApiError::already_exists(kind.subject(), &name));
+                }
                 if dry_run {
                     txn.set_dry_run();
                 }
                 txn.put(key.clone(), encode_stored(&object));
+                // After the object: its write's resourceVersion is the first of the request's.
+                if let Object::Service(svc) = &object {
+                    ip_addresses::sync(txn, &prefix, None, Some(svc));
+                }
                 Ok(object.to_value())
             })
             .await?;
@@ -648,7 +678,9 @@ impl Registry {
         keys.extend(ns_key.clone());
         let extra = self.companion_keys(kind, namespace, name);
         keys.extend(extra.iter().cloned());
+        keys.extend(self.ip_address_keys(kind, namespace, name).await?);
         let ranges = self.ranges.clone();
+        let prefix: Arc<str> = self.store.prefix().into();
         let name = name.to_owned();
         let namespace = namespace.map(str::to_owned);
         let done = self
@@ -681,6 +713,9 @@ impl Registry {
                         txn.set_dry_run();
                     }
                     txn.put(key.clone(), encode_stored(&object));
+                    if let Object::Service(svc) = &object {
+                        ip_addresses::sync(txn, &prefix, None, Some(svc));
+                    }
                     return Ok((object.to_value(), true, 0));
                 };
                 let old_object = typed_from_entry(kind, &old.value)?;
@@ -706,6 +741,9 @@ impl Registry {
                     return Ok((new.to_value(), false, old.mod_revision));
                 }
                 txn.put(key.clone(), encoded);
+                if let (Object::Service(before), Object::Service(after)) = (&old_object, &new) {
+                    ip_addresses::sync(txn, &prefix, Some(before), Some(after));
+                }
                 Ok((new.to_value(), false, old.mod_revision))
             })
             .await?;
@@ -738,7 +776,9 @@ impl Registry {
         let extra = self.companion_keys(kind, namespace, name);
         let mut keys = vec![key.clone()];
         keys.extend(extra.iter().cloned());
+        keys.extend(self.ip_address_keys(kind, namespace, name).await?);
         let ranges = self.ranges.clone();
+        let prefix: Arc<str> = self.store.prefix().into();
         let name = name.to_owned();
         let done = self
             .store
@@ -779,6 +819,9 @@ impl Registry {
                 let encoded = encode_stored(&new);
                 if encoded != old.value {
                     txn.put(key.clone(), encoded);
+                    if let (Object::Service(before), Object::Service(after)) = (&old_object, &new) {
+                        ip_addresses::sync(txn, &prefix, Some(before), Some(after));
+                    }
                 }
                 Ok((new.to_value(), warnings, old.mod_revision))
             })
@@ -815,6 +858,7 @@ impl Registry {
         }
         let extra = self.companion_keys(kind, namespace, name);
         keys.extend(extra.iter().cloned());
+        keys.extend(self.ip_address_keys(kind, namespace, name).await?);
         let name = name.to_owned();
         let done = self
             .store
@@ -842,6 +886,12 @@ impl Registry {
                     if let Some(generation) = meta.generation.filter(|g| *g > 0) {
                         meta.generation = Some(generation + 1);
                     }
+                    if let Object::ServiceCidr(cidr) = &mut marked
+                        && service_cidr::on_delete(cidr, txn.allocators()?, now())
+                    {
+                        remove_object(txn, &key, &marked, &extra)?;
+                        return Ok((marked.to_value(), None));
+                    }
                     txn.put(key.clone(), encode_stored(&marked));
                     return Ok((marked.to_value(), Some(old.mod_revision)));
                 }
@@ -854,6 +904,34 @@ impl Registry {
             set_resource_version(&mut object, done.revision.unwrap_or(old_revision));
         }
         Ok(object)
+    }
+
+    /// The keys of the IPAddress objects of a stored Service's ClusterIPs, declared by a write
+    /// that may remove them (a backend deletes only keys it compares). A Service whose
+    /// addresses changed since this read leaves the objects of the others to the verification
+    /// loop.
+    async fn ip_address_keys(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+    ) -> Result<Vec<String>, ApiError> {
+        if kind != Kind::Service {
+            return Ok(Vec::new());
+        }
+        let key = self.key(kind, namespace, name);
+        let fetched = self.store.backend().get_many(vec![key.clone()]).await?;
+        let Some(kv) = fetched.kvs.get(&key) else {
+            return Ok(Vec::new());
+        };
+        let Ok(Object::Service(svc)) = typed_from_entry(kind, &kv.value) else {
+            return Ok(Vec::new());
+        };
+        Ok(service::held(&svc)
+            .0
+            .into_iter()
+            .map(|ip| Kind::IpAddress.key(self.store.prefix(), None, &ip.to_string()))
+            .collect())
     }
 
     /// Keys removed together with an object of `kind`: the Endpoints of a Service's name
@@ -942,11 +1020,11 @@ impl Registry {
     async fn bootstrap_once(&self) -> Result<bool, ApiError> {
         let np_key = storage::keys::node_port_range(self.store.prefix());
         let ip_key = storage::keys::service_ip_range(self.store.prefix());
-        let fetched = self
-            .store
-            .backend()
-            .get_many(vec![np_key.clone(), ip_key.clone()])
-            .await?;
+        let secondary_key = self.secondary_ip_key();
+        let extra_key = storage::keys::service_cidr_ranges(self.store.prefix());
+        let mut range_keys = vec![np_key.clone(), ip_key.clone()];
+        range_keys.extend(secondary_key.clone());
+        let fetched = self.store.backend().get_many(range_keys).await?;
         // Missing or unusable bitmaps are rebuilt from every stored Service, read at one revision
         // with the bitmaps' own revisions. The Services are not declared as keys of the write (on
         // etcd a transaction takes at most 128); the bitmaps' revisions stand for them instead:
@@ -978,6 +1056,7 @@ impl Registry {
         let cidr_key = self.key(Kind::ServiceCidr, None, service_cidr::DEFAULT_NAME);
         keys.push(cidr_key.clone());
         let ranges = self.ranges.clone();
+        let prefix: Arc<str> = self.store.prefix().into();
         let plan = rebuilt.clone();
         let done = self
             .store
@@ -992,7 +1071,15 @@ impl Registry {
                         txn.get(&np_key).map(|e| e.mod_revision),
                         txn.get(&ip_key).map(|e| e.mod_revision),
                     );
-                    if now != plan.bitmap_revisions {
+                    let secondary_now = secondary_key
+                        .as_ref()
+                        .and_then(|k| txn.get(k))
+                        .map(|e| e.mod_revision);
+                    let extra_now = txn.get(&extra_key).map(|e| e.mod_revision);
+                    if now != plan.bitmap_revisions
+                        || secondary_now != plan.secondary_bitmap_revision
+                        || extra_now != plan.extra_revision
+                    {
                         return Ok(None);
                     }
                     txn.replace_allocators(plan.allocators.clone());
@@ -1024,8 +1111,9 @@ impl Registry {
                     service::create(&mut svc, txn.allocators()?, &ranges)?;
                     txn.put(
                         kubernetes_key.clone(),
-                        encode_stored(&Object::Service(Box::new(svc))),
+                        encode_stored(&Object::Service(Box::new(svc.clone()))),
                     );
+                    ip_addresses::sync(txn, &prefix, None, Some(&svc));
                 }
                 match txn.get(&cidr_key) {
                     None => {
@@ -1037,16 +1125,23 @@ impl Registry {
                     }
                     Some(entry) => {
                         // Left as it is, as kube-apiserver leaves it; every API server must
-                        // run with the range it holds.
+                        // run with the range it holds. Its other ranges keep allocating.
                         if let Ok(Object::ServiceCidr(cidr)) =
                             typed_from_entry(Kind::ServiceCidr, &entry.value)
-                            && service_cidr::cidrs(&cidr) != [ranges.cluster_ips.to_string()]
                         {
-                            tracing::warn!(
-                                stored = ?service_cidr::cidrs(&cidr),
-                                flag = %ranges.cluster_ips,
-                                "the default ServiceCIDR does not match --service-cluster-ip-range"
-                            );
+                            if service_cidr::cidrs(&cidr) != service_cidr::flag_cidrs(&ranges) {
+                                tracing::warn!(
+                                    stored = ?service_cidr::cidrs(&cidr),
+                                    flag = ?service_cidr::flag_cidrs(&ranges),
+                                    "the default ServiceCIDR does not match --service-cluster-ip-range"
+                                );
+                            }
+                            let extra = &txn.allocators()?.extra;
+                            let mut tracked = extra.clone();
+                            service_cidr::track_default(&cidr, &ranges, &mut tracked);
+                            if &tracked != extra {
+                                txn.allocators()?.extra = tracked;
+                            }
                         }
                     }
                 }
@@ -1076,6 +1171,13 @@ impl Registry {
         let (Some(np), Some(ip)) = (kvs.get(np_key), kvs.get(ip_key)) else {
             return false;
         };
+        let secondary = match self.secondary_ip_key() {
+            Some(key) => match kvs.get(&key) {
+                Some(kv) => Some(kv),
+                None => return false,
+            },
+            None => None,
+        };
         let Ok(mut allocators) = self.empty_allocators() else {
             return false;
         };
@@ -1086,15 +1188,25 @@ impl Registry {
             allocators.ports.restore(range, data).is_ok()
         }) && restored(&ip.value, &mut |range, data| {
             allocators.ips.restore(range, data).is_ok()
+        }) && secondary.is_none_or(|kv| {
+            restored(&kv.value, &mut |range, data| {
+                allocators
+                    .secondary_ips
+                    .as_mut()
+                    .is_some_and(|a| a.restore(range, data).is_ok())
+            })
         })
     }
 
+    /// The key of the secondary ClusterIP bitmap, on a dual-stack server.
+    fn secondary_ip_key(&self) -> Option<String> {
+        self.ranges
+            .secondary_cluster_ips
+            .map(|_| storage::keys::secondary_service_ip_range(self.store.prefix()))
+    }
+
     fn empty_allocators(&self) -> Result<Allocators, ApiError> {
-        Ok(Allocators {
-            ports: nodeport_alloc::port::Allocator::new(self.ranges.node_ports),
-            ips: nodeport_alloc::ip::Allocator::new(self.ranges.cluster_ips)
-                .map_err(ApiError::internal)?,
-        })
+        self.ranges.store_ranges().empty()
     }
 
     /// Allocators holding exactly what the Services in `kvs` (a dump at one revision) hold.
@@ -1106,9 +1218,16 @@ impl Registry {
     ) -> Result<Rebuilt, ApiError> {
         let service_prefix = Kind::Service.list_prefix(self.store.prefix(), None);
         let mut fresh = self.empty_allocators()?;
+        let secondary_key = self.secondary_ip_key();
+        let extra_key = storage::keys::service_cidr_ranges(self.store.prefix());
+        let default_cidr_key = self.key(Kind::ServiceCidr, None, service_cidr::DEFAULT_NAME);
+        let address_prefix = Kind::IpAddress.list_prefix(self.store.prefix(), None);
+        let mut reservations = Vec::new();
         let mut rebuilt = Rebuilt {
             allocators: fresh.clone(),
             bitmap_revisions: (None, None),
+            secondary_bitmap_revision: None,
+            extra_revision: None,
             services: 0,
         };
         for kv in kvs {
@@ -1120,6 +1239,37 @@ impl Registry {
                 rebuilt.bitmap_revisions.1 = Some(kv.mod_revision);
                 continue;
             }
+            if Some(&kv.key) == secondary_key.as_ref() {
+                rebuilt.secondary_bitmap_revision = Some(kv.mod_revision);
+                continue;
+            }
+            if kv.key == extra_key {
+                // The added ServiceCIDRs stay; their addresses are rebuilt below.
+                let stored = crate::cidr_ranges::ExtraRanges::decode(&kv.value)
+                    .map_err(ApiError::internal)?;
+                fresh.extra.service_cidrs = stored.service_cidrs;
+                rebuilt.extra_revision = Some(kv.mod_revision);
+                continue;
+            }
+            if kv.key.starts_with(&address_prefix) {
+                if let Ok(Object::IpAddress(object)) = typed_from_entry(Kind::IpAddress, &kv.value)
+                    && !ip_addresses::managed(&object)
+                    && let Some(ip) = ip_addresses::address(&object)
+                {
+                    reservations.push(ip);
+                }
+                continue;
+            }
+            if kv.key == default_cidr_key {
+                // Written with other flags: its ranges stay allocated (see `track_default`).
+                // `servicecidrs/` sorts after `ranges/` and before `services/`.
+                if let Ok(Object::ServiceCidr(cidr)) =
+                    typed_from_entry(Kind::ServiceCidr, &kv.value)
+                {
+                    service_cidr::track_default(&cidr, &self.ranges, &mut fresh.extra);
+                }
+                continue;
+            }
             if !kv.key.starts_with(&service_prefix) {
                 continue;
             }
@@ -1128,8 +1278,10 @@ impl Registry {
             };
             rebuilt.services += 1;
             let (ips, ports) = service::held(&svc);
+            // The Services come after the ranges key in the dump (`ranges/` sorts before
+            // `services/`), so the added ServiceCIDRs are known here.
             for ip in ips {
-                if let Err(e) = fresh.ips.allocate(ip) {
+                if let Err(e) = fresh.cluster_ips().record(ip) {
                     tracing::warn!(service = %kv.key, %ip, error = %e, "ClusterIP not restored into the rebuilt bitmap");
                 }
             }
@@ -1137,6 +1289,11 @@ impl Registry {
                 if let Err(e) = fresh.ports.allocate(port) {
                     tracing::warn!(service = %kv.key, port, error = %e, "nodePort not restored into the rebuilt bitmap");
                 }
+            }
+        }
+        for ip in reservations {
+            if let Err(e) = fresh.cluster_ips().record(ip) {
+                tracing::warn!(%ip, error = %e, "reserved IPAddress not restored into the rebuilt bitmap");
             }
         }
         rebuilt.allocators = fresh;
@@ -1171,6 +1328,10 @@ impl Registry {
         let ip_key = storage::keys::service_ip_range(self.store.prefix());
         let (ports, ips) = (report.leaked_ports.clone(), report.leaked_ips.clone());
         let expected = report.bitmap_revisions;
+        let expected_secondary = report.secondary_bitmap_revision;
+        let expected_extra = report.extra_revision;
+        let extra_key = storage::keys::service_cidr_ranges(self.store.prefix());
+        let secondary_key = self.secondary_ip_key();
         let done = self
             .store
             .mutate(Vec::new(), move |txn| {
@@ -1178,7 +1339,15 @@ impl Registry {
                     txn.get(&np_key).map(|e| e.mod_revision),
                     txn.get(&ip_key).map(|e| e.mod_revision),
                 );
-                if now != expected {
+                let secondary_now = secondary_key
+                    .as_ref()
+                    .and_then(|k| txn.get(k))
+                    .map(|e| e.mod_revision);
+                let extra_now = txn.get(&extra_key).map(|e| e.mod_revision);
+                if now != expected
+                    || secondary_now != expected_secondary
+                    || extra_now != expected_extra
+                {
                     return Err(ApiError::internal(
                         "the allocation bitmaps changed since they were checked",
                     ));
@@ -1188,9 +1357,82 @@ impl Registry {
                     allocators.ports.release(*port);
                 }
                 for ip in &ips {
-                    allocators.ips.release(*ip);
+                    allocators.release_ip(*ip);
                 }
                 Ok(ports.len() + ips.len())
+            })
+            .await?;
+        Ok(done.value)
+    }
+
+    /// Writes the IPAddress objects `report` found missing and removes the stale ones, if no
+    /// allocation changed since the check (as kube's repair loop keeps IPAddresses in step).
+    pub async fn repair_ip_addresses(&self, report: &Verification) -> Result<usize, ApiError> {
+        if report.missing_ip_addresses.is_empty() && report.stale_ip_addresses.is_empty() {
+            return Ok(0);
+        }
+        let prefix: Arc<str> = self.store.prefix().into();
+        let keys = (
+            storage::keys::node_port_range(&prefix),
+            storage::keys::service_ip_range(&prefix),
+            self.secondary_ip_key(),
+            storage::keys::service_cidr_ranges(&prefix),
+        );
+        let expected = (
+            report.bitmap_revisions,
+            report.secondary_bitmap_revision,
+            report.extra_revision,
+        );
+        let (missing, stale) = (
+            report.missing_ip_addresses.clone(),
+            report.stale_ip_addresses.clone(),
+        );
+        let stale_keys: Vec<String> = stale
+            .iter()
+            .map(|ip| Kind::IpAddress.key(&prefix, None, &ip.to_string()))
+            .collect();
+        let done = self
+            .store
+            .mutate(stale_keys, move |txn| {
+                let now = (
+                    (
+                        txn.get(&keys.0).map(|e| e.mod_revision),
+                        txn.get(&keys.1).map(|e| e.mod_revision),
+                    ),
+                    keys.2
+                        .as_ref()
+                        .and_then(|k| txn.get(k))
+                        .map(|e| e.mod_revision),
+                    txn.get(&keys.3).map(|e| e.mod_revision),
+                );
+                if now != expected {
+                    return Err(ApiError::internal(
+                        "the allocations changed since they were checked",
+                    ));
+                }
+                for ip in &stale {
+                    let key = Kind::IpAddress.key(&prefix, None, &ip.to_string());
+                    if txn.get(&key).is_some() {
+                        txn.delete(key);
+                    }
+                }
+                for (ip, namespace, name) in &missing {
+                    let holder = Service {
+                        metadata: ObjectMeta {
+                            namespace: Some(namespace.clone()),
+                            name: Some(name.clone()),
+                            ..Default::default()
+                        },
+                        ..Default::default()
+                    };
+                    let object =
+                        Object::IpAddress(Box::new(ip_addresses::for_service(*ip, &holder)));
+                    txn.put(
+                        Kind::IpAddress.key(&prefix, None, &ip.to_string()),
+                        encode_stored(&object),
+                    );
+                }
+                Ok(stale.len() + missing.len())
             })
             .await?;
         Ok(done.value)
@@ -1233,7 +1475,82 @@ impl Registry {
             }
             Err(err) => tracing::warn!(error = %err, "leaked allocations not freed this round"),
         }
+        match self.repair_ip_addresses(&report).await {
+            Ok(0) => {}
+            Ok(fixed) => tracing::warn!(
+                fixed,
+                "IPAddress objects written again to match the Services"
+            ),
+            Err(err) => tracing::warn!(error = %err, "IPAddress objects not repaired this round"),
+        }
         Ok(report)
+    }
+}
+
+impl Registry {
+    /// The deletion side of kube-controller-manager's ServiceCIDR controller: every ServiceCIDR
+    /// marked for deletion whose addresses no Service holds any more (or another Ready range
+    /// covers) loses its finalizer and goes, in one write. Returns how many went.
+    pub async fn finish_service_cidr_deletions(&self) -> Result<usize, ApiError> {
+        let page = self
+            .store
+            .backend()
+            .list(ListRequest {
+                prefix: Kind::ServiceCidr.list_prefix(self.store.prefix(), None),
+                start: None,
+                revision: None,
+                limit: None,
+            })
+            .await?;
+        let mut removed = 0;
+        for kv in page.kvs {
+            let Ok(Object::ServiceCidr(cidr)) = typed_from_entry(Kind::ServiceCidr, &kv.value)
+            else {
+                continue;
+            };
+            let waiting = cidr.metadata.deletion_timestamp.is_some()
+                && cidr
+                    .metadata
+                    .finalizers
+                    .iter()
+                    .flatten()
+                    .any(|f| f == service_cidr::FINALIZER);
+            if !waiting {
+                continue;
+            }
+            let key = kv.key.clone();
+            let done = self
+                .store
+                .mutate(vec![key.clone()], move |txn| {
+                    let Some(entry) = txn.get(&key) else {
+                        return Ok(false);
+                    };
+                    let Object::ServiceCidr(mut cidr) =
+                        typed_from_entry(Kind::ServiceCidr, &entry.value)?
+                    else {
+                        return Ok(false);
+                    };
+                    if cidr.metadata.deletion_timestamp.is_none()
+                        || service_cidr::in_use(&cidr, txn.allocators()?)
+                    {
+                        return Ok(false);
+                    }
+                    if let Some(f) = cidr.metadata.finalizers.as_mut() {
+                        f.retain(|f| f != service_cidr::FINALIZER);
+                    }
+                    let object = Object::ServiceCidr(cidr);
+                    if has_finalizers(&object) {
+                        // Someone else's finalizer: only ours goes.
+                        txn.put(key.clone(), encode_stored(&object));
+                        return Ok(false);
+                    }
+                    remove_object(txn, &key, &object, &[])?;
+                    Ok(true)
+                })
+                .await?;
+            removed += usize::from(done.value);
+        }
+        Ok(removed)
     }
 }
 
@@ -1245,8 +1562,15 @@ pub fn verify_dump(
 ) -> Result<Verification, ApiError> {
     let np_key = storage::keys::node_port_range(prefix);
     let ip_key = storage::keys::service_ip_range(prefix);
+    let secondary_key = storage::keys::secondary_service_ip_range(prefix);
+    let extra_key = storage::keys::service_cidr_ranges(prefix);
     let service_prefix = Kind::Service.list_prefix(prefix, None);
+    let address_prefix = Kind::IpAddress.list_prefix(prefix, None);
     let mut report = Verification::default();
+    // IPAddress objects of the allocator, by address: the Service they name.
+    let mut objects = std::collections::BTreeMap::<IpAddr, (String, String)>::new();
+    // ClusterIPs of the Services, with the Service.
+    let mut holders = std::collections::BTreeMap::<IpAddr, (String, String)>::new();
     let mut ports_held = std::collections::BTreeMap::<u16, usize>::new();
     let mut ips_held = std::collections::BTreeMap::<IpAddr, usize>::new();
     let mut bitmap_ports = BTreeSet::new();
@@ -1267,6 +1591,34 @@ pub fn verify_dump(
             a.restore(&snap.range, &snap.data)
                 .map_err(ApiError::internal)?;
             bitmap_ips.extend(a.iter());
+        } else if kv.key == secondary_key
+            && let Some(cidr) = ranges.secondary_cluster_ips
+        {
+            report.secondary_bitmap_revision = Some(kv.mod_revision);
+            let snap = crate::store::decode_range(&kv.value).map_err(ApiError::internal)?;
+            let mut a = nodeport_alloc::ip::Allocator::new(cidr).map_err(ApiError::internal)?;
+            a.restore(&snap.range, &snap.data)
+                .map_err(ApiError::internal)?;
+            bitmap_ips.extend(a.iter());
+        } else if kv.key.starts_with(&address_prefix) {
+            let Object::IpAddress(object) = typed_from_entry(Kind::IpAddress, &kv.value)? else {
+                continue;
+            };
+            let Some(ip) = ip_addresses::address(&object) else {
+                continue;
+            };
+            if ip_addresses::managed(&object) {
+                let parent = object.spec.map(|s| s.parent_ref).unwrap_or_default();
+                objects.insert(ip, (parent.namespace.unwrap_or_default(), parent.name));
+            } else {
+                // A user's reservation holds its address like a Service.
+                *ips_held.entry(ip).or_default() += 1;
+            }
+        } else if kv.key == extra_key {
+            report.extra_revision = Some(kv.mod_revision);
+            let stored =
+                crate::cidr_ranges::ExtraRanges::decode(&kv.value).map_err(ApiError::internal)?;
+            bitmap_ips.extend(stored.allocated);
         } else if kv.key.starts_with(&service_prefix) {
             let Object::Service(svc) = typed_from_entry(Kind::Service, &kv.value)? else {
                 continue;
@@ -1275,6 +1627,13 @@ pub fn verify_dump(
             let (ips, ports) = service::held(&svc);
             for ip in ips {
                 *ips_held.entry(ip).or_default() += 1;
+                holders.insert(
+                    ip,
+                    (
+                        svc.metadata.namespace.clone().unwrap_or_default(),
+                        svc.metadata.name.clone().unwrap_or_default(),
+                    ),
+                );
             }
             for p in ports {
                 *ports_held.entry(p).or_default() += 1;
@@ -1304,6 +1663,18 @@ pub fn verify_dump(
     report.leaked_ips = bitmap_ips
         .into_iter()
         .filter(|ip| !ips_held.contains_key(ip))
+        .collect();
+    for (ip, holder) in &holders {
+        if objects.get(ip) != Some(holder) {
+            report
+                .missing_ip_addresses
+                .push((*ip, holder.0.clone(), holder.1.clone()));
+        }
+    }
+    report.stale_ip_addresses = objects
+        .into_iter()
+        .filter(|(ip, owner)| holders.get(ip) != Some(owner))
+        .map(|(ip, _)| ip)
         .collect();
     Ok(report)
 }
@@ -1392,12 +1763,24 @@ fn remove_object(
     if let Object::Service(svc) = object {
         service::release(svc, txn.allocators()?);
     }
+    if let Object::IpAddress(ip) = object {
+        ip_addresses::on_remove(ip, txn.allocators()?);
+    }
+    if let Object::ServiceCidr(cidr) = object {
+        service_cidr::on_remove(cidr, &mut txn.allocators()?.extra);
+    }
     for companion in companions {
         if txn.get(companion).is_some() {
             txn.delete(companion.clone());
         }
     }
     txn.delete(key.to_owned());
+    if let Object::Service(svc) = object
+        && let Some((prefix, _)) = key.split_once("/services/specs/")
+    {
+        // `<prefix>/services/specs/<namespace>/<name>`: its addresses' objects go with it.
+        ip_addresses::sync(txn, prefix, Some(svc), None);
+    }
     Ok(())
 }
 
@@ -1485,6 +1868,22 @@ fn apply_update(
             } else {
                 service::update(old_svc, new_svc, txn.allocators()?, ranges)?;
             }
+        }
+        (Object::IpAddress(new_ip), Object::IpAddress(old_ip)) => {
+            let mut errs = ip_addresses::validate(new_ip);
+            errs.extend(ip_addresses::validate_update(old_ip, new_ip));
+            if !errs.is_empty() {
+                return Err(invalid(kind, &name, errs));
+            }
+        }
+        (Object::ServiceCidr(new_cidr), Object::ServiceCidr(old_cidr)) => {
+            let mut errs = service_cidr::validate(new_cidr);
+            errs.extend(service_cidr::validate_update(old_cidr, new_cidr));
+            if !errs.is_empty() {
+                return Err(invalid(kind, &name, errs));
+            }
+            // A status write may make it Ready or not: allocation follows in this write.
+            service_cidr::track(new_cidr, &mut txn.allocators()?.extra);
         }
         (Object::Namespace(new_ns), Object::Namespace(old_ns)) => {
             // The namespace strategy's PrepareForUpdate: finalizers change only through

@@ -2,7 +2,7 @@
 
 use k8s_openapi::api::core::v1::{Endpoints, Event, Namespace, Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use k8s_openapi::api::networking::v1::ServiceCIDR;
+use k8s_openapi::api::networking::v1::{IPAddress, ServiceCIDR};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::Value;
 
@@ -26,6 +26,8 @@ pub enum Object {
     ServiceCidr(Box<ServiceCIDR>),
     /// An Event, in its stored (core/v1) form whichever API it came through.
     Event(Box<Event>),
+    /// An IPAddress.
+    IpAddress(Box<IPAddress>),
 }
 
 /// A decoded object and the input fields the typed object does not know.
@@ -80,6 +82,7 @@ impl Object {
             Kind::Namespace => Object::Namespace(Box::new(typed(kind, value)?)),
             Kind::ServiceCidr => Object::ServiceCidr(Box::new(typed(kind, value)?)),
             Kind::Event | Kind::EventsV1 => Object::Event(Box::new(typed(kind, value)?)),
+            Kind::IpAddress => Object::IpAddress(Box::new(typed(kind, value)?)),
         };
         let mut unknown_fields = Vec::new();
         let round_trip = object.to_value();
@@ -100,6 +103,7 @@ impl Object {
             Object::Namespace(_) => Kind::Namespace,
             Object::ServiceCidr(_) => Kind::ServiceCidr,
             Object::Event(_) => Kind::Event,
+            Object::IpAddress(_) => Kind::IpAddress,
         }
     }
 
@@ -113,6 +117,7 @@ impl Object {
             Object::Namespace(o) => &o.metadata,
             Object::ServiceCidr(o) => &o.metadata,
             Object::Event(o) => &o.metadata,
+            Object::IpAddress(o) => &o.metadata,
         }
     }
 
@@ -126,6 +131,7 @@ impl Object {
             Object::Namespace(o) => &mut o.metadata,
             Object::ServiceCidr(o) => &mut o.metadata,
             Object::Event(o) => &mut o.metadata,
+            Object::IpAddress(o) => &mut o.metadata,
         }
     }
 
@@ -144,6 +150,7 @@ impl Object {
             Object::Namespace(o) => serde_json::to_value(o),
             Object::ServiceCidr(o) => serde_json::to_value(o),
             Object::Event(o) => serde_json::to_value(o),
+            Object::IpAddress(o) => serde_json::to_value(o),
         }
         .expect("k8s-openapi objects serialize");
         if let Value::Object(map) = &mut value {

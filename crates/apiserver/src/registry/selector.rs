@@ -201,6 +201,7 @@ pub fn supported_fields(kind: Kind) -> &'static [&'static str] {
         ],
         Kind::Node => &["metadata.name", "spec.unschedulable"],
         Kind::ServiceCidr => &["metadata.name"],
+        Kind::IpAddress => &["metadata.name"],
         Kind::Namespace => &["metadata.name", "status.phase"],
         Kind::Endpoints | Kind::EndpointSlice => &["metadata.name", "metadata.namespace"],
         Kind::Event | Kind::EventsV1 => super::event::selectable_fields(kind),

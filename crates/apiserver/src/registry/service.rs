@@ -22,6 +22,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use nodeport_alloc::port;
 
+use super::ip_families;
 use super::validation::{self, NameRule};
 use crate::error::{ApiError, FieldError, GoValue};
 use crate::resource::Kind;
@@ -41,16 +42,39 @@ const IP_FORMAT_HINT: &str = "must be a valid IP address, (e.g. 10.9.8.7 or 2001
 pub struct ServiceRanges {
     /// `--service-node-port-range`.
     pub node_ports: nodeport_alloc::PortRange,
-    /// `--service-cluster-ip-range`.
+    /// `--service-cluster-ip-range`, its first (primary) CIDR.
     pub cluster_ips: IpNet,
+    /// The second CIDR of a dual-stack `--service-cluster-ip-range`, of the other family.
+    pub secondary_cluster_ips: Option<IpNet>,
 }
 
 impl ServiceRanges {
-    /// `IPv4` or `IPv6`: the one family this cluster serves.
+    /// `IPv4` or `IPv6`: the primary family, the one of single-stack Services by default.
     pub fn family(&self) -> &'static str {
         match self.cluster_ips {
             IpNet::V4(_) => "IPv4",
             IpNet::V6(_) => "IPv6",
+        }
+    }
+
+    /// Whether the cluster serves two families.
+    pub fn is_dual_stack(&self) -> bool {
+        self.secondary_cluster_ips.is_some()
+    }
+
+    /// Whether the cluster serves `family` (`IPv4` or `IPv6`).
+    pub fn serves(&self, family: &str) -> bool {
+        let name = |net: &IpNet| if net.addr().is_ipv6() { "IPv6" } else { "IPv4" };
+        name(&self.cluster_ips) == family
+            || self.secondary_cluster_ips.as_ref().map(name) == Some(family)
+    }
+
+    /// The ranges the writer's allocators cover.
+    pub fn store_ranges(&self) -> crate::store::Ranges {
+        crate::store::Ranges {
+            node_ports: self.node_ports,
+            cluster_ips: self.cluster_ips,
+            secondary_cluster_ips: self.secondary_cluster_ips,
         }
     }
 }
@@ -225,87 +249,6 @@ fn invalid(name: &str, errs: Vec<FieldError>) -> ApiError {
     ApiError::invalid(Kind::Service.subject(), name, errs)
 }
 
-/// Sets `ipFamilies` and `ipFamilyPolicy` for a single-stack cluster (`initIPFamilyFields`).
-fn init_ip_families(svc: &mut Service, ranges: &ServiceRanges) -> Result<(), ApiError> {
-    let name = svc.metadata.name.clone().unwrap_or_default();
-    let headless_without_selector =
-        is_headless(svc) && spec(svc).selector.as_ref().is_none_or(BTreeMap::is_empty);
-    let spec = svc.spec.get_or_insert_with(ServiceSpec::default);
-    let mut errs = Vec::new();
-    if spec.ip_family_policy.as_deref() == Some("RequireDualStack") && !headless_without_selector {
-        errs.push(FieldError::invalid(
-            "spec.ipFamilyPolicy",
-            GoValue::Str("RequireDualStack"),
-            "this cluster is not configured for dual-stack services",
-        ));
-    }
-    for (i, family) in spec.ip_families.iter().flatten().enumerate() {
-        if family != ranges.family() {
-            errs.push(FieldError::invalid(
-                format!("spec.ipFamilies[{i}]"),
-                GoValue::Str(family),
-                "not configured on this cluster",
-            ));
-        }
-    }
-    if !errs.is_empty() {
-        return Err(invalid(&name, errs));
-    }
-    if spec.ip_family_policy.is_none() {
-        spec.ip_family_policy = Some(if headless_without_selector {
-            "RequireDualStack".into()
-        } else {
-            "SingleStack".into()
-        });
-    }
-    if spec.ip_families.as_ref().is_none_or(Vec::is_empty) {
-        spec.ip_families = Some(vec![ranges.family().into()]);
-    }
-    Ok(())
-}
-
-/// Allocates the ClusterIP of a Service that needs one (create, or ExternalName → other).
-fn allocate_cluster_ip(svc: &mut Service, allocs: &mut Allocators) -> Result<(), ApiError> {
-    let name = svc.metadata.name.clone().unwrap_or_default();
-    let spec = svc.spec.get_or_insert_with(ServiceSpec::default);
-    normalize_cluster_ips(spec);
-    let requested = spec.cluster_ips.clone().unwrap_or_default();
-    match requested.first().map(String::as_str) {
-        Some("None") => {}
-        None | Some("") => {
-            let ip = allocs
-                .ips
-                .allocate_next()
-                .map_err(|e| ApiError::internal(format!("failed to allocate a serviceIP: {e}")))?;
-            spec.cluster_ip = Some(ip.to_string());
-            spec.cluster_ips = Some(vec![ip.to_string()]);
-        }
-        Some(first) => {
-            let Ok(ip) = first.parse::<IpAddr>() else {
-                return Err(invalid(
-                    &name,
-                    vec![FieldError::invalid(
-                        "spec.clusterIPs[0]",
-                        GoValue::Str(first),
-                        IP_FORMAT_HINT,
-                    )],
-                ));
-            };
-            if let Err(e) = allocs.ips.allocate(ip) {
-                return Err(invalid(
-                    &name,
-                    vec![FieldError::invalid(
-                        "spec.clusterIPs",
-                        GoValue::Strings(&requested),
-                        format!("failed to allocate IP {ip}: {e}"),
-                    )],
-                ));
-            }
-        }
-    }
-    Ok(())
-}
-
 fn node_port_error(name: &str, index: usize, node_port: i32, err: &port::Error) -> ApiError {
     invalid(
         name,
@@ -413,8 +356,9 @@ pub fn create(
 ) -> Result<(), ApiError> {
     let name = svc.metadata.name.clone().unwrap_or_default();
     if needs_cluster_ip(svc) {
-        init_ip_families(svc, ranges)?;
-        allocate_cluster_ip(svc, allocs)?;
+        normalize_cluster_ips(svc.spec.get_or_insert_with(ServiceSpec::default));
+        ip_families::init_fields(svc, None, ranges)?;
+        ip_families::allocate(svc, allocs)?;
     }
     if needs_node_port(svc) {
         allocate_node_ports_create(svc, allocs)?;
@@ -499,14 +443,6 @@ fn node_port_numbers(svc: &Service) -> BTreeSet<i32> {
 fn release_port(allocs: &mut Allocators, value: i32) {
     if let Ok(p) = u16::try_from(value) {
         allocs.ports.release(p);
-    }
-}
-
-fn release_ips(allocs: &mut Allocators, svc: &Service) {
-    for ip in spec(svc).cluster_ips.iter().flatten() {
-        if let Ok(ip) = ip.parse::<IpAddr>() {
-            allocs.ips.release(ip);
-        }
     }
 }
 
@@ -634,20 +570,17 @@ pub fn update(
     let name = new.metadata.name.clone().unwrap_or_default();
     patch_allocated_values(old, new);
 
-    // ClusterIPs.
+    // ClusterIPs (`normalizeClusterIPs`, then `initIPFamilyFields` and `updateClusterIPs`).
     match (needs_cluster_ip(old), needs_cluster_ip(new)) {
-        (false, true) => {
-            init_ip_families(new, ranges)?;
-            allocate_cluster_ip(new, allocs)?;
-        }
-        (true, false) => release_ips(allocs, old),
         (true, true) => {
             let spec = new.spec.get_or_insert_with(ServiceSpec::default);
             normalize_cluster_ips_update(self::spec(old), spec);
-            init_ip_families(new, ranges)?;
         }
-        (false, false) => {}
+        (false, true) => normalize_cluster_ips(new.spec.get_or_insert_with(ServiceSpec::default)),
+        _ => {}
     }
+    ip_families::init_fields(new, Some(old), ranges)?;
+    ip_families::update(old, new, allocs)?;
 
     // NodePorts.
     if needs_node_port(new) {
@@ -683,7 +616,7 @@ pub fn update(
 
 /// Frees everything a deleted Service held (`releaseAllocatedResources`).
 pub fn release(svc: &Service, allocs: &mut Allocators) {
-    release_ips(allocs, svc);
+    ip_families::release(svc, allocs);
     for np in node_port_numbers(svc) {
         release_port(allocs, np);
     }
@@ -874,43 +807,14 @@ pub fn validate(svc: &Service) -> Vec<FieldError> {
 
     // ClusterIPs.
     let cluster_ips = spec.cluster_ips.clone().unwrap_or_default();
-    if svc_type != EXTERNAL_NAME {
-        if let (Some(ip), Some(first)) = (spec.cluster_ip.as_deref(), cluster_ips.first())
-            && !ip.is_empty()
-            && ip != first
-        {
-            errs.push(FieldError::invalid(
-                "spec.clusterIPs",
-                GoValue::Strings(&cluster_ips),
-                "first value must match `clusterIP`",
-            ));
-        }
-        if cluster_ips.len() > 2 {
-            errs.push(FieldError::invalid(
-                "spec.clusterIPs",
-                GoValue::Strings(&cluster_ips),
-                "may only hold up to 2 values",
-            ));
-        }
-        for (i, ip) in cluster_ips.iter().enumerate() {
-            if i == 0 && ip == "None" {
-                if matches!(svc_type, NODE_PORT | LOAD_BALANCER) {
-                    errs.push(FieldError::invalid(
-                        "spec.clusterIPs[0]",
-                        GoValue::Str(ip),
-                        format!("may not be set to 'None' for {svc_type} services"),
-                    ));
-                }
-                continue;
-            }
-            if ip.parse::<IpAddr>().is_err() {
-                errs.push(FieldError::invalid(
-                    format!("spec.clusterIPs[{i}]"),
-                    GoValue::Str(ip),
-                    IP_FORMAT_HINT,
-                ));
-            }
-        }
+    if matches!(svc_type, NODE_PORT | LOAD_BALANCER)
+        && cluster_ips.first().map(String::as_str) == Some("None")
+    {
+        errs.push(FieldError::invalid(
+            "spec.clusterIPs[0]",
+            GoValue::Str("None"),
+            format!("may not be set to 'None' for {svc_type} services"),
+        ));
     }
     errs.extend(validation::labels(
         "spec.selector",
@@ -925,18 +829,8 @@ pub fn validate(svc: &Service) -> Vec<FieldError> {
             ));
         }
     }
-    if let Some(policy) = spec.ip_family_policy.as_deref()
-        && !matches!(
-            policy,
-            "SingleStack" | "PreferDualStack" | "RequireDualStack"
-        )
-    {
-        errs.push(FieldError::not_supported(
-            "spec.ipFamilyPolicy",
-            policy,
-            &["PreferDualStack", "RequireDualStack", "SingleStack"],
-        ));
-    }
+    // dual stack <-> clusterIPs <-> ipFamilies
+    errs.extend(ip_families::validate_related_fields(svc));
 
     // Session affinity.
     match spec.session_affinity.as_deref().unwrap_or("") {
@@ -1123,24 +1017,7 @@ pub fn validate_status(svc: &Service) -> Vec<FieldError> {
 
 /// `ValidateServiceUpdate`: what may not change.
 pub fn validate_update(old: &Service, new: &Service) -> Vec<FieldError> {
-    let mut errs = Vec::new();
-    if needs_cluster_ip(old) && needs_cluster_ip(new) {
-        let old_ips = spec(old).cluster_ips.clone().unwrap_or_default();
-        let new_ips = spec(new).cluster_ips.clone().unwrap_or_default();
-        match (old_ips.first(), new_ips.first()) {
-            (Some(_), None) => errs.push(FieldError::invalid(
-                "spec.clusterIPs[0]",
-                GoValue::Strings(&new_ips),
-                "primary clusterIP can not be unset",
-            )),
-            (Some(a), Some(b)) if a != b => errs.push(FieldError::invalid(
-                "spec.clusterIPs[0]",
-                GoValue::Strings(&new_ips),
-                "may not change once set",
-            )),
-            _ => {}
-        }
-    }
+    let mut errs = ip_families::validate_upgrade_downgrade(old, new);
     if needs_health_check(old)
         && needs_health_check(new)
         && spec(old).health_check_node_port != spec(new).health_check_node_port

@@ -1,4 +1,6 @@
-//! The default `networking.k8s.io/v1` ServiceCIDR, `kubernetes`.
+//! `networking.k8s.io/v1` ServiceCIDRs: the default one, `kubernetes`, and those added through
+//! the API, with kube's validation, the ServiceCIDR controller's finalizer and `Ready`
+//! condition.
 //!
 //! Since Kubernetes 1.33 kube-apiserver reflects `--service-cluster-ip-range` in a ServiceCIDR
 //! named `kubernetes` (the `kubernetes-service-cidr-controller` of
@@ -8,10 +10,15 @@
 //! bootstrap write that creates the system namespaces; an existing one is left as it is, as
 //! kube-apiserver leaves it (every API server must run with the same range).
 
+use ipnet::IpNet;
 use k8s_openapi::api::networking::v1::{ServiceCIDR, ServiceCIDRSpec, ServiceCIDRStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, ObjectMeta, Time};
 
 use super::service::ServiceRanges;
+use super::validation::{self, NameRule};
+use crate::cidr_ranges::{ExtraCidr, ExtraRanges};
+use crate::error::{FieldError, GoValue};
+use crate::store::Allocators;
 
 /// The name of the default ServiceCIDR (`DefaultServiceCIDRName`).
 pub const DEFAULT_NAME: &str = "kubernetes";
@@ -29,7 +36,7 @@ pub fn default_service_cidr(ranges: &ServiceRanges, uid: String, now: Time) -> S
             ..Default::default()
         },
         spec: Some(ServiceCIDRSpec {
-            cidrs: Some(vec![ranges.cluster_ips.to_string()]),
+            cidrs: Some(flag_cidrs(ranges)),
         }),
         status: Some(ServiceCIDRStatus {
             // The controller applies the condition without a reason.
@@ -51,4 +58,211 @@ pub fn cidrs(cidr: &ServiceCIDR) -> Vec<String> {
         .as_ref()
         .and_then(|s| s.cidrs.clone())
         .unwrap_or_default()
+}
+
+/// The CIDRs of `--service-cluster-ip-range`, primary first, as the default ServiceCIDR holds them.
+pub fn flag_cidrs(ranges: &ServiceRanges) -> Vec<String> {
+    std::iter::once(ranges.cluster_ips)
+        .chain(ranges.secondary_cluster_ips)
+        .map(|net| net.to_string())
+        .collect()
+}
+
+/// The finalizer kube-controller-manager's ServiceCIDR controller puts on every ServiceCIDR
+/// (`pkg/controller/servicecidrs`): the object stays while Services hold addresses only it
+/// covers.
+pub const FINALIZER: &str = "networking.k8s.io/service-cidr-finalizer";
+/// The message of the `Ready` condition the ServiceCIDR controller sets on an added one.
+pub const ADDED_READY_MESSAGE: &str = "Kubernetes Service CIDR is ready";
+/// The reason of the `Ready=False` condition of a ServiceCIDR being deleted while in use.
+pub const TERMINATING_REASON: &str = "Terminating";
+/// Its message, as the ServiceCIDR controller writes it.
+pub const TERMINATING_MESSAGE: &str = "There are still IPAddresses referencing the ServiceCIDR, please remove them or create a new ServiceCIDR";
+
+const CIDR_HINT: &str = "must be a valid CIDR value, (e.g. 10.9.8.0/24 or 2001:db8::/64)";
+
+/// `%#v` of the internal `networking.ServiceCIDRSpec`, as kube prints it in field errors.
+fn go_spec(cidrs: &[String]) -> GoValue<'static> {
+    GoValue::Raw(format!(
+        "networking.ServiceCIDRSpec{{CIDRs:{}}}",
+        GoValue::Strings(cidrs)
+    ))
+}
+
+/// `ValidateServiceCIDR` (`pkg/apis/networking/validation`): a DNS subdomain name, one or two
+/// CIDRs, each a CIDR, two only of different families.
+pub fn validate(cidr: &ServiceCIDR) -> Vec<FieldError> {
+    let mut errs = validation::object_meta(&cidr.metadata, false, NameRule::Dns1123Subdomain);
+    let list = cidrs(cidr);
+    if list.is_empty() {
+        errs.push(FieldError::required(
+            "spec.cidrs",
+            "at least one CIDR required",
+        ));
+        return errs;
+    }
+    if list.len() > 2 {
+        errs.push(FieldError::invalid(
+            "spec.cidrs",
+            go_spec(&list),
+            "may only hold up to 2 values",
+        ));
+        return errs;
+    }
+    for (i, text) in list.iter().enumerate() {
+        if text.parse::<IpNet>().is_err() {
+            errs.push(FieldError::invalid(
+                format!("spec.cidrs[{i}]"),
+                GoValue::Str(text),
+                CIDR_HINT,
+            ));
+        }
+    }
+    let nets = parsed(cidr);
+    if nets.len() == 2 && nets[0].addr().is_ipv6() == nets[1].addr().is_ipv6() {
+        errs.push(FieldError::invalid(
+            "spec.cidrs",
+            go_spec(&list),
+            "may specify no more than one IP for each IP family, i.e 192.168.0.0/24 and 2001:db8::/64",
+        ));
+    }
+    errs
+}
+
+/// `ValidateServiceCIDRUpdate`: the CIDRs do not change.
+pub fn validate_update(old: &ServiceCIDR, new: &ServiceCIDR) -> Vec<FieldError> {
+    let (before, after) = (cidrs(old), cidrs(new));
+    if before == after {
+        return Vec::new();
+    }
+    vec![FieldError::invalid(
+        "spec.cidrs",
+        GoValue::Strings(&after),
+        "field is immutable",
+    )]
+}
+
+/// The CIDRs of a ServiceCIDR that parse, host bits dropped.
+pub fn parsed(cidr: &ServiceCIDR) -> Vec<IpNet> {
+    cidrs(cidr)
+        .iter()
+        .filter_map(|c| c.parse::<IpNet>().ok())
+        .map(|c| c.trunc())
+        .collect()
+}
+
+/// Whether allocation may use it: not being deleted, and Ready (kube's `isReady`: an object
+/// without the condition counts as Ready).
+pub fn gives_addresses(cidr: &ServiceCIDR) -> bool {
+    cidr.metadata.deletion_timestamp.is_none()
+        && cidr
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
+            .is_none_or(|c| c.status == "True")
+}
+
+fn set_ready(cidr: &mut ServiceCIDR, status: &str, reason: &str, message: &str, now: Time) {
+    let conditions = cidr
+        .status
+        .get_or_insert_with(ServiceCIDRStatus::default)
+        .conditions
+        .get_or_insert_with(Vec::new);
+    conditions.retain(|c| c.type_ != "Ready");
+    conditions.push(Condition {
+        type_: "Ready".to_owned(),
+        status: status.to_owned(),
+        last_transition_time: now,
+        message: message.to_owned(),
+        reason: reason.to_owned(),
+        observed_generation: None,
+    });
+}
+
+/// What the ServiceCIDR controller does to a new ServiceCIDR, done in its create: the
+/// finalizer and `Ready=True`; allocation starts using it with the same write.
+pub fn on_create(cidr: &mut ServiceCIDR, extra: &mut ExtraRanges, now: Time) {
+    let finalizers = cidr.metadata.finalizers.get_or_insert_with(Vec::new);
+    if !finalizers.iter().any(|f| f == FINALIZER) {
+        finalizers.push(FINALIZER.to_owned());
+    }
+    set_ready(cidr, "True", "", ADDED_READY_MESSAGE, now);
+    track(cidr, extra);
+}
+
+/// Keeps the allocation's view of `cidr` (its CIDRs, whether it gives addresses) in step.
+pub fn track(cidr: &ServiceCIDR, extra: &mut ExtraRanges) {
+    let name = cidr.metadata.name.clone().unwrap_or_default();
+    if name == DEFAULT_NAME {
+        // The flag's ranges, kept in the bitmaps.
+        return;
+    }
+    extra.service_cidrs.insert(
+        name,
+        ExtraCidr {
+            cidrs: parsed(cidr),
+            ready: gives_addresses(cidr),
+        },
+    );
+}
+
+/// A ServiceCIDR marked for deletion: if no Service holds an address only it covers, the
+/// controller's work is done at once (`true`: remove it now); otherwise it stops giving
+/// addresses and says why in its `Ready` condition, and its finalizer keeps it.
+pub fn on_delete(cidr: &mut ServiceCIDR, allocs: &mut Allocators, now: Time) -> bool {
+    let name = cidr.metadata.name.clone().unwrap_or_default();
+    track(cidr, &mut allocs.extra);
+    if !in_use(cidr, allocs) {
+        if let Some(f) = cidr.metadata.finalizers.as_mut() {
+            f.retain(|f| f != FINALIZER);
+        }
+        allocs.extra.service_cidrs.remove(&name);
+        return true;
+    }
+    set_ready(cidr, "False", TERMINATING_REASON, TERMINATING_MESSAGE, now);
+    false
+}
+
+/// Whether Services hold addresses of `cidr` that no other Ready range covers.
+pub fn in_use(cidr: &ServiceCIDR, allocs: &mut Allocators) -> bool {
+    let name = cidr.metadata.name.clone().unwrap_or_default();
+    let mut view = allocs.cluster_ips();
+    parsed(cidr)
+        .into_iter()
+        .any(|net| !view.stranded(net, &name).is_empty())
+}
+
+/// Forgets a removed ServiceCIDR.
+pub fn on_remove(cidr: &ServiceCIDR, extra: &mut ExtraRanges) {
+    if let Some(name) = cidr.metadata.name.as_deref() {
+        extra.service_cidrs.remove(name);
+    }
+}
+
+/// The default ServiceCIDR written by an earlier start with other flags: kube-apiserver 1.33
+/// does not rewrite it (all API servers must match it; the operator reconfigures, see the
+/// "Kubernetes Default Service CIDR Reconfiguration" task of kubernetes.io), and since it
+/// allocates from ServiceCIDR objects, its CIDRs keep giving addresses beside the new flag's.
+/// Here its CIDRs the flags no longer name are tracked like an added ServiceCIDR, so the
+/// addresses Services hold there stay allocated and new ones may come from them.
+pub fn track_default(cidr: &ServiceCIDR, ranges: &ServiceRanges, extra: &mut ExtraRanges) {
+    let flags: Vec<IpNet> = std::iter::once(ranges.cluster_ips)
+        .chain(ranges.secondary_cluster_ips)
+        .collect();
+    let others: Vec<IpNet> = parsed(cidr)
+        .into_iter()
+        .filter(|c| !flags.contains(c))
+        .collect();
+    if others.is_empty() {
+        extra.service_cidrs.remove(DEFAULT_NAME);
+    } else {
+        extra.service_cidrs.insert(
+            DEFAULT_NAME.to_owned(),
+            ExtraCidr {
+                cidrs: others,
+                ready: gives_addresses(cidr),
+            },
+        );
+    }
 }

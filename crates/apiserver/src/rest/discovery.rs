@@ -224,6 +224,7 @@ fn schemas_of(group: &str) -> serde_json::Map<String, Value> {
             Kind::ServiceCidr => generator.subschema_for::<net::ServiceCIDR>(),
             Kind::Event => generator.subschema_for::<core::Event>(),
             Kind::EventsV1 => generator.subschema_for::<events::Event>(),
+            Kind::IpAddress => generator.subschema_for::<net::IPAddress>(),
         };
     }
     generator.take_definitions(true)

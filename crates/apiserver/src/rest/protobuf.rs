@@ -20,6 +20,7 @@ use std::collections::BTreeMap;
 use k8s_pb::api::core::v1 as core;
 use k8s_pb::api::discovery::v1 as discovery;
 use k8s_pb::api::events::v1 as events;
+use k8s_pb::api::networking::v1 as networking;
 use k8s_pb::apimachinery::pkg::apis::meta::v1 as meta;
 use k8s_pb::apimachinery::pkg::runtime::Unknown;
 use k8s_pb::apimachinery::pkg::util::intstr::IntOrString;
@@ -35,7 +36,7 @@ pub const MEDIA_TYPE: &str = "application/vnd.kubernetes.protobuf";
 pub const MAGIC: [u8; 4] = *b"k8s\0";
 
 /// The kinds whose protobuf bodies are decoded, as `(apiVersion, kind)`.
-pub const DECODED: [(&str, &str); 7] = [
+pub const DECODED: [(&str, &str); 9] = [
     ("v1", "Service"),
     ("v1", "Namespace"),
     ("v1", "Node"),
@@ -43,6 +44,8 @@ pub const DECODED: [(&str, &str); 7] = [
     ("discovery.k8s.io/v1", "EndpointSlice"),
     ("v1", "Event"),
     ("events.k8s.io/v1", "Event"),
+    ("networking.k8s.io/v1", "ServiceCIDR"),
+    ("networking.k8s.io/v1", "IPAddress"),
 ];
 
 /// Why a protobuf body could not be turned into JSON.
@@ -173,6 +176,8 @@ pub fn decode_object(body: &[u8], endpoint: Kind) -> Result<Value, Error> {
         ("discovery.k8s.io/v1", "EndpointSlice") => endpoint_slice(head, typed(&envelope)?),
         ("v1", "Event") => core_event(head, typed(&envelope)?),
         ("events.k8s.io/v1", "Event") => events_event(head, typed(&envelope)?),
+        ("networking.k8s.io/v1", "ServiceCIDR") => service_cidr(head, typed(&envelope)?),
+        ("networking.k8s.io/v1", "IPAddress") => ip_address(head, typed(&envelope)?),
         _ => Err(Error::UnsupportedKind {
             api_version: envelope.api_version,
             kind: envelope.kind,
@@ -719,6 +724,41 @@ fn endpoint_slice(head: Fields, s: discovery::EndpointSlice) -> Result<Value, Er
                 .ptr("protocol", p.protocol)
                 .ptr("port", p.port)
                 .ptr("appProtocol", p.app_protocol)
+                .done())
+        })
+        .map(Fields::done)
+}
+
+fn service_cidr(head: Fields, c: networking::ServiceCIDR) -> Result<Value, Error> {
+    head.object("metadata", c.metadata, object_meta)?
+        .object("spec", c.spec, |s| {
+            Ok(Fields::default().strings("cidrs", s.cidrs).done())
+        })?
+        .object("status", c.status, |s| {
+            Fields::default()
+                .list("conditions", s.conditions, condition)
+                .map(Fields::done)
+        })
+        .map(Fields::done)
+}
+
+fn ip_address(head: Fields, a: networking::IPAddress) -> Result<Value, Error> {
+    head.object("metadata", a.metadata, object_meta)?
+        .object("spec", a.spec, |s| {
+            // `parentRef` is a pointer; its fields have no `omitempty` but `group` and
+            // `namespace`.
+            Ok(Fields::default()
+                .value(
+                    "parentRef",
+                    s.parent_ref.map(|p| {
+                        Fields::default()
+                            .nonzero("group", p.group)
+                            .always("resource", p.resource)
+                            .nonzero("namespace", p.namespace)
+                            .always("name", p.name)
+                            .done()
+                    }),
+                )
                 .done())
         })
         .map(Fields::done)

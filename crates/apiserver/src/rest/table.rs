@@ -117,6 +117,14 @@ fn columns(kind: Kind) -> Vec<(&'static str, &'static str, i32)> {
             ("Count", "The number of times this event has occurred.", 1),
             ("Name", "Name must be unique within a namespace.", 1),
         ],
+        Kind::IpAddress => vec![
+            name,
+            (
+                "ParentRef",
+                "ParentRef references the resource that an IPAddress is attached to.",
+                0,
+            ),
+        ],
     }
 }
 
@@ -410,6 +418,29 @@ fn service_cidr_cells(cidr: &Value) -> Vec<Value> {
     ]
 }
 
+/// kubectl's `NAME PARENTREF`: the parent as `<resource>[.<group>]/<namespace>/<name>`.
+fn ip_address_cells(ip: &Value) -> Vec<Value> {
+    let parent = ip.pointer("/spec/parentRef");
+    let part = |field: &str| {
+        parent
+            .and_then(|p| p.get(field))
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_owned()
+    };
+    let mut resource = part("resource");
+    if !part("group").is_empty() {
+        resource = format!("{resource}.{}", part("group"));
+    }
+    let namespace = part("namespace");
+    let reference = if namespace.is_empty() {
+        format!("{resource}/{}", part("name"))
+    } else {
+        format!("{resource}/{namespace}/{}", part("name"))
+    };
+    vec![json!(s(ip, "/metadata/name")), json!(reference)]
+}
+
 fn namespace_cells(ns: &Value) -> Vec<Value> {
     vec![
         json!(s(ns, "/metadata/name")),
@@ -496,6 +527,7 @@ pub fn row(kind: Kind, object: &Value, include_object: &str) -> Value {
         Kind::Namespace => namespace_cells(object),
         Kind::ServiceCidr => service_cidr_cells(object),
         Kind::Event | Kind::EventsV1 => event_cells(object),
+        Kind::IpAddress => ip_address_cells(object),
     };
     let embedded = match include_object {
         "None" => Value::Null,

@@ -1014,9 +1014,9 @@ impl Backend for EtcdBackend {
     }
 
     fn max_batch_keys(&self) -> usize {
-        // The writer adds both range keys to the declared keys, and each branch of the
-        // transaction has one operation on the turn mark.
-        MAX_TXN_OPS - 3
+        // The writer adds the range keys (four on a dual-stack server) to the declared keys,
+        // and each branch of the transaction has one operation on the turn mark.
+        MAX_TXN_OPS - 5
     }
 
     fn current_revision(&self) -> BoxFuture<'_, Result<Revision, Error>> {

@@ -20,7 +20,8 @@ pub struct Args {
     /// NodePort range, "N-M" (inclusive), "N+offset" or "N".
     #[arg(long, default_value = "30000-32767")]
     service_node_port_range: String,
-    /// CIDR ClusterIPs are allocated from.
+    /// CIDR ClusterIPs are allocated from; two CIDRs of different families ("v4,v6" or
+    /// "v6,v4", the first the primary family) make the cluster dual-stack.
     #[arg(long, default_value = "10.96.0.0/16")]
     service_cluster_ip_range: String,
     /// Directory of the embedded store.
@@ -94,6 +95,38 @@ fn duration(text: &str) -> Option<std::time::Duration> {
     Some(std::time::Duration::from_secs(seconds))
 }
 
+/// `--service-cluster-ip-range`: one CIDR, or two of different families (`v4,v6` or `v6,v4`,
+/// the first the primary family), checked as kube-apiserver's `validateClusterIPFlags` checks
+/// them, in its words.
+pub(crate) fn cluster_ip_ranges(text: &str) -> anyhow::Result<(IpNet, Option<IpNet>)> {
+    let entries: Vec<&str> = text.split(',').map(str::trim).collect();
+    if entries.len() > 2 {
+        return Err(usage(
+            "--service-cluster-ip-range must not contain more than two entries",
+        ));
+    }
+    let mut nets = Vec::new();
+    for entry in &entries {
+        let net: IpNet = entry.parse().map_err(|_| {
+            usage(format!(
+                "--service-cluster-ip-range {entry:?} is not a CIDR"
+            ))
+        })?;
+        if let Err(e) = nodeport_alloc::ip::Allocator::new(net) {
+            return Err(usage(format!("--service-cluster-ip-range: {e}")));
+        }
+        nets.push(net);
+    }
+    if let [first, second] = nets[..]
+        && first.addr().is_ipv6() == second.addr().is_ipv6()
+    {
+        return Err(usage(
+            "--service-cluster-ip-range[0] and --service-cluster-ip-range[1] must be of different IP family",
+        ));
+    }
+    Ok((nets[0], nets.get(1).copied()))
+}
+
 /// Turns the flags into a [`Config`], or a one-line usage error.
 fn config(args: &Args) -> anyhow::Result<Config> {
     let bind_address: IpAddr = args.bind_address.parse().map_err(|_| {
@@ -164,15 +197,8 @@ fn config(args: &Args) -> anyhow::Result<Config> {
     }
     let node_port_range = PortRange::parse(&args.service_node_port_range)
         .map_err(|e| usage(format!("--service-node-port-range: {e}")))?;
-    let cluster_ip_range: IpNet = args.service_cluster_ip_range.parse().map_err(|_| {
-        usage(format!(
-            "--service-cluster-ip-range {:?} is not a CIDR",
-            args.service_cluster_ip_range
-        ))
-    })?;
-    if let Err(e) = nodeport_alloc::ip::Allocator::new(cluster_ip_range) {
-        return Err(usage(format!("--service-cluster-ip-range: {e}")));
-    }
+    let (cluster_ip_range, secondary_cluster_ip_range) =
+        cluster_ip_ranges(&args.service_cluster_ip_range)?;
     if !args.etcd_prefix.starts_with('/') || args.etcd_prefix.ends_with('/') {
         return Err(usage(format!(
             "--etcd-prefix {:?} must start with '/' and not end with one",
@@ -201,6 +227,7 @@ fn config(args: &Args) -> anyhow::Result<Config> {
         port: args.port,
         node_port_range,
         cluster_ip_range: cluster_ip_range.trunc(),
+        secondary_cluster_ip_range: secondary_cluster_ip_range.map(|net| net.trunc()),
         data_dir: args.data_dir.clone(),
         prefix: args.etcd_prefix.clone(),
         tls_cert_file: args.tls_cert_file.clone(),
@@ -244,6 +271,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             address = %listener.local_addr()?,
             node_ports = %config.node_port_range,
             cluster_ips = %config.cluster_ip_range,
+            secondary_cluster_ips = ?config.secondary_cluster_ip_range,
             storage = if config.etcd_servers.is_empty() {
                 format!("redb in {}", config.data_dir.display())
             } else {

@@ -2,7 +2,7 @@
 //! namespace: pods are processes of their own so that `nodeport lab --keep` can leave them
 //! running.
 
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::IpAddr;
 
 use crate::lab::{self, Config, ProxyMode, interrupt::Interrupt};
 
@@ -22,6 +22,11 @@ pub struct Args {
     /// remove it. Kept also when the verdict fails; never after a setup error or a signal.
     #[arg(long)]
     keep: bool,
+    /// The cluster's IP families: `ipv4`, or `dual` for an IPv6 address beside every IPv4 one,
+    /// a dual-stack API server and a `RequireDualStack` Service; the verdict then needs every
+    /// node to answer on the NodePort over both families.
+    #[arg(long, value_enum, default_value_t = lab::dual_stack::IpFamily::Ipv4)]
+    ip_family: lab::dual_stack::IpFamily,
     /// Remove the lab with this id (one left running by --keep, or by a killed run) and exit.
     #[arg(long, value_name = "ID", conflicts_with_all = ["keep", "proxy_mode"])]
     down: Option<String>,
@@ -43,6 +48,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let config = Config {
         proxy_mode: args.proxy_mode,
         keep: args.keep,
+        ip_family: args.ip_family,
         ..Config::default()
     };
     match lab::run(&config, &interrupt) {
@@ -84,12 +90,15 @@ pub struct PodServerArgs {
     /// A UDP echo port, if any.
     #[arg(long)]
     udp: Option<u16>,
+    /// The address to listen on: `::` serves both families (the dual-stack lab).
+    #[arg(long, default_value = "0.0.0.0")]
+    bind: IpAddr,
 }
 
 /// Serves like nginx's welcome page until killed (see `nodeport_testbed::server`).
 pub fn run_pod_server(args: PodServerArgs) -> anyhow::Result<()> {
     let mut config = nodeport_testbed::server::ServerConfig::http(&args.name, args.http);
-    config.bind = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
+    config.bind = args.bind;
     config.udp_port = args.udp;
     let server = nodeport_testbed::server::Server::start(config)?;
     tracing::info!(pod = %args.name, http = args.http, "pod server listening");

@@ -36,20 +36,22 @@ pub struct Args {
     /// NodePort range, "N-M" (inclusive), "N+offset" or "N".
     #[arg(long, default_value = "30000-32767")]
     service_node_port_range: String,
-    /// CIDR ClusterIPs are allocated from.
+    /// CIDR ClusterIPs are allocated from; two CIDRs of different families ("v4,v6" or
+    /// "v6,v4", the first the primary family) make the cluster dual-stack.
     #[arg(long, default_value = "10.96.0.0/16")]
-    service_cluster_ip_range: IpNet,
+    service_cluster_ip_range: String,
     /// The proxy's dataplane.
     #[arg(long, value_enum, default_value_t = ProxyMode::Nftables)]
     proxy_mode: ProxyMode,
     /// This node's name, for its Node object and its proxy [default: the host name].
     #[arg(long)]
     hostname_override: Option<String>,
-    /// This node's IP, registered as its InternalIP (the proxy's `primary` NodePort address)
-    /// [default: the address of the interface with the default route, else the first
-    /// non-loopback IPv4 address].
-    #[arg(long)]
-    node_ip: Option<IpAddr>,
+    /// This node's IP, registered as its InternalIP (the proxy's `primary` NodePort address);
+    /// repeated (or comma-separated) for a dual-stack node, one per family, as kubelet's
+    /// `--node-ip` [default: the address of the interface with the default route, else the
+    /// first non-loopback IPv4 address].
+    #[arg(long, value_delimiter = ',')]
+    node_ip: Vec<IpAddr>,
     /// Which node IPs accept NodePorts, as `nodeport proxy` takes it: CIDRs, `default-route`
     /// and `primary` (this node's registered IP), comma-separated [default: primary for
     /// nftables, every address for iptables].
@@ -83,14 +85,14 @@ fn api_config(args: &Args) -> anyhow::Result<ApiConfig> {
     }
     let node_port_range = PortRange::parse(&args.service_node_port_range)
         .map_err(|e| usage(format!("--service-node-port-range: {e}")))?;
-    if let Err(e) = nodeport_alloc::ip::Allocator::new(args.service_cluster_ip_range) {
-        return Err(usage(format!("--service-cluster-ip-range: {e}")));
-    }
+    let (cluster_ip_range, secondary_cluster_ip_range) =
+        super::apiserver::cluster_ip_ranges(&args.service_cluster_ip_range)?;
     let mut config = ApiConfig {
         bind_address: args.bind_address,
         port: args.port,
         node_port_range,
-        cluster_ip_range: args.service_cluster_ip_range.trunc(),
+        cluster_ip_range: cluster_ip_range.trunc(),
+        secondary_cluster_ip_range: secondary_cluster_ip_range.map(|net| net.trunc()),
         data_dir: args.data_dir.clone(),
         ..ApiConfig::default()
     };
@@ -146,12 +148,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .trim()
             .to_lowercase(),
     };
-    let node_ip = match args.node_ip {
-        Some(ip) => ip,
-        None => detect_node_ip().ok_or_else(|| {
-            usage("cannot find this node's IP (no non-loopback IPv4 address); pass --node-ip")
-        })?,
-    };
+    let node_ips = node_ips(&args.node_ip)?;
     let mut proxy_config = proxy_config(&args, &node_name)?;
     if proxy_config.mode == nodeport_proxy::config::ProxyMode::Iptables {
         // The same choice of iptables tools as `nodeport proxy --iptables-variant auto`.
@@ -178,12 +175,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }));
 
         let client = client(&server_url)?;
-        register_node(client.clone(), &node_name, node_ip).await?;
+        register_node(client.clone(), &node_name, &node_ips).await?;
         let (proxy_stop_tx, proxy_stop_rx) = tokio::sync::oneshot::channel::<()>();
         let mut proxy = tokio::spawn(agent::run(client, proxy_config, async move {
             let _ = proxy_stop_rx.await;
         }));
-        tracing::info!(node = %node_name, %node_ip, mode = args.proxy_mode.as_str(), "proxy started");
+        tracing::info!(node = %node_name, ?node_ips, mode = args.proxy_mode.as_str(), "proxy started");
 
         let proxy_ended = tokio::select! {
             signal = shutdown_signal() => {
@@ -231,20 +228,22 @@ async fn shutdown_signal() -> anyhow::Result<()> {
 
 /// Creates (or updates) this host's Node object, as its kubelet would register it: the proxy
 /// reads its node IPs (the `primary` NodePort addresses) from it.
-async fn register_node(client: kube::Client, name: &str, ip: IpAddr) -> anyhow::Result<()> {
+async fn register_node(client: kube::Client, name: &str, ips: &[IpAddr]) -> anyhow::Result<()> {
     use kube::api::{Api, Patch, PatchParams, PostParams};
     let nodes: Api<Node> = Api::all(client);
+    let mut addresses: Vec<NodeAddress> = ips
+        .iter()
+        .map(|ip| NodeAddress {
+            type_: "InternalIP".into(),
+            address: ip.to_string(),
+        })
+        .collect();
+    addresses.push(NodeAddress {
+        type_: "Hostname".into(),
+        address: name.into(),
+    });
     let status = NodeStatus {
-        addresses: Some(vec![
-            NodeAddress {
-                type_: "InternalIP".into(),
-                address: ip.to_string(),
-            },
-            NodeAddress {
-                type_: "Hostname".into(),
-                address: name.into(),
-            },
-        ]),
+        addresses: Some(addresses),
         ..Default::default()
     };
     let node = Node {
@@ -271,8 +270,29 @@ async fn register_node(client: kube::Client, name: &str, ip: IpAddr) -> anyhow::
         .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
         .with_context(|| format!("update the addresses of node {name}"))?;
-    tracing::info!(node = %name, %ip, "node registered");
+    tracing::info!(node = %name, ?ips, "node registered");
     Ok(())
+}
+
+/// The node's InternalIPs from `--node-ip`: one address, or one of each family, as kubelet
+/// takes them (`ParseNodeIPArgument` in `k8s.io/component-helpers/node/util`); else the
+/// detected one.
+fn node_ips(given: &[IpAddr]) -> anyhow::Result<Vec<IpAddr>> {
+    match given {
+        [] => Ok(vec![detect_node_ip().ok_or_else(|| {
+            usage("cannot find this node's IP (no non-loopback IPv4 address); pass --node-ip")
+        })?]),
+        [one] => Ok(vec![*one]),
+        [a, b] if a.is_ipv6() != b.is_ipv6() => Ok(vec![*a, *b]),
+        _ => Err(usage(format!(
+            "--node-ip {}: must contain either a single IP or a dual-stack pair of IPs",
+            given
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        ))),
+    }
 }
 
 /// This node's IP as kubelet would pick it without `--node-ip`: the IPv4 address of the
@@ -331,11 +351,60 @@ mod tests {
             err.to_string().starts_with("--bind-address 192.0.2.10:"),
             "{err}"
         );
+        let cli = Cli::parse_from([
+            "up",
+            "--service-cluster-ip-range",
+            "10.96.0.0/16,fd00:10:96::/108",
+        ]);
+        let config = api_config(&cli.args).unwrap();
+        assert_eq!(
+            config.secondary_cluster_ip_range,
+            Some("fd00:10:96::/108".parse().unwrap())
+        );
+        let cli = Cli::parse_from([
+            "up",
+            "--service-cluster-ip-range",
+            "10.96.0.0/16,10.97.0.0/16",
+        ]);
+        let err = api_config(&cli.args).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "--service-cluster-ip-range[0] and --service-cluster-ip-range[1] must be of different IP family"
+        );
         let cli = Cli::parse_from(["up", "--service-node-port-range", "40000-30000"]);
         let err = api_config(&cli.args).unwrap_err();
         assert!(
             err.to_string().starts_with("--service-node-port-range:"),
             "{err}"
+        );
+    }
+
+    #[test]
+    fn node_ip_takes_one_address_per_family_repeated_or_comma_separated() {
+        use clap::Parser;
+        #[derive(Debug, clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: Args,
+        }
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let cli = Cli::parse_from(["up", "--node-ip", "192.0.2.10", "--node-ip", "fd00::10"]);
+        assert_eq!(
+            node_ips(&cli.args.node_ip).unwrap(),
+            vec![ip("192.0.2.10"), ip("fd00::10")]
+        );
+        let cli = Cli::parse_from(["up", "--node-ip", "fd00::10,192.0.2.10"]);
+        assert_eq!(
+            node_ips(&cli.args.node_ip).unwrap(),
+            vec![ip("fd00::10"), ip("192.0.2.10")]
+        );
+        let cli = Cli::parse_from(["up", "--node-ip", "192.0.2.10,192.0.2.11"]);
+        let err = node_ips(&cli.args.node_ip).unwrap_err();
+        assert!(err.downcast_ref::<UsageError>().is_some());
+        assert_eq!(
+            err.to_string(),
+            "--node-ip 192.0.2.10,192.0.2.11: must contain either a single IP or a dual-stack \
+             pair of IPs"
         );
     }
 

@@ -13,6 +13,7 @@
 //! leave a working lab running; `nodeport lab --down <id>` removes that later. A lab whose
 //! process was killed outright is swept by the next `nodeport lab`.
 
+pub mod dual_stack;
 pub mod interrupt;
 pub mod objects;
 pub mod pki;
@@ -32,7 +33,7 @@ use anyhow::{Context, bail};
 use nodeport_testbed::{Lan, Netns, probe};
 
 use interrupt::Interrupt;
-use plan::{API_PORT, CLIENT_IP, CLUSTER_CIDR, Plan};
+use plan::{API_PORT, CLIENT_IP, Plan};
 use processes::Processes;
 use state::{LabDir, State};
 use verdict::{NodeResult, Reach, Verdict};
@@ -78,6 +79,8 @@ pub struct Config {
     pub keep: bool,
     /// Pods in the deployment; the reference scales `web` to 3.
     pub replicas: usize,
+    /// IPv4 only, or dual-stack (see [`dual_stack`]).
+    pub ip_family: dual_stack::IpFamily,
 }
 
 impl Default for Config {
@@ -86,6 +89,7 @@ impl Default for Config {
             proxy_mode: ProxyMode::Nftables,
             keep: false,
             replicas: 3,
+            ip_family: dual_stack::IpFamily::Ipv4,
         }
     }
 }
@@ -170,6 +174,7 @@ struct Lab {
     lan: Option<Lan>,
     kept: bool,
     step: usize,
+    ip_family: dual_stack::IpFamily,
 }
 
 impl Lab {
@@ -215,6 +220,7 @@ impl Lab {
             lan: None,
             kept: false,
             step: 0,
+            ip_family: config.ip_family,
         };
         lab.dir.save(&lab.state).context("write the lab state")?;
         println!(
@@ -222,6 +228,15 @@ impl Lab {
             config.proxy_mode.as_str(),
             lab.dir.path().display()
         );
+        if config.ip_family == dual_stack::IpFamily::Dual {
+            println!(
+                "  dual-stack: IPv6 beside every IPv4 address (nodes {}, client {}), Service \
+                 ranges {}",
+                dual_stack::NODE_NETWORK6,
+                dual_stack::CLIENT_IP6,
+                dual_stack::SERVICE_RANGES
+            );
+        }
         Ok(lab)
     }
 
@@ -257,6 +272,10 @@ impl Lab {
             self.plan.pods.len()
         ));
         self.pods = topology::build_pods(&self.plan, &self.nodes)?;
+        if self.ip_family == dual_stack::IpFamily::Dual {
+            let client = self.client.as_ref().expect("network is built");
+            dual_stack::add_ipv6(&self.plan, &self.nodes, client, &self.pods)?;
+        }
         self.start_pods()?;
         interrupt.check()?;
 
@@ -269,7 +288,11 @@ impl Lab {
         self.wait_api(interrupt)?;
 
         self.progress("nodes register, as their kubelets would");
-        let nodes = objects::to_yaml(&objects::nodes(&self.plan))?;
+        let mut node_objects = objects::nodes(&self.plan);
+        if self.ip_family == dual_stack::IpFamily::Dual {
+            node_objects = dual_stack::dual_stack_nodes(&self.plan, node_objects);
+        }
+        let nodes = objects::to_yaml(&node_objects)?;
         self.create_objects("nodes.yaml", &nodes)?;
         self.show(&["get", "nodes", "-o", "wide"])?;
         interrupt.check()?;
@@ -283,7 +306,11 @@ impl Lab {
         interrupt.check()?;
 
         self.progress("kubectl expose deployment web --port=80 --type=NodePort");
-        let service = objects::to_yaml(&[objects::service()])?;
+        let mut service = objects::service();
+        if self.ip_family == dual_stack::IpFamily::Dual {
+            service = dual_stack::dual_stack_service(service);
+        }
+        let service = objects::to_yaml(&[service])?;
         self.create_objects("service.yaml", &service)?;
         let node_port = self.node_port()?;
         let uid = self.kubectl(&["get", "svc", plan::APP, "-o", "jsonpath={.metadata.uid}"])?;
@@ -293,9 +320,14 @@ impl Lab {
         self.progress("the endpoint controllers publish the ready pods");
         let slice_suffix = plan::new_id();
         let uid = Some(uid.trim()).filter(|u| !u.is_empty());
+        let mut slices = vec![objects::endpoint_slice(&self.plan, &slice_suffix, uid)];
+        if self.ip_family == dual_stack::IpFamily::Dual {
+            let ipv6 = dual_stack::ipv6_slice(&self.plan, slices[0].clone(), &plan::new_id());
+            slices.push(ipv6);
+        }
         let endpoints = format!(
             "{}---\n{}",
-            objects::to_yaml(&[objects::endpoint_slice(&self.plan, &slice_suffix, uid)])?,
+            objects::to_yaml(&slices)?,
             objects::to_yaml(&[objects::endpoints(&self.plan)])?
         );
         self.create_objects("endpoints.yaml", &endpoints)?;
@@ -325,13 +357,16 @@ impl Lab {
     /// Starts one `nodeport pod-server` per pod, inside its namespace.
     fn start_pods(&mut self) -> anyhow::Result<()> {
         for (pod, ns) in self.plan.pods.iter().zip(&self.pods) {
-            let args = os_args(&[
+            let mut args = os_args(&[
                 "pod-server",
                 "--name",
                 &pod.name,
                 "--http",
                 &plan::WEB_PORT.to_string(),
             ]);
+            if self.ip_family == dual_stack::IpFamily::Dual {
+                args.extend(os_args(&["--bind", "::"]));
+            }
             let log = self.dir.log(&format!("pod-{}", pod.name));
             self.processes
                 .start(&self.plan.id, ns, &format!("pod-{}", pod.name), &args, &log)?;
@@ -389,6 +424,12 @@ impl Lab {
             "--port",
             &API_PORT.to_string(),
         ]);
+        if self.ip_family == dual_stack::IpFamily::Dual {
+            args.extend(os_args(&[
+                "--service-cluster-ip-range",
+                dual_stack::SERVICE_RANGES,
+            ]));
+        }
         for (flag, path) in [
             ("--tls-cert-file", &cert_file),
             ("--tls-private-key-file", &key_file),
@@ -460,7 +501,7 @@ impl Lab {
                 "--proxy-mode",
                 mode.as_str(),
                 "--cluster-cidr",
-                &CLUSTER_CIDR.to_string(),
+                &dual_stack::cluster_cidrs(self.ip_family),
             ]));
             let name = format!("proxy-{node}");
             let log = self.dir.log(&name);
@@ -572,9 +613,16 @@ impl Lab {
     ) -> anyhow::Result<Verdict> {
         let deadline = Instant::now() + REACH_TIMEOUT;
         let mut results = Vec::new();
-        for i in 0..self.plan.nodes.len() {
+        let asked: Vec<(usize, IpAddr)> = (0..self.plan.nodes.len())
+            .flat_map(|i| {
+                dual_stack::node_ips(&self.plan.nodes[i], self.ip_family)
+                    .into_iter()
+                    .map(move |ip| (i, ip))
+            })
+            .collect();
+        for (i, ip) in asked {
             let node = self.plan.nodes[i].clone();
-            let to = SocketAddr::new(IpAddr::V4(node.ip), node_port);
+            let to = SocketAddr::new(ip, node_port);
             let client = self.client.as_ref().expect("network is built");
             let reach = loop {
                 interrupt.check()?;
@@ -617,7 +665,13 @@ impl Lab {
                         .pods
                         .iter()
                         .find(|p| &p.name == pod)
-                        .map(|p| format!(" ({} on {})", p.ip, self.plan.nodes[p.node].name))
+                        .map(|p| {
+                            let pod_ip = match ip {
+                                IpAddr::V4(_) => IpAddr::V4(p.ip),
+                                IpAddr::V6(_) => IpAddr::V6(dual_stack::pod_ip6(p)),
+                            };
+                            format!(" ({pod_ip} on {})", self.plan.nodes[p.node].name)
+                        })
                         .unwrap_or_default();
                     println!(
                         "  {} {to} -> \"{WELCOME}\" from pod {pod}{at}, which saw the client \
@@ -629,7 +683,7 @@ impl Lab {
             }
             results.push(NodeResult {
                 node: node.name.clone(),
-                ip: node.ip,
+                ip,
                 reach,
             });
         }
@@ -686,6 +740,9 @@ impl Lab {
         match mode {
             ProxyMode::Nftables => {
                 print(&["nft", "list", "table", "ip", "kube-proxy"]);
+                if self.ip_family == dual_stack::IpFamily::Dual {
+                    print(&["nft", "list", "table", "ip6", "kube-proxy"]);
+                }
             }
             ProxyMode::Iptables | ProxyMode::Ipvs => {
                 print(&["iptables", "-t", "nat", "-nvL", "PREROUTING"]);

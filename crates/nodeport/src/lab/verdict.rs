@@ -2,7 +2,7 @@
 //! not and why.
 
 use std::fmt;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, SocketAddr};
 
 /// What happened when the client asked one node.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,8 +26,8 @@ pub enum Reach {
 pub struct NodeResult {
     /// The node's name.
     pub node: String,
-    /// Its address.
-    pub ip: Ipv4Addr,
+    /// The address asked (one line per family in a dual-stack lab).
+    pub ip: IpAddr,
     /// What the client got.
     pub reach: Reach,
 }
@@ -81,7 +81,7 @@ impl fmt::Display for Verdict {
         )?;
         for n in failed {
             if let Reach::Failed { why } = &n.reach {
-                write!(f, "\n  {} {}:{port}: {why}", n.node, n.ip)?;
+                write!(f, "\n  {} {}: {why}", n.node, SocketAddr::new(n.ip, port))?;
             }
         }
         Ok(())
@@ -95,7 +95,7 @@ mod tests {
     fn answered(node: &str, ip: [u8; 4]) -> NodeResult {
         NodeResult {
             node: node.into(),
-            ip: ip.into(),
+            ip: IpAddr::from(ip),
             reach: Reach::Answered {
                 pod: "web-1".into(),
                 seen_client: "192.0.2.10:40000".into(),
@@ -121,6 +121,27 @@ mod tests {
     }
 
     #[test]
+    fn a_dual_stack_verdict_needs_both_families_of_every_node_and_brackets_ipv6() {
+        let mut v = Verdict {
+            node_port: 30510,
+            nodes: vec![answered("worker", [192, 0, 2, 11])],
+        };
+        v.nodes.push(NodeResult {
+            node: "worker".into(),
+            ip: "fd00:192:0:2::11".parse().unwrap(),
+            reach: Reach::Failed {
+                why: "connection refused".into(),
+            },
+        });
+        assert!(!v.passed());
+        assert_eq!(
+            v.to_string(),
+            "verdict: FAIL: 1 of 2 node IPs did not answer on NodePort 30510/TCP\n  worker \
+             [fd00:192:0:2::11]:30510: connection refused"
+        );
+    }
+
+    #[test]
     fn a_silent_node_fails_the_verdict_with_its_reason() {
         let v = Verdict {
             node_port: 30510,
@@ -128,7 +149,7 @@ mod tests {
                 answered("control-plane", [192, 0, 2, 10]),
                 NodeResult {
                     node: "worker2".into(),
-                    ip: [192, 0, 2, 12].into(),
+                    ip: IpAddr::from([192, 0, 2, 12]),
                     reach: Reach::Failed {
                         why: "connection refused".into(),
                     },

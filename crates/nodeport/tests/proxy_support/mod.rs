@@ -29,6 +29,23 @@ pub const CLIENT_IP: &str = "192.0.2.100";
 /// The second client's address.
 pub const CLIENT2_IP: &str = "192.0.2.101";
 const API: &str = "http://127.0.0.1:6443";
+/// The node's IPv6 address on lan1, in a dual-stack cluster (its second InternalIP).
+pub const NODE_IP6: &str = "fd00:192:0:2::10";
+/// The client's IPv6 address on lan1, in a dual-stack cluster.
+pub const CLIENT_IP6: &str = "fd00:192:0:2::100";
+/// `--service-cluster-ip-range` of a dual-stack cluster, IPv4 primary.
+pub const DUAL_STACK_SERVICE_RANGES: &str = "10.96.0.0/16,fd00:10:96::/108";
+
+/// The families of the cluster a test builds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stack {
+    /// IPv4 only: the API server's default range, IPv4 addresses everywhere.
+    Single,
+    /// Dual-stack: the API server with [`DUAL_STACK_SERVICE_RANGES`]; the node, the client
+    /// (lan1) and the pods also get IPv6 addresses (`fd00:10:244:<i>::2` for pod i, routed
+    /// through the node), and the Node object lists both InternalIPs.
+    Dual,
+}
 
 /// The proxy mode a test runs in (`--proxy-mode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,6 +104,11 @@ impl Cluster {
     /// Builds the topology, starts the API server, registers Node `node-a` and starts the
     /// proxy in `mode` with `proxy_args` added to the defaults.
     pub fn start(mode: Mode, proxy_args: &[&str]) -> Cluster {
+        Self::start_with(mode, proxy_args, Stack::Single)
+    }
+
+    /// [`Cluster::start`] for a cluster of one or both families.
+    pub fn start_with(mode: Mode, proxy_args: &[&str], stack: Stack) -> Cluster {
         let lan1 = Lan::new("lan1").unwrap();
         let lan2 = Lan::new("lan2").unwrap();
         let node = Netns::new("node").unwrap();
@@ -124,6 +146,22 @@ impl Cluster {
                 &format!("10.244.{i}.1"),
             ])
             .unwrap();
+            if stack == Stack::Dual {
+                node.add_addr(&format!("vpod{i}"), &format!("fd00:10:244:{i}::1/64"))
+                    .unwrap();
+                pod.add_addr("eth0", &format!("fd00:10:244:{i}::2/64"))
+                    .unwrap();
+                pod.run(&[
+                    "ip",
+                    "-6",
+                    "route",
+                    "add",
+                    "default",
+                    "via",
+                    &format!("fd00:10:244:{i}::1"),
+                ])
+                .unwrap();
+            }
             servers.push(
                 Server::start_in(
                     &pod,
@@ -133,12 +171,24 @@ impl Cluster {
             );
             pods.push(pod);
         }
+        let mut node_ips = format!("{{type: InternalIP, address: {NODE_IP}}}");
+        let mut apiserver_args = Vec::new();
+        if stack == Stack::Dual {
+            node.add_addr("eth0", &format!("{NODE_IP6}/64")).unwrap();
+            client
+                .add_addr("eth0", &format!("{CLIENT_IP6}/64"))
+                .unwrap();
+            node.sysctl("net.ipv6.conf.all.forwarding", "1").unwrap();
+            node_ips.push_str(&format!(", {{type: InternalIP, address: \"{NODE_IP6}\"}}"));
+            apiserver_args = vec!["--service-cluster-ip-range", DUAL_STACK_SERVICE_RANGES];
+        }
         let data = tempfile::tempdir().unwrap();
         let apiserver = node
             .spawn(
                 node.command(env!("CARGO_BIN_EXE_nodeport"))
                     .args(["apiserver", "--port", "6443", "--data-dir"])
                     .arg(data.path().join("store"))
+                    .args(&apiserver_args)
                     .env("NODEPORT_LOG", "warn"),
             )
             .unwrap();
@@ -160,7 +210,7 @@ impl Cluster {
         });
         cluster
             .apply(&format!(
-                "apiVersion: v1\nkind: Node\nmetadata: {{name: node-a}}\nstatus: {{addresses: [{{type: InternalIP, address: {NODE_IP}}}]}}\n"
+                "apiVersion: v1\nkind: Node\nmetadata: {{name: node-a}}\nstatus: {{addresses: [{node_ips}]}}\n"
             ))
             .unwrap();
         cluster.start_proxy();
@@ -343,5 +393,49 @@ ports: [{{name: http, port: 8080}}, {{name: dns, port: 5353, protocol: UDP}}]
 endpoints:
 {eps}
 "#
+    )
+}
+
+/// A dual-stack (`RequireDualStack`) NodePort Service on TCP port 80 with one EndpointSlice
+/// per family; `endpoints` are pod numbers (1-3) as in [`service_yaml`].
+pub fn dual_stack_service_yaml(name: &str, node_port: u16, endpoints: &[u8]) -> String {
+    let slice = |family: &str, suffix: u8, address: &dyn Fn(u8) -> String| {
+        let eps: Vec<String> = endpoints
+            .iter()
+            .map(|i| {
+                let node = ["node-a", "node-b", "node-c"][usize::from(*i) - 1];
+                format!("- {{addresses: [\"{}\"], nodeName: {node}}}", address(*i))
+            })
+            .collect();
+        let eps = if eps.is_empty() {
+            "  []".to_string()
+        } else {
+            eps.join("\n")
+        };
+        format!(
+            r#"---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: {name}-{suffix}, namespace: default, labels: {{kubernetes.io/service-name: {name}}}}}
+addressType: {family}
+ports: [{{name: http, port: 8080}}]
+endpoints:
+{eps}
+"#
+        )
+    };
+    format!(
+        r#"apiVersion: v1
+kind: Service
+metadata: {{name: {name}, namespace: default}}
+spec:
+  type: NodePort
+  ipFamilyPolicy: RequireDualStack
+  selector: {{app: {name}}}
+  ports:
+  - {{name: http, port: 80, targetPort: 8080, nodePort: {node_port}}}
+{}{}"#,
+        slice("IPv4", 1, &|i| format!("10.244.{i}.2")),
+        slice("IPv6", 2, &|i| format!("fd00:10:244:{i}::2")),
     )
 }

@@ -1,0 +1,182 @@
+//! `networking.k8s.io/v1` IPAddress objects, as kube-apiserver 1.33's allocator writes them
+//! (`pkg/registry/core/service/ipallocator/ipallocator.go`): one per allocated ClusterIP, named
+//! by the address, labelled with its family and `ipallocator.k8s.io` as manager, with
+//! `spec.parentRef` to the Service; written and removed in the transaction that saves the
+//! Service, so `kubectl get ipaddresses` always equals the Services' ClusterIPs.
+//!
+//! A user may create one to reserve an address (kube's way to keep an address from the
+//! allocator): the address is taken with the write, and given back when that object goes.
+//! Here the allocation records ([`crate::cidr_ranges`], the bitmaps) stay what allocation reads;
+//! the objects are written beside them and the verification loop re-creates a missing one and
+//! removes a stale one, as kube's repair loop does.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
+
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::networking::v1::{IPAddress, IPAddressSpec, ParentReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+use super::object::Object;
+use super::service;
+use super::validation::{self, NameRule};
+use crate::error::{FieldError, GoValue};
+use crate::resource::Kind;
+use crate::store::{Allocators, Txn};
+
+/// The label naming the manager of an IPAddress.
+pub const MANAGED_BY_LABEL: &str = "ipaddress.kubernetes.io/managed-by";
+/// kube-apiserver's allocator as manager (`ipallocator.k8s.io`).
+pub const MANAGED_BY: &str = "ipallocator.k8s.io";
+/// The label carrying the address's family.
+pub const FAMILY_LABEL: &str = "ipaddress.kubernetes.io/ip-family";
+
+/// The address an IPAddress object names, if its name is one in canonical form.
+pub fn address(ip: &IPAddress) -> Option<IpAddr> {
+    let name = ip.metadata.name.as_deref()?;
+    name.parse::<IpAddr>()
+        .ok()
+        .filter(|parsed| parsed.to_string() == name)
+}
+
+/// Whether the allocator wrote it (else it is a user's reservation).
+pub fn managed(ip: &IPAddress) -> bool {
+    ip.metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(MANAGED_BY_LABEL))
+        .is_some_and(|v| v == MANAGED_BY)
+}
+
+/// kube's IPAddress validation: the name is an address in canonical form, and
+/// `spec.parentRef` names a resource and an object.
+pub fn validate(ip: &IPAddress) -> Vec<FieldError> {
+    let mut errs: Vec<FieldError> =
+        validation::object_meta(&ip.metadata, false, NameRule::Dns1123Subdomain)
+            .into_iter()
+            .filter(|e| e.field != "metadata.name")
+            .collect();
+    let name = ip.metadata.name.as_deref().unwrap_or("");
+    if !name.is_empty() && address(ip).is_none() {
+        errs.push(FieldError::invalid(
+            "metadata.name",
+            GoValue::Str(name),
+            "must be a canonical IP address",
+        ));
+    }
+    match ip.spec.as_ref().map(|s| &s.parent_ref) {
+        None => errs.push(FieldError::required("spec.parentRef", "")),
+        Some(parent) => {
+            if parent.resource.is_empty() {
+                errs.push(FieldError::required("spec.parentRef.resource", ""));
+            }
+            if parent.name.is_empty() {
+                errs.push(FieldError::required("spec.parentRef.name", ""));
+            }
+        }
+    }
+    errs
+}
+
+/// The object the allocator writes for `ip` of `svc`.
+pub fn for_service(ip: IpAddr, svc: &Service) -> IPAddress {
+    let family = if ip.is_ipv6() { "IPv6" } else { "IPv4" };
+    IPAddress {
+        metadata: ObjectMeta {
+            name: Some(ip.to_string()),
+            uid: Some(super::new_uid()),
+            creation_timestamp: Some(super::now()),
+            generation: Some(1),
+            labels: Some(BTreeMap::from([
+                (FAMILY_LABEL.to_owned(), family.to_owned()),
+                (MANAGED_BY_LABEL.to_owned(), MANAGED_BY.to_owned()),
+            ])),
+            ..Default::default()
+        },
+        spec: Some(IPAddressSpec {
+            parent_ref: ParentReference {
+                group: Some(String::new()),
+                resource: "services".to_owned(),
+                namespace: svc.metadata.namespace.clone(),
+                name: svc.metadata.name.clone().unwrap_or_default(),
+            },
+        }),
+    }
+}
+
+fn held(svc: Option<&Service>) -> BTreeSet<IpAddr> {
+    svc.map(|s| service::held(s).0.into_iter().collect())
+        .unwrap_or_default()
+}
+
+/// Writes the IPAddress objects of a Service's change, from `before` to `after` (`None`: it
+/// did not exist, or goes): objects of released addresses are deleted, objects of allocated
+/// ones created.
+pub fn sync(txn: &mut Txn<'_>, prefix: &str, before: Option<&Service>, after: Option<&Service>) {
+    let (old, new) = (held(before), held(after));
+    for ip in old.difference(&new) {
+        // Only a key the write declared (and so compares) can be deleted; one it did not
+        // declare reads as absent and is left to the verification loop.
+        let key = Kind::IpAddress.key(prefix, None, &ip.to_string());
+        if txn.get(&key).is_some() {
+            txn.delete(key);
+        }
+    }
+    if let Some(svc) = after {
+        for ip in new.difference(&old) {
+            let object = Object::IpAddress(Box::new(for_service(*ip, svc)));
+            txn.put(
+                Kind::IpAddress.key(prefix, None, &ip.to_string()),
+                super::encode_stored(&object),
+            );
+        }
+    }
+}
+
+/// A user's IPAddress: its address is taken with the write (`false`: it is already taken).
+/// One outside every ServiceCIDR is stored without taking anything, as kube stores it.
+pub fn reserve(ip: &IPAddress, allocs: &mut Allocators) -> bool {
+    let Some(address) = address(ip) else {
+        return true;
+    };
+    !matches!(
+        allocs.cluster_ips().allocate(address),
+        Err(nodeport_alloc::ip::Error::Allocated)
+    )
+}
+
+/// An IPAddress removed: a reservation gives its address back; the allocator's own objects
+/// leave the address to the Service that holds it (the verification loop writes the object
+/// again).
+pub fn on_remove(ip: &IPAddress, allocs: &mut Allocators) {
+    if !managed(ip)
+        && let Some(address) = address(ip)
+    {
+        allocs.cluster_ips().release(address);
+    }
+}
+
+/// `ValidateIPAddressUpdate`: the parent never changes (`ValidateImmutableField`, printed as Go
+/// prints the `*networking.ParentReference`).
+pub fn validate_update(old: &IPAddress, new: &IPAddress) -> Vec<FieldError> {
+    let parent = |ip: &IPAddress| ip.spec.as_ref().map(|s| s.parent_ref.clone());
+    let (before, after) = (parent(old), parent(new));
+    if before == after {
+        return Vec::new();
+    }
+    let shown = match &after {
+        Some(p) => format!(
+            "&networking.ParentReference{{Group:{:?}, Resource:{:?}, Namespace:{:?}, Name:{:?}}}",
+            p.group.as_deref().unwrap_or(""),
+            p.resource,
+            p.namespace.as_deref().unwrap_or(""),
+            p.name
+        ),
+        None => "null".to_owned(),
+    };
+    vec![FieldError::invalid(
+        "spec.parentRef",
+        GoValue::Raw(shown),
+        "field is immutable",
+    )]
+}

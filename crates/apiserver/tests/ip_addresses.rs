@@ -1,0 +1,334 @@
+//! `networking.k8s.io/v1` IPAddress objects through the router (no socket), as kube-apiserver
+//! 1.33 writes them: one per allocated ClusterIP, with `spec.parentRef` to its Service, written
+//! and removed with the Service's save; user reservations; the verification loop repairing
+//! them.
+
+use axum::body::Body;
+use http::{Method, Request, StatusCode};
+use http_body_util::BodyExt;
+use nodeport_apiserver::{AppState, Config};
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+const SERVICES: &str = "/api/v1/namespaces/default/services";
+const ADDRESSES: &str = "/apis/networking.k8s.io/v1/ipaddresses";
+
+async fn call(
+    s: &AppState,
+    method: Method,
+    uri: &str,
+    ct: &str,
+    body: Value,
+) -> (StatusCode, Value) {
+    let mut req = Request::builder().method(method).uri(uri);
+    if !ct.is_empty() {
+        req = req.header("content-type", ct);
+    }
+    let body = if body.is_null() {
+        Body::empty()
+    } else {
+        Body::from(serde_json::to_vec(&body).unwrap())
+    };
+    let response = nodeport_apiserver::router(s.clone())
+        .oneshot(req.body(body).unwrap())
+        .await
+        .unwrap();
+    let status = response.status();
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
+}
+
+async fn get(s: &AppState, uri: &str) -> (StatusCode, Value) {
+    call(s, Method::GET, uri, "", Value::Null).await
+}
+
+async fn post(s: &AppState, uri: &str, body: Value) -> (StatusCode, Value) {
+    call(s, Method::POST, uri, "application/json", body).await
+}
+
+async fn dual() -> AppState {
+    let config = Config {
+        cluster_ip_range: "10.96.0.0/16".parse().unwrap(),
+        secondary_cluster_ip_range: Some("fd00:10:96::/108".parse().unwrap()),
+        ..Config::default()
+    };
+    nodeport_apiserver::in_memory(&config).await.unwrap()
+}
+
+fn svc(name: &str, extra: Value) -> Value {
+    let mut spec = json!({"ports":[{"port":80}]});
+    for (k, v) in extra.as_object().unwrap() {
+        spec[k] = v.clone();
+    }
+    json!({"apiVersion":"v1","kind":"Service","metadata":{"name":name},"spec":spec})
+}
+
+/// Every IPAddress: address -> (parent namespace/name, managed-by label).
+async fn addresses(s: &AppState) -> Vec<(String, String, String)> {
+    let (status, list) = get(s, ADDRESSES).await;
+    assert_eq!(status, StatusCode::OK, "{list}");
+    assert_eq!(list["kind"], "IPAddressList");
+    let mut out: Vec<(String, String, String)> = list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| {
+            let parent = &i["spec"]["parentRef"];
+            (
+                i["metadata"]["name"].as_str().unwrap().to_owned(),
+                format!(
+                    "{}/{}/{}",
+                    parent["resource"].as_str().unwrap_or(""),
+                    parent["namespace"].as_str().unwrap_or(""),
+                    parent["name"].as_str().unwrap_or("")
+                ),
+                i["metadata"]["labels"]["ipaddress.kubernetes.io/managed-by"]
+                    .as_str()
+                    .unwrap_or("")
+                    .to_owned(),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+fn ips(v: &Value) -> Vec<String> {
+    v["spec"]["clusterIPs"]
+        .as_array()
+        .map(|a| a.iter().map(|s| s.as_str().unwrap().to_owned()).collect())
+        .unwrap_or_default()
+}
+
+#[tokio::test]
+async fn each_cluster_ip_has_an_ip_address_object_written_and_removed_with_its_service() {
+    let s = dual().await;
+    let managed = "ipallocator.k8s.io".to_owned();
+    assert_eq!(
+        addresses(&s).await,
+        vec![(
+            "10.96.0.1".into(),
+            "services/default/kubernetes".into(),
+            managed.clone()
+        )]
+    );
+    let (status, web) = post(
+        &s,
+        SERVICES,
+        svc("web", json!({"ipFamilyPolicy":"RequireDualStack"})),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{web}");
+    let held = ips(&web);
+    let (_, one) = get(&s, &format!("{ADDRESSES}/{}", held[1])).await;
+    assert_eq!(one["kind"], "IPAddress");
+    assert_eq!(
+        one["metadata"]["labels"]["ipaddress.kubernetes.io/ip-family"],
+        "IPv6"
+    );
+    assert_eq!(
+        one["spec"]["parentRef"],
+        json!({"group":"","resource":"services","namespace":"default","name":"web"})
+    );
+    let listed = addresses(&s).await;
+    assert_eq!(listed.len(), 3, "{listed:?}");
+    for ip in &held {
+        assert!(
+            listed.contains(&(ip.clone(), "services/default/web".into(), managed.clone())),
+            "{ip}: {listed:?}"
+        );
+    }
+    // Downgrade: the secondary's object goes with the write.
+    let (status, _) = call(
+        &s,
+        Method::PATCH,
+        &format!("{SERVICES}/web"),
+        "application/merge-patch+json",
+        json!({"spec":{"ipFamilyPolicy":"SingleStack"}}),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(addresses(&s).await.len(), 2);
+    // Delete: gone.
+    call(
+        &s,
+        Method::DELETE,
+        &format!("{SERVICES}/web"),
+        "",
+        Value::Null,
+    )
+    .await;
+    assert_eq!(addresses(&s).await.len(), 1);
+    let v = s.registry.verify().await.unwrap();
+    assert!(v.is_consistent(), "{v:?}");
+}
+
+#[tokio::test]
+async fn a_user_ip_address_reserves_its_address_until_it_is_deleted() {
+    let s = dual().await;
+    let reservation = json!({"apiVersion":"networking.k8s.io/v1","kind":"IPAddress",
+        "metadata":{"name":"10.96.0.10"},
+        "spec":{"parentRef":{"group":"","resource":"services","namespace":"kube-system","name":"kube-dns"}}});
+    let (status, body) = post(&s, ADDRESSES, reservation.clone()).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    let (status, body) = post(&s, SERVICES, svc("dns", json!({"clusterIP":"10.96.0.10"}))).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert_eq!(
+        body["message"],
+        "Service \"dns\" is invalid: spec.clusterIPs: Invalid value: []string{\"10.96.0.10\"}: \
+         failed to allocate IP 10.96.0.10: provided IP is already allocated"
+    );
+    // A second reservation of it is a conflict; one of a Service's address too.
+    let (status, _) = post(&s, ADDRESSES, reservation).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    let v = s.registry.verify().await.unwrap();
+    assert!(v.is_consistent(), "a reservation is not a leak: {v:?}");
+    call(
+        &s,
+        Method::DELETE,
+        &format!("{ADDRESSES}/10.96.0.10"),
+        "",
+        Value::Null,
+    )
+    .await;
+    let (status, body) = post(&s, SERVICES, svc("dns", json!({"clusterIP":"10.96.0.10"}))).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    // The parent of an IPAddress never changes.
+    let (_, mut dns) = get(&s, &format!("{ADDRESSES}/10.96.0.10")).await;
+    dns["spec"]["parentRef"]["name"] = json!("other");
+    let (status, body) = call(
+        &s,
+        Method::PUT,
+        &format!("{ADDRESSES}/10.96.0.10"),
+        "application/json",
+        dns,
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert_eq!(
+        body["message"],
+        "IPAddress.networking.k8s.io \"10.96.0.10\" is invalid: spec.parentRef: Invalid value: \
+         &networking.ParentReference{Group:\"\", Resource:\"services\", Namespace:\"default\", \
+         Name:\"other\"}: field is immutable"
+    );
+    // Validation: the name is an address in canonical form, the parent is named.
+    let bad = json!({"apiVersion":"networking.k8s.io/v1","kind":"IPAddress",
+        "metadata":{"name":"fd00:10:96:0::5"},"spec":{"parentRef":{"resource":"","name":""}}});
+    let (status, body) = post(&s, ADDRESSES, bad).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert_eq!(
+        body["message"],
+        "IPAddress.networking.k8s.io \"fd00:10:96:0::5\" is invalid: [metadata.name: Invalid \
+         value: \"fd00:10:96:0::5\": must be a canonical IP address, spec.parentRef.resource: \
+         Required value, spec.parentRef.name: Required value]"
+    );
+}
+
+#[tokio::test]
+async fn the_verification_loop_writes_a_missing_ip_address_again_and_removes_a_stale_one() {
+    let s = dual().await;
+    let (_, web) = post(&s, SERVICES, svc("web", json!({}))).await;
+    let ip = ips(&web)[0].clone();
+    // A hand delete of the allocator's object: the address stays with the Service.
+    let (status, _) = call(
+        &s,
+        Method::DELETE,
+        &format!("{ADDRESSES}/{ip}"),
+        "",
+        Value::Null,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _) = post(&s, SERVICES, svc("clash", json!({"clusterIP":ip}))).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    let report = s.registry.verify().await.unwrap();
+    assert_eq!(report.missing_ip_addresses.len(), 1, "{report:?}");
+    s.registry.verify_and_repair().await.unwrap();
+    let (status, _) = get(&s, &format!("{ADDRESSES}/{ip}")).await;
+    assert_eq!(status, StatusCode::OK);
+    let v = s.registry.verify().await.unwrap();
+    assert!(v.is_consistent(), "{v:?}");
+
+    // An object in the allocator's name for an address no Service holds: stale, removed (and
+    // the address it took freed as a leak) within two rounds.
+    let stale = json!({"apiVersion":"networking.k8s.io/v1","kind":"IPAddress",
+        "metadata":{"name":"10.96.0.77","labels":{"ipaddress.kubernetes.io/managed-by":"ipallocator.k8s.io"}},
+        "spec":{"parentRef":{"group":"","resource":"services","namespace":"default","name":"gone"}}});
+    let (status, body) = post(&s, ADDRESSES, stale).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    let report = s.registry.verify().await.unwrap();
+    assert_eq!(
+        report.stale_ip_addresses,
+        vec!["10.96.0.77".parse::<std::net::IpAddr>().unwrap()]
+    );
+    s.registry.verify_and_repair().await.unwrap();
+    s.registry.verify_and_repair().await.unwrap();
+    let (status, _) = get(&s, &format!("{ADDRESSES}/10.96.0.77")).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let v = s.registry.verify().await.unwrap();
+    assert!(v.is_consistent(), "{v:?}");
+}
+
+#[tokio::test]
+async fn a_protobuf_ip_address_body_reserves_as_a_json_one_does() {
+    use k8s_pb::api::networking::v1::{IPAddress, IPAddressSpec, ParentReference};
+    use k8s_pb::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+    use k8s_pb::apimachinery::pkg::runtime::{TypeMeta, Unknown};
+    let s = dual().await;
+    let object = IPAddress {
+        metadata: Some(ObjectMeta {
+            name: Some("fd00:10:96::a".into()),
+            ..Default::default()
+        }),
+        spec: Some(IPAddressSpec {
+            parent_ref: Some(ParentReference {
+                group: Some(String::new()),
+                resource: Some("services".into()),
+                namespace: Some("kube-system".into()),
+                name: Some("kube-dns".into()),
+            }),
+        }),
+    };
+    let unknown = Unknown {
+        type_meta: Some(TypeMeta {
+            api_version: Some("networking.k8s.io/v1".into()),
+            kind: Some("IPAddress".into()),
+        }),
+        raw: Some(prost::Message::encode_to_vec(&object)),
+        ..Default::default()
+    };
+    let body = [
+        b"k8s\0".as_slice(),
+        &prost::Message::encode_to_vec(&unknown),
+    ]
+    .concat();
+    let req = Request::builder()
+        .method(Method::POST)
+        .uri(ADDRESSES)
+        .header("content-type", "application/vnd.kubernetes.protobuf")
+        .body(Body::from(body))
+        .unwrap();
+    let response = nodeport_apiserver::router(s.clone())
+        .oneshot(req)
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::CREATED);
+    let (_, one) = get(&s, &format!("{ADDRESSES}/fd00:10:96::a")).await;
+    assert_eq!(
+        one["spec"]["parentRef"],
+        json!({"resource":"services","namespace":"kube-system","name":"kube-dns"})
+    );
+    let (status, body) = post(
+        &s,
+        SERVICES,
+        svc(
+            "dns",
+            json!({"ipFamilies":["IPv6"],"clusterIP":"fd00:10:96::a"}),
+        ),
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+}
