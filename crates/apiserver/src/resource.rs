@@ -18,17 +18,29 @@ pub enum Kind {
     /// `networking.k8s.io/v1` ServiceCIDR (cluster-scoped, read-only here: the default
     /// `kubernetes` object, which mirrors `--service-cluster-ip-range`).
     ServiceCidr,
+    /// `rbac.authorization.k8s.io/v1` Role (namespaced).
+    Role,
+    /// `rbac.authorization.k8s.io/v1` ClusterRole (cluster-scoped, `aggregationRule`).
+    ClusterRole,
+    /// `rbac.authorization.k8s.io/v1` RoleBinding (namespaced).
+    RoleBinding,
+    /// `rbac.authorization.k8s.io/v1` ClusterRoleBinding (cluster-scoped).
+    ClusterRoleBinding,
 }
 
 impl Kind {
     /// Every served resource.
-    pub const ALL: [Kind; 6] = [
+    pub const ALL: [Kind; 10] = [
         Kind::Namespace,
         Kind::Service,
         Kind::Endpoints,
         Kind::Node,
         Kind::EndpointSlice,
         Kind::ServiceCidr,
+        Kind::Role,
+        Kind::ClusterRole,
+        Kind::RoleBinding,
+        Kind::ClusterRoleBinding,
     ];
 
     /// The API group (`""` for core).
@@ -36,6 +48,9 @@ impl Kind {
         match self {
             Kind::EndpointSlice => "discovery.k8s.io",
             Kind::ServiceCidr => "networking.k8s.io",
+            Kind::Role | Kind::ClusterRole | Kind::RoleBinding | Kind::ClusterRoleBinding => {
+                "rbac.authorization.k8s.io"
+            }
             _ => "",
         }
     }
@@ -50,6 +65,9 @@ impl Kind {
         match self {
             Kind::EndpointSlice => "discovery.k8s.io/v1",
             Kind::ServiceCidr => "networking.k8s.io/v1",
+            Kind::Role | Kind::ClusterRole | Kind::RoleBinding | Kind::ClusterRoleBinding => {
+                "rbac.authorization.k8s.io/v1"
+            }
             _ => "v1",
         }
     }
@@ -63,6 +81,10 @@ impl Kind {
             Kind::Node => "Node",
             Kind::Namespace => "Namespace",
             Kind::ServiceCidr => "ServiceCIDR",
+            Kind::Role => "Role",
+            Kind::ClusterRole => "ClusterRole",
+            Kind::RoleBinding => "RoleBinding",
+            Kind::ClusterRoleBinding => "ClusterRoleBinding",
         }
     }
 
@@ -80,6 +102,10 @@ impl Kind {
             Kind::Node => "nodes",
             Kind::Namespace => "namespaces",
             Kind::ServiceCidr => "servicecidrs",
+            Kind::Role => "roles",
+            Kind::ClusterRole => "clusterroles",
+            Kind::RoleBinding => "rolebindings",
+            Kind::ClusterRoleBinding => "clusterrolebindings",
         }
     }
 
@@ -92,6 +118,10 @@ impl Kind {
             Kind::Node => "node",
             Kind::Namespace => "namespace",
             Kind::ServiceCidr => "servicecidr",
+            Kind::Role => "role",
+            Kind::ClusterRole => "clusterrole",
+            Kind::RoleBinding => "rolebinding",
+            Kind::ClusterRoleBinding => "clusterrolebinding",
         }
     }
 
@@ -103,12 +133,14 @@ impl Kind {
             Kind::EndpointSlice | Kind::ServiceCidr => &[],
             Kind::Node => &["no"],
             Kind::Namespace => &["ns"],
+            Kind::Role | Kind::ClusterRole | Kind::RoleBinding | Kind::ClusterRoleBinding => &[],
         }
     }
 
     /// Whether objects live in a namespace.
     pub fn namespaced(self) -> bool {
         !matches!(self, Kind::Node | Kind::Namespace | Kind::ServiceCidr)
+            && !matches!(self, Kind::ClusterRole | Kind::ClusterRoleBinding)
     }
 
     /// Whether the resource is served for reading only (get, list, watch): ServiceCIDRs, whose
@@ -138,6 +170,10 @@ impl Kind {
             Kind::Node => "minions",
             Kind::Namespace => "namespaces",
             Kind::ServiceCidr => "servicecidrs",
+            Kind::Role => "roles",
+            Kind::ClusterRole => "clusterroles",
+            Kind::RoleBinding => "rolebindings",
+            Kind::ClusterRoleBinding => "clusterrolebindings",
         }
     }
 

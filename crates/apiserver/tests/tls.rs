@@ -204,9 +204,17 @@ async fn requests_without_a_token_get_a_401_status_and_health_checks_do_not_need
     };
     let security = Security::load(&config).unwrap();
     let state = nodeport_apiserver::in_memory(&config).await.unwrap();
+    // As served over TLS, where a request without a token is not the local administrator;
+    // under the loopback default `AlwaysAllow`, anonymous requests are not admitted (kube).
+    let gate = std::sync::Arc::new(nodeport_apiserver::authz::Gate {
+        tokens: security.tokens.clone(),
+        tls: true,
+        anonymous_auth: true,
+        authorizer: state.authorizer.clone(),
+    });
     let app = nodeport_apiserver::router(state).layer(axum::middleware::from_fn_with_state(
-        security.tokens.unwrap(),
-        nodeport_apiserver::auth::require_token,
+        gate,
+        nodeport_apiserver::authz::gate,
     ));
     let call = |path: &str, auth: Option<&str>| {
         let mut req = http::Request::get(path);

@@ -67,6 +67,10 @@ pub fn prepare_create(object: &mut Object) {
             slice.metadata.generation = Some(1);
         }
         Object::Node(_) | Object::Endpoints(_) | Object::ServiceCidr(_) => {}
+        Object::Role(_)
+        | Object::ClusterRole(_)
+        | Object::RoleBinding(_)
+        | Object::ClusterRoleBinding(_) => crate::authz::validation::set_defaults(object),
     }
 }
 
@@ -76,6 +80,7 @@ pub fn set_defaults(object: &mut Object) {
     if let Object::Service(svc) = object {
         super::service::set_defaults(svc);
     }
+    crate::authz::validation::set_defaults(object);
 }
 
 fn valid_ip(s: &str) -> bool {
@@ -119,6 +124,10 @@ pub fn validate(object: &Object) -> Vec<FieldError> {
         Object::ServiceCidr(cidr) => {
             validation::object_meta(&cidr.metadata, false, NameRule::Dns1123Subdomain)
         }
+        Object::Role(_)
+        | Object::ClusterRole(_)
+        | Object::RoleBinding(_)
+        | Object::ClusterRoleBinding(_) => crate::authz::validation::validate(object),
         Object::Endpoints(ep) => {
             let mut errs = validation::object_meta(&ep.metadata, true, NameRule::Dns1123Subdomain);
             for (i, subset) in ep.subsets.iter().flatten().enumerate() {

@@ -3,6 +3,7 @@
 use k8s_openapi::api::core::v1::{Endpoints, Namespace, Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::ServiceCIDR;
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::Value;
 
@@ -24,6 +25,14 @@ pub enum Object {
     Namespace(Box<Namespace>),
     /// A ServiceCIDR.
     ServiceCidr(Box<ServiceCIDR>),
+    /// A Role.
+    Role(Box<Role>),
+    /// A ClusterRole.
+    ClusterRole(Box<ClusterRole>),
+    /// A RoleBinding.
+    RoleBinding(Box<RoleBinding>),
+    /// A ClusterRoleBinding.
+    ClusterRoleBinding(Box<ClusterRoleBinding>),
 }
 
 /// A decoded object and the input fields the typed object does not know.
@@ -62,6 +71,10 @@ impl Object {
             Kind::Node => Object::Node(Box::new(typed(kind, value)?)),
             Kind::Namespace => Object::Namespace(Box::new(typed(kind, value)?)),
             Kind::ServiceCidr => Object::ServiceCidr(Box::new(typed(kind, value)?)),
+            Kind::Role => Object::Role(Box::new(typed(kind, value)?)),
+            Kind::ClusterRole => Object::ClusterRole(Box::new(typed(kind, value)?)),
+            Kind::RoleBinding => Object::RoleBinding(Box::new(typed(kind, value)?)),
+            Kind::ClusterRoleBinding => Object::ClusterRoleBinding(Box::new(typed(kind, value)?)),
         };
         let mut unknown_fields = Vec::new();
         let round_trip = object.to_value();
@@ -81,6 +94,10 @@ impl Object {
             Object::Node(_) => Kind::Node,
             Object::Namespace(_) => Kind::Namespace,
             Object::ServiceCidr(_) => Kind::ServiceCidr,
+            Object::Role(_) => Kind::Role,
+            Object::ClusterRole(_) => Kind::ClusterRole,
+            Object::RoleBinding(_) => Kind::RoleBinding,
+            Object::ClusterRoleBinding(_) => Kind::ClusterRoleBinding,
         }
     }
 
@@ -93,6 +110,10 @@ impl Object {
             Object::Node(o) => &o.metadata,
             Object::Namespace(o) => &o.metadata,
             Object::ServiceCidr(o) => &o.metadata,
+            Object::Role(o) => &o.metadata,
+            Object::ClusterRole(o) => &o.metadata,
+            Object::RoleBinding(o) => &o.metadata,
+            Object::ClusterRoleBinding(o) => &o.metadata,
         }
     }
 
@@ -105,6 +126,10 @@ impl Object {
             Object::Node(o) => &mut o.metadata,
             Object::Namespace(o) => &mut o.metadata,
             Object::ServiceCidr(o) => &mut o.metadata,
+            Object::Role(o) => &mut o.metadata,
+            Object::ClusterRole(o) => &mut o.metadata,
+            Object::RoleBinding(o) => &mut o.metadata,
+            Object::ClusterRoleBinding(o) => &mut o.metadata,
         }
     }
 
@@ -122,6 +147,10 @@ impl Object {
             Object::Node(o) => serde_json::to_value(o),
             Object::Namespace(o) => serde_json::to_value(o),
             Object::ServiceCidr(o) => serde_json::to_value(o),
+            Object::Role(o) => serde_json::to_value(o),
+            Object::ClusterRole(o) => serde_json::to_value(o),
+            Object::RoleBinding(o) => serde_json::to_value(o),
+            Object::ClusterRoleBinding(o) => serde_json::to_value(o),
         }
         .expect("k8s-openapi objects serialize");
         if let Value::Object(map) = &mut value {

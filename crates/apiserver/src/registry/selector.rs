@@ -201,6 +201,9 @@ pub fn supported_fields(kind: Kind) -> &'static [&'static str] {
         Kind::ServiceCidr => &["metadata.name"],
         Kind::Namespace => &["metadata.name", "status.phase"],
         Kind::Endpoints | Kind::EndpointSlice => &["metadata.name", "metadata.namespace"],
+        Kind::Role | Kind::ClusterRole | Kind::RoleBinding | Kind::ClusterRoleBinding => {
+            &["metadata.name", "metadata.namespace"]
+        }
     }
 }
 
