@@ -557,7 +557,10 @@ impl Lab {
             .context("kubectl create service with the proxies' token")?;
         let stderr = String::from_utf8_lossy(&out.stderr);
         anyhow::ensure!(
-            !out.status.success() && stderr.contains("(Forbidden)"),
+            !out.status.success()
+                && stderr.contains(
+                    "services is forbidden: User \"system:kube-proxy\" cannot create resource \"services\""
+                ),
             "the proxies' token could create a Service, or was refused for another reason: {stderr}"
         );
         Ok(())
