@@ -661,6 +661,54 @@ fn rbac_checks(server: &Server) {
         &["get", "--raw", "/api/v1/services?watch=1&timeoutSeconds=1"],
     );
 
+    // kubectl's typed create for the cluster-scoped kinds, describe and delete.
+    assert_eq!(
+        ok(
+            server,
+            None,
+            &[
+                "create",
+                "clusterrole",
+                "node-reader",
+                "--verb=get,list",
+                "--resource=nodes"
+            ]
+        )
+        .trim(),
+        "clusterrole.rbac.authorization.k8s.io/node-reader created"
+    );
+    assert_eq!(
+        ok(
+            server,
+            None,
+            &[
+                "create",
+                "clusterrolebinding",
+                "bob-nodes",
+                "--clusterrole=node-reader",
+                "--user=bob"
+            ]
+        )
+        .trim(),
+        "clusterrolebinding.rbac.authorization.k8s.io/bob-nodes created"
+    );
+    ok(server, Some(BOB), &["get", "nodes"]);
+    let described = ok(
+        server,
+        None,
+        &["describe", "clusterrolebinding", "bob-nodes"],
+    );
+    assert!(
+        described.contains("Kind:  ClusterRole")
+            && described.contains("Name:  node-reader")
+            && described
+                .lines()
+                .any(|l| l.trim_start().starts_with("User") && l.contains("bob")),
+        "{described}"
+    );
+    ok(server, None, &["delete", "clusterrolebinding", "bob-nodes"]);
+    refused(server, Some(BOB), &["get", "nodes"]);
+
     // Anyone authenticated may read the version; the health checks too.
     ok(server, Some(BOB), &["get", "--raw", "/version"]);
     let err = refused(server, Some(BOB), &["get", "--raw", "/metrics"]);
