@@ -4,7 +4,8 @@
 //! `--authorization-mode` (`AlwaysAllow`, `RBAC`, in order) allow it.
 //!
 //! - Identities: a plain-HTTP request (served on loopback only) without a token is the local
-//!   administrator, in `system:masters` as kube-apiserver's own loopback client; a bearer token
+//!   administrator, in `system:masters` as kube-apiserver's own loopback client (so is every
+//!   request to a server without `--token-auth-file`, which authenticates no one); a bearer token
 //!   of `--token-auth-file` is its user, with `system:authenticated` added; over TLS a request
 //!   without a token is `system:anonymous` in `system:unauthenticated` when `--anonymous-auth`
 //!   is on (kube turns it off under `AlwaysAllow`, which would otherwise let anyone do anything),

@@ -48,14 +48,10 @@ pub(super) fn decode(head: Fields, envelope: &Envelope) -> Option<Result<Value, 
 }
 
 fn policy_rule(r: rbac::PolicyRule) -> Result<Value, Error> {
-    // `verbs` has no `omitempty`: Go writes `null` for a nil slice.
-    let verbs = if r.verbs.is_empty() {
-        Value::Null
-    } else {
-        Value::from(r.verbs)
-    };
+    // `verbs` has no `omitempty`: always written (empty as `[]`, so that validation, not
+    // decoding, refuses a rule without verbs, as kube's 422 does).
     Ok(Fields::default()
-        .put("verbs", verbs)
+        .put("verbs", r.verbs)
         .strings("apiGroups", r.api_groups)
         .strings("resources", r.resources)
         .strings("resourceNames", r.resource_names)
