@@ -111,3 +111,29 @@ pub fn trigger_time(
     let ts: jiff::Timestamp = value.parse().ok()?;
     Some(SystemTime::from(ts))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn api_error(code: u16) -> kube::Error {
+        kube::Error::Api(
+            kube::core::Status::failure("services is forbidden", "Forbidden")
+                .with_code(code)
+                .boxed(),
+        )
+    }
+
+    #[test]
+    fn a_403_on_list_or_watch_is_a_refusal_and_other_failures_are_not() {
+        assert!(forbidden(&watcher::Error::InitialListFailed(api_error(
+            403
+        ))));
+        assert!(forbidden(&watcher::Error::WatchStartFailed(api_error(403))));
+        assert!(forbidden(&watcher::Error::WatchFailed(api_error(403))));
+        assert!(!forbidden(&watcher::Error::InitialListFailed(api_error(
+            500
+        ))));
+        assert!(!forbidden(&watcher::Error::NoResourceVersion));
+    }
+}
