@@ -661,6 +661,45 @@ fn rbac_checks(server: &Server) {
         &["get", "--raw", "/api/v1/services?watch=1&timeoutSeconds=1"],
     );
 
+    // SubjectAccessReview: an admin asks about another user; others may not. (No OpenAPI
+    // document is served for authorization.k8s.io, so kubectl's schema validation is off.)
+    let review = server.data_dir.with_extension("sar.yaml");
+    for (verb, allowed) in [("create", "false"), ("list", "true")] {
+        std::fs::write(
+            &review,
+            format!(
+                "apiVersion: authorization.k8s.io/v1\nkind: SubjectAccessReview\nspec:\n  user: system:kube-proxy\n  resourceAttributes: {{verb: {verb}, resource: services, namespace: default}}\n"
+            ),
+        )
+        .unwrap();
+        let answer = ok(
+            server,
+            None,
+            &[
+                "create",
+                "--validate=false",
+                "-f",
+                review.to_str().unwrap(),
+                "-o",
+                "jsonpath={.status.allowed}",
+            ],
+        );
+        assert_eq!(
+            answer.trim(),
+            allowed,
+            "may system:kube-proxy {verb} services?"
+        );
+    }
+    let err = refused(
+        server,
+        Some(BOB),
+        &["create", "--validate=false", "-f", review.to_str().unwrap()],
+    );
+    assert!(
+        err.contains(r#"User "bob" cannot create resource "subjectaccessreviews" in API group "authorization.k8s.io" at the cluster scope"#),
+        "{err}"
+    );
+
     // kubectl's typed create for the cluster-scoped kinds, describe and delete.
     assert_eq!(
         ok(
