@@ -5,22 +5,19 @@
 //! skipped with a warning, a duplicate token replaces the earlier one with a warning, fewer than
 //! three columns is an error.
 //!
-//! Every request needs `Authorization: Bearer <token>` with a listed token, except the health
-//! endpoints (`/healthz`, `/livez`, `/readyz`), which kube-apiserver also lets anonymous clients
-//! read (`system:public-info-viewer`). Anything else without a valid token gets kube-apiserver's
-//! answer: 401 and a `Status` with reason `Unauthorized`. There is no authorization step: every
-//! authenticated user may do everything.
+//! Tokens are compared in constant time (every listed token is compared with the one sent, each
+//! comparison looking at every byte), and never logged. The file is read again every
+//! [`RELOAD_INTERVAL`] and a changed file replaces the tokens without a restart (a file that no
+//! longer parses is logged and the previous tokens stay). What a request without a valid token
+//! gets, and what a user may do, is [`crate::authz`]'s business.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
-use axum::extract::{Request, State};
-use axum::middleware::Next;
-use axum::response::{IntoResponse, Response};
-use http::header;
-
-use crate::error::ApiError;
+/// How often the token file is read again to pick up changes.
+pub const RELOAD_INTERVAL: Duration = Duration::from_secs(2);
 
 /// A user a token authenticates as.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -192,9 +189,16 @@ impl Tokens {
         Ok(Tokens { users })
     }
 
-    /// The user a token authenticates as.
+    /// The user a token authenticates as. Every listed token is compared, each in constant
+    /// time, so the answer's timing does not tell how much of a token was right.
     pub fn authenticate(&self, token: &str) -> Option<&User> {
-        self.users.get(token)
+        let mut found = None;
+        for (candidate, user) in &self.users {
+            if constant_time_eq(candidate.as_bytes(), token.as_bytes()) {
+                found = Some(user);
+            }
+        }
+        found
     }
 
     /// How many tokens are listed.
@@ -208,44 +212,103 @@ impl Tokens {
     }
 }
 
-/// Paths anyone may read without a token.
-fn is_public(path: &str) -> bool {
-    matches!(path, "/healthz" | "/livez" | "/readyz")
-        || path.starts_with("/healthz/")
-        || path.starts_with("/livez/")
-        || path.starts_with("/readyz/")
-}
-
-/// The bearer token of a request, if it has one.
-fn bearer(request: &Request) -> Option<&str> {
-    let value = request
-        .headers()
-        .get(header::AUTHORIZATION)?
-        .to_str()
-        .ok()?;
-    let (scheme, token) = value.split_once(' ')?;
-    scheme
-        .eq_ignore_ascii_case("bearer")
-        .then(|| token.trim())
-        .filter(|t| !t.is_empty())
-}
-
-/// Middleware: lets a request through if it carries a listed token (or asks for a health
-/// endpoint), answers 401 otherwise.
-pub async fn require_token(
-    State(tokens): State<Arc<Tokens>>,
-    request: Request,
-    next: Next,
-) -> Response {
-    if is_public(request.uri().path()) {
-        return next.run(request).await;
+/// Compares two byte strings in time that depends only on their lengths (Go's
+/// `subtle.ConstantTimeCompare`).
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
     }
-    match bearer(&request).and_then(|t| tokens.authenticate(t)) {
-        Some(user) => {
-            tracing::trace!(user = %user.name, "authenticated");
-            next.run(request).await
+    let difference = a
+        .iter()
+        .zip(b)
+        .fold(0u8, |acc, (x, y)| acc | std::hint::black_box(x ^ y));
+    std::hint::black_box(difference) == 0
+}
+
+/// The tokens of a `--token-auth-file`, read again when the file changes.
+#[derive(Debug)]
+pub struct TokenSource {
+    path: PathBuf,
+    current: RwLock<(String, Arc<Tokens>)>,
+}
+
+impl TokenSource {
+    /// Reads the file.
+    pub fn load(path: &Path) -> Result<Self, Error> {
+        let (text, tokens) = Self::read(path)?;
+        Ok(TokenSource {
+            path: path.to_path_buf(),
+            current: RwLock::new((text, Arc::new(tokens))),
+        })
+    }
+
+    fn read(path: &Path) -> Result<(String, Tokens), Error> {
+        let text = std::fs::read_to_string(path).map_err(|source| Error::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let tokens = Tokens::parse(path, &text)?;
+        if tokens.is_empty() {
+            return Err(Error::Empty {
+                path: path.to_path_buf(),
+            });
         }
-        None => ApiError::unauthorized().into_response(),
+        Ok((text, tokens))
+    }
+
+    /// The tokens now.
+    pub fn tokens(&self) -> Arc<Tokens> {
+        self.current.read().expect("not poisoned").1.clone()
+    }
+
+    /// The user a token authenticates as (see [`Tokens::authenticate`]).
+    pub fn authenticate(&self, token: &str) -> Option<User> {
+        self.tokens().authenticate(token).cloned()
+    }
+
+    /// How many tokens are listed now.
+    pub fn len(&self) -> usize {
+        self.tokens().len()
+    }
+
+    /// Whether no token is listed.
+    pub fn is_empty(&self) -> bool {
+        self.tokens().is_empty()
+    }
+
+    /// Reads the file again; replaces the tokens if its text changed. Returns whether it did.
+    pub fn reload(&self) -> Result<bool, Error> {
+        let (text, tokens) = Self::read(&self.path)?;
+        let mut current = self.current.write().expect("not poisoned");
+        if current.0 == text {
+            return Ok(false);
+        }
+        *current = (text, Arc::new(tokens));
+        Ok(true)
+    }
+
+    /// Reloads the file every `every` for as long as the runtime runs.
+    pub fn spawn_reloader(self: Arc<Self>, every: Duration) {
+        tokio::spawn(async move {
+            let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            let mut failing = false;
+            loop {
+                ticker.tick().await;
+                match self.reload() {
+                    Ok(changed) => {
+                        if changed {
+                            tracing::info!(path = %self.path.display(), tokens = self.len(), "token file reloaded");
+                        }
+                        failing = false;
+                    }
+                    Err(err) if !failing => {
+                        failing = true;
+                        tracing::warn!(error = %crate::report(&err), "cannot reload the token file; the previous tokens stay");
+                    }
+                    Err(_) => {}
+                }
+            }
+        });
     }
 }
 
@@ -288,6 +351,29 @@ mod tests {
             parse("tok,user,uid,\"a,b\n"),
             Err(Error::Quote { line: 1, .. })
         ));
+    }
+
+    #[test]
+    fn a_changed_token_file_is_reloaded_and_a_broken_one_keeps_the_previous_tokens() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokens.csv");
+        std::fs::write(&path, "old,alice,1\n").unwrap();
+        let source = TokenSource::load(&path).unwrap();
+        assert!(!source.reload().unwrap(), "unchanged");
+        std::fs::write(&path, "new,bob,2\n").unwrap();
+        assert!(source.reload().unwrap());
+        assert!(source.authenticate("old").is_none());
+        assert_eq!(source.authenticate("new").unwrap().name, "bob");
+        std::fs::write(&path, "broken\n").unwrap();
+        assert!(source.reload().is_err());
+        assert_eq!(source.authenticate("new").unwrap().name, "bob");
+    }
+
+    #[test]
+    fn tokens_of_other_lengths_or_one_byte_off_are_refused() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"abcd"));
     }
 
     #[test]

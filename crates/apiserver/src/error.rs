@@ -392,6 +392,31 @@ impl ApiError {
         .with_subject(subject, name)
     }
 
+    /// 403 `Forbidden` for any group and resource (apimachinery's `NewForbidden`):
+    /// `<resource>[.<group>] ["<name>"] is forbidden: <why>`, or `forbidden: <why>` without a
+    /// resource; `details` names the group, the resource (as `kind`) and the name.
+    pub fn forbidden_resource(group: &str, resource: &str, name: &str, why: &str) -> Self {
+        let qualified = if group.is_empty() {
+            resource.to_owned()
+        } else {
+            format!("{resource}.{group}")
+        };
+        let message = match (qualified.is_empty(), name.is_empty()) {
+            (true, _) => format!("forbidden: {why}"),
+            (false, true) => format!("{qualified} is forbidden: {why}"),
+            (false, false) => format!("{qualified} {name:?} is forbidden: {why}"),
+        };
+        let mut e = Self::new(403, "Forbidden", message);
+        let some = |s: &str| (!s.is_empty()).then(|| s.to_owned());
+        e.details = Some(Box::new(Details {
+            name: some(name),
+            group: some(group),
+            kind: some(resource),
+            ..Details::default()
+        }));
+        e
+    }
+
     /// Adds a cause to `details.causes` (e.g. the `NamespaceTerminating` cause of a create in a
     /// namespace that is being deleted).
     pub fn with_cause(mut self, reason: &str, message: impl Into<String>, field: &str) -> Self {

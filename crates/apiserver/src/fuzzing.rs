@@ -28,6 +28,10 @@ const KINDS: &[Kind] = &[
     Kind::Event,
     Kind::EventsV1,
     Kind::IpAddress,
+    Kind::Role,
+    Kind::ClusterRole,
+    Kind::RoleBinding,
+    Kind::ClusterRoleBinding,
 ];
 
 /// The kind an input's first byte names.

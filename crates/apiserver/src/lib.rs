@@ -16,7 +16,10 @@
 //!   request bodies turned into JSON ([`rest::protobuf`]);
 //! - [`ranges`]: `GET /ranges` (NodePort and ClusterIP occupancy per band) and `/metrics`;
 //! - [`tls`] and [`auth`]: serving over TLS and bearer tokens from `--token-auth-file`, which a
-//!   non-loopback `--bind-address` requires.
+//!   non-loopback `--bind-address` requires;
+//! - [`authz`]: identities, impersonation, `--authorization-mode` (`AlwaysAllow`, `RBAC`), the
+//!   `rbac.authorization.k8s.io/v1` policy with its bootstrap roles, escalation prevention and
+//!   the `authorization.k8s.io/v1` access reviews.
 //!
 //! Differences from kube-apiserver, on purpose:
 //! - allocation and the Service write are one transaction, so there is no window in which a
@@ -41,6 +44,7 @@
 //!   503/504 answers meanwhile, not one ERROR line per failed request.
 
 pub mod auth;
+pub mod authz;
 pub mod cidr_ranges;
 pub mod error;
 pub mod fuzzing;
@@ -116,6 +120,23 @@ pub struct Config {
     pub endpoint_lease_renew: std::time::Duration,
     /// `--event-ttl`: how long an Event is kept after it was last recorded (kube-apiserver: 1 h).
     pub event_ttl: std::time::Duration,
+    /// `--authorization-mode`; `None` for the default: `AlwaysAllow` on a loopback
+    /// `--bind-address`, `RBAC` beyond it.
+    pub authorization_modes: Option<Vec<authz::Mode>>,
+    /// `--anonymous-auth` (default true, as kube-apiserver): over TLS, a request without a token
+    /// is `system:anonymous`; kube-apiserver turns it off under `AlwaysAllow`.
+    pub anonymous_auth: bool,
+}
+
+impl Config {
+    /// The authorization modes in effect (see [`Config::authorization_modes`]).
+    pub fn effective_authorization_modes(&self) -> Vec<authz::Mode> {
+        match &self.authorization_modes {
+            Some(modes) => modes.clone(),
+            None if self.bind_address.is_loopback() => vec![authz::Mode::AlwaysAllow],
+            None => vec![authz::Mode::Rbac],
+        }
+    }
 }
 
 impl Default for Config {
@@ -140,6 +161,8 @@ impl Default for Config {
             endpoint_lease_ttl: registry::master_leases::LEASE_TTL,
             endpoint_lease_renew: registry::master_leases::RENEW_INTERVAL,
             event_ttl: registry::event::DEFAULT_TTL,
+            authorization_modes: None,
+            anonymous_auth: true,
         }
     }
 }
@@ -207,8 +230,11 @@ pub enum Error {
 pub struct Security {
     /// The TLS server configuration, if the API is served over TLS.
     pub tls: Option<Arc<tokio_rustls::rustls::ServerConfig>>,
-    /// The tokens every request needs, if token authentication is on.
-    pub tokens: Option<Arc<auth::Tokens>>,
+    /// The tokens of `--token-auth-file` (reloaded when the file changes), if token
+    /// authentication is on.
+    pub tokens: Option<Arc<auth::TokenSource>>,
+    /// `--anonymous-auth`.
+    pub anonymous_auth: bool,
 }
 
 impl Security {
@@ -220,10 +246,16 @@ impl Security {
             _ => return Err(Error::TlsPair),
         };
         let tokens = match &config.token_auth_file {
-            Some(path) => Some(Arc::new(auth::Tokens::load(path).map_err(Error::Tokens)?)),
+            Some(path) => Some(Arc::new(
+                auth::TokenSource::load(path).map_err(Error::Tokens)?,
+            )),
             None => None,
         };
-        Ok(Security { tls, tokens })
+        Ok(Security {
+            tls,
+            tokens,
+            anonymous_auth: config.anonymous_auth,
+        })
     }
 }
 
@@ -271,6 +303,13 @@ async fn state_over(backend: Arc<dyn Backend>, config: &Config) -> Result<AppSta
             Err(err) => return Err(Error::Bootstrap(err)),
         }
     }
+    // kube-apiserver's `rbac/bootstrap-roles` post-start hook: the bootstrap policy, created
+    // or reconciled, before the policy cache loads.
+    authz::bootstrap::reconcile(&registry)
+        .await
+        .map_err(Error::Bootstrap)?;
+    let policy = authz::cache::PolicyCache::default();
+    policy.start(registry.clone()).await;
     match registry.verify_and_repair().await {
         Ok(v) if v.is_consistent() => {
             tracing::info!(
@@ -385,7 +424,9 @@ async fn state_over(backend: Arc<dyn Backend>, config: &Config) -> Result<AppSta
             tracing::info_span!("endpoint_reconciler", %ip),
         ));
     }
-    Ok(AppState::new(registry, config.rest.clone()))
+    let mut state = AppState::new(registry, config.rest.clone());
+    state.authorizer = authz::Authorizer::new(config.effective_authorization_modes(), policy);
+    Ok(state)
 }
 
 /// Opens the store (etcd if `config.etcd_servers` is set, the embedded store in
@@ -456,12 +497,9 @@ pub async fn serve_secured(
         shutdown.await;
         let _ = trigger.send(true);
     };
-    let mut app = router(state);
-    if let Some(tokens) = security.tokens {
-        app = app.layer(axum::middleware::from_fn_with_state(
-            tokens,
-            auth::require_token,
-        ));
+    let app = app(state, &security);
+    if let Some(tokens) = &security.tokens {
+        tokens.clone().spawn_reloader(auth::RELOAD_INTERVAL);
     }
     match security.tls {
         Some(config) => tls::serve(listener, config, app, shutdown)
@@ -472,6 +510,18 @@ pub async fn serve_secured(
             .await
             .map_err(Error::Serve),
     }
+}
+
+/// The HTTP API behind the request gate (authentication, impersonation, authorization) that
+/// `security` and the state's authorizer describe.
+pub fn app(state: AppState, security: &Security) -> axum::Router {
+    let gate = Arc::new(authz::Gate {
+        tokens: security.tokens.clone(),
+        tls: security.tls.is_some(),
+        anonymous_auth: security.anonymous_auth,
+        authorizer: state.authorizer.clone(),
+    });
+    router(state).layer(axum::middleware::from_fn_with_state(gate, authz::gate))
 }
 
 /// Binds `config.bind_address:config.port`.

@@ -26,11 +26,19 @@ pub enum Kind {
     /// `networking.k8s.io/v1` IPAddress (cluster-scoped): one per allocated ClusterIP, or a
     /// reservation a user made.
     IpAddress,
+    /// `rbac.authorization.k8s.io/v1` Role (namespaced).
+    Role,
+    /// `rbac.authorization.k8s.io/v1` ClusterRole (cluster-scoped, `aggregationRule`).
+    ClusterRole,
+    /// `rbac.authorization.k8s.io/v1` RoleBinding (namespaced).
+    RoleBinding,
+    /// `rbac.authorization.k8s.io/v1` ClusterRoleBinding (cluster-scoped).
+    ClusterRoleBinding,
 }
 
 impl Kind {
     /// Every served resource.
-    pub const ALL: [Kind; 9] = [
+    pub const ALL: [Kind; 13] = [
         Kind::Namespace,
         Kind::Service,
         Kind::Endpoints,
@@ -40,6 +48,10 @@ impl Kind {
         Kind::Event,
         Kind::EventsV1,
         Kind::IpAddress,
+        Kind::Role,
+        Kind::ClusterRole,
+        Kind::RoleBinding,
+        Kind::ClusterRoleBinding,
     ];
 
     /// The API group (`""` for core).
@@ -49,6 +61,9 @@ impl Kind {
             Kind::ServiceCidr => "networking.k8s.io",
             Kind::EventsV1 => "events.k8s.io",
             Kind::IpAddress => "networking.k8s.io",
+            Kind::Role | Kind::ClusterRole | Kind::RoleBinding | Kind::ClusterRoleBinding => {
+                "rbac.authorization.k8s.io"
+            }
             _ => "",
         }
     }
@@ -65,6 +80,9 @@ impl Kind {
             Kind::ServiceCidr => "networking.k8s.io/v1",
             Kind::EventsV1 => "events.k8s.io/v1",
             Kind::IpAddress => "networking.k8s.io/v1",
+            Kind::Role | Kind::ClusterRole | Kind::RoleBinding | Kind::ClusterRoleBinding => {
+                "rbac.authorization.k8s.io/v1"
+            }
             _ => "v1",
         }
     }
@@ -80,6 +98,10 @@ impl Kind {
             Kind::ServiceCidr => "ServiceCIDR",
             Kind::Event | Kind::EventsV1 => "Event",
             Kind::IpAddress => "IPAddress",
+            Kind::Role => "Role",
+            Kind::ClusterRole => "ClusterRole",
+            Kind::RoleBinding => "RoleBinding",
+            Kind::ClusterRoleBinding => "ClusterRoleBinding",
         }
     }
 
@@ -99,6 +121,10 @@ impl Kind {
             Kind::ServiceCidr => "servicecidrs",
             Kind::Event | Kind::EventsV1 => "events",
             Kind::IpAddress => "ipaddresses",
+            Kind::Role => "roles",
+            Kind::ClusterRole => "clusterroles",
+            Kind::RoleBinding => "rolebindings",
+            Kind::ClusterRoleBinding => "clusterrolebindings",
         }
     }
 
@@ -113,6 +139,10 @@ impl Kind {
             Kind::ServiceCidr => "servicecidr",
             Kind::Event | Kind::EventsV1 => "event",
             Kind::IpAddress => "ipaddress",
+            Kind::Role => "role",
+            Kind::ClusterRole => "clusterrole",
+            Kind::RoleBinding => "rolebinding",
+            Kind::ClusterRoleBinding => "clusterrolebinding",
         }
     }
 
@@ -126,6 +156,7 @@ impl Kind {
             Kind::Namespace => &["ns"],
             Kind::Event | Kind::EventsV1 => &["ev"],
             Kind::IpAddress => &["ip"],
+            Kind::Role | Kind::ClusterRole | Kind::RoleBinding | Kind::ClusterRoleBinding => &[],
         }
     }
 
@@ -133,7 +164,12 @@ impl Kind {
     pub fn namespaced(self) -> bool {
         !matches!(
             self,
-            Kind::Node | Kind::Namespace | Kind::ServiceCidr | Kind::IpAddress
+            Kind::Node
+                | Kind::Namespace
+                | Kind::ServiceCidr
+                | Kind::IpAddress
+                | Kind::ClusterRole
+                | Kind::ClusterRoleBinding
         )
     }
 
@@ -169,6 +205,10 @@ impl Kind {
             Kind::Node => "minions",
             Kind::Namespace => "namespaces",
             Kind::ServiceCidr => "servicecidrs",
+            Kind::Role => "roles",
+            Kind::ClusterRole => "clusterroles",
+            Kind::RoleBinding => "rolebindings",
+            Kind::ClusterRoleBinding => "clusterrolebindings",
             Kind::IpAddress => "ipaddresses",
             // Both forms of Event are one resource in storage, as in kube-apiserver.
             Kind::Event | Kind::EventsV1 => "events",

@@ -204,9 +204,17 @@ async fn requests_without_a_token_get_a_401_status_and_health_checks_do_not_need
     };
     let security = Security::load(&config).unwrap();
     let state = nodeport_apiserver::in_memory(&config).await.unwrap();
+    // As served over TLS, where a request without a token is not the local administrator;
+    // under the loopback default `AlwaysAllow`, anonymous requests are not admitted (kube).
+    let gate = std::sync::Arc::new(nodeport_apiserver::authz::Gate {
+        tokens: security.tokens.clone(),
+        tls: true,
+        anonymous_auth: true,
+        authorizer: state.authorizer.clone(),
+    });
     let app = nodeport_apiserver::router(state).layer(axum::middleware::from_fn_with_state(
-        security.tokens.unwrap(),
-        nodeport_apiserver::auth::require_token,
+        gate,
+        nodeport_apiserver::authz::gate,
     ));
     let call = |path: &str, auth: Option<&str>| {
         let mut req = http::Request::get(path);
@@ -241,4 +249,94 @@ async fn requests_without_a_token_get_a_401_status_and_health_checks_do_not_need
             );
         }
     }
+}
+
+#[tokio::test]
+async fn under_rbac_a_tls_request_without_a_token_is_anonymous_and_may_read_only_public_info() {
+    use http_body_util::BodyExt;
+    use nodeport_apiserver::authz::{Gate, Mode};
+    use tower::ServiceExt;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("t.csv"),
+        format!("{TOKEN},system:kube-proxy,1\n"),
+    )
+    .unwrap();
+    let config = Config {
+        token_auth_file: Some(dir.path().join("t.csv")),
+        authorization_modes: Some(vec![Mode::Rbac]),
+        ..Config::default()
+    };
+    let security = Security::load(&config).unwrap();
+    let state = nodeport_apiserver::in_memory(&config).await.unwrap();
+    let app = |anonymous_auth: bool| {
+        let gate = std::sync::Arc::new(Gate {
+            tokens: security.tokens.clone(),
+            tls: true,
+            anonymous_auth,
+            authorizer: state.authorizer.clone(),
+        });
+        nodeport_apiserver::router(state.clone()).layer(axum::middleware::from_fn_with_state(
+            gate,
+            nodeport_apiserver::authz::gate,
+        ))
+    };
+    let call = |anonymous: bool, method: &str, path: &str, token: bool| {
+        let mut req = http::Request::builder().method(method).uri(path);
+        if token {
+            req = req.header("authorization", format!("Bearer {TOKEN}"));
+        }
+        let body = if method == "POST" {
+            r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"evil"},"spec":{"ports":[{"port":80}]}}"#
+        } else {
+            ""
+        };
+        let req = req
+            .header("content-type", "application/json")
+            .body(axum::body::Body::from(body))
+            .unwrap();
+        let app = app(anonymous);
+        async move {
+            let resp = app.oneshot(req).await.unwrap();
+            let code = resp.status().as_u16();
+            let body = resp.into_body().collect().await.unwrap().to_bytes();
+            let message = serde_json::from_slice::<serde_json::Value>(&body)
+                .ok()
+                .and_then(|v| v["message"].as_str().map(str::to_owned))
+                .unwrap_or_default();
+            (code, message)
+        }
+    };
+    // system:public-info-viewer is bound to system:unauthenticated.
+    for path in ["/version", "/healthz", "/livez", "/readyz"] {
+        assert_eq!(call(true, "GET", path, false).await.0, 200, "{path}");
+    }
+    assert_eq!(
+        call(true, "GET", "/api/v1/services", false).await,
+        (
+            403,
+            r#"services is forbidden: User "system:anonymous" cannot list resource "services" in API group "" at the cluster scope"#.to_owned()
+        )
+    );
+    // Discovery is for authenticated users (system:discovery).
+    assert_eq!(
+        call(true, "GET", "/apis", false).await,
+        (
+            403,
+            r#"forbidden: User "system:anonymous" cannot get path "/apis""#.to_owned()
+        )
+    );
+    assert_eq!(call(true, "GET", "/apis", true).await.0, 200);
+    // The node-proxier token: lists Services, may not create one.
+    assert_eq!(call(true, "GET", "/api/v1/services", true).await.0, 200);
+    assert_eq!(
+        call(true, "POST", "/api/v1/namespaces/default/services", true).await,
+        (
+            403,
+            r#"services is forbidden: User "system:kube-proxy" cannot create resource "services" in API group "" in the namespace "default""#.to_owned()
+        )
+    );
+    // --anonymous-auth=false: a request without a token is a 401, the health checks excepted.
+    assert_eq!(call(false, "GET", "/version", false).await.0, 401);
+    assert_eq!(call(false, "GET", "/healthz", false).await.0, 200);
 }

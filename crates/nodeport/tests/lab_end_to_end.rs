@@ -143,6 +143,12 @@ fn lab_answers_on_every_node_ip_and_leaves_nothing_behind(mode: &str) {
     for step in 1..=9 {
         assert!(stdout.contains(&format!("[{step}/9] ")), "{stdout}");
     }
+    // The proxies ran with the system:kube-proxy token under RBAC (the verdict above is their
+    // work); RBAC refuses that user a Service create (the lab also checks it with the token).
+    assert!(
+        stdout.contains("$ kubectl auth can-i create services --as system:kube-proxy\nno\n"),
+        "{stdout}"
+    );
     if mode == "nftables" {
         // Our API server serves the default ServiceCIDR `kubernetes` (kube-apiserver >= 1.33),
         // and the proxy turns it into kube-proxy's drop rule for unallocated ClusterIPs: the

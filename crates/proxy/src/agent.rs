@@ -584,29 +584,34 @@ pub async fn run_with_backend(
     // Watchers.
     let s = shared.clone();
     let c = client.clone();
+    let h = health.clone();
     tasks.spawn(async move {
         watch::run(
             kube::Api::<core::Service>::all(c),
             watcher::Config::default(),
             Arc::new(Services(s)),
             "services",
+            h,
         )
         .await
     });
     let s = shared.clone();
     let c = client.clone();
+    let h = health.clone();
     tasks.spawn(async move {
         watch::run(
             kube::Api::<discovery::EndpointSlice>::all(c),
             watcher::Config::default(),
             Arc::new(Slices(s)),
             "endpointslices",
+            h,
         )
         .await
     });
     let s = shared.clone();
     let c = client.clone();
     let node_name = config.node_name.clone();
+    let h = health.clone();
     tasks.spawn(async move {
         let cfg = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
         watch::run(
@@ -614,6 +619,7 @@ pub async fn run_with_backend(
             cfg,
             Arc::new(NodeSink(s, node_name)),
             "node",
+            h,
         )
         .await
     });
@@ -626,19 +632,27 @@ pub async fn run_with_backend(
     // unallocated-ClusterIP drop rule out, as kube-proxy does without ServiceCIDR data.
     let s = shared.clone();
     let c = client.clone();
+    let h = health.clone();
     tasks.spawn(async move {
         let api = kube::Api::<networking::ServiceCIDR>::all(c);
-        match api.list(&kube::api::ListParams::default().limit(1)).await {
-            Ok(_) => {
-                watch::run(
-                    api,
-                    watcher::Config::default(),
-                    Arc::new(Cidrs(s)),
-                    "servicecidrs",
-                )
-                .await
+        let served = match api.list(&kube::api::ListParams::default().limit(1)).await {
+            Ok(_) => true,
+            // Served but refused (403) is not "not served": the watcher reports the refusal.
+            Err(kube::Error::Api(status)) if status.code == 403 => true,
+            Err(e) => {
+                tracing::info!(error = %e, "ServiceCIDRs not served; not watching them");
+                false
             }
-            Err(e) => tracing::info!(error = %e, "ServiceCIDRs not served; not watching them"),
+        };
+        if served {
+            watch::run(
+                api,
+                watcher::Config::default(),
+                Arc::new(Cidrs(s)),
+                "servicecidrs",
+                h,
+            )
+            .await
         }
     });
 

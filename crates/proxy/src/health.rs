@@ -27,6 +27,9 @@ pub struct ProxyHealth {
     node: Mutex<Option<Node>>,
     /// `2 × --sync-period`: a pending update older than this makes the proxy unhealthy.
     timeout: Duration,
+    /// Watched resources the API server refuses to list or watch (403): the rules cannot
+    /// follow them, so the proxy is unhealthy until access comes back.
+    refused: Mutex<std::collections::BTreeSet<&'static str>>,
 }
 
 impl ProxyHealth {
@@ -41,6 +44,7 @@ impl ProxyHealth {
             ),
             node: Mutex::new(None),
             timeout,
+            refused: Mutex::default(),
         }
     }
 
@@ -66,17 +70,34 @@ impl ProxyHealth {
         *self.node.lock().expect("health lock") = node;
     }
 
-    /// Healthy: no family has an update pending for longer than the timeout.
+    /// Records whether the API server refuses the list or watch of `what` (403).
+    pub fn set_refused(&self, what: &'static str, refused: bool) {
+        let mut set = self.refused.lock().expect("health lock");
+        if refused {
+            set.insert(what);
+        } else {
+            set.remove(what);
+        }
+    }
+
+    fn none_refused(&self) -> bool {
+        self.refused.lock().expect("health lock").is_empty()
+    }
+
+    /// Healthy: no family has an update pending for longer than the timeout, and every watched
+    /// resource may be listed and watched.
     pub fn healthy(&self) -> bool {
         self.healthy_at(SystemTime::now())
     }
 
     fn healthy_at(&self, now: SystemTime) -> bool {
-        self.families
-            .lock()
-            .expect("health lock")
-            .values()
-            .all(|h| family_healthy(h, now, self.timeout))
+        self.none_refused()
+            && self
+                .families
+                .lock()
+                .expect("health lock")
+                .values()
+                .all(|h| family_healthy(h, now, self.timeout))
     }
 
     fn node_eligible(&self) -> bool {
@@ -91,9 +112,10 @@ impl ProxyHealth {
     fn body(&self, with_node: bool) -> (bool, String) {
         let now = SystemTime::now();
         let families = self.families.lock().expect("health lock").clone();
-        let mut healthy = families
-            .values()
-            .all(|h| family_healthy(h, now, self.timeout));
+        let mut healthy = self.none_refused()
+            && families
+                .values()
+                .all(|h| family_healthy(h, now, self.timeout));
         let eligible = self.node_eligible();
         if with_node {
             healthy &= eligible;
@@ -365,6 +387,16 @@ mod tests {
         assert!(!h.healthy_at(SystemTime::now() + Duration::from_secs(61)));
         h.updated();
         assert!(h.healthy_at(SystemTime::now() + Duration::from_secs(61)));
+    }
+
+    #[test]
+    fn a_refused_watch_makes_the_proxy_unhealthy_until_it_is_allowed_again() {
+        let h = ProxyHealth::new(&[IpFamily::V4], Duration::from_secs(60));
+        h.set_refused("services", true);
+        assert!(!h.healthy());
+        assert!(h.body(false).1.contains("\"healthy\":false"));
+        h.set_refused("services", false);
+        assert!(h.healthy());
     }
 
     #[test]

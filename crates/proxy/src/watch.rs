@@ -35,9 +35,28 @@ pub trait Sink<K>: Send + Sync + 'static {
     fn synced(&self);
 }
 
-/// Runs a watcher until the stream ends (never, in practice: it retries with backoff).
-pub async fn run<K, S>(api: kube::Api<K>, config: watcher::Config, sink: Arc<S>, what: &'static str)
-where
+/// Whether a watcher error is the API server refusing the list or watch (403 Forbidden).
+fn forbidden(error: &watcher::Error) -> bool {
+    match error {
+        watcher::Error::InitialListFailed(kube::Error::Api(status))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(status))
+        | watcher::Error::WatchFailed(kube::Error::Api(status)) => status.code == 403,
+        watcher::Error::WatchError(status) => status.code == 403,
+        _ => false,
+    }
+}
+
+/// Runs a watcher until the stream ends (never, in practice: it retries with backoff). A list
+/// or watch the API server refuses (403) is logged at error level and makes the proxy
+/// unhealthy (`health`) until a list succeeds again: without it the rules cannot follow the
+/// cluster, and carrying on would hide that.
+pub async fn run<K, S>(
+    api: kube::Api<K>,
+    config: watcher::Config,
+    sink: Arc<S>,
+    what: &'static str,
+    health: Arc<crate::health::ProxyHealth>,
+) where
     K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
     S: Sink<K>,
 {
@@ -62,6 +81,7 @@ where
                     }
                 }
                 tracing::debug!(what, "initial list done");
+                health.set_refused(what, false);
                 sink.synced();
             }
             Ok(watcher::Event::Apply(obj)) => {
@@ -69,6 +89,14 @@ where
             }
             Ok(watcher::Event::Delete(obj)) => {
                 sink.apply(&obj, true);
+            }
+            Err(e) if forbidden(&e) => {
+                health.set_refused(what, true);
+                tracing::error!(
+                    what,
+                    error = %e,
+                    "the API server refuses to let this proxy list or watch a resource it needs (check the RBAC binding of its user: kube-proxy's is system:node-proxier); unhealthy until allowed"
+                );
             }
             Err(e) => tracing::warn!(what, error = %e, "watch failed; retrying"),
         }
@@ -82,4 +110,30 @@ pub fn trigger_time(
     let value = meta.annotations.as_ref()?.get(TRIGGER_TIME_ANNOTATION)?;
     let ts: jiff::Timestamp = value.parse().ok()?;
     Some(SystemTime::from(ts))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn api_error(code: u16) -> kube::Error {
+        kube::Error::Api(
+            kube::core::Status::failure("services is forbidden", "Forbidden")
+                .with_code(code)
+                .boxed(),
+        )
+    }
+
+    #[test]
+    fn a_403_on_list_or_watch_is_a_refusal_and_other_failures_are_not() {
+        assert!(forbidden(&watcher::Error::InitialListFailed(api_error(
+            403
+        ))));
+        assert!(forbidden(&watcher::Error::WatchStartFailed(api_error(403))));
+        assert!(forbidden(&watcher::Error::WatchFailed(api_error(403))));
+        assert!(!forbidden(&watcher::Error::InitialListFailed(api_error(
+            500
+        ))));
+        assert!(!forbidden(&watcher::Error::NoResourceVersion));
+    }
 }

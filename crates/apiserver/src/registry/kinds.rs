@@ -69,6 +69,10 @@ pub fn prepare_create(object: &mut Object) {
         Object::Node(_) | Object::Endpoints(_) | Object::ServiceCidr(_) => {}
         Object::Event(_) => {}
         Object::IpAddress(_) => {}
+        Object::Role(_)
+        | Object::ClusterRole(_)
+        | Object::RoleBinding(_)
+        | Object::ClusterRoleBinding(_) => crate::authz::validation::set_defaults(object),
     }
 }
 
@@ -78,6 +82,7 @@ pub fn set_defaults(object: &mut Object) {
     if let Object::Service(svc) = object {
         super::service::set_defaults(svc);
     }
+    crate::authz::validation::set_defaults(object);
 }
 
 fn valid_ip(s: &str) -> bool {
@@ -121,6 +126,10 @@ pub fn validate(object: &Object) -> Vec<FieldError> {
         }
         Object::ServiceCidr(cidr) => super::service_cidr::validate(cidr),
         Object::IpAddress(ip) => super::ip_addresses::validate(ip),
+        Object::Role(_)
+        | Object::ClusterRole(_)
+        | Object::RoleBinding(_)
+        | Object::ClusterRoleBinding(_) => crate::authz::validation::validate(object),
         Object::Endpoints(ep) => {
             let mut errs = validation::object_meta(&ep.metadata, true, NameRule::Dns1123Subdomain);
             for (i, subset) in ep.subsets.iter().flatten().enumerate() {

@@ -3,6 +3,7 @@
 use k8s_openapi::api::core::v1::{Endpoints, Event, Namespace, Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::networking::v1::{IPAddress, ServiceCIDR};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::Value;
 
@@ -28,6 +29,14 @@ pub enum Object {
     Event(Box<Event>),
     /// An IPAddress.
     IpAddress(Box<IPAddress>),
+    /// A Role.
+    Role(Box<Role>),
+    /// A ClusterRole.
+    ClusterRole(Box<ClusterRole>),
+    /// A RoleBinding.
+    RoleBinding(Box<RoleBinding>),
+    /// A ClusterRoleBinding.
+    ClusterRoleBinding(Box<ClusterRoleBinding>),
 }
 
 /// A decoded object and the input fields the typed object does not know.
@@ -83,6 +92,10 @@ impl Object {
             Kind::ServiceCidr => Object::ServiceCidr(Box::new(typed(kind, value)?)),
             Kind::Event | Kind::EventsV1 => Object::Event(Box::new(typed(kind, value)?)),
             Kind::IpAddress => Object::IpAddress(Box::new(typed(kind, value)?)),
+            Kind::Role => Object::Role(Box::new(typed(kind, value)?)),
+            Kind::ClusterRole => Object::ClusterRole(Box::new(typed(kind, value)?)),
+            Kind::RoleBinding => Object::RoleBinding(Box::new(typed(kind, value)?)),
+            Kind::ClusterRoleBinding => Object::ClusterRoleBinding(Box::new(typed(kind, value)?)),
         };
         let mut unknown_fields = Vec::new();
         let round_trip = object.to_value();
@@ -104,6 +117,10 @@ impl Object {
             Object::ServiceCidr(_) => Kind::ServiceCidr,
             Object::Event(_) => Kind::Event,
             Object::IpAddress(_) => Kind::IpAddress,
+            Object::Role(_) => Kind::Role,
+            Object::ClusterRole(_) => Kind::ClusterRole,
+            Object::RoleBinding(_) => Kind::RoleBinding,
+            Object::ClusterRoleBinding(_) => Kind::ClusterRoleBinding,
         }
     }
 
@@ -118,6 +135,10 @@ impl Object {
             Object::ServiceCidr(o) => &o.metadata,
             Object::Event(o) => &o.metadata,
             Object::IpAddress(o) => &o.metadata,
+            Object::Role(o) => &o.metadata,
+            Object::ClusterRole(o) => &o.metadata,
+            Object::RoleBinding(o) => &o.metadata,
+            Object::ClusterRoleBinding(o) => &o.metadata,
         }
     }
 
@@ -132,6 +153,10 @@ impl Object {
             Object::ServiceCidr(o) => &mut o.metadata,
             Object::Event(o) => &mut o.metadata,
             Object::IpAddress(o) => &mut o.metadata,
+            Object::Role(o) => &mut o.metadata,
+            Object::ClusterRole(o) => &mut o.metadata,
+            Object::RoleBinding(o) => &mut o.metadata,
+            Object::ClusterRoleBinding(o) => &mut o.metadata,
         }
     }
 
@@ -151,6 +176,10 @@ impl Object {
             Object::ServiceCidr(o) => serde_json::to_value(o),
             Object::Event(o) => serde_json::to_value(o),
             Object::IpAddress(o) => serde_json::to_value(o),
+            Object::Role(o) => serde_json::to_value(o),
+            Object::ClusterRole(o) => serde_json::to_value(o),
+            Object::RoleBinding(o) => serde_json::to_value(o),
+            Object::ClusterRoleBinding(o) => serde_json::to_value(o),
         }
         .expect("k8s-openapi objects serialize");
         if let Value::Object(map) = &mut value {

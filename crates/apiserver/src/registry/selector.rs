@@ -205,6 +205,9 @@ pub fn supported_fields(kind: Kind) -> &'static [&'static str] {
         Kind::Namespace => &["metadata.name", "status.phase"],
         Kind::Endpoints | Kind::EndpointSlice => &["metadata.name", "metadata.namespace"],
         Kind::Event | Kind::EventsV1 => super::event::selectable_fields(kind),
+        Kind::Role | Kind::ClusterRole | Kind::RoleBinding | Kind::ClusterRoleBinding => {
+            &["metadata.name", "metadata.namespace"]
+        }
     }
 }
 

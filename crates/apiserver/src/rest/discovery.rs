@@ -63,7 +63,7 @@ pub fn api_group_list() -> Value {
     json!({
         "kind": "APIGroupList",
         "apiVersion": "v1",
-        "groups": [discovery_group(), networking_group(), events_group()],
+        "groups": [discovery_group(), networking_group(), events_group(), crate::authz::discovery::rbac_group(), crate::authz::discovery::authorization_group()],
     })
 }
 
@@ -73,6 +73,8 @@ pub fn api_group(group: &str) -> Option<Value> {
         "discovery.k8s.io" => discovery_group(),
         "networking.k8s.io" => networking_group(),
         "events.k8s.io" => events_group(),
+        "rbac.authorization.k8s.io" => crate::authz::discovery::rbac_group(),
+        "authorization.k8s.io" => crate::authz::discovery::authorization_group(),
         _ => return None,
     };
     g["kind"] = json!("APIGroup");
@@ -82,6 +84,9 @@ pub fn api_group(group: &str) -> Option<Value> {
 
 /// `/api/v1` or `/apis/<group>/<version>`.
 pub fn api_resource_list(group: &str, version: &str) -> Option<Value> {
+    if let Some(list) = crate::authz::discovery::authorization_resources(group, version) {
+        return Some(list);
+    }
     let kinds: Vec<Kind> = Kind::ALL
         .into_iter()
         .filter(|k| k.group() == group && k.version() == version)
@@ -166,7 +171,7 @@ pub fn version() -> Value {
 }
 
 /// The group-version paths of `/openapi/v3`: path, group, version, schema package.
-fn openapi_paths() -> [(&'static str, &'static str, &'static str, &'static str); 4] {
+fn openapi_paths() -> [(&'static str, &'static str, &'static str, &'static str); 5] {
     [
         ("api/v1", "", "v1", "core"),
         (
@@ -182,6 +187,12 @@ fn openapi_paths() -> [(&'static str, &'static str, &'static str, &'static str);
             "networking",
         ),
         ("apis/events.k8s.io/v1", "events.k8s.io", "v1", "events"),
+        (
+            "apis/rbac.authorization.k8s.io/v1",
+            "rbac.authorization.k8s.io",
+            "v1",
+            "rbac",
+        ),
     ]
 }
 
@@ -225,6 +236,16 @@ fn schemas_of(group: &str) -> serde_json::Map<String, Value> {
             Kind::Event => generator.subschema_for::<core::Event>(),
             Kind::EventsV1 => generator.subschema_for::<events::Event>(),
             Kind::IpAddress => generator.subschema_for::<net::IPAddress>(),
+            Kind::Role => generator.subschema_for::<k8s_openapi::api::rbac::v1::Role>(),
+            Kind::ClusterRole => {
+                generator.subschema_for::<k8s_openapi::api::rbac::v1::ClusterRole>()
+            }
+            Kind::RoleBinding => {
+                generator.subschema_for::<k8s_openapi::api::rbac::v1::RoleBinding>()
+            }
+            Kind::ClusterRoleBinding => {
+                generator.subschema_for::<k8s_openapi::api::rbac::v1::ClusterRoleBinding>()
+            }
         };
     }
     generator.take_definitions(true)

@@ -82,6 +82,9 @@ pub struct AppState {
     pub shut_down: Arc<tokio::sync::watch::Sender<bool>>,
     /// The in-flight limits and what they count.
     pub limits: Arc<limits::Limits>,
+    /// The authorizers of `--authorization-mode` over the RBAC policy (`AlwaysAllow` over an
+    /// empty policy until the server sets them).
+    pub authorizer: crate::authz::Authorizer,
 }
 
 impl AppState {
@@ -94,6 +97,10 @@ impl AppState {
             config: Arc::new(config),
             shutting_down,
             shut_down: Arc::new(shut_down),
+            authorizer: crate::authz::Authorizer::new(
+                vec![crate::authz::Mode::AlwaysAllow],
+                crate::authz::cache::PolicyCache::default(),
+            ),
         }
     }
 }
@@ -120,6 +127,18 @@ pub fn router(state: AppState) -> Router {
         .route("/openapi/v3/{*path}", get(openapi_document))
         .route("/ranges", get(ranges_handler))
         .route("/metrics", get(metrics_handler))
+        .route(
+            "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+            axum::routing::post(crate::authz::review::self_subject_access_review),
+        )
+        .route(
+            "/apis/authorization.k8s.io/v1/selfsubjectrulesreviews",
+            axum::routing::post(crate::authz::review::self_subject_rules_review),
+        )
+        .route(
+            "/apis/authorization.k8s.io/v1/subjectaccessreviews",
+            axum::routing::post(crate::authz::review::subject_access_review),
+        )
         .fallback(resource_handler)
         .layer(axum::middleware::from_fn_with_state(
             state.limits.clone(),
@@ -620,6 +639,7 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
             }
             let options = write_options(&query)?;
             let body = decode_body(&ct, kind, &read_body(body).await?, options.field_validation)?;
+            check_escalation(state, &parts.extensions, kind, ns, &body.value)?;
             let written = registry.create(kind, ns, body.value, options).await?;
             Ok(with_warnings(
                 object_response(StatusCode::CREATED, kind, written.object, &accept),
@@ -666,6 +686,7 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
             let options = write_options(&query)?;
             let body = decode_body(&ct, kind, &read_body(body).await?, options.field_validation)?;
             let status_only = target.subresource.is_some();
+            check_escalation(state, &parts.extensions, kind, ns, &body.value)?;
             let written = registry
                 .update(kind, ns, name, status_only, body.value, options)
                 .await?;
@@ -686,6 +707,24 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
             let patch: Value = serde_json::from_slice(&bytes)
                 .map_err(|e| ApiError::bad_request(format!("error decoding patch: {e}")))?;
             let status_only = target.subresource.is_some();
+            if escalation_checked(kind) {
+                // The patched object is judged before it is written: a dry run shows it.
+                let preview = registry
+                    .patch(
+                        kind,
+                        ns,
+                        name,
+                        status_only,
+                        patch_type,
+                        patch.clone(),
+                        WriteOptions {
+                            dry_run: true,
+                            ..options
+                        },
+                    )
+                    .await?;
+                check_escalation(state, &parts.extensions, kind, ns, &preview.object)?;
+            }
             let written = registry
                 .patch(kind, ns, name, status_only, patch_type, patch, options)
                 .await?;
@@ -742,6 +781,32 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
             &method.as_str().to_ascii_lowercase(),
         )),
     }
+}
+
+/// Whether writes of `kind` are checked for privilege escalation (the RBAC kinds).
+fn escalation_checked(kind: Kind) -> bool {
+    matches!(
+        kind,
+        Kind::Role | Kind::ClusterRole | Kind::RoleBinding | Kind::ClusterRoleBinding
+    )
+}
+
+/// Escalation prevention for a write of an RBAC kind, by the user the request gate found
+/// (a request that did not pass the gate is the local administrator's).
+fn check_escalation(
+    state: &AppState,
+    extensions: &http::Extensions,
+    kind: Kind,
+    namespace: Option<&str>,
+    object: &Value,
+) -> Result<(), ApiError> {
+    if !escalation_checked(kind) {
+        return Ok(());
+    }
+    let Some(user) = extensions.get::<crate::authz::UserInfo>() else {
+        return Ok(());
+    };
+    crate::authz::escalation::check_write(&state.authorizer, user, kind, namespace, object)
 }
 
 fn object_response(code: StatusCode, kind: Kind, object: Value, accept: &str) -> Response {

@@ -29,6 +29,8 @@ use serde_json::{Map, Value};
 
 use crate::resource::Kind;
 
+mod rbac;
+
 /// The media type of Kubernetes' protobuf encoding.
 pub const MEDIA_TYPE: &str = "application/vnd.kubernetes.protobuf";
 
@@ -105,6 +107,7 @@ pub enum Error {
 fn unsupported_message(api_version: &str, kind: &str) -> String {
     let decoded: Vec<String> = DECODED
         .iter()
+        .chain(rbac::DECODED.iter())
         .map(|(version, kind)| format!("{version} {kind}"))
         .collect();
     format!(
@@ -168,6 +171,9 @@ pub fn decode_object(body: &[u8], endpoint: Kind) -> Result<Value, Error> {
     let head = Fields::default()
         .put("apiVersion", envelope.api_version.as_str())
         .put("kind", envelope.kind.as_str());
+    if let Some(decoded) = rbac::decode(head.clone(), &envelope) {
+        return decoded;
+    }
     match (envelope.api_version.as_str(), envelope.kind.as_str()) {
         ("v1", "Service") => service(head, typed(&envelope)?),
         ("v1", "Namespace") => namespace(head, typed(&envelope)?),
@@ -179,6 +185,22 @@ pub fn decode_object(body: &[u8], endpoint: Kind) -> Result<Value, Error> {
         ("networking.k8s.io/v1", "ServiceCIDR") => service_cidr(head, typed(&envelope)?),
         ("networking.k8s.io/v1", "IPAddress") => ip_address(head, typed(&envelope)?),
         _ => Err(Error::UnsupportedKind {
+            api_version: envelope.api_version,
+            kind: envelope.kind,
+        }),
+    }
+}
+
+/// Decodes a protobuf access review (`authorization.k8s.io/v1` SelfSubjectAccessReview,
+/// SelfSubjectRulesReview, SubjectAccessReview) into its JSON form.
+pub fn decode_review(body: &[u8]) -> Result<Value, Error> {
+    let envelope = envelope(body)?;
+    let head = Fields::default()
+        .put("apiVersion", envelope.api_version.as_str())
+        .put("kind", envelope.kind.as_str());
+    match rbac::decode(head, &envelope) {
+        Some(decoded) => decoded,
+        None => Err(Error::UnsupportedKind {
             api_version: envelope.api_version,
             kind: envelope.kind,
         }),
@@ -223,7 +245,7 @@ const END_OF_YEAR_9999: i64 = 253_402_300_799;
 /// A JSON object written field by field, each method named after how Go's `encoding/json` writes
 /// the field: a pointer ([`Fields::ptr`]), a value with `omitempty` ([`Fields::nonzero`]), a
 /// value without it ([`Fields::always`]), and the lists, maps and nested objects.
-#[derive(Default)]
+#[derive(Default, Clone)]
 struct Fields(Map<String, Value>);
 
 impl Fields {

@@ -125,6 +125,22 @@ fn columns(kind: Kind) -> Vec<(&'static str, &'static str, i32)> {
                 0,
             ),
         ],
+        Kind::Role | Kind::ClusterRole => vec![
+            name,
+            (
+                "Created At",
+                "CreationTimestamp is a timestamp representing the server time when this object was created.",
+                0,
+            ),
+        ],
+        Kind::RoleBinding | Kind::ClusterRoleBinding => vec![
+            name,
+            ("Role", "Role of the binding", 0),
+            age,
+            ("Users", "Users in the binding", 1),
+            ("Groups", "Groups in the binding", 1),
+            ("ServiceAccounts", "ServiceAccounts in the binding", 1),
+        ],
     }
 }
 
@@ -441,6 +457,43 @@ fn ip_address_cells(ip: &Value) -> Vec<Value> {
     vec![json!(s(ip, "/metadata/name")), json!(reference)]
 }
 
+/// kubectl's role row: the name and the creation time in RFC 3339.
+fn role_cells(role: &Value) -> Vec<Value> {
+    vec![
+        json!(s(role, "/metadata/name")),
+        json!(s(role, "/metadata/creationTimestamp")),
+    ]
+}
+
+/// kubectl's binding row: `Kind/name` of the role, then (wide) the users, groups and
+/// `namespace/name` of the service accounts, each joined with `", "`.
+fn binding_cells(binding: &Value) -> Vec<Value> {
+    let subjects = arr(binding, "/subjects");
+    let of_kind = |kind: &str| -> String {
+        subjects
+            .iter()
+            .filter(|sub| s(sub, "/kind") == kind)
+            .map(|sub| match kind {
+                "ServiceAccount" => format!("{}/{}", s(sub, "/namespace"), s(sub, "/name")),
+                _ => s(sub, "/name").to_owned(),
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    vec![
+        json!(s(binding, "/metadata/name")),
+        json!(format!(
+            "{}/{}",
+            s(binding, "/roleRef/kind"),
+            s(binding, "/roleRef/name")
+        )),
+        json!(age(binding)),
+        json!(of_kind("User")),
+        json!(of_kind("Group")),
+        json!(of_kind("ServiceAccount")),
+    ]
+}
+
 fn namespace_cells(ns: &Value) -> Vec<Value> {
     vec![
         json!(s(ns, "/metadata/name")),
@@ -528,6 +581,8 @@ pub fn row(kind: Kind, object: &Value, include_object: &str) -> Value {
         Kind::ServiceCidr => service_cidr_cells(object),
         Kind::Event | Kind::EventsV1 => event_cells(object),
         Kind::IpAddress => ip_address_cells(object),
+        Kind::Role | Kind::ClusterRole => role_cells(object),
+        Kind::RoleBinding | Kind::ClusterRoleBinding => binding_cells(object),
     };
     let embedded = match include_object {
         "None" => Value::Null,

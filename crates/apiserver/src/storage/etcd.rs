@@ -213,6 +213,25 @@ struct Hub {
     state: std::sync::Mutex<HubState>,
 }
 
+impl Hub {
+    /// Drops the history before `floor` (this server compacted etcd to it): a watch from an
+    /// older revision then goes to etcd, which answers 410 Gone, as it would without the hub.
+    fn forget_before(&self, floor: Revision) {
+        let mut state = self.state.lock().expect("hub lock");
+        if !state.running || floor <= state.oldest {
+            return;
+        }
+        while state
+            .log
+            .front()
+            .is_some_and(|e| e.kv.mod_revision <= floor)
+        {
+            state.log.pop_front();
+        }
+        state.oldest = floor;
+    }
+}
+
 #[derive(Default)]
 struct HubState {
     /// Whether the hub's etcd watch is running (and `log`, `oldest`, `progress` are valid).
@@ -440,7 +459,10 @@ impl EtcdBackend {
                 )
                 .await;
                 match compacted {
-                    Ok(Ok(_)) => tracing::info!(revision, "compacted etcd history"),
+                    Ok(Ok(_)) => {
+                        tracing::info!(revision, "compacted etcd history");
+                        self.hub.forget_before(resource_version(revision, 0));
+                    }
                     Ok(Err(err)) if err.to_string().contains("compacted") => {}
                     Ok(Err(err)) => tracing::warn!(revision, error = %err, "compaction failed"),
                     Err(_) => tracing::warn!(revision, "compaction timed out"),

@@ -73,6 +73,15 @@ pub struct Args {
     /// "1h", "30m", "90s".
     #[arg(long, default_value = "1h")]
     event_ttl: String,
+    /// Authorizers, in order (kube-apiserver's flag): AlwaysAllow, RBAC, comma-separated.
+    /// Default: AlwaysAllow on a loopback --bind-address, RBAC beyond it.
+    #[arg(long)]
+    authorization_mode: Option<String>,
+    /// Over TLS, treat a request without a token as system:anonymous (in
+    /// system:unauthenticated), allowed only what RBAC grants it; false answers it 401. Off under
+    /// AlwaysAllow, as kube-apiserver.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    anonymous_auth: bool,
 }
 
 fn usage(message: impl Into<String>) -> anyhow::Error {
@@ -221,7 +230,15 @@ fn config(args: &Args) -> anyhow::Result<Config> {
         // the default route's interface; here the flag must be given) or loopback.
         None => Some(bind_address).filter(|ip| !ip.is_unspecified() && !ip.is_loopback()),
     };
+    let authorization_modes = args
+        .authorization_mode
+        .as_deref()
+        .map(nodeport_apiserver::authz::Mode::parse_list)
+        .transpose()
+        .map_err(|e| usage(format!("--authorization-mode: {e}")))?;
     let mut config = Config {
+        authorization_modes,
+        anonymous_auth: args.anonymous_auth,
         advertise_address,
         bind_address,
         port: args.port,
@@ -279,6 +296,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             },
             tls = security.tls.is_some(),
             tokens = security.tokens.as_ref().map_or(0, |t| t.len()),
+            authorization = %config
+                .effective_authorization_modes()
+                .iter()
+                .map(|m| m.name())
+                .collect::<Vec<_>>()
+                .join(","),
             "serving the Kubernetes API"
         );
         let registry = state.registry.clone();

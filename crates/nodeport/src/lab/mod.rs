@@ -280,7 +280,7 @@ impl Lab {
         interrupt.check()?;
 
         self.progress(&format!(
-            "API server on {} (https://{}:{API_PORT}, TLS and tokens, embedded store)",
+            "API server on {} (https://{}:{API_PORT}, TLS, tokens and RBAC, embedded store)",
             self.plan.control_plane().name,
             self.plan.control_plane().ip
         ));
@@ -303,6 +303,7 @@ impl Lab {
         ));
         self.start_proxies(mode)?;
         self.wait_proxies(mode, interrupt)?;
+        self.check_proxy_privilege()?;
         interrupt.check()?;
 
         self.progress("kubectl expose deployment web --port=80 --type=NodePort");
@@ -400,12 +401,14 @@ impl Lab {
         std::fs::write(&ca, &cert.ca_pem)?;
         std::fs::write(&cert_file, &cert.cert_pem)?;
         std::fs::write(&key_file, &cert.key_pem)?;
-        // kubeadm's identities: the admin in system:masters, kube-proxy in system:node-proxier.
+        // kubeadm's admin, in system:masters; the proxies' user system:kube-proxy, which the
+        // bootstrap policy binds to the ClusterRole system:node-proxier (read Services,
+        // EndpointSlices, Nodes; write events) and nothing else.
         let (admin, proxy) = (pki::token()?, pki::token()?);
         std::fs::write(
             &tokens_file,
             pki::token_line(&admin, "kubernetes-admin", &["system:masters"])
-                + &pki::token_line(&proxy, "system:kube-proxy", &["system:node-proxier"]),
+                + &pki::token_line(&proxy, "system:kube-proxy", &[]),
         )?;
         let server = format!("https://{}:{API_PORT}", cp.ip);
         let ca_text = ca.display().to_string();
@@ -423,6 +426,8 @@ impl Lab {
             &cp.ip.to_string(),
             "--port",
             &API_PORT.to_string(),
+            "--authorization-mode",
+            "RBAC",
         ]);
         if self.ip_family == dual_stack::IpFamily::Dual {
             args.extend(os_args(&[
@@ -550,6 +555,55 @@ impl Lab {
                 interrupt.sleep(Duration::from_millis(100))?;
             }
         }
+        Ok(())
+    }
+
+    /// Least privilege of the proxies: shows that `system:kube-proxy` may not create Services
+    /// (`kubectl auth can-i`, answered by RBAC), and checks it with the proxies' own token.
+    fn check_proxy_privilege(&self) -> anyhow::Result<()> {
+        let args = [
+            "auth",
+            "can-i",
+            "create",
+            "services",
+            "--as",
+            "system:kube-proxy",
+        ];
+        let out = self
+            .control_plane()
+            .command("kubectl")
+            .arg("--kubeconfig")
+            .arg(self.dir.join("kubeconfig"))
+            .arg("--cache-dir")
+            .arg(self.dir.join("kube-cache"))
+            .args(args)
+            .output()
+            .context("kubectl auth can-i")?;
+        // `can-i` exits 1 for "no".
+        let answer = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        println!("$ kubectl {}\n{answer}", args.join(" "));
+        anyhow::ensure!(
+            answer == "no",
+            "system:kube-proxy may create Services (kubectl auth can-i said {answer:?}): the proxies do not run with least privilege"
+        );
+        let out = self
+            .control_plane()
+            .command("kubectl")
+            .arg("--kubeconfig")
+            .arg(self.dir.join("kube-proxy.kubeconfig"))
+            .arg("--cache-dir")
+            .arg(self.dir.join("kube-cache"))
+            .args(["create", "service", "clusterip", "probe", "--tcp", "80"])
+            .output()
+            .context("kubectl create service with the proxies' token")?;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        anyhow::ensure!(
+            !out.status.success()
+                && stderr.contains(
+                    "services is forbidden: User \"system:kube-proxy\" cannot create resource \"services\""
+                ),
+            "the proxies' token could create a Service, or was refused for another reason: {stderr}"
+        );
         Ok(())
     }
 
