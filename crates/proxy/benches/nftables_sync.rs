@@ -214,6 +214,7 @@ fn commit_costs(n: usize, kernel: &mut NetlinkKernel) {
         set,
         key,
         value,
+        data: None,
         comment: None,
     };
     let addr_key = ElemKey::Addr(probe);

@@ -311,6 +311,8 @@ fn sets_of_rule(rule: &Rule) -> Vec<&str> {
                 ..
             }
             | Expr::UpdateSaddr(s)
+            | Expr::Lookup { set: s, .. }
+            | Expr::DnatMap { map: s, .. }
             | Expr::VerdictMap { map: s, .. } => out.push(s.as_str()),
             _ => {}
         }
@@ -424,7 +426,7 @@ impl FakeTable {
                     .get_mut(e.set)
                     .ok_or(format!("add element {}: no such set", e.set))?;
                 match s.1.get(&e.key) {
-                    Some(old) if old.value != e.value => {
+                    Some(old) if old.value != e.value || old.data != e.data => {
                         Err(format!("add element {} {}: file exists", e.set, e.key))
                     }
                     Some(_) => Ok(()),
@@ -521,7 +523,7 @@ impl Kernel for FakeKernel {
             sets: t
                 .sets
                 .iter()
-                .map(|(n, (s, _))| (n.clone(), s.verdict_map))
+                .map(|(n, (s, _))| (n.clone(), s.is_map()))
                 .collect(),
         }))
     }
@@ -547,7 +549,11 @@ struct Unit {
     elements: Vec<(&'static str, ElemKey)>,
 }
 
-type ElemValue = (Option<Verdict>, Option<String>);
+type ElemValue = (
+    Option<Verdict>,
+    Option<std::net::SocketAddr>,
+    Option<String>,
+);
 
 /// A chain's name as the applied record keeps it. kube-proxy's names of a Service port's
 /// chains repeat the port's readable name (`ns/name/proto/port`, which the owner holds) and,
@@ -994,6 +1000,7 @@ impl<K: Kernel> Applier<K> {
             for (name, _) in &plan.add_chains {
                 self.stale.remove(&(family, name.clone()));
             }
+            plan.settle_elements(applied);
             plan.write(&mut tx, family);
         }
         (tx, stale)
@@ -1021,9 +1028,37 @@ struct Plan {
     delete_elements: Vec<(&'static str, ElemKey)>,
     add_elements: Vec<Element>,
     stale: Vec<String>,
+    /// Every element key a partial sync touched, with the value the kernel held for it
+    /// before this transaction: several owners of one key (two ports of a Service sharing a
+    /// ClusterIP or a hairpin element, with their own comments) may each move the winner,
+    /// and the kernel must see one change per key, from the first value to the last.
+    initial: BTreeMap<(&'static str, ElemKey), Option<ElemValue>>,
 }
 
 impl Plan {
+    /// Turns the touched element keys into deletions and additions: what the kernel held
+    /// before the transaction against the winner in `applied` now.
+    fn settle_elements(&mut self, applied: &AppliedTable) {
+        for (k, was) in std::mem::take(&mut self.initial) {
+            let now = winner(applied, &k);
+            if was == now {
+                continue;
+            }
+            if was.is_some() {
+                self.delete_elements.push(k);
+            }
+            if let Some((value, data, comment)) = now {
+                self.add_elements.push(Element {
+                    set: k.0,
+                    key: k.1,
+                    value,
+                    data,
+                    comment,
+                });
+            }
+        }
+    }
+
     /// Plans the change of one owner's objects from what `applied` remembers to `objs`
     /// (`None`: the owner is gone), updating `applied`. `rewrite`: rewrite every chain even if
     /// unchanged (full sync).
@@ -1051,12 +1086,12 @@ impl Plan {
                 Some(oh) if *oh == h => {}
                 Some(_) => {
                     respec = true;
-                    self.delete_sets.push((set.name.clone(), set.verdict_map));
+                    self.delete_sets.push((set.name.clone(), set.is_map()));
                     self.add_sets.push(set.clone());
                 }
                 None => self.add_sets.push(set.clone()),
             }
-            applied.set_is_map.insert(set.name.clone(), set.verdict_map);
+            applied.set_is_map.insert(set.name.clone(), set.is_map());
             unit.sets.insert(set.name.clone(), h);
         }
         // Chains.
@@ -1126,31 +1161,19 @@ impl Plan {
             let owners = applied.elements.entry(k).or_default();
             // An owner listing one key twice keeps its first value.
             if let Err(i) = owners.binary_search_by(|(o, _)| o.cmp(&owner)) {
-                owners.insert(i, (owner.clone(), (e.value.clone(), e.comment.clone())));
+                owners.insert(
+                    i,
+                    (owner.clone(), (e.value.clone(), e.data, e.comment.clone())),
+                );
             }
             unit.elements.push(k);
             touched.insert(k);
         }
-        for k in touched {
-            let was = before.get(&k).cloned().flatten();
-            let now = winner(applied, &k);
-            if was == now && !rewrite {
-                continue;
-            }
-            if rewrite {
-                // Full sync: the maps were flushed; add every winner once.
-                continue;
-            }
-            if was.is_some() {
-                self.delete_elements.push(k);
-            }
-            if let Some((value, comment)) = now {
-                self.add_elements.push(Element {
-                    set: k.0,
-                    key: k.1,
-                    value,
-                    comment,
-                });
+        if !rewrite {
+            // Full sync: the maps were flushed and every winner is added once at the end.
+            for k in touched {
+                let was = before.get(&k).cloned().flatten();
+                self.initial.entry(k).or_insert(was);
             }
         }
         applied.units.insert(owner, unit);
@@ -1294,10 +1317,10 @@ fn full_table(
             continue;
         }
         if recreate_base {
-            tx.push(family, Op::DeleteSet(s.name.clone(), s.verdict_map));
+            tx.push(family, Op::DeleteSet(s.name.clone(), s.is_map()));
             tx.push(family, Op::AddSet(s.clone()));
         } else {
-            tx.push(family, Op::FlushSet(s.name.clone(), s.verdict_map));
+            tx.push(family, Op::FlushSet(s.name.clone(), s.is_map()));
         }
     }
     emit(tx)?;
@@ -1347,13 +1370,14 @@ fn full_table(
     keys.sort();
     for chunk in keys.chunks(ELEMENTS_PER_PIECE) {
         for k in chunk {
-            if let Some((value, comment)) = winner(&applied, k) {
+            if let Some((value, data, comment)) = winner(&applied, k) {
                 tx.push(
                     family,
                     Op::AddElement(Element {
                         set: k.0,
                         key: k.1,
                         value,
+                        data,
                         comment,
                     }),
                 );

@@ -79,6 +79,7 @@
 //! for a packet).
 
 pub mod apply;
+pub mod flat;
 pub mod names;
 pub mod netlink;
 pub mod render;
@@ -87,5 +88,8 @@ pub mod tracer;
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod flat_tests;
 
 pub use render::render;
