@@ -97,6 +97,13 @@ pub struct NodeConfig {
     pub endpoint_choice: EndpointChoice,
     /// `--nftables-layout` (default flat).
     pub nftables_layout: NftablesLayout,
+    /// Flat layout: the largest `size` a set or map is given (default 16,777,216). Each is
+    /// sized at twice what its Service ports can fill, rounded up to a power of two, at least
+    /// 4,096 and at most this; the kernel preallocates hash buckets for a set's size
+    /// (about 17 bytes an element), so sizes follow the cluster rather than start huge. A
+    /// set that would hold more is refused by the kernel as full; the old rules stay and
+    /// `/healthz` and `kubeproxy_sync_proxy_rules_nftables_set_full` say which.
+    pub flat_max_set_size: u32,
     /// `--iptables-localhost-nodeports` (default true, kube-proxy's): in iptables mode,
     /// NodePorts also answer on 127.0.0.1 when every IPv4 address accepts NodePorts (the
     /// iptables mode's default). The nftables mode never serves them.
@@ -117,6 +124,7 @@ impl Default for NodeConfig {
             cluster_cidrs: Vec::new(),
             endpoint_choice: EndpointChoice::default(),
             nftables_layout: NftablesLayout::default(),
+            flat_max_set_size: 1 << 24,
             // kube-proxy's default (iptables.localhostNodePorts).
             localhost_nodeports: true,
             route_localnet: false,

@@ -823,3 +823,95 @@ fn switching_layout_on_a_running_node_takes_over_in_place_both_ways() {
         );
     }
 }
+
+#[test]
+fn flat_a_set_at_its_size_refuses_the_sync_names_the_set_and_keeps_the_old_rules() {
+    if !require_privileged(
+        "flat_a_set_at_its_size_refuses_the_sync_names_the_set_and_keeps_the_old_rules",
+    ) {
+        return;
+    }
+    let ns = Netns::new("nftflatfull").unwrap();
+    let mut s = Setup::flat(&objects(&["10.244.1.1"], false));
+    s.config.flat_max_set_size = 64;
+    let mut d = s.desired();
+    let mut a = Applier::new(netlink_in(&ns));
+    a.sync(&d, &s.config, None).expect("fits");
+    let before = listing(&ns);
+    assert!(
+        ns.run(&[
+            "nft",
+            "list",
+            "map",
+            "ip",
+            "kube-proxy",
+            "service-endpoints"
+        ])
+        .unwrap()
+        .contains("size 64"),
+        "sized as configured"
+    );
+    let many: Vec<String> = (1..=40).map(|i| format!("10.244.2.{i}")).collect();
+    let many: Vec<&str> = many.iter().map(String::as_str).collect();
+    let changed = s.set_endpoints(&mut d, &many, false);
+    let err = a.sync(&d, &s.config, Some(&changed)).unwrap_err();
+    let source = std::error::Error::source(&err).expect("the kernel's error");
+    assert!(
+        matches!(
+            source.downcast_ref::<nodeport_proxy::nftables::apply::KernelError>(),
+            Some(nodeport_proxy::nftables::apply::KernelError::SetFull { set, .. })
+                if set.ends_with("-endpoints")
+        ),
+        "{source}"
+    );
+    assert_eq!(listing(&ns), before, "the previous rules serve on");
+    assert!(a.needs_full_sync(), "retried as a full sync");
+}
+
+#[test]
+fn flat_sets_grow_by_recreation_in_one_transaction_when_services_outgrow_their_size() {
+    if !require_privileged(
+        "flat_sets_grow_by_recreation_in_one_transaction_when_services_outgrow_their_size",
+    ) {
+        return;
+    }
+    let ns = Netns::new("nftflatgrow").unwrap();
+    let mut s = Setup::flat(&objects(&["10.244.1.1"], false));
+    let mut d = s.desired();
+    let mut a = Applier::new(netlink_with(&ns, no_nft()));
+    a.sync(&d, &s.config, None).unwrap();
+    let many: Vec<String> = (1..=100).map(|i| format!("10.244.2.{i}")).collect();
+    let many: Vec<&str> = many.iter().map(String::as_str).collect();
+    let size = |ns: &Netns| {
+        // Terse: the definition without its elements.
+        let text = ns
+            .run(&[
+                "nft",
+                "-t",
+                "list",
+                "map",
+                "ip",
+                "kube-proxy",
+                "service-endpoints",
+            ])
+            .unwrap();
+        text.split("size ")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .map(str::to_string)
+    };
+    assert_eq!(size(&ns).as_deref(), Some("4096"));
+    // 100 endpoints: 12,800 slots for each of 4 destinations (ClusterIP and load-balancer IP
+    // of two ports), twice that rounded up.
+    let changed = s.set_endpoints(&mut d, &many, false);
+    let r = a.sync(&d, &s.config, Some(&changed)).unwrap();
+    assert!(r.full, "a size change re-creates the sets in a full sync");
+    assert_eq!(size(&ns).as_deref(), Some("131072"));
+    let changed = s.set_endpoints(&mut d, &["10.244.1.1"], false);
+    assert!(a.sync(&d, &s.config, Some(&changed)).unwrap().full);
+    assert_same(
+        &listing(&ns),
+        &reference_listing(&s),
+        "back to one endpoint",
+    );
+}

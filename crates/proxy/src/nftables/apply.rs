@@ -57,6 +57,17 @@ pub enum KernelError {
     /// ([`Kernel::apply`]) names the operation at fault, or takes another way to the kernel.
     #[error("streamed transaction failed: {0}")]
     Streamed(String),
+    /// nf_tables refused an element because its set or map holds `size` elements already
+    /// (`ENFILE`); nothing was changed.
+    #[error("{family:?} set {set} is full (its size is reached): {detail}")]
+    SetFull {
+        /// The table's family.
+        family: IpFamily,
+        /// The set or map.
+        set: String,
+        /// The kernel's answer, with the operation.
+        detail: String,
+    },
 }
 
 /// What a table holds now, by name.
@@ -66,6 +77,9 @@ pub struct Existing {
     pub chains: BTreeSet<String>,
     /// Set names (`false`) and map names (`true`).
     pub sets: BTreeMap<String, bool>,
+    /// Sets known to have another definition than the one wanted now (a flat set whose
+    /// `size` grows): re-created by the full sync, not only emptied.
+    pub other_spec: BTreeSet<String>,
 }
 
 /// The one place the kernel is touched.
@@ -525,6 +539,7 @@ impl Kernel for FakeKernel {
                 .iter()
                 .map(|(n, (s, _))| (n.clone(), s.is_map()))
                 .collect(),
+            other_spec: BTreeSet::new(),
         }))
     }
 }
@@ -827,7 +842,13 @@ impl<K: Kernel> Applier<K> {
             .families
             .iter()
             .any(|f| !self.tables.contains_key(&f.family));
-        let full = self.need_full || changed.is_none() || drifted || unknown_family;
+        let mut full = self.need_full || changed.is_none() || drifted || unknown_family;
+        if !full && self.shared_sets_changed(desired, config) {
+            // A shared set re-created (the flat layout's sets grow their `size` in steps)
+            // loses every element: it is refilled by a full sync, in one transaction.
+            tracing::info!("a shared set changed its definition; syncing fully");
+            full = true;
+        }
         let mut report = SyncReport {
             full,
             ..Default::default()
@@ -883,6 +904,24 @@ impl<K: Kernel> Applier<K> {
                 Err(e)
             }
         }
+    }
+
+    /// Whether a shared (static) set's definition differs from what was applied.
+    fn shared_sets_changed(&self, desired: &DesiredState, config: &NodeConfig) -> bool {
+        desired.families.iter().any(|state| {
+            let Some(unit) = self
+                .tables
+                .get(&state.family)
+                .and_then(|t| t.units.get(&Owner::Base))
+            else {
+                return true;
+            };
+            let sets = render_base(state, config).sets;
+            sets.len() != unit.sets.len()
+                || sets
+                    .iter()
+                    .any(|s| unit.sets.get(&s.name) != Some(&hash_of(s)))
+        })
     }
 
     /// Deletes flushed stale chains in their own transaction.
@@ -948,8 +987,25 @@ impl<K: Kernel> Applier<K> {
                 Existing {
                     chains: chain_names(t).chain(waiting).collect(),
                     sets: t.set_is_map.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+                    other_spec: BTreeSet::new(),
                 }
             };
+            let mut existing = existing;
+            if let Some(unit) = self
+                .tables
+                .get(&family)
+                .and_then(|t| t.units.get(&Owner::Base))
+            {
+                for set in render_base(state, config).sets {
+                    if unit
+                        .sets
+                        .get(&set.name)
+                        .is_some_and(|h| *h != hash_of(&set))
+                    {
+                        existing.other_spec.insert(set.name);
+                    }
+                }
+            }
             tables.push((state, existing));
         }
         // The old record is not needed any more: the new one replaces it, and a failed sync
@@ -1280,7 +1336,8 @@ fn full_table(
     for s in &base.sets {
         // On the first sync an existing shared set is deleted and re-created below: adding it
         // here first would fail if an older version made it with other flags or type.
-        if !(recreate_base && existing.sets.contains_key(&s.name)) {
+        let recreate = recreate_base || existing.other_spec.contains(&s.name);
+        if !(recreate && existing.sets.contains_key(&s.name)) {
             tx.push(family, Op::AddSet(s.clone()));
         }
     }
@@ -1316,7 +1373,7 @@ fn full_table(
         if is_affinity_set(&s.name) || !existing.sets.contains_key(&s.name) {
             continue;
         }
-        if recreate_base {
+        if recreate_base || existing.other_spec.contains(&s.name) {
             tx.push(family, Op::DeleteSet(s.name.clone(), s.is_map()));
             tx.push(family, Op::AddSet(s.clone()));
         } else {

@@ -193,6 +193,65 @@ fn base(name: &str, kind: ChainType, hook: Hook, priority: i32, rules: Vec<Rule>
     }
 }
 
+/// Smallest `size` of a flat set.
+pub const MIN_SET_SIZE: u32 = 4096;
+
+/// The `size` of a set that Service ports can fill with up to `bound` elements: twice that,
+/// a power of two, at least [`MIN_SET_SIZE`], at most `max`.
+pub fn set_size(bound: usize, max: u32) -> u32 {
+    let want = (bound.saturating_mul(2)).clamp(MIN_SET_SIZE as usize, 1 << 31);
+    (want.next_power_of_two().min(1 << 31) as u32).min(max)
+}
+
+/// Upper bounds of what the Service ports of `state` put into each flat set, counted without
+/// rendering them (a partial sync renders only the changed ports).
+fn set_bounds(state: &FamilyState) -> std::collections::HashMap<&'static str, usize> {
+    let slots = |n: usize| if n == 0 { 0 } else { dispatch(n).0 as usize };
+    let (mut dsts, mut nodeports, mut ep_dsts, mut ep_nodeports) = (0, 0, 0, 0);
+    let (mut cluster_dsts, mut cluster_nodeports, mut hairpin, mut allow) = (0, 0, 0, 0);
+    for svc in state.services.values() {
+        let external = svc.external_ips.len() + svc.load_balancer_ips.len();
+        let np = usize::from(svc.port.node_port.is_some());
+        let (c, l) = (
+            slots(svc.cluster_endpoints.len()),
+            slots(svc.local_endpoints.len()),
+        );
+        dsts += 1 + external;
+        nodeports += np;
+        ep_dsts += (1 + external) * c.max(l);
+        ep_nodeports += np * c.max(l);
+        cluster_dsts += external * c;
+        cluster_nodeports += np * c;
+        hairpin += svc.cluster_endpoints.len() + svc.local_endpoints.len();
+        allow +=
+            svc.load_balancer_ips.len() * (svc.source_ranges.len() + svc.load_balancer_ips.len());
+    }
+    let mut out = std::collections::HashMap::new();
+    for (set, n) in [
+        (CLUSTER_IPS, dsts),
+        (SERVICE_IPS, dsts),
+        (SERVICE_NODEPORTS, nodeports),
+        (NO_ENDPOINT_SERVICES, dsts),
+        (NO_ENDPOINT_NODEPORTS, nodeports),
+        (NO_LOCAL_ENDPOINT_SERVICES, dsts),
+        (NO_LOCAL_ENDPOINT_NODEPORTS, nodeports),
+        (FIREWALL_IPS, dsts),
+        (FIREWALL_ALLOW, allow),
+        (MASQUERADE_IPS, dsts),
+        (MASQUERADE_NODEPORTS, nodeports),
+        (LOCAL_POLICY_IPS, dsts),
+        (LOCAL_POLICY_NODEPORTS, nodeports),
+        (HAIRPIN_IPS, hairpin),
+        (SERVICE_ENDPOINTS, ep_dsts),
+        (NODEPORT_ENDPOINTS, ep_nodeports),
+        (SERVICE_CLUSTER_ENDPOINTS, cluster_dsts),
+        (NODEPORT_CLUSTER_ENDPOINTS, cluster_nodeports),
+    ] {
+        out.insert(set, n);
+    }
+    out
+}
+
 /// The fixed objects of a flat table: everything but the elements of Service ports.
 pub fn render_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
     let family = state.family;
@@ -600,6 +659,13 @@ pub fn render_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
     if localnet_guard {
         chains.push(localnet_check());
     }
+    // Sizes with headroom (`nodeport-ips` holds the node's addresses, no Service's).
+    let bounds = set_bounds(state);
+    for s in &mut sets {
+        if let Some(bound) = bounds.get(s.name.as_str()) {
+            s.size = Some(set_size(*bound, config.flat_max_set_size));
+        }
+    }
 
     let elements = match &state.nodeport_ips {
         Selection::MatchAll => Vec::new(),
@@ -856,6 +922,15 @@ mod tests {
             }
             assert!(rules_have(dispatch(n)), "n={n} has a rule");
         }
+    }
+
+    #[test]
+    fn set_sizes_are_twice_the_bound_in_powers_of_two_within_their_limits() {
+        assert_eq!(set_size(0, 1 << 24), 4096);
+        assert_eq!(set_size(3000, 1 << 24), 8192);
+        assert_eq!(set_size(100_000, 1 << 24), 262_144);
+        assert_eq!(set_size(100_000_000, 1 << 24), 1 << 24);
+        assert_eq!(set_size(10, 4), 4, "the configured limit wins");
     }
 
     fn rules_have(d: (u32, u32)) -> bool {

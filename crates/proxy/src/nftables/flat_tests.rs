@@ -562,3 +562,41 @@ fn switching_layouts_on_restart_takes_over_in_one_transaction_both_ways() {
         }
     }
 }
+
+#[test]
+fn a_set_that_must_grow_is_recreated_larger_by_a_full_sync_and_stays_filled() {
+    let mut w = World::flat(&web("", THREE_ENDPOINTS));
+    let (mut a, mut d) = applier_with(&w);
+    let size = |a: &Applier<FakeKernel>| {
+        a.kernel().tables[&IpFamily::V4].sets[SERVICE_ENDPOINTS]
+            .0
+            .size
+    };
+    assert_eq!(size(&a), Some(4096));
+    // 100 endpoints take 12,800 slots per destination: the map grows to 32,768.
+    let eps: String = (0..100)
+        .map(|i| format!("- {{addresses: [10.244.7.{}]}}\n", i + 1))
+        .collect();
+    let touched = change_endpoints(&mut w, &mut d, &eps);
+    let r = a.sync(&d, &w.config, Some(&touched)).unwrap();
+    assert!(
+        r.full,
+        "re-created sets are refilled in one full transaction"
+    );
+    assert_eq!(size(&a), Some(32_768));
+    let p = tcp(CLIENT, NODE_IP, 30080);
+    let t = kernel_trace(&a, &w, p.clone());
+    assert_eq!(t.endpoints().len(), 100, "{t}");
+    assert_eq!(t.fates, w.trace(p).fates);
+    // Back to three: the size stays where it is... until the next bucket, here 4,096.
+    let touched = change_endpoints(&mut w, &mut d, THREE_ENDPOINTS);
+    let r = a.sync(&d, &w.config, Some(&touched)).unwrap();
+    assert!(r.full);
+    assert_eq!(size(&a), Some(4096));
+    assert_eq!(
+        kernel_trace(&a, &w, tcp(CLIENT, NODE_IP, 30080))
+            .endpoints()
+            .len(),
+        3
+    );
+}

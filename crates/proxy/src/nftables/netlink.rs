@@ -1449,6 +1449,17 @@ impl NetlinkKernel {
         }
     }
 
+    /// The operation the message `seq` of `batch` encodes.
+    fn op_at<'t>(tx: &'t Transaction, batch: &Batch, seq: u32) -> Option<&'t (IpFamily, Op)> {
+        let idx = batch
+            .seqs
+            .iter()
+            .rev()
+            .find(|(s, _)| *s <= seq)
+            .map(|(_, i)| *i)?;
+        tx.ops.get(idx)
+    }
+
     fn describe(tx: &Transaction, batch: &Batch, seq: u32) -> String {
         let idx = batch
             .seqs
@@ -1542,6 +1553,22 @@ impl Kernel for NetlinkKernel {
         self.last_timing = Some((encoded, started.elapsed() - encoded));
         if errors.is_empty() {
             return Ok(());
+        }
+        // A set at its `size`: named as such, so that the agent can report which.
+        for (seq, errno) in &errors {
+            if *errno == -(nix::errno::Errno::ENFILE as i32)
+                && let Some((family, Op::AddElement(e))) = Self::op_at(tx, &batch, *seq)
+            {
+                return Err(KernelError::SetFull {
+                    family: *family,
+                    set: e.set.to_string(),
+                    detail: format!(
+                        "{}: {}",
+                        Self::describe(tx, &batch, *seq),
+                        std::io::Error::from_raw_os_error(-errno)
+                    ),
+                });
+            }
         }
         let text: Vec<String> = errors
             .iter()
