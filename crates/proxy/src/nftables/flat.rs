@@ -1,5 +1,5 @@
 //! `--nftables-layout flat`: a fixed, small set of chains and rules; every Service port and
-//! endpoint is an element of a named set or map. Pure, like [`super::render`].
+//! endpoint is an element of a named set or map. Pure, like [`mod@super::render`].
 //!
 //! Why: the kernel validates the whole chain graph on every commit that adds a rule (or a
 //! `goto` map element), and visits every chain of the table on every commit

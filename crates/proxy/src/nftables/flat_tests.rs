@@ -600,3 +600,21 @@ fn a_set_that_must_grow_is_recreated_larger_by_a_full_sync_and_stays_filled() {
         3
     );
 }
+
+#[test]
+fn flat_a_refused_transaction_keeps_the_old_rules_and_the_retry_is_a_full_sync() {
+    let mut w = World::flat(&web("", THREE_ENDPOINTS));
+    let (mut a, mut d) = applier_with(&w);
+    let before = a.kernel().tables.clone();
+    let touched = change_endpoints(&mut w, &mut d, "- {addresses: [10.244.9.1]}");
+    a.kernel_mut().fail_next = 1;
+    assert!(a.sync(&d, &w.config, Some(&touched)).is_err());
+    assert_eq!(a.kernel().tables, before, "the old rules serve on");
+    assert!(a.needs_full_sync());
+    let r = a.sync(&d, &w.config, Some(&BTreeSet::new())).unwrap();
+    assert!(r.full);
+    assert_eq!(
+        kernel_trace(&a, &w, tcp(CLIENT, NODE_IP, 30080)).only(),
+        &delivered("10.244.9.1:8080", true)
+    );
+}
