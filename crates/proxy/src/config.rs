@@ -104,6 +104,9 @@ pub struct NodeConfig {
     /// set that would hold more is refused by the kernel as full; the old rules stay and
     /// `/healthz` and `kubeproxy_sync_proxy_rules_nftables_set_full` say which.
     pub flat_max_set_size: u32,
+    /// Flat layout: every element carries its Service port's `namespace/name:port` as a
+    /// comment (default true; what they cost is in `docs/BENCHMARKS.md`).
+    pub flat_comments: bool,
     /// `--iptables-localhost-nodeports` (default true, kube-proxy's): in iptables mode,
     /// NodePorts also answer on 127.0.0.1 when every IPv4 address accepts NodePorts (the
     /// iptables mode's default). The nftables mode never serves them.
@@ -125,6 +128,7 @@ impl Default for NodeConfig {
             endpoint_choice: EndpointChoice::default(),
             nftables_layout: NftablesLayout::default(),
             flat_max_set_size: 1 << 24,
+            flat_comments: true,
             // kube-proxy's default (iptables.localhostNodePorts).
             localhost_nodeports: true,
             route_localnet: false,

@@ -695,7 +695,7 @@ pub fn render_service(
 ) -> ServiceObjects {
     let port = &svc.port;
     let proto = port.name.protocol;
-    let comment = element_comment(&port.name);
+    let comment = config.flat_comments.then(|| element_comment(&port.name));
     let mut out = ServiceObjects::default();
     let affinity = port.session_affinity_seconds.is_some();
     if affinity {
@@ -714,7 +714,7 @@ pub fn render_service(
             .into_iter()
             .filter(|e| e.set == SERVICE_IPS || e.set == SERVICE_NODEPORTS)
             .map(|e| Element {
-                comment: Some(comment.clone()),
+                comment: comment.clone(),
                 ..e
             })
             .collect();
@@ -725,7 +725,7 @@ pub fn render_service(
             key,
             value: None,
             data,
-            comment: Some(comment.clone()),
+            comment: comment.clone(),
         });
     };
 
