@@ -495,11 +495,14 @@ pub fn render_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
     };
     let pod_cidr = config.cluster_cidr(family);
     if config.masquerade_all {
-        services.push(Rule::new(vec![cluster_ip, jump(MARK_FOR_MASQUERADE)]));
+        services.push(Rule::new(vec![
+            cluster_ip.clone(),
+            jump(MARK_FOR_MASQUERADE),
+        ]));
     } else if let Some(cidr) = pod_cidr {
         // Off-cluster traffic to a ClusterIP may bounce to another node: masqueraded.
         services.push(Rule::new(vec![
-            cluster_ip,
+            cluster_ip.clone(),
             Expr::Saddr {
                 negate: true,
                 value: AddrMatch::Net(cidr),
@@ -507,6 +510,7 @@ pub fn render_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
             jump(MARK_FOR_MASQUERADE),
         ]));
     }
+    services.push(Rule::new(vec![cluster_ip, jump(PICK_SERVICE_ENDPOINTS)]));
     // External destinations, then NodePorts: masquerade (Cluster policy) or short-circuit
     // (Local policy), then the endpoint choice.
     let external = |lookup_rule: &dyn Fn(Vec<Expr>) -> Rule,
@@ -534,7 +538,11 @@ pub fn render_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
         let mut e = vec![Expr::FibSaddrLocal];
         e.extend(lookup_rule(vec![lookup(key, local), goto(short_circuit)]).exprs);
         out.push(Rule::commented(e, "short-circuit local traffic"));
-        out.push(lookup_rule(vec![jump(pick)]));
+        // Only destinations of a Service reach the `pick-` chain: other traffic (pod to
+        // pod, to the internet, to the node) pays one set lookup here, not one per rule
+        // there.
+        out.push(lookup_rule(vec![lookup(key, masq), jump(pick)]));
+        out.push(lookup_rule(vec![lookup(key, local), jump(pick)]));
     };
     external(
         &Rule::new,
