@@ -735,13 +735,24 @@ fn flat_netlink_batches_program_exactly_what_nft_would_in_both_families() {
     }
     let ns = Netns::new("nftflatnl").unwrap();
     // Dual stack: an IPv6 ClusterIP and endpoints beside the IPv4 ones.
-    let yaml = objects(&["10.244.1.1", "10.244.1.2", "10.244.1.3"], false)
-        .replace(
+    let dual = |eps4: &[&str], eps6: &[&str], affinity: bool| {
+        let eps6: Vec<String> = eps6
+            .iter()
+            .map(|ip| format!("- {{addresses: [\"{ip}\"], nodeName: node-a}}"))
+            .collect();
+        objects(eps4, affinity).replace(
             "  clusterIP: 10.96.0.10\n",
             "  clusterIP: 10.96.0.10\n  clusterIPs: [10.96.0.10, \"fd00:96::10\"]\n  ipFamilyPolicy: PreferDualStack\n",
+        ) + &format!(
+            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: web-6, namespace: default, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv6\nports: [{{name: http, port: 8080}}, {{name: dns, port: 5353, protocol: UDP}}]\nendpoints:\n{}\n",
+            if eps6.is_empty() { "  []".to_string() } else { eps6.join("\n") }
         )
-        + "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-6, namespace: default, labels: {kubernetes.io/service-name: web}}\naddressType: IPv6\nports: [{name: http, port: 8080}, {name: dns, port: 5353, protocol: UDP}]\nendpoints:\n- {addresses: [\"fd00:244::1\"], nodeName: node-a}\n- {addresses: [\"fd00:244::2\"], nodeName: node-b}\n";
-    let mut s = Setup::flat(&yaml);
+    };
+    let mut s = Setup::flat(&dual(
+        &["10.244.1.1", "10.244.1.2", "10.244.1.3"],
+        &["fd00:244::1", "fd00:244::2"],
+        false,
+    ));
     let mut d = s.desired();
     assert!(
         d.family(nodeport_proxy::model::IpFamily::V6)
@@ -762,18 +773,37 @@ fn flat_netlink_batches_program_exactly_what_nft_would_in_both_families() {
         &reference_bytecode(&s),
         "bytecode after the first sync",
     );
-    for (eps, affinity) in flat_changes() {
-        let changed = s.set_endpoints(&mut d, &eps, affinity);
+    let v6 = [
+        vec!["fd00:244::1"],
+        vec!["fd00:244::1", "fd00:244::3"],
+        vec![],
+        vec!["fd00:244::4"],
+    ];
+    for (i, (eps, affinity)) in flat_changes().into_iter().enumerate() {
+        let eps6 = &v6[i % v6.len()];
+        let fresh = objects::load(&dual(&eps, eps6, affinity)).unwrap().cluster;
+        for key in [
+            ServiceName::new("default", "web-1"),
+            ServiceName::new("default", "web-6"),
+        ] {
+            s.cluster
+                .update_slice(key.clone(), fresh.slices.get(&key).cloned());
+        }
+        let svc = ServiceName::new("default", "web");
+        s.cluster
+            .update_service(svc.clone(), fresh.services.get(&svc).cloned());
+        let changes = s.cluster.take_changes();
+        let changed = d.refresh_services(&s.cluster, NodeView::named("node-a"), &changes.services);
         a.sync(&d, &s.config, Some(&changed)).unwrap_or_else(|e| {
             panic!(
-                "partial netlink sync to {eps:?}: {e}: {:?}",
+                "partial netlink sync to {eps:?} {eps6:?}: {e}: {:?}",
                 std::error::Error::source(&e)
             )
         });
         assert_same(
             &listing(&ns),
             &reference_listing(&s),
-            &format!("after partial netlink sync to {eps:?} affinity={affinity}"),
+            &format!("after partial netlink sync to {eps:?} {eps6:?} affinity={affinity}"),
         );
     }
     assert_same(
