@@ -155,10 +155,20 @@ fn bench_flat(n: usize) {
             .unwrap()
             .full
     );
-    println!(
+    let resync = t.elapsed();
+    print!(
         "flat: periodic full resync (repairs any drift) on the loaded table: {}",
-        secs(t.elapsed())
+        secs(resync)
     );
+    if let Some((encode, kernel)) = applier.kernel().inner.last_timing() {
+        print!(
+            "   (encoding {}, kernel {}, render and plan {})",
+            secs(encode),
+            secs(kernel),
+            secs(resync.saturating_sub(encode + kernel))
+        );
+    }
+    println!();
     println!(
         "bench process RSS with this state: {} MiB",
         rss_kib() / 1024

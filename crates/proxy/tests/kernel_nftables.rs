@@ -945,3 +945,30 @@ fn flat_sets_grow_by_recreation_in_one_transaction_when_services_outgrow_their_s
         "back to one endpoint",
     );
 }
+
+#[test]
+fn flat_a_periodic_full_resync_over_netlink_rewrites_the_loaded_table_in_place() {
+    if !require_privileged(
+        "flat_a_periodic_full_resync_over_netlink_rewrites_the_loaded_table_in_place",
+    ) {
+        return;
+    }
+    let ns = Netns::new("nftflatresync").unwrap();
+    let s = Setup::flat(&objects(&["10.244.1.1", "10.244.1.2"], false));
+    let d = s.desired();
+    let mut a = Applier::new(netlink_with(&ns, no_nft()));
+    a.sync(&d, &s.config, None).unwrap();
+    ns.run(&[
+        "nft",
+        "flush",
+        "map",
+        "ip",
+        "kube-proxy",
+        "nodeport-endpoints",
+    ])
+    .unwrap();
+    a.request_full_sync();
+    assert!(a.sync(&d, &s.config, Some(&BTreeSet::new())).unwrap().full);
+    assert_eq!(a.kernel().fallbacks(), 0);
+    assert_same(&listing(&ns), &reference_listing(&s), "after the resync");
+}

@@ -38,6 +38,7 @@ const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
 const NFNL_MSG_BATCH_END: u16 = 0x11;
 const NFT_MSG_NEWTABLE: u16 = 0;
+const NFT_MSG_GETTABLE: u16 = 1;
 const NFT_MSG_DELTABLE: u16 = 2;
 const NFT_MSG_NEWCHAIN: u16 = 3;
 const NFT_MSG_GETCHAIN: u16 = 4;
@@ -1669,12 +1670,17 @@ impl Kernel for NetlinkKernel {
             }
         })?;
         if existing.chains.is_empty() && existing.sets.is_empty() {
-            // Either no table or an empty one; both take the same path.
-            let tables = self.fallback.run(
-                &["list", "tables", super::ruleset::nft_family(family)],
-                None,
-            );
-            table_seen = tables.is_ok_and(|t| t.contains(TABLE));
+            // Either no table or an empty one: ask for the tables (over netlink too; `nft
+            // list tables` would fetch every table's sets and elements first).
+            self.dump(family, NFT_MSG_GETTABLE, |payload| {
+                let a = attrs(payload);
+                if a
+                    .iter()
+                    .any(|(t, v)| *t == NFTA_TABLE_NAME && attr_str(v) == TABLE)
+                {
+                    table_seen = true;
+                }
+            })?;
         }
         if !table_seen && existing.chains.is_empty() && existing.sets.is_empty() {
             return Ok(None);
