@@ -173,6 +173,25 @@ fn bench_flat(n: usize) {
         "bench process RSS with this state: {} MiB",
         rss_kib() / 1024
     );
+    drop(applier);
+    drop(ns);
+    // What the element comments cost: the same rules without them.
+    let bare = NodeConfig {
+        flat_comments: false,
+        ..config
+    };
+    let text = create_all(&nodeport_proxy::nftables::render(&d, &bare)).to_nft();
+    let raw_bare = raw_load(&text);
+    drop(text);
+    let ns = Netns::new("bench-flat-bare").unwrap();
+    let mut applier = Applier::new(netlink_in(&ns));
+    let t = Instant::now();
+    assert!(applier.sync(&d, &bare, None).expect("full sync").full);
+    println!(
+        "flat without element comments: raw nft -f {}   full sync, netlink {}",
+        secs(raw_bare),
+        secs(t.elapsed())
+    );
 }
 
 fn bench_size(n: usize, inline: bool) {

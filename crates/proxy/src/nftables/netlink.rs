@@ -1674,8 +1674,7 @@ impl Kernel for NetlinkKernel {
             // list tables` would fetch every table's sets and elements first).
             self.dump(family, NFT_MSG_GETTABLE, |payload| {
                 let a = attrs(payload);
-                if a
-                    .iter()
+                if a.iter()
                     .any(|(t, v)| *t == NFTA_TABLE_NAME && attr_str(v) == TABLE)
                 {
                     table_seen = true;
