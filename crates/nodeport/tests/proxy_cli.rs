@@ -109,7 +109,7 @@ metadata: {name: ignored}
 fn render_prints_the_flat_layout_by_default_with_each_element_named_by_its_service_port() {
     let text = render("nftables");
     for line in [
-        "add map ip kube-proxy service-endpoints { typeof ip daddr . meta l4proto . th dport . numgen random mod 1 : ip daddr . th dport ; comment \"endpoints of each destination\" ; }",
+        "add map ip kube-proxy service-endpoints { typeof ip daddr . meta l4proto . th dport . numgen random mod 1 : ip daddr . th dport ; size 4096 ; comment \"endpoints of each destination\" ; }",
         "add rule ip kube-proxy pick-service-endpoints dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 3 offset 3 map @service-endpoints",
         "add element ip kube-proxy service-endpoints { 10.96.132.141 . tcp . 80 . 3 comment \"default/web\" : 10.244.1.6 . 80 }",
         "add element ip kube-proxy nodeport-endpoints { tcp . 30510 . 5 comment \"default/web\" : 10.244.2.8 . 80 }",
