@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 use super::names::is_affinity_set;
 use super::render::{render_base, render_service};
 use super::ruleset::{
-    BaseHook, Chain, ElemKey, Element, Expr, Op, Rule, Ruleset, ServiceObjects, Set, Table,
-    Transaction, Verdict,
+    BaseHook, BaseObjects, Chain, ElemKey, Element, Expr, Op, Rule, Ruleset, ServiceObjects, Set,
+    Table, Transaction, Verdict,
 };
 use crate::config::NodeConfig;
 use crate::desired::{DesiredState, FamilyState};
@@ -843,11 +843,21 @@ impl<K: Kernel> Applier<K> {
             .iter()
             .any(|f| !self.tables.contains_key(&f.family));
         let mut full = self.need_full || changed.is_none() || drifted || unknown_family;
-        if !full && self.shared_sets_changed(desired, config) {
-            // A shared set re-created (the flat layout's sets grow their `size` in steps)
-            // loses every element: it is refilled by a full sync, in one transaction.
-            tracing::info!("a shared set changed its definition; syncing fully");
-            full = true;
+        // The static objects of a partial sync, rendered once (in the flat layout their sets'
+        // sizes come from a pass over every Service port).
+        let mut bases = Vec::new();
+        if !full {
+            bases = desired
+                .families
+                .iter()
+                .map(|state| render_base(state, config))
+                .collect();
+            if self.shared_sets_changed(desired, &bases) {
+                // A shared set re-created (the flat layout's sets grow their `size` in steps)
+                // loses every element: it is refilled by a full sync, in one transaction.
+                tracing::info!("a shared set changed its definition; syncing fully");
+                full = true;
+            }
         }
         let mut report = SyncReport {
             full,
@@ -859,7 +869,7 @@ impl<K: Kernel> Applier<K> {
             self.full_sync(desired, config)
         } else {
             let changed = changed.expect("partial sync has changes");
-            let (tx, stale) = self.partial_sync(desired, config, changed);
+            let (tx, stale) = self.partial_sync(desired, config, changed, bases);
             self.kernel
                 .apply(&tx)
                 .map_err(Error::RulesetApplyFailed)
@@ -906,9 +916,10 @@ impl<K: Kernel> Applier<K> {
         }
     }
 
-    /// Whether a shared (static) set's definition differs from what was applied.
-    fn shared_sets_changed(&self, desired: &DesiredState, config: &NodeConfig) -> bool {
-        desired.families.iter().any(|state| {
+    /// Whether a shared (static) set's definition (`bases`, one per desired family) differs
+    /// from what was applied.
+    fn shared_sets_changed(&self, desired: &DesiredState, bases: &[BaseObjects]) -> bool {
+        desired.families.iter().zip(bases).any(|(state, base)| {
             let Some(unit) = self
                 .tables
                 .get(&state.family)
@@ -916,7 +927,7 @@ impl<K: Kernel> Applier<K> {
             else {
                 return true;
             };
-            let sets = render_base(state, config).sets;
+            let sets = &base.sets;
             sets.len() != unit.sets.len()
                 || sets
                     .iter()
@@ -1034,14 +1045,15 @@ impl<K: Kernel> Applier<K> {
         desired: &DesiredState,
         config: &NodeConfig,
         changed: &BTreeSet<ServicePortName>,
+        bases: Vec<BaseObjects>,
     ) -> (Transaction, Vec<(IpFamily, String)>) {
         let mut tx = Transaction::default();
         let mut stale = Vec::new();
-        for state in &desired.families {
+        for (state, base) in desired.families.iter().zip(bases) {
             let family = state.family;
             let applied = self.tables.get_mut(&family).expect("checked above");
             let mut plan = Plan::default();
-            let base = objects_of_base(render_base(state, config));
+            let base = objects_of_base(base);
             plan.unit(applied, Owner::Base, Some(base), false);
             for name in changed {
                 let objs = state
