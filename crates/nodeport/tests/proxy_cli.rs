@@ -33,6 +33,14 @@ fn invalid_proxy_flags_exit_64_naming_the_flag() {
             vec!["render", "-f", "-", "--nodeport-addresses", "x"],
             "--nodeport-addresses",
         ),
+        (
+            vec!["proxy", "--nftables-layout", "chains"],
+            "--nftables-layout",
+        ),
+        (
+            vec!["render", "-f", "-", "--nftables-layout", "chains"],
+            "--nftables-layout",
+        ),
     ] {
         let out = nodeport(&args);
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -68,6 +76,8 @@ metadata: {name: ignored}
     .unwrap();
     let out = nodeport(&[
         "render",
+        "--nftables-layout",
+        "kube-proxy",
         "-f",
         file.to_str().unwrap(),
         "--node-name",
@@ -93,6 +103,30 @@ metadata: {name: ignored}
         assert!(text.contains(line), "missing {line:?} in:\n{text}");
     }
     assert!(String::from_utf8_lossy(&out.stderr).contains("skipping v1 ConfigMap"));
+}
+
+#[test]
+fn render_prints_the_flat_layout_by_default_with_each_element_named_by_its_service_port() {
+    let text = render("nftables");
+    for line in [
+        "add map ip kube-proxy service-endpoints { typeof ip daddr . meta l4proto . th dport . numgen random mod 1 : ip daddr . th dport ; size 4096 ; comment \"endpoints of each destination\" ; }",
+        "add rule ip kube-proxy pick-service-endpoints dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 3 offset 3 map @service-endpoints",
+        "add element ip kube-proxy service-endpoints { 10.96.132.141 . tcp . 80 . 3 comment \"default/web\" : 10.244.1.6 . 80 }",
+        "add element ip kube-proxy nodeport-endpoints { tcp . 30510 . 5 comment \"default/web\" : 10.244.2.8 . 80 }",
+        "add element ip kube-proxy masquerade-nodeports { tcp . 30510 comment \"default/web\" }",
+    ] {
+        assert!(
+            text.lines().any(|l| l == line),
+            "missing {line:?} in:\n{text}"
+        );
+    }
+    // No per-Service chains (kube-proxy's have a `/` in their names).
+    assert!(
+        !text
+            .lines()
+            .any(|l| l.starts_with("add chain") && l.contains('/')),
+        "{text}"
+    );
 }
 
 /// Reference 000's `web` Service with its three pods, one on this node (`worker2`).

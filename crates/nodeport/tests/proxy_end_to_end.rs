@@ -2,8 +2,9 @@
 //! the dataplane in a node namespace, pods in their own namespaces, a client outside.
 //! Each test builds its own namespaces (see `proxy_support`) and fails loudly without root.
 //!
-//! Every test runs once per proxy mode (`nftables::<test>` and `iptables::<test>`, from
-//! [`in_every_mode!`]): the behaviour is the same, only the rules differ.
+//! Every test runs once per proxy mode (`nftables::<test>` in the default flat layout,
+//! `nftables_kube_proxy_layout::<test>` and `iptables::<test>`, from [`in_every_mode!`]): the
+//! behaviour is the same, only the rules differ.
 
 mod proxy_support;
 
@@ -176,7 +177,7 @@ fn zero_cidr_answers_on_every_node_address(mode: Mode) {
     let local = get(&c.node, "127.0.0.1:30095", T);
     match mode {
         Mode::Iptables => assert!(matches!(local, Reply::Pod { .. }), "{local:?}"),
-        Mode::Nftables => assert_eq!(local, Reply::Refused),
+        Mode::Nftables | Mode::NftablesKubeProxy => assert_eq!(local, Reply::Refused),
     }
 }
 
@@ -351,7 +352,7 @@ fn localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropp
     // And it is the guard that drops both: without it, the same connection goes through
     // (untracked, the notrack rule is still there).
     let cmd: &[&str] = match mode {
-        Mode::Nftables => &[
+        Mode::Nftables | Mode::NftablesKubeProxy => &[
             "nft",
             "flush",
             "chain",
@@ -620,6 +621,16 @@ fn proxy_killed_and_restarted_during_a_stream_of_requests_fails_none(mode: Mode)
         matches!(r, Reply::Pod { .. })
     });
 
+    no_request_fails_while(&mut c, &to, |c| {
+        c.proxy.as_mut().unwrap().kill();
+        std::thread::sleep(Duration::from_millis(500));
+        c.start_proxy();
+    });
+}
+
+/// Sends requests to `to` from the client in a loop while `action` runs (with half a
+/// second of traffic before and 1.5 s after); asserts that every one was answered by a pod.
+fn no_request_fails_while(c: &mut Cluster, to: &str, action: impl FnOnce(&mut Cluster)) {
     let stop = Arc::new(AtomicBool::new(false));
     let (ok, failed) = (
         Arc::new(AtomicUsize::new(0)),
@@ -627,7 +638,7 @@ fn proxy_killed_and_restarted_during_a_stream_of_requests_fails_none(mode: Mode)
     );
     let client_name = c.client.name().to_string();
     let stream = {
-        let (stop, ok, failed, to) = (stop.clone(), ok.clone(), failed.clone(), to.clone());
+        let (stop, ok, failed, to) = (stop.clone(), ok.clone(), failed.clone(), to.to_string());
         std::thread::spawn(move || {
             let client = nodeport_testbed::Netns::adopt(&client_name);
             while !stop.load(Ordering::Relaxed) {
@@ -644,9 +655,7 @@ fn proxy_killed_and_restarted_during_a_stream_of_requests_fails_none(mode: Mode)
         })
     };
     std::thread::sleep(Duration::from_millis(500));
-    c.proxy.as_mut().unwrap().kill();
-    std::thread::sleep(Duration::from_millis(500));
-    c.start_proxy();
+    action(c);
     std::thread::sleep(Duration::from_millis(1500));
     stop.store(true, Ordering::Relaxed);
     stream.join().unwrap();
@@ -659,6 +668,44 @@ fn proxy_killed_and_restarted_during_a_stream_of_requests_fails_none(mode: Mode)
     assert!(
         ok.load(Ordering::Relaxed) > 20,
         "too few requests to mean anything"
+    );
+}
+
+/// Issue #14: restarting the proxy with the other `--nftables-layout` takes the table over in
+/// one transaction: from kube-proxy's layout to the flat one and back, no request fails.
+#[test]
+fn restarting_with_the_other_nftables_layout_during_a_stream_of_requests_fails_none() {
+    let mode = Mode::Nftables;
+    if !privileged(
+        "restarting_with_the_other_nftables_layout_during_a_stream_of_requests_fails_none",
+        mode,
+    ) {
+        return;
+    }
+    let kube_proxy = ["--nftables-layout", "kube-proxy"];
+    let mut c = Cluster::start(mode, &kube_proxy);
+    c.apply(&service_yaml("web", 30086, "", &[1, 2, 3]))
+        .unwrap();
+    let to = format!("{NODE_IP}:30086");
+    eventually(&c.client, &to, "the NodePort answers", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+    let chains = |c: &Cluster| c.node.run(&["nft", "list", "chains", "ip"]).unwrap();
+    assert!(
+        chains(&c).contains("endpoint-"),
+        "kube-proxy's layout first"
+    );
+    no_request_fails_while(&mut c, &to, |c| c.restart_proxy_with(&[]));
+    let flat = chains(&c);
+    assert!(flat.contains("pick-service-endpoints"), "{flat}");
+    assert!(
+        !flat.contains("endpoint-"),
+        "the old chains are gone: {flat}"
+    );
+    no_request_fails_while(&mut c, &to, |c| c.restart_proxy_with(&kube_proxy));
+    assert!(
+        chains(&c).contains("endpoint-"),
+        "kube-proxy's layout again"
     );
 }
 
@@ -786,6 +833,12 @@ macro_rules! in_every_mode {
             $(#[test]
             fn $name() {
                 super::$name(super::Mode::Nftables)
+            })*
+        }
+        mod nftables_kube_proxy_layout {
+            $(#[test]
+            fn $name() {
+                super::$name(super::Mode::NftablesKubeProxy)
             })*
         }
         mod iptables {

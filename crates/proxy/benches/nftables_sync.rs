@@ -7,9 +7,13 @@
 //! * at 10,000 (and 30,000): one Service's endpoints changed, from the tracker update (what a
 //!   watch event does) to the rules being in the kernel, median of several changes.
 //!
+//! * the flat layout (`--nftables-layout flat`) side by side: raw `nft -f` of its rules, the
+//!   full sync, one endpoint change (median of 20), one new Service, a partial sync with
+//!   nothing changed and the periodic full resync.
+//!
 //! Run: `cargo bench -p nodeport-proxy --bench nftables_sync` (root; `-- 1000 10000` to choose
 //! sizes; `NODEPORT_BENCH_INLINE=0` skips the slow inline-vmap loads, `NODEPORT_BENCH_NFT=0`
-//! the syncs through the `nft` backend).
+//! the syncs through the `nft` backend, `NODEPORT_BENCH_KUBE_PROXY=0` kube-proxy's layout).
 
 mod support;
 
@@ -61,8 +65,142 @@ fn rss_kib() -> u64 {
         .unwrap_or(0)
 }
 
+/// The flat layout at `n` Services: raw load, full sync, changes, resync.
+fn bench_flat(n: usize) {
+    println!("-- flat layout --");
+    let mut c = cluster(n);
+    let mut d: DesiredState =
+        desired::build(&c, NodeView::named("node-0"), &facts(), &state_config());
+    let config = support::flat_config();
+    let t = Instant::now();
+    let text = create_all(&nodeport_proxy::nftables::render(&d, &config)).to_nft();
+    let render = t.elapsed();
+    let raw = raw_load(&text);
+    println!(
+        "flat: render + text {}   raw nft -f of the same rules: {}   ({} commands)",
+        secs(render),
+        secs(raw),
+        text.lines().count()
+    );
+    drop(text);
+    let ns = Netns::new("bench-flat").unwrap();
+    let mut applier = Applier::new(Timed {
+        inner: netlink_in(&ns),
+        applies: Vec::new(),
+    });
+    let t = Instant::now();
+    assert!(applier.sync(&d, &config, None).expect("full sync").full);
+    let full = t.elapsed();
+    assert_eq!(applier.kernel().inner.fallbacks(), 0, "all over netlink");
+    print!("flat: full sync, netlink: {}", secs(full));
+    if let Some((encode, kernel)) = applier.kernel().inner.last_timing() {
+        print!(
+            "   (encoding {}, kernel {}, render and plan {})",
+            secs(encode),
+            secs(kernel),
+            secs(full.saturating_sub(encode + kernel))
+        );
+    }
+    println!();
+    applier.kernel_mut().applies.clear();
+    one_change(n, &mut c, &mut d, &config, &mut applier, "flat", 20);
+    let kernel_ms: Vec<f64> = applier
+        .kernel()
+        .applies
+        .iter()
+        .map(|d| d.as_secs_f64() * 1e3)
+        .collect();
+    let mut sorted = kernel_ms.clone();
+    sorted.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    println!(
+        "  of which the kernel transaction (send to acknowledgement): median {:.3} ms",
+        sorted[sorted.len() / 2]
+    );
+    // One new Service: the tracker update of its Service and slice, to the kernel.
+    let mut samples = Vec::new();
+    for k in 0..5 {
+        let (sk, s, ek, e) = service(n + k, 0);
+        let t = Instant::now();
+        c.update_service(sk, Some(s));
+        c.update_slice(ek, Some(e));
+        let changes = c.take_changes();
+        let changed = d.refresh_services(&c, NodeView::named("node-0"), &changes.services);
+        let r = applier
+            .sync(&d, &config, Some(&changed))
+            .expect("new Service");
+        assert!(!r.full);
+        samples.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    println!(
+        "flat: one new Service (event -> rules in kernel): median of 5 {:.2} ms",
+        samples[2]
+    );
+    let mut samples = Vec::new();
+    for _ in 0..5 {
+        let t = Instant::now();
+        applier.sync(&d, &config, Some(&BTreeSet::new())).unwrap();
+        samples.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    println!(
+        "flat: partial sync with nothing changed: median of 5 {:.3} ms",
+        samples[2]
+    );
+    applier.request_full_sync();
+    let t = Instant::now();
+    assert!(
+        applier
+            .sync(&d, &config, Some(&BTreeSet::new()))
+            .unwrap()
+            .full
+    );
+    let resync = t.elapsed();
+    print!(
+        "flat: periodic full resync (repairs any drift) on the loaded table: {}",
+        secs(resync)
+    );
+    if let Some((encode, kernel)) = applier.kernel().inner.last_timing() {
+        print!(
+            "   (encoding {}, kernel {}, render and plan {})",
+            secs(encode),
+            secs(kernel),
+            secs(resync.saturating_sub(encode + kernel))
+        );
+    }
+    println!();
+    println!(
+        "bench process RSS with this state: {} MiB",
+        rss_kib() / 1024
+    );
+    drop(applier);
+    drop(ns);
+    // What the element comments cost: the same rules without them.
+    let bare = NodeConfig {
+        flat_comments: false,
+        ..config
+    };
+    let text = create_all(&nodeport_proxy::nftables::render(&d, &bare)).to_nft();
+    let raw_bare = raw_load(&text);
+    drop(text);
+    let ns = Netns::new("bench-flat-bare").unwrap();
+    let mut applier = Applier::new(netlink_in(&ns));
+    let t = Instant::now();
+    assert!(applier.sync(&d, &bare, None).expect("full sync").full);
+    println!(
+        "flat without element comments: raw nft -f {}   full sync, netlink {}",
+        secs(raw_bare),
+        secs(t.elapsed())
+    );
+}
+
 fn bench_size(n: usize, inline: bool) {
     println!("== {n} Services x {ENDPOINTS} endpoints ==");
+    bench_flat(n);
+    if std::env::var("NODEPORT_BENCH_KUBE_PROXY").as_deref() == Ok("0") {
+        return;
+    }
+    println!("-- kube-proxy layout --");
     let mut c = cluster(n);
     let t = Instant::now();
     let mut d: DesiredState =
@@ -99,7 +237,7 @@ fn bench_size(n: usize, inline: bool) {
             full.as_secs_f64() / raw.as_secs_f64()
         );
         if n >= 10_000 {
-            one_change(n, &mut c, &mut d, &config, &mut applier, "nft");
+            one_change(n, &mut c, &mut d, &config, &mut applier, "nft", 9);
         }
     }
     let ns = Netns::new("bench-sync").unwrap();
@@ -149,7 +287,7 @@ fn bench_size(n: usize, inline: bool) {
 
     if n >= 10_000 {
         applier.kernel_mut().applies.clear();
-        one_change(n, &mut c, &mut d, &config, &mut applier, "netlink");
+        one_change(n, &mut c, &mut d, &config, &mut applier, "netlink", 9);
         let applies: Vec<String> = applier
             .kernel()
             .applies
@@ -214,6 +352,7 @@ fn commit_costs(n: usize, kernel: &mut NetlinkKernel) {
         set,
         key,
         value,
+        data: None,
         comment: None,
     };
     let addr_key = ElemKey::Addr(probe);
@@ -345,9 +484,10 @@ fn one_change<K: Kernel>(
     config: &NodeConfig,
     applier: &mut Applier<K>,
     backend: &str,
+    reps: u32,
 ) {
     let mut samples = Vec::new();
-    for k in 0..9u32 {
+    for k in 0..reps {
         let i = (k as usize * 7919) % n;
         let (_, _, ek, e) = service(i, k + 1 + if backend == "nft" { 20 } else { 0 });
         let t = Instant::now();
@@ -362,7 +502,7 @@ fn one_change<K: Kernel>(
     }
     samples.sort();
     println!(
-        "one Service changed (event -> rules in kernel), {backend} backend: median {:.1} ms, min {:.1} ms, max {:.1} ms",
+        "one Service changed (event -> rules in kernel), {backend}: median of {reps} {:.2} ms, min {:.2} ms, max {:.2} ms",
         samples[samples.len() / 2].as_secs_f64() * 1e3,
         samples[0].as_secs_f64() * 1e3,
         samples[samples.len() - 1].as_secs_f64() * 1e3

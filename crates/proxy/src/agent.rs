@@ -751,6 +751,28 @@ fn log_selection(
     }
 }
 
+/// Reports (or clears, with `None`) a set of the nftables table that is full: in `/healthz`,
+/// which then fails, and in `kubeproxy_sync_proxy_rules_nftables_set_full`.
+fn report_full_set(shared: &Shared, metrics: &Metrics, full: Option<(IpFamily, String)>) {
+    metrics.nftables_set_full.clear();
+    match full {
+        Some((family, set)) => {
+            let mut l = family_label(family);
+            l.push(("set".into(), set.clone()));
+            metrics.nftables_set_full.get_or_create(&l).set(1);
+            tracing::error!(
+                family = family.as_str(),
+                set,
+                "an nftables set is full: syncs are refused, the previous rules stay, until \
+                 it has room again"
+            );
+            let table = crate::nftables::ruleset::nft_family(family);
+            shared.health.set_full_set(Some(format!("{table} {set}")));
+        }
+        None => shared.health.set_full_set(None),
+    }
+}
+
 async fn sync_loop(shared: Arc<Shared>, engine: Arc<Mutex<Engine>>, config: ProxyConfig) {
     let mut health_servers = ServiceHealthServers::new(shared.health.clone());
     let mut last_start: Option<Instant> = None;
@@ -814,6 +836,7 @@ async fn sync_loop(shared: Arc<Shared>, engine: Arc<Mutex<Engine>>, config: Prox
             Ok(Ok(outcome)) => {
                 backoff = config.min_sync_period.max(Duration::from_millis(500));
                 shared.health.updated();
+                report_full_set(&shared, metrics, None);
                 let now = unix_now();
                 for f in &config.families {
                     let l = family_label(*f);
@@ -921,6 +944,14 @@ async fn sync_loop(shared: Arc<Shared>, engine: Arc<Mutex<Engine>>, config: Prox
                             }
                         }
                     }
+                }
+                if let backend::Error::Nftables(
+                    crate::nftables::apply::Error::RulesetApplyFailed(
+                        crate::nftables::apply::KernelError::SetFull { family, set, .. },
+                    ),
+                ) = &e
+                {
+                    report_full_set(&shared, metrics, Some((*family, set.clone())));
                 }
                 tracing::error!(error = %e, source = ?std::error::Error::source(&e), retry_in = ?backoff, "sync failed; previous rules stay in place");
                 retry_at = Some(tokio::time::Instant::now() + backoff);

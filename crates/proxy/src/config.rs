@@ -17,6 +17,38 @@ pub enum EndpointChoice {
     InlineVmap,
 }
 
+/// The nftables mode's table layout (`--nftables-layout`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum NftablesLayout {
+    /// A fixed, small set of chains and rules; every Service and endpoint is an element of
+    /// a named set or map, so that a change is element operations only and costs the same
+    /// at 100 Services as at 100,000 (the default; see the nftables module documentation).
+    #[default]
+    Flat,
+    /// kube-proxy 1.33's layout, chain for chain: one chain per Service port and one per
+    /// endpoint. For comparing a node's rules with a kube-proxy node's.
+    KubeProxy,
+}
+
+impl NftablesLayout {
+    /// Parses `flat` or `kube-proxy`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "flat" => Some(NftablesLayout::Flat),
+            "kube-proxy" => Some(NftablesLayout::KubeProxy),
+            _ => None,
+        }
+    }
+
+    /// The flag value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NftablesLayout::Flat => "flat",
+            NftablesLayout::KubeProxy => "kube-proxy",
+        }
+    }
+}
+
 /// The dataplane (`--proxy-mode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ProxyMode {
@@ -61,8 +93,20 @@ pub struct NodeConfig {
     /// "not local" and masqueraded when sent to a ClusterIP (kube-proxy's ClusterCIDR local
     /// traffic detector, its default `--detect-local-mode`). Empty: no detection.
     pub cluster_cidrs: Vec<IpNet>,
-    /// How service chains pick an endpoint.
+    /// How service chains pick an endpoint (kube-proxy layout).
     pub endpoint_choice: EndpointChoice,
+    /// `--nftables-layout` (default flat).
+    pub nftables_layout: NftablesLayout,
+    /// Flat layout: the largest `size` a set or map is given (default 16,777,216). Each is
+    /// sized at twice what its Service ports can fill, rounded up to a power of two, at least
+    /// 4,096 and at most this; the kernel preallocates hash buckets for a set's size
+    /// (about 17 bytes an element), so sizes follow the cluster rather than start huge. A
+    /// set that would hold more is refused by the kernel as full; the old rules stay and
+    /// `/healthz` and `kubeproxy_sync_proxy_rules_nftables_set_full` say which.
+    pub flat_max_set_size: u32,
+    /// Flat layout: every element carries its Service port's `namespace/name:port` as a
+    /// comment (default true; what they cost is in `docs/BENCHMARKS.md`).
+    pub flat_comments: bool,
     /// `--iptables-localhost-nodeports` (default true, kube-proxy's): in iptables mode,
     /// NodePorts also answer on 127.0.0.1 when every IPv4 address accepts NodePorts (the
     /// iptables mode's default). The nftables mode never serves them.
@@ -82,6 +126,9 @@ impl Default for NodeConfig {
             masquerade_all: false,
             cluster_cidrs: Vec::new(),
             endpoint_choice: EndpointChoice::default(),
+            nftables_layout: NftablesLayout::default(),
+            flat_max_set_size: 1 << 24,
+            flat_comments: true,
             // kube-proxy's default (iptables.localhostNodePorts).
             localhost_nodeports: true,
             route_localnet: false,
@@ -161,6 +208,8 @@ pub struct ModeSection {
     pub min_sync_period: Option<String>,
     /// `localhostNodePorts` (iptables section).
     pub localhost_node_ports: Option<bool>,
+    /// `layout` (nftables section, ours): `flat` or `kube-proxy`, as `--nftables-layout`.
+    pub layout: Option<String>,
 }
 
 /// A bad configuration file.
@@ -218,6 +267,11 @@ impl KubeProxyConfiguration {
                 .flatten()
                 .find_map(|s| s.min_sync_period.as_deref())
         })
+    }
+
+    /// `nftables.layout`.
+    pub fn nftables_layout(&self) -> Option<&str> {
+        self.nftables.as_ref().and_then(|s| s.layout.as_deref())
     }
 
     /// `iptables.localhostNodePorts`.
@@ -290,7 +344,7 @@ clusterCIDR: 10.244.0.0/16
 nodePortAddresses: [192.0.2.0/24]
 healthzBindAddress: 0.0.0.0:10256
 clientConnection: {kubeconfig: /etc/kube/proxy.conf}
-nftables: {masqueradeAll: true, syncPeriod: 1m0s, minSyncPeriod: 2s}
+nftables: {masqueradeAll: true, syncPeriod: 1m0s, minSyncPeriod: 2s, layout: kube-proxy}
 conntrack: {maxPerCore: 32768}
 "#,
         )
@@ -298,6 +352,7 @@ conntrack: {maxPerCore: 32768}
         assert_eq!(c.cluster_cidr.as_deref(), Some("10.244.0.0/16"));
         assert_eq!(c.masquerade_all(), Some(true));
         assert_eq!(c.sync_period(), Some("1m0s"));
+        assert_eq!(c.nftables_layout(), Some("kube-proxy"));
         assert_eq!(
             c.client_connection.unwrap().kubeconfig.as_deref(),
             Some("/etc/kube/proxy.conf")

@@ -25,6 +25,8 @@ struct FamilyHealth {
 pub struct ProxyHealth {
     families: Mutex<BTreeMap<IpFamily, FamilyHealth>>,
     node: Mutex<Option<Node>>,
+    /// A set of the nftables table that is full (`ip service-endpoints`), refusing syncs.
+    full_set: Mutex<Option<String>>,
     /// `2 × --sync-period`: a pending update older than this makes the proxy unhealthy.
     timeout: Duration,
     /// Watched resources the API server refuses to list or watch (403): the rules cannot
@@ -43,6 +45,7 @@ impl ProxyHealth {
                     .collect(),
             ),
             node: Mutex::new(None),
+            full_set: Mutex::new(None),
             timeout,
             refused: Mutex::default(),
         }
@@ -63,6 +66,11 @@ impl ProxyHealth {
             h.last_updated = Some(now);
             h.oldest_pending = None;
         }
+    }
+
+    /// Records that syncs are refused because a set is full (`None`: none is).
+    pub fn set_full_set(&self, set: Option<String>) {
+        *self.full_set.lock().expect("health lock") = set;
     }
 
     /// Records the Node object, for `nodeEligible`.
@@ -120,6 +128,8 @@ impl ProxyHealth {
         if with_node {
             healthy &= eligible;
         }
+        let full_set = self.full_set.lock().expect("health lock").clone();
+        healthy &= full_set.is_none();
         let last = families.values().filter_map(|h| h.last_updated).max();
         // On success kube-proxy reports "now" as lastUpdated.
         let last_updated = if healthy { Some(now) } else { last };
@@ -146,6 +156,10 @@ impl ProxyHealth {
                 })
                 .collect();
             body.push_str(&format!(",\"status\":{{{}}}", status.join(",")));
+        }
+        if let Some(set) = full_set {
+            // Ours, only while it happens: kube-proxy's body is unchanged otherwise.
+            body.push_str(&format!(",\"fullSet\":{}", serde_json::Value::from(set)));
         }
         body.push('}');
         (healthy, body)
@@ -365,6 +379,25 @@ impl Drop for AbortOnDrop {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_full_nftables_set_makes_healthz_fail_and_names_the_set_until_cleared() {
+        let h = ProxyHealth::new(&[IpFamily::V4], Duration::from_secs(60));
+        h.updated();
+        assert!(
+            !h.body(false).1.contains("fullSet"),
+            "kube-proxy's body otherwise"
+        );
+        h.set_full_set(Some("ip service-endpoints".into()));
+        let (ok, body) = h.body(false);
+        assert!(!ok);
+        assert!(
+            body.ends_with(",\"fullSet\":\"ip service-endpoints\"}"),
+            "{body}"
+        );
+        h.set_full_set(None);
+        assert!(h.body(false).0);
+    }
 
     #[test]
     fn service_health_body_is_kube_proxys_to_the_byte() {

@@ -65,6 +65,9 @@ pub struct Metrics {
     pub nftables_sync_failures: Family<Labels, Counter>,
     /// `kubeproxy_sync_proxy_rules_nftables_cleanup_failures_total{ip_family}`.
     pub nftables_cleanup_failures: Family<Labels, Counter>,
+    /// `kubeproxy_sync_proxy_rules_nftables_set_full{ip_family,set}` (ours): 1 while the
+    /// last sync was refused because this set of the flat layout reached its `size`.
+    pub nftables_set_full: Family<Labels, Gauge>,
     /// `kubeproxy_sync_proxy_rules_iptables_restore_failures_total{ip_family}` (iptables mode).
     pub iptables_restore_failures: Family<Labels, Counter>,
     /// `kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total{ip_family}`.
@@ -122,6 +125,7 @@ impl Metrics {
             no_local_endpoints: Family::default(),
             nftables_sync_failures: Family::default(),
             nftables_cleanup_failures: Family::default(),
+            nftables_set_full: Family::default(),
             iptables_restore_failures: Family::default(),
             iptables_partial_restore_failures: Family::default(),
             iptables_rules_total: Family::default(),
@@ -219,6 +223,11 @@ impl Metrics {
                 "Number of nftables stale chain cleanup failures",
                 m.nftables_cleanup_failures.clone(),
             );
+            registry.register(
+                "sync_proxy_rules_nftables_set_full",
+                "1 while a set or map of the nftables table is full and syncs are refused",
+                m.nftables_set_full.clone(),
+            );
         }
         registry.register(
             "conntrack_reconciler_sync_duration_seconds",
@@ -286,6 +295,9 @@ mod tests {
         m.network_programming
             .get_or_create(&family_label(IpFamily::V4))
             .observe(1.5);
+        let mut full = family_label(IpFamily::V4);
+        full.push(("set".into(), "service-endpoints".into()));
+        m.nftables_set_full.get_or_create(&full).set(1);
         m.last_sync_timestamp
             .get_or_create(&family_label(IpFamily::V4))
             .set(1.0);
@@ -296,6 +308,7 @@ mod tests {
             "kubeproxy_network_programming_duration_seconds_count{ip_family=\"IPv4\"} 1",
             "kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family=\"IPv4\"} 1",
             "kubeproxy_sync_proxy_rules_endpoint_changes_total 0",
+            "kubeproxy_sync_proxy_rules_nftables_set_full{ip_family=\"IPv4\",set=\"service-endpoints\"} 1",
         ] {
             assert!(text.contains(name), "{name} missing from:\n{text}");
         }

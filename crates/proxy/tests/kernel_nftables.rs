@@ -1,10 +1,11 @@
 //! The nftables applier against the real kernel, in a throwaway network namespace: every
 //! transaction it builds (first sync, partial syncs, take-over, drift repair) must be accepted
-//! by `nft` and leave the kernel holding exactly the rendered ruleset.
+//! by `nft` and leave the kernel holding exactly the rendered ruleset. The tests without a
+//! layout in their name run kube-proxy's layout; the `flat_` ones the flat layout.
 
 use std::collections::BTreeSet;
 
-use nodeport_proxy::config::NodeConfig;
+use nodeport_proxy::config::{NftablesLayout, NodeConfig};
 use nodeport_proxy::desired::{self, DesiredState, NodeView, StateConfig};
 use nodeport_proxy::model::ServiceName;
 use nodeport_proxy::nftables::apply::{Applier, Kernel, NftCommand};
@@ -102,9 +103,17 @@ impl Setup {
             state: StateConfig::default(),
             config: NodeConfig {
                 cluster_cidrs: vec!["10.244.0.0/16".parse().unwrap()],
+                nftables_layout: NftablesLayout::KubeProxy,
                 ..Default::default()
             },
         }
+    }
+
+    /// The same in the flat layout.
+    fn flat(yaml: &str) -> Self {
+        let mut s = Self::new(yaml);
+        s.config.nftables_layout = NftablesLayout::Flat;
+        s
     }
 
     fn desired(&self) -> DesiredState {
@@ -664,4 +673,302 @@ fn netlink_encodes_the_localnet_guard_exactly_as_nft_does() {
             "missing {rule:?} in:\n{chain}"
         );
     }
+}
+
+// ---- the flat layout ----
+
+/// Partial syncs of the flat layout the tests below go through: endpoints removed, added,
+/// all gone, session affinity on and off, policies changed.
+fn flat_changes() -> Vec<(Vec<&'static str>, bool)> {
+    vec![
+        (vec!["10.244.1.1", "10.244.1.2"], false),
+        (vec!["10.244.1.1", "10.244.1.2"], true),
+        (vec!["10.244.1.2", "10.244.1.9"], true),
+        (vec![], true),
+        (vec!["10.244.1.4"], false),
+        (vec![], false),
+        (
+            vec!["10.244.1.4", "10.244.1.5", "10.244.1.6", "10.244.1.7"],
+            false,
+        ),
+    ]
+}
+
+#[test]
+fn flat_every_sync_the_applier_builds_is_accepted_by_the_kernel_and_matches_the_render() {
+    if !require_privileged(
+        "flat_every_sync_the_applier_builds_is_accepted_by_the_kernel_and_matches_the_render",
+    ) {
+        return;
+    }
+    let ns = Netns::new("nftflat").unwrap();
+    let mut s = Setup::flat(&objects(&["10.244.1.1", "10.244.1.2", "10.244.1.3"], false));
+    let mut d = s.desired();
+    let mut a = Applier::new(nft_in(&ns));
+    assert!(a.sync(&d, &s.config, None).expect("first sync").full);
+    assert_same(
+        &listing(&ns),
+        &reference_listing(&s),
+        "after the first sync",
+    );
+    for (eps, affinity) in flat_changes() {
+        let changed = s.set_endpoints(&mut d, &eps, affinity);
+        let r = a.sync(&d, &s.config, Some(&changed)).unwrap_or_else(|e| {
+            panic!(
+                "partial sync to {eps:?}: {e}: {:?}",
+                std::error::Error::source(&e)
+            )
+        });
+        assert!(!r.full);
+        assert_same(
+            &listing(&ns),
+            &reference_listing(&s),
+            &format!("after partial sync to {eps:?} affinity={affinity}"),
+        );
+    }
+}
+
+#[test]
+fn flat_netlink_batches_program_exactly_what_nft_would_in_both_families() {
+    if !require_privileged("flat_netlink_batches_program_exactly_what_nft_would_in_both_families") {
+        return;
+    }
+    let ns = Netns::new("nftflatnl").unwrap();
+    // Dual stack: an IPv6 ClusterIP and endpoints beside the IPv4 ones.
+    let dual = |eps4: &[&str], eps6: &[&str], affinity: bool| {
+        let eps6: Vec<String> = eps6
+            .iter()
+            .map(|ip| format!("- {{addresses: [\"{ip}\"], nodeName: node-a}}"))
+            .collect();
+        objects(eps4, affinity).replace(
+            "  clusterIP: 10.96.0.10\n",
+            "  clusterIP: 10.96.0.10\n  clusterIPs: [10.96.0.10, \"fd00:96::10\"]\n  ipFamilyPolicy: PreferDualStack\n",
+        ) + &format!(
+            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: web-6, namespace: default, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv6\nports: [{{name: http, port: 8080}}, {{name: dns, port: 5353, protocol: UDP}}]\nendpoints:\n{}\n",
+            if eps6.is_empty() { "  []".to_string() } else { eps6.join("\n") }
+        )
+    };
+    let mut s = Setup::flat(&dual(
+        &["10.244.1.1", "10.244.1.2", "10.244.1.3"],
+        &["fd00:244::1", "fd00:244::2"],
+        false,
+    ));
+    let mut d = s.desired();
+    assert!(
+        d.family(nodeport_proxy::model::IpFamily::V6)
+            .is_some_and(|f| !f.services.is_empty()),
+        "the fixture is dual-stack"
+    );
+    let mut a = Applier::new(netlink_with(&ns, no_nft()));
+    a.sync(&d, &s.config, None)
+        .expect("first sync over netlink alone");
+    assert_eq!(a.kernel().fallbacks(), 0);
+    assert_same(
+        &listing(&ns),
+        &reference_listing(&s),
+        "after the first netlink sync",
+    );
+    assert_same(
+        &bytecode(&ns),
+        &reference_bytecode(&s),
+        "bytecode after the first sync",
+    );
+    let v6 = [
+        vec!["fd00:244::1"],
+        vec!["fd00:244::1", "fd00:244::3"],
+        vec![],
+        vec!["fd00:244::4"],
+    ];
+    for (i, (eps, affinity)) in flat_changes().into_iter().enumerate() {
+        let eps6 = &v6[i % v6.len()];
+        let fresh = objects::load(&dual(&eps, eps6, affinity)).unwrap().cluster;
+        for key in [
+            ServiceName::new("default", "web-1"),
+            ServiceName::new("default", "web-6"),
+        ] {
+            s.cluster
+                .update_slice(key.clone(), fresh.slices.get(&key).cloned());
+        }
+        let svc = ServiceName::new("default", "web");
+        s.cluster
+            .update_service(svc.clone(), fresh.services.get(&svc).cloned());
+        let changes = s.cluster.take_changes();
+        let changed = d.refresh_services(&s.cluster, NodeView::named("node-a"), &changes.services);
+        a.sync(&d, &s.config, Some(&changed)).unwrap_or_else(|e| {
+            panic!(
+                "partial netlink sync to {eps:?} {eps6:?}: {e}: {:?}",
+                std::error::Error::source(&e)
+            )
+        });
+        assert_same(
+            &listing(&ns),
+            &reference_listing(&s),
+            &format!("after partial netlink sync to {eps:?} {eps6:?} affinity={affinity}"),
+        );
+    }
+    assert_same(
+        &bytecode(&ns),
+        &reference_bytecode(&s),
+        "bytecode after the partial syncs",
+    );
+    assert_eq!(a.kernel().fallbacks(), 0, "nothing went through nft");
+    // A fresh process takes the table over through a netlink listing.
+    let mut b = Applier::new(netlink_with(&ns, no_nft()));
+    assert!(b.sync(&d, &s.config, Some(&BTreeSet::new())).unwrap().full);
+    assert_same(
+        &listing(&ns),
+        &reference_listing(&s),
+        "after a netlink take-over",
+    );
+}
+
+#[test]
+fn switching_layout_on_a_running_node_takes_over_in_place_both_ways() {
+    if !require_privileged("switching_layout_on_a_running_node_takes_over_in_place_both_ways") {
+        return;
+    }
+    let ns = Netns::new("nftswitch").unwrap();
+    let mut s = Setup::new(&objects(&["10.244.1.1", "10.244.1.2"], true));
+    let d = s.desired();
+    for layout in [
+        NftablesLayout::KubeProxy,
+        NftablesLayout::Flat,
+        NftablesLayout::KubeProxy,
+    ] {
+        s.config.nftables_layout = layout;
+        // A new process (restart with the other --nftables-layout) on the same kernel.
+        let mut a = Applier::new(netlink_with(&ns, nft_in(&ns)));
+        let r = a
+            .sync(&d, &s.config, Some(&BTreeSet::new()))
+            .unwrap_or_else(|e| panic!("{layout:?}: {e}: {:?}", std::error::Error::source(&e)));
+        assert!(r.full);
+        assert!(
+            !r.cleanup_failed,
+            "{layout:?}: the old layout's chains are deleted"
+        );
+        assert_same(
+            &listing(&ns),
+            &reference_listing(&s),
+            &format!("as {layout:?}"),
+        );
+    }
+}
+
+#[test]
+fn flat_a_set_at_its_size_refuses_the_sync_names_the_set_and_keeps_the_old_rules() {
+    if !require_privileged(
+        "flat_a_set_at_its_size_refuses_the_sync_names_the_set_and_keeps_the_old_rules",
+    ) {
+        return;
+    }
+    let ns = Netns::new("nftflatfull").unwrap();
+    let mut s = Setup::flat(&objects(&["10.244.1.1"], false));
+    s.config.flat_max_set_size = 64;
+    let mut d = s.desired();
+    let mut a = Applier::new(netlink_in(&ns));
+    a.sync(&d, &s.config, None).expect("fits");
+    let before = listing(&ns);
+    assert!(
+        ns.run(&[
+            "nft",
+            "list",
+            "map",
+            "ip",
+            "kube-proxy",
+            "service-endpoints"
+        ])
+        .unwrap()
+        .contains("size 64"),
+        "sized as configured"
+    );
+    let many: Vec<String> = (1..=40).map(|i| format!("10.244.2.{i}")).collect();
+    let many: Vec<&str> = many.iter().map(String::as_str).collect();
+    let changed = s.set_endpoints(&mut d, &many, false);
+    let err = a.sync(&d, &s.config, Some(&changed)).unwrap_err();
+    let source = std::error::Error::source(&err).expect("the kernel's error");
+    assert!(
+        matches!(
+            source.downcast_ref::<nodeport_proxy::nftables::apply::KernelError>(),
+            Some(nodeport_proxy::nftables::apply::KernelError::SetFull { set, .. })
+                if set.ends_with("-endpoints")
+        ),
+        "{source}"
+    );
+    assert_eq!(listing(&ns), before, "the previous rules serve on");
+    assert!(a.needs_full_sync(), "retried as a full sync");
+}
+
+#[test]
+fn flat_sets_grow_by_recreation_in_one_transaction_when_services_outgrow_their_size() {
+    if !require_privileged(
+        "flat_sets_grow_by_recreation_in_one_transaction_when_services_outgrow_their_size",
+    ) {
+        return;
+    }
+    let ns = Netns::new("nftflatgrow").unwrap();
+    let mut s = Setup::flat(&objects(&["10.244.1.1"], false));
+    let mut d = s.desired();
+    let mut a = Applier::new(netlink_with(&ns, no_nft()));
+    a.sync(&d, &s.config, None).unwrap();
+    let many: Vec<String> = (1..=100).map(|i| format!("10.244.2.{i}")).collect();
+    let many: Vec<&str> = many.iter().map(String::as_str).collect();
+    let size = |ns: &Netns| {
+        // Terse: the definition without its elements.
+        let text = ns
+            .run(&[
+                "nft",
+                "-t",
+                "list",
+                "map",
+                "ip",
+                "kube-proxy",
+                "service-endpoints",
+            ])
+            .unwrap();
+        text.split("size ")
+            .nth(1)
+            .and_then(|r| r.split_whitespace().next())
+            .map(str::to_string)
+    };
+    assert_eq!(size(&ns).as_deref(), Some("4096"));
+    // 100 endpoints: 12,800 slots for each of 4 destinations (ClusterIP and load-balancer IP
+    // of two ports), twice that rounded up.
+    let changed = s.set_endpoints(&mut d, &many, false);
+    let r = a.sync(&d, &s.config, Some(&changed)).unwrap();
+    assert!(r.full, "a size change re-creates the sets in a full sync");
+    assert_eq!(size(&ns).as_deref(), Some("131072"));
+    let changed = s.set_endpoints(&mut d, &["10.244.1.1"], false);
+    assert!(a.sync(&d, &s.config, Some(&changed)).unwrap().full);
+    assert_same(
+        &listing(&ns),
+        &reference_listing(&s),
+        "back to one endpoint",
+    );
+}
+
+#[test]
+fn flat_a_periodic_full_resync_over_netlink_rewrites_the_loaded_table_in_place() {
+    if !require_privileged(
+        "flat_a_periodic_full_resync_over_netlink_rewrites_the_loaded_table_in_place",
+    ) {
+        return;
+    }
+    let ns = Netns::new("nftflatresync").unwrap();
+    let s = Setup::flat(&objects(&["10.244.1.1", "10.244.1.2"], false));
+    let d = s.desired();
+    let mut a = Applier::new(netlink_with(&ns, no_nft()));
+    a.sync(&d, &s.config, None).unwrap();
+    ns.run(&[
+        "nft",
+        "flush",
+        "map",
+        "ip",
+        "kube-proxy",
+        "nodeport-endpoints",
+    ])
+    .unwrap();
+    a.request_full_sync();
+    assert!(a.sync(&d, &s.config, Some(&BTreeSet::new())).unwrap().full);
+    assert_eq!(a.kernel().fallbacks(), 0);
+    assert_same(&listing(&ns), &reference_listing(&s), "after the resync");
 }

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use nodeport_proxy::agent::{self, ProxyConfig};
-use nodeport_proxy::config::{KubeProxyConfiguration, NodeConfig, ProxyMode, parse_go_duration};
+use nodeport_proxy::config::{
+    KubeProxyConfiguration, NftablesLayout, NodeConfig, ProxyMode, parse_go_duration,
+};
 use nodeport_proxy::iptables::apply::{VariantChoice, resolve_variant};
 use nodeport_proxy::kube;
 use nodeport_proxy::model::IpFamily;
@@ -30,6 +32,14 @@ pub struct Args {
     /// Dataplane: nftables (default), iptables or ipvs.
     #[arg(long)]
     proxy_mode: Option<String>,
+    /// nftables mode: the table layout. "flat" (default): a fixed set of chains, every
+    /// Service and endpoint an element of named sets and maps, so that a change costs
+    /// microseconds in the kernel whatever the number of Services. "kube-proxy": kube-proxy
+    /// 1.33's per-Service and per-endpoint chains, name for name, to compare a node's rules
+    /// with a kube-proxy node's (a change there costs a kernel validation of every chain:
+    /// hundreds of milliseconds at 10,000 Services).
+    #[arg(long, value_name = "flat|kube-proxy")]
+    nftables_layout: Option<String>,
     /// Which node IPs accept NodePorts, a comma-separated list of: CIDRs (the node's
     /// addresses inside them; 0.0.0.0/0 and ::/0 every address, the iptables default;
     /// 127.0.0.0/8 localhost NodePorts), "default-route" (the addresses of the interfaces
@@ -136,6 +146,17 @@ fn configure(args: &Args) -> anyhow::Result<(ProxyConfig, Option<PathBuf>, Varia
             "invalid value {mode:?} for --proxy-mode: must be nftables, iptables or ipvs"
         ))
     })?;
+    let layout = args
+        .nftables_layout
+        .clone()
+        .or(file.nftables_layout().map(str::to_string))
+        .filter(|l| !l.is_empty())
+        .unwrap_or_else(|| "flat".into());
+    let nftables_layout = NftablesLayout::parse(&layout).ok_or_else(|| {
+        usage(format!(
+            "invalid value {layout:?} for --nftables-layout: must be flat or kube-proxy"
+        ))
+    })?;
     let variant = match args.iptables_variant.as_deref() {
         Some(v) => VariantChoice::parse(v).ok_or_else(|| {
             usage(format!(
@@ -234,6 +255,7 @@ fn configure(args: &Args) -> anyhow::Result<(ProxyConfig, Option<PathBuf>, Varia
                 .iptables_localhost_nodeports
                 .or(file.localhost_node_ports())
                 .unwrap_or(true),
+            nftables_layout,
             ..NodeConfig::default()
         },
         mode,

@@ -6,7 +6,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::PathBuf;
 
 use anyhow::Context;
-use nodeport_proxy::config::{NodeConfig, ProxyMode};
+use nodeport_proxy::config::{NftablesLayout, NodeConfig, ProxyMode};
 use nodeport_proxy::desired::{self, NodeView, StateConfig};
 use nodeport_proxy::ipnet::IpNet;
 use nodeport_proxy::model::IpFamily;
@@ -23,6 +23,10 @@ pub struct Args {
     /// input) or ipvs (`ipvsadm -S` lines, ipsets and the companion iptables rules).
     #[arg(long, default_value = "nftables")]
     proxy_mode: String,
+    /// nftables mode: "flat" (default, what `nodeport proxy` programs by default) or
+    /// "kube-proxy" (kube-proxy 1.33's chains and names, to compare with a kube-proxy node).
+    #[arg(long, default_value = "flat", value_name = "flat|kube-proxy")]
+    nftables_layout: String,
     /// Multi-document YAML of Services, EndpointSlices, ServiceCIDRs and optionally a Node
     /// ("-" reads standard input).
     #[arg(short = 'f', long = "filename")]
@@ -266,7 +270,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         zone: node.zone.as_deref(),
     };
     let desired = desired::build(&loaded.cluster, view, &facts, &state_config);
+    let nftables_layout = NftablesLayout::parse(&args.nftables_layout).ok_or_else(|| {
+        usage(format!(
+            "invalid value {:?} for --nftables-layout: must be flat or kube-proxy",
+            args.nftables_layout
+        ))
+    })?;
     let config = NodeConfig {
+        nftables_layout,
         masquerade_bit: args.masquerade_bit,
         masquerade_all: args.masquerade_all,
         cluster_cidrs,

@@ -43,6 +43,10 @@ pub struct Args {
     /// The proxy's dataplane.
     #[arg(long, value_enum, default_value_t = ProxyMode::Nftables)]
     proxy_mode: ProxyMode,
+    /// nftables mode: the table layout, "flat" (default) or "kube-proxy", as `nodeport
+    /// proxy --nftables-layout`.
+    #[arg(long, default_value = "flat", value_name = "flat|kube-proxy")]
+    nftables_layout: String,
     /// This node's name, for its Node object and its proxy [default: the host name].
     #[arg(long)]
     hostname_override: Option<String>,
@@ -122,10 +126,18 @@ fn proxy_config(args: &Args, node_name: &str) -> anyhow::Result<ProxyConfig> {
         })
         .parse()
         .map_err(|e| usage(format!("{e}")))?;
+    let nftables_layout = nodeport_proxy::config::NftablesLayout::parse(&args.nftables_layout)
+        .ok_or_else(|| {
+            usage(format!(
+                "invalid value {:?} for --nftables-layout: must be flat or kube-proxy",
+                args.nftables_layout
+            ))
+        })?;
     Ok(ProxyConfig {
         node_name: node_name.to_owned(),
         mode,
         node: NodeConfig {
+            nftables_layout,
             masquerade_all: args.masquerade_all,
             cluster_cidrs: args.cluster_cidr.iter().map(IpNet::trunc).collect(),
             ..NodeConfig::default()

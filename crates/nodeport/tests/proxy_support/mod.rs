@@ -50,8 +50,10 @@ pub enum Stack {
 /// The proxy mode a test runs in (`--proxy-mode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
-    /// `table ip kube-proxy`.
+    /// `table ip kube-proxy`, in the default (flat) layout.
     Nftables,
+    /// `table ip kube-proxy` in kube-proxy's layout (`--nftables-layout kube-proxy`).
+    NftablesKubeProxy,
     /// `KUBE-*` chains in iptables' nat and filter tables.
     Iptables,
 }
@@ -60,15 +62,23 @@ impl Mode {
     /// The flag value.
     pub fn as_str(self) -> &'static str {
         match self {
-            Mode::Nftables => "nftables",
+            Mode::Nftables | Mode::NftablesKubeProxy => "nftables",
             Mode::Iptables => "iptables",
+        }
+    }
+
+    /// Flags the mode adds to `--proxy-mode`.
+    pub fn extra_args(self) -> &'static [&'static str] {
+        match self {
+            Mode::NftablesKubeProxy => &["--nftables-layout", "kube-proxy"],
+            Mode::Nftables | Mode::Iptables => &[],
         }
     }
 
     /// The commands the mode needs on the machine.
     pub fn tools(self) -> &'static [&'static str] {
         match self {
-            Mode::Nftables => &["nft"],
+            Mode::Nftables | Mode::NftablesKubeProxy => &["nft"],
             Mode::Iptables => &["iptables", "iptables-restore", "iptables-save"],
         }
     }
@@ -244,6 +254,7 @@ impl Cluster {
             "--proxy-mode",
             self.mode.as_str(),
         ])
+        .args(self.mode.extra_args())
         .args(&self.proxy_args)
         .env(
             "NODEPORT_LOG",
@@ -261,7 +272,9 @@ impl Cluster {
     /// services`, or `iptables -t nat -F KUBE-SERVICES`.
     pub fn break_service_dispatch_by_hand(&self) {
         let cmd: &[&str] = match self.mode {
-            Mode::Nftables => &["nft", "flush", "chain", "ip", "kube-proxy", "services"],
+            Mode::Nftables | Mode::NftablesKubeProxy => {
+                &["nft", "flush", "chain", "ip", "kube-proxy", "services"]
+            }
             Mode::Iptables => &["iptables", "-t", "nat", "-F", "KUBE-SERVICES"],
         };
         self.node.run(cmd).unwrap();

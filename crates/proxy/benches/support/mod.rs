@@ -136,7 +136,19 @@ pub fn node_config(choice: EndpointChoice) -> NodeConfig {
     NodeConfig {
         cluster_cidrs: vec!["10.0.0.0/8".parse().unwrap()],
         endpoint_choice: choice,
+        // The figures recorded so far are kube-proxy's layout; the flat one is compared
+        // side by side through `flat_config`.
+        nftables_layout: nodeport_proxy::config::NftablesLayout::KubeProxy,
         ..Default::default()
+    }
+}
+
+/// The flat layout's configuration, with the same pod range.
+#[allow(dead_code)]
+pub fn flat_config() -> NodeConfig {
+    NodeConfig {
+        nftables_layout: nodeport_proxy::config::NftablesLayout::Flat,
+        ..node_config(EndpointChoice::Cascade)
     }
 }
 

@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 use super::names::is_affinity_set;
 use super::render::{render_base, render_service};
 use super::ruleset::{
-    BaseHook, Chain, ElemKey, Element, Expr, Op, Rule, Ruleset, ServiceObjects, Set, Table,
-    Transaction, Verdict,
+    BaseHook, BaseObjects, Chain, ElemKey, Element, Expr, Op, Rule, Ruleset, ServiceObjects, Set,
+    Table, Transaction, Verdict,
 };
 use crate::config::NodeConfig;
 use crate::desired::{DesiredState, FamilyState};
@@ -57,6 +57,17 @@ pub enum KernelError {
     /// ([`Kernel::apply`]) names the operation at fault, or takes another way to the kernel.
     #[error("streamed transaction failed: {0}")]
     Streamed(String),
+    /// nf_tables refused an element because its set or map holds `size` elements already
+    /// (`ENFILE`); nothing was changed.
+    #[error("{family:?} set {set} is full (its size is reached): {detail}")]
+    SetFull {
+        /// The table's family.
+        family: IpFamily,
+        /// The set or map.
+        set: String,
+        /// The kernel's answer, with the operation.
+        detail: String,
+    },
 }
 
 /// What a table holds now, by name.
@@ -66,6 +77,9 @@ pub struct Existing {
     pub chains: BTreeSet<String>,
     /// Set names (`false`) and map names (`true`).
     pub sets: BTreeMap<String, bool>,
+    /// Sets known to have another definition than the one wanted now (a flat set whose
+    /// `size` grows): re-created by the full sync, not only emptied.
+    pub other_spec: BTreeSet<String>,
 }
 
 /// The one place the kernel is touched.
@@ -311,6 +325,8 @@ fn sets_of_rule(rule: &Rule) -> Vec<&str> {
                 ..
             }
             | Expr::UpdateSaddr(s)
+            | Expr::Lookup { set: s, .. }
+            | Expr::DnatMap { map: s, .. }
             | Expr::VerdictMap { map: s, .. } => out.push(s.as_str()),
             _ => {}
         }
@@ -424,7 +440,7 @@ impl FakeTable {
                     .get_mut(e.set)
                     .ok_or(format!("add element {}: no such set", e.set))?;
                 match s.1.get(&e.key) {
-                    Some(old) if old.value != e.value => {
+                    Some(old) if old.value != e.value || old.data != e.data => {
                         Err(format!("add element {} {}: file exists", e.set, e.key))
                     }
                     Some(_) => Ok(()),
@@ -521,8 +537,9 @@ impl Kernel for FakeKernel {
             sets: t
                 .sets
                 .iter()
-                .map(|(n, (s, _))| (n.clone(), s.verdict_map))
+                .map(|(n, (s, _))| (n.clone(), s.is_map()))
                 .collect(),
+            other_spec: BTreeSet::new(),
         }))
     }
 }
@@ -547,7 +564,11 @@ struct Unit {
     elements: Vec<(&'static str, ElemKey)>,
 }
 
-type ElemValue = (Option<Verdict>, Option<String>);
+type ElemValue = (
+    Option<Verdict>,
+    Option<std::net::SocketAddr>,
+    Option<String>,
+);
 
 /// A chain's name as the applied record keeps it. kube-proxy's names of a Service port's
 /// chains repeat the port's readable name (`ns/name/proto/port`, which the owner holds) and,
@@ -821,7 +842,23 @@ impl<K: Kernel> Applier<K> {
             .families
             .iter()
             .any(|f| !self.tables.contains_key(&f.family));
-        let full = self.need_full || changed.is_none() || drifted || unknown_family;
+        let mut full = self.need_full || changed.is_none() || drifted || unknown_family;
+        // The static objects of a partial sync, rendered once (in the flat layout their sets'
+        // sizes come from a pass over every Service port).
+        let mut bases = Vec::new();
+        if !full {
+            bases = desired
+                .families
+                .iter()
+                .map(|state| render_base(state, config))
+                .collect();
+            if self.shared_sets_changed(desired, &bases) {
+                // A shared set re-created (the flat layout's sets grow their `size` in steps)
+                // loses every element: it is refilled by a full sync, in one transaction.
+                tracing::info!("a shared set changed its definition; syncing fully");
+                full = true;
+            }
+        }
         let mut report = SyncReport {
             full,
             ..Default::default()
@@ -832,7 +869,7 @@ impl<K: Kernel> Applier<K> {
             self.full_sync(desired, config)
         } else {
             let changed = changed.expect("partial sync has changes");
-            let (tx, stale) = self.partial_sync(desired, config, changed);
+            let (tx, stale) = self.partial_sync(desired, config, changed, bases);
             self.kernel
                 .apply(&tx)
                 .map_err(Error::RulesetApplyFailed)
@@ -877,6 +914,25 @@ impl<K: Kernel> Applier<K> {
                 Err(e)
             }
         }
+    }
+
+    /// Whether a shared (static) set's definition (`bases`, one per desired family) differs
+    /// from what was applied.
+    fn shared_sets_changed(&self, desired: &DesiredState, bases: &[BaseObjects]) -> bool {
+        desired.families.iter().zip(bases).any(|(state, base)| {
+            let Some(unit) = self
+                .tables
+                .get(&state.family)
+                .and_then(|t| t.units.get(&Owner::Base))
+            else {
+                return true;
+            };
+            let sets = &base.sets;
+            sets.len() != unit.sets.len()
+                || sets
+                    .iter()
+                    .any(|s| unit.sets.get(&s.name) != Some(&hash_of(s)))
+        })
     }
 
     /// Deletes flushed stale chains in their own transaction.
@@ -942,8 +998,25 @@ impl<K: Kernel> Applier<K> {
                 Existing {
                     chains: chain_names(t).chain(waiting).collect(),
                     sets: t.set_is_map.iter().map(|(k, v)| (k.clone(), *v)).collect(),
+                    other_spec: BTreeSet::new(),
                 }
             };
+            let mut existing = existing;
+            if let Some(unit) = self
+                .tables
+                .get(&family)
+                .and_then(|t| t.units.get(&Owner::Base))
+            {
+                for set in render_base(state, config).sets {
+                    if unit
+                        .sets
+                        .get(&set.name)
+                        .is_some_and(|h| *h != hash_of(&set))
+                    {
+                        existing.other_spec.insert(set.name);
+                    }
+                }
+            }
             tables.push((state, existing));
         }
         // The old record is not needed any more: the new one replaces it, and a failed sync
@@ -972,14 +1045,15 @@ impl<K: Kernel> Applier<K> {
         desired: &DesiredState,
         config: &NodeConfig,
         changed: &BTreeSet<ServicePortName>,
+        bases: Vec<BaseObjects>,
     ) -> (Transaction, Vec<(IpFamily, String)>) {
         let mut tx = Transaction::default();
         let mut stale = Vec::new();
-        for state in &desired.families {
+        for (state, base) in desired.families.iter().zip(bases) {
             let family = state.family;
             let applied = self.tables.get_mut(&family).expect("checked above");
             let mut plan = Plan::default();
-            let base = objects_of_base(render_base(state, config));
+            let base = objects_of_base(base);
             plan.unit(applied, Owner::Base, Some(base), false);
             for name in changed {
                 let objs = state
@@ -994,6 +1068,7 @@ impl<K: Kernel> Applier<K> {
             for (name, _) in &plan.add_chains {
                 self.stale.remove(&(family, name.clone()));
             }
+            plan.settle_elements(applied);
             plan.write(&mut tx, family);
         }
         (tx, stale)
@@ -1021,9 +1096,37 @@ struct Plan {
     delete_elements: Vec<(&'static str, ElemKey)>,
     add_elements: Vec<Element>,
     stale: Vec<String>,
+    /// Every element key a partial sync touched, with the value the kernel held for it
+    /// before this transaction: several owners of one key (two ports of a Service sharing a
+    /// ClusterIP or a hairpin element, with their own comments) may each move the winner,
+    /// and the kernel must see one change per key, from the first value to the last.
+    initial: BTreeMap<(&'static str, ElemKey), Option<ElemValue>>,
 }
 
 impl Plan {
+    /// Turns the touched element keys into deletions and additions: what the kernel held
+    /// before the transaction against the winner in `applied` now.
+    fn settle_elements(&mut self, applied: &AppliedTable) {
+        for (k, was) in std::mem::take(&mut self.initial) {
+            let now = winner(applied, &k);
+            if was == now {
+                continue;
+            }
+            if was.is_some() {
+                self.delete_elements.push(k);
+            }
+            if let Some((value, data, comment)) = now {
+                self.add_elements.push(Element {
+                    set: k.0,
+                    key: k.1,
+                    value,
+                    data,
+                    comment,
+                });
+            }
+        }
+    }
+
     /// Plans the change of one owner's objects from what `applied` remembers to `objs`
     /// (`None`: the owner is gone), updating `applied`. `rewrite`: rewrite every chain even if
     /// unchanged (full sync).
@@ -1051,12 +1154,12 @@ impl Plan {
                 Some(oh) if *oh == h => {}
                 Some(_) => {
                     respec = true;
-                    self.delete_sets.push((set.name.clone(), set.verdict_map));
+                    self.delete_sets.push((set.name.clone(), set.is_map()));
                     self.add_sets.push(set.clone());
                 }
                 None => self.add_sets.push(set.clone()),
             }
-            applied.set_is_map.insert(set.name.clone(), set.verdict_map);
+            applied.set_is_map.insert(set.name.clone(), set.is_map());
             unit.sets.insert(set.name.clone(), h);
         }
         // Chains.
@@ -1126,31 +1229,19 @@ impl Plan {
             let owners = applied.elements.entry(k).or_default();
             // An owner listing one key twice keeps its first value.
             if let Err(i) = owners.binary_search_by(|(o, _)| o.cmp(&owner)) {
-                owners.insert(i, (owner.clone(), (e.value.clone(), e.comment.clone())));
+                owners.insert(
+                    i,
+                    (owner.clone(), (e.value.clone(), e.data, e.comment.clone())),
+                );
             }
             unit.elements.push(k);
             touched.insert(k);
         }
-        for k in touched {
-            let was = before.get(&k).cloned().flatten();
-            let now = winner(applied, &k);
-            if was == now && !rewrite {
-                continue;
-            }
-            if rewrite {
-                // Full sync: the maps were flushed; add every winner once.
-                continue;
-            }
-            if was.is_some() {
-                self.delete_elements.push(k);
-            }
-            if let Some((value, comment)) = now {
-                self.add_elements.push(Element {
-                    set: k.0,
-                    key: k.1,
-                    value,
-                    comment,
-                });
+        if !rewrite {
+            // Full sync: the maps were flushed and every winner is added once at the end.
+            for k in touched {
+                let was = before.get(&k).cloned().flatten();
+                self.initial.entry(k).or_insert(was);
             }
         }
         applied.units.insert(owner, unit);
@@ -1257,7 +1348,8 @@ fn full_table(
     for s in &base.sets {
         // On the first sync an existing shared set is deleted and re-created below: adding it
         // here first would fail if an older version made it with other flags or type.
-        if !(recreate_base && existing.sets.contains_key(&s.name)) {
+        let recreate = recreate_base || existing.other_spec.contains(&s.name);
+        if !(recreate && existing.sets.contains_key(&s.name)) {
             tx.push(family, Op::AddSet(s.clone()));
         }
     }
@@ -1293,11 +1385,11 @@ fn full_table(
         if is_affinity_set(&s.name) || !existing.sets.contains_key(&s.name) {
             continue;
         }
-        if recreate_base {
-            tx.push(family, Op::DeleteSet(s.name.clone(), s.verdict_map));
+        if recreate_base || existing.other_spec.contains(&s.name) {
+            tx.push(family, Op::DeleteSet(s.name.clone(), s.is_map()));
             tx.push(family, Op::AddSet(s.clone()));
         } else {
-            tx.push(family, Op::FlushSet(s.name.clone(), s.verdict_map));
+            tx.push(family, Op::FlushSet(s.name.clone(), s.is_map()));
         }
     }
     emit(tx)?;
@@ -1347,13 +1439,14 @@ fn full_table(
     keys.sort();
     for chunk in keys.chunks(ELEMENTS_PER_PIECE) {
         for k in chunk {
-            if let Some((value, comment)) = winner(&applied, k) {
+            if let Some((value, data, comment)) = winner(&applied, k) {
                 tx.push(
                     family,
                     Op::AddElement(Element {
                         set: k.0,
                         key: k.1,
                         value,
+                        data,
                         comment,
                     }),
                 );

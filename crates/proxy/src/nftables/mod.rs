@@ -1,10 +1,32 @@
-//! nftables backend: kube-proxy's nftables mode, table by table and name by name.
+//! nftables backend: kube-proxy's nftables mode, in two layouts (`--nftables-layout`).
+//!
+//! # Layouts
+//!
+//! * **flat** (the default, [`flat`]): the base chains, hooks, priorities and helper chains
+//!   below, plus four fixed `pick-` chains; every Service port and endpoint is an element of
+//!   a named set or data map (`service-endpoints`, `nodeport-endpoints`, `masquerade-ips`,
+//!   `no-endpoint-services`, `firewall-allow`, ...). The chains and rules do not depend on
+//!   the Services, so a Service or endpoint change is element operations only, which the
+//!   kernel commits without validating the chain graph: about the same cost at 10 Services
+//!   as at 100,000. Endpoint choice is exact (1/n) up to 64 endpoints, within 1 % above. Ports
+//!   with session affinity keep kube-proxy's chains (reached through `service-ips` /
+//!   `service-nodeports`, which hold only theirs).
+//! * **kube-proxy**: kube-proxy 1.33's layout, described below, chain for chain, to compare
+//!   with a kube-proxy node. Every change that adds a rule makes the kernel walk all its
+//!   chains (`shared/reference/notes/nftables-kernel-costs.md`).
+//!
+//! Both layouts share the desired state, the applier (an owner contributes chains, sets and
+//! elements; in the flat layout a Service port contributes only elements), the netlink
+//! kernel and the tracer. Restarting with the other layout takes the table over in one
+//! transaction (the other layout's sets re-created or deleted, its chains flushed, then
+//! deleted).
 //!
 //! # Tables, hooks and priorities
 //!
 //! One table per family, `ip kube-proxy` and `ip6 kube-proxy` (comment `rules for
-//! kube-proxy`); nothing else on the host is touched. The layout is kube-proxy's GA one
-//! (v1.33+, see `shared/reference/notes/kube-proxy.md` §2):
+//! kube-proxy`); nothing else on the host is touched. The base chains are kube-proxy's GA ones
+//! (v1.33+, see `shared/reference/notes/kube-proxy.md` §2), in both layouts; the rest of this
+//! section describes kube-proxy's layout:
 //!
 //! | base chain | type | hook | priority | jumps to |
 //! | --- | --- | --- | --- | --- |
@@ -65,20 +87,23 @@
 //! dump of the whole table; forms it does not encode (anonymous sets) go through `nft -f`.
 //! [`apply::NftCommand`] pipes the same transaction to `nft -f -` (knftables' way; the
 //! program and leading arguments are configurable, e.g. `ip netns exec <ns> nft`). Partial
-//! syncs rewrite only chains whose content changed and touch only changed map elements;
-//! stale chains are flushed, then deleted in a second transaction; any commit by someone else
+//! syncs rewrite only chains whose content changed and touch only changed map elements
+//! (each key settled once per transaction, however many owners share it); a shared set whose
+//! definition changes (a flat set outgrowing its `size`) makes the sync full; stale chains are flushed, then deleted in a second transaction; any commit by someone else
 //! (the nf_tables generation moved) makes the next sync a full rewrite; start-up takes over
 //! an existing table without deleting it. Figures: `docs/BENCHMARKS.md`, "Proxy (nftables)".
 //!
 //! # Files
 //!
 //! [`names`] (object names), [`mod@render`] (desired state → [`ruleset::Ruleset`], pure),
+//! [`flat`] (the flat layout's rendering, pure),
 //! [`ruleset`] (the structured ruleset, transactions and their `nft -f` text), [`apply`]
 //! (the [`apply::Kernel`] trait, `nft` runner, fake, and the applier that computes partial
 //! and full transactions), [`netlink`] (the netlink kernel), [`tracer`] (evaluates a ruleset
 //! for a packet).
 
 pub mod apply;
+pub mod flat;
 pub mod names;
 pub mod netlink;
 pub mod render;
@@ -87,5 +112,8 @@ pub mod tracer;
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod flat_tests;
 
 pub use render::render;

@@ -62,6 +62,49 @@ pub const NO_ENDPOINT_NODEPORTS: &str = "no-endpoint-nodeports";
 /// Map: load-balancer IPs with source ranges → firewall chain.
 pub const FIREWALL_IPS: &str = "firewall-ips";
 
+// The flat layout's own objects (`--nftables-layout flat`); see `super::flat`.
+
+/// Flat layout, set: destinations whose traffic policy is Local and that have no local
+/// endpoint: dropped.
+pub const NO_LOCAL_ENDPOINT_SERVICES: &str = "no-local-endpoint-services";
+/// Flat layout, set: NodePorts (`proto . port`) without a local endpoint under
+/// `externalTrafficPolicy: Local`: dropped.
+pub const NO_LOCAL_ENDPOINT_NODEPORTS: &str = "no-local-endpoint-nodeports";
+/// Flat layout, interval set: `addr . proto . port . source range` that
+/// LoadBalancerSourceRanges admit.
+pub const FIREWALL_ALLOW: &str = "firewall-allow";
+/// Flat layout, set: external and load-balancer destinations with
+/// `externalTrafficPolicy: Cluster`, masqueraded.
+pub const MASQUERADE_IPS: &str = "masquerade-ips";
+/// Flat layout, set: NodePorts with `externalTrafficPolicy: Cluster`, masqueraded.
+pub const MASQUERADE_NODEPORTS: &str = "masquerade-nodeports";
+/// Flat layout, set: external and load-balancer destinations with
+/// `externalTrafficPolicy: Local` (pod and node sources short-circuit to every endpoint).
+pub const LOCAL_POLICY_IPS: &str = "local-policy-ips";
+/// Flat layout, set: NodePorts with `externalTrafficPolicy: Local`.
+pub const LOCAL_POLICY_NODEPORTS: &str = "local-policy-nodeports";
+/// Flat layout, set: `endpoint IP . endpoint IP`: a pod reaching itself through a Service
+/// (hairpin) is masqueraded.
+pub const HAIRPIN_IPS: &str = "hairpin-ips";
+/// Flat layout, map: `addr . proto . port . slot` → endpoint `addr . port`, the endpoints
+/// of each ClusterIP, external and load-balancer destination under its traffic policy.
+pub const SERVICE_ENDPOINTS: &str = "service-endpoints";
+/// Flat layout, map: `proto . port . slot` → endpoint, for NodePorts.
+pub const NODEPORT_ENDPOINTS: &str = "nodeport-endpoints";
+/// Flat layout, map: the Cluster-policy endpoints of `externalTrafficPolicy: Local`
+/// destinations, for traffic from pods and the node (short-circuit).
+pub const SERVICE_CLUSTER_ENDPOINTS: &str = "service-cluster-endpoints";
+/// Flat layout, map: as [`SERVICE_CLUSTER_ENDPOINTS`], for NodePorts.
+pub const NODEPORT_CLUSTER_ENDPOINTS: &str = "nodeport-cluster-endpoints";
+/// Flat layout, chain: picks an endpoint from [`SERVICE_ENDPOINTS`].
+pub const PICK_SERVICE_ENDPOINTS: &str = "pick-service-endpoints";
+/// Flat layout, chain: picks an endpoint from [`NODEPORT_ENDPOINTS`].
+pub const PICK_NODEPORT_ENDPOINTS: &str = "pick-nodeport-endpoints";
+/// Flat layout, chain: picks an endpoint from [`SERVICE_CLUSTER_ENDPOINTS`].
+pub const PICK_SERVICE_CLUSTER_ENDPOINTS: &str = "pick-service-cluster-endpoints";
+/// Flat layout, chain: picks an endpoint from [`NODEPORT_CLUSTER_ENDPOINTS`].
+pub const PICK_NODEPORT_CLUSTER_ENDPOINTS: &str = "pick-nodeport-cluster-endpoints";
+
 /// The chain names of one service port.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServiceChainNames {

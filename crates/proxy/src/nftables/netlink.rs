@@ -23,12 +23,13 @@ use std::net::IpAddr;
 use std::os::fd::AsFd;
 use std::time::Duration;
 
+use ipnet::IpNet;
 use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 
 use super::apply::{Existing, Kernel, KernelError, NftCommand, TransactionSink};
 use super::ruleset::{
-    AddrMatch, ChainType, CtKey, ElemKey, Element, Expr, Hook, KeyType, MapKey, Op, Rule, Set,
-    TABLE, TABLE_COMMENT, Transaction, Verdict, ct_state,
+    AddrMatch, ChainType, CtKey, ElemKey, Element, Expr, Hook, KeyType, LookupKey, MapKey, Op,
+    Rule, Set, TABLE, TABLE_COMMENT, Transaction, Verdict, ct_state,
 };
 use crate::model::{IpFamily, Protocol};
 
@@ -37,6 +38,7 @@ const NFNL_SUBSYS_NFTABLES: u16 = 10;
 const NFNL_MSG_BATCH_BEGIN: u16 = 0x10;
 const NFNL_MSG_BATCH_END: u16 = 0x11;
 const NFT_MSG_NEWTABLE: u16 = 0;
+const NFT_MSG_GETTABLE: u16 = 1;
 const NFT_MSG_DELTABLE: u16 = 2;
 const NFT_MSG_NEWCHAIN: u16 = 3;
 const NFT_MSG_GETCHAIN: u16 = 4;
@@ -92,6 +94,7 @@ const NFTA_SET_USERDATA: u16 = 13;
 const NFTA_SET_DESC_SIZE: u16 = 1;
 const NFTA_SET_DESC_CONCAT: u16 = 2;
 const NFTA_SET_FIELD_LEN: u16 = 1;
+const NFT_SET_INTERVAL: u32 = 0x4;
 const NFT_SET_MAP: u32 = 0x8;
 const NFT_SET_TIMEOUT: u32 = 0x10;
 const NFT_SET_EVAL: u32 = 0x20;
@@ -103,6 +106,7 @@ const NFTA_SET_ELEM_LIST_ELEMENTS: u16 = 3;
 const NFTA_SET_ELEM_KEY: u16 = 1;
 const NFTA_SET_ELEM_DATA: u16 = 2;
 const NFTA_SET_ELEM_USERDATA: u16 = 6;
+const NFTA_SET_ELEM_KEY_END: u16 = 10;
 const NFTA_DATA_VALUE: u16 = 1;
 const NFTA_DATA_VERDICT: u16 = 2;
 const NFTA_VERDICT_CODE: u16 = 1;
@@ -128,6 +132,7 @@ const TYPE_IP6ADDR: u32 = 8;
 const TYPE_INET_PROTOCOL: u32 = 12;
 const TYPE_INET_SERVICE: u32 = 13;
 const TYPE_BITS: u32 = 6;
+const TYPE_INTEGER: u32 = 4;
 // libnftnl user data: set comment, element / rule / table comment.
 const UDATA_SET_COMMENT: u8 = 7;
 const UDATA_COMMENT: u8 = 0;
@@ -457,6 +462,63 @@ fn prefix_match(b: &mut Buf, offset: u32, negate: bool, net: &ipnet::IpNet) {
     }
 }
 
+/// One field of a concatenated key, loaded into consecutive 32-bit registers.
+#[derive(Debug, Clone, Copy)]
+enum Field {
+    Daddr,
+    Saddr,
+    L4proto,
+    /// `meta l4proto` in an interval set's key: nft converts it to big endian (`byteorder
+    /// hton`), as ranges are compared bytewise.
+    L4protoBigEndian,
+    Dport,
+    /// `numgen random mod <m> offset <o>`.
+    Numgen(u32, u32),
+}
+
+/// Loads `fields` as nft does for a concatenation: the first at reg 1, each next one in
+/// the 32-bit register after the previous one's padded length.
+fn load_fields(b: &mut Buf, family: IpFamily, fields: &[Field]) {
+    let mut slot = 0;
+    for f in fields {
+        let reg = if slot == 0 { REG_1 } else { REG32_00 + slot };
+        let len = match f {
+            Field::Daddr | Field::Saddr => {
+                let (offset, len) = addr_field(family, matches!(f, Field::Daddr));
+                payload(b, reg, NFT_PAYLOAD_NETWORK_HEADER, offset, len);
+                len
+            }
+            Field::L4proto | Field::L4protoBigEndian => {
+                meta_load(b, NFT_META_L4PROTO, reg);
+                if matches!(f, Field::L4protoBigEndian) {
+                    b.expr("byteorder", |b| {
+                        b.u32be(1, reg); // NFTA_BYTEORDER_SREG
+                        b.u32be(2, reg); // NFTA_BYTEORDER_DREG
+                        b.u32be(3, 1); // NFTA_BYTEORDER_OP = NFT_BYTEORDER_HTON
+                        b.u32be(4, 1); // NFTA_BYTEORDER_LEN
+                        b.u32be(5, 2); // NFTA_BYTEORDER_SIZE
+                    });
+                }
+                4
+            }
+            Field::Dport => {
+                payload(b, reg, NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2);
+                4
+            }
+            Field::Numgen(modulus, offset) => {
+                b.expr("numgen", |b| {
+                    b.u32be(1, reg); // NFTA_NG_DREG
+                    b.u32be(2, *modulus); // NFTA_NG_MODULUS
+                    b.u32be(3, 1); // NFTA_NG_TYPE = NFT_NG_RANDOM
+                    b.u32be(4, *offset); // NFTA_NG_OFFSET
+                });
+                4
+            }
+        };
+        slot += len / 4;
+    }
+}
+
 /// Encodes a rule's expressions as nft does.
 fn rule_exprs(b: &mut Buf, family: IpFamily, rule: &Rule) -> Result<(), Unsupported> {
     for e in &rule.exprs {
@@ -536,6 +598,50 @@ fn rule_exprs(b: &mut Buf, family: IpFamily, rule: &Rule) -> Result<(), Unsuppor
                 lookup(b, map, REG_1, Some(REG_VERDICT), false);
             }
             Expr::NumgenVmap(_) => return Err(Unsupported),
+            Expr::Lookup { key, negate, set } => {
+                let fields = match key {
+                    LookupKey::DaddrProtoPort => {
+                        vec![Field::Daddr, Field::L4proto, Field::Dport]
+                    }
+                    LookupKey::ProtoPort => vec![Field::L4proto, Field::Dport],
+                    LookupKey::SaddrDaddr => vec![Field::Saddr, Field::Daddr],
+                    LookupKey::DaddrProtoPortSaddr => vec![
+                        Field::Daddr,
+                        Field::L4protoBigEndian,
+                        Field::Dport,
+                        Field::Saddr,
+                    ],
+                };
+                load_fields(b, family, &fields);
+                lookup(b, set, REG_1, None, *negate);
+            }
+            Expr::DnatMap {
+                key,
+                modulus,
+                offset,
+                map,
+            } => {
+                let mut fields = match key {
+                    MapKey::DaddrProtoPort => vec![Field::Daddr, Field::L4proto, Field::Dport],
+                    MapKey::ProtoPort => vec![Field::L4proto, Field::Dport],
+                };
+                fields.push(Field::Numgen(*modulus, *offset));
+                load_fields(b, family, &fields);
+                lookup(b, map, REG_1, Some(REG_1), false);
+                // The data is `addr . port`: the address from reg 1, the port from the
+                // 32-bit register after it.
+                let port_reg = REG32_00 + addr_field(family, true).1 / 4;
+                b.expr("nat", |b| {
+                    b.u32be(1, 1); // NFTA_NAT_TYPE = NFT_NAT_DNAT
+                    b.u32be(2, u32::from(nfproto(family))); // NFTA_NAT_FAMILY
+                    b.u32be(3, REG_1); // NFTA_NAT_REG_ADDR_MIN
+                    b.u32be(4, REG_1); // NFTA_NAT_REG_ADDR_MAX
+                    b.u32be(5, port_reg); // NFTA_NAT_REG_PROTO_MIN
+                    b.u32be(6, port_reg); // NFTA_NAT_REG_PROTO_MAX
+                    // NF_NAT_RANGE_MAP_IPS | NF_NAT_RANGE_PROTO_SPECIFIED
+                    b.u32be(7, 3); // NFTA_NAT_FLAGS
+                });
+            }
             Expr::MarkSetOr(bits) | Expr::MarkSetXor(bits) => {
                 meta_load(b, NFT_META_MARK, REG_1);
                 let mask = if matches!(e, Expr::MarkSetOr(_)) {
@@ -607,6 +713,28 @@ fn key_spec(key: KeyType, family: IpFamily) -> (u32, u32, Vec<u32>) {
             8,
             vec![1, 2],
         ),
+        // Plain concatenations nft sends without field lengths (no interval).
+        KeyType::AddrAddr => ((addr_type << TYPE_BITS) | addr_type, 2 * addr_len, vec![]),
+        KeyType::AddrProtoPortNet => (
+            (((((addr_type << TYPE_BITS) | TYPE_INET_PROTOCOL) << TYPE_BITS) | TYPE_INET_SERVICE)
+                << TYPE_BITS)
+                | addr_type,
+            addr_len + 4 + 4 + addr_len,
+            vec![addr_len, 1, 2, addr_len],
+        ),
+        // `typeof ... . numgen ...`: the numgen field is an `integer`.
+        KeyType::AddrProtoPortSlot => (
+            (((((addr_type << TYPE_BITS) | TYPE_INET_PROTOCOL) << TYPE_BITS) | TYPE_INET_SERVICE)
+                << TYPE_BITS)
+                | TYPE_INTEGER,
+            addr_len + 12,
+            vec![],
+        ),
+        KeyType::ProtoPortSlot => (
+            (((TYPE_INET_PROTOCOL << TYPE_BITS) | TYPE_INET_SERVICE) << TYPE_BITS) | TYPE_INTEGER,
+            12,
+            vec![],
+        ),
     }
 }
 
@@ -629,7 +757,128 @@ fn key_bytes(key: &ElemKey) -> Vec<u8> {
             v.extend(pad(port.to_be_bytes().to_vec()));
             v
         }
+        ElemKey::AddrAddr(a, b) => {
+            let mut v = ip_bytes(*a);
+            v.extend(ip_bytes(*b));
+            v
+        }
+        ElemKey::AddrProtoPortNet(ip, p, port, net) => {
+            let mut v = ip_bytes(*ip);
+            v.extend(pad(vec![proto_number(*p)]));
+            v.extend(pad(port.to_be_bytes().to_vec()));
+            v.extend(ip_bytes(net.network()));
+            v
+        }
+        ElemKey::AddrProtoPortSlot(ip, p, port, slot) => {
+            let mut v = ip_bytes(*ip);
+            v.extend(pad(vec![proto_number(*p)]));
+            v.extend(pad(port.to_be_bytes().to_vec()));
+            // numgen writes its register in host order.
+            v.extend(slot.to_ne_bytes());
+            v
+        }
+        ElemKey::ProtoPortSlot(p, port, slot) => {
+            let mut v = pad(vec![proto_number(*p)]);
+            v.extend(pad(port.to_be_bytes().to_vec()));
+            v.extend(slot.to_ne_bytes());
+            v
+        }
     }
+}
+
+/// The end of an interval key (the last address of the prefix), for interval sets.
+fn key_end_bytes(key: &ElemKey) -> Option<Vec<u8>> {
+    let ElemKey::AddrProtoPortNet(ip, p, port, net) = key else {
+        return None;
+    };
+    Some(key_bytes(&ElemKey::AddrProtoPortNet(
+        *ip,
+        *p,
+        *port,
+        IpNet::from(net.broadcast()),
+    )))
+}
+
+/// `addr . port` map data: the address, then the port padded to 4 bytes.
+fn endpoint_bytes(to: &std::net::SocketAddr) -> Vec<u8> {
+    let mut v = ip_bytes(to.ip());
+    v.extend(to.port().to_be_bytes());
+    v.extend([0, 0]);
+    v
+}
+
+// libnftnl's set user data (`NFTNL_UDATA_SET_*`) and nft's `typeof` description of a key
+// (`expr_build_udata`): nested TLVs of one-byte type and length, integers in host order.
+const UDATA_SET_KEYBYTEORDER: u8 = 0;
+const UDATA_SET_DATABYTEORDER: u8 = 1;
+const UDATA_SET_KEY_TYPEOF: u8 = 3;
+const UDATA_SET_DATA_TYPEOF: u8 = 4;
+const UDATA_SET_DATA_INTERVAL: u8 = 6;
+// nft's expression type ids (`enum expr_types`).
+const EXPR_PAYLOAD: u32 = 7;
+const EXPR_META: u32 = 9;
+const EXPR_CONCAT: u32 = 13;
+const EXPR_NUMGEN: u32 = 23;
+
+fn ud(ty: u8, value: &[u8]) -> Vec<u8> {
+    let mut v = vec![ty, value.len() as u8];
+    v.extend_from_slice(value);
+    v
+}
+
+fn ud_u32(ty: u8, value: u32) -> Vec<u8> {
+    ud(ty, &value.to_ne_bytes())
+}
+
+/// One typeof expression: `{ 0: expression type, 1: { its attributes } }`.
+fn ud_expr(ty: u8, expr: u32, attrs: &[Vec<u8>]) -> Vec<u8> {
+    let mut v = ud_u32(0, expr);
+    v.extend(ud(1, &attrs.concat()));
+    ud(ty, &v)
+}
+
+/// A concatenation of typeof expressions (`attrs` of each: `(type, attributes)`).
+fn ud_concat(ty: u8, exprs: &[(u32, Vec<Vec<u8>>)]) -> Vec<u8> {
+    let items: Vec<u8> = exprs
+        .iter()
+        .enumerate()
+        .flat_map(|(i, (t, a))| ud_expr(i as u8, *t, a))
+        .collect();
+    let mut v = ud_u32(0, EXPR_CONCAT);
+    v.extend(ud(1, &items));
+    ud(ty, &v)
+}
+
+/// The user data nft writes for the flat layout's `typeof ... . numgen random mod 1 :
+/// <ip> daddr . th dport` endpoint maps (checked against `nft list` by the kernel tests).
+fn slot_map_udata(family: IpFamily, key: KeyType, comment: Option<&str>) -> Vec<u8> {
+    // Payload (protocol description, field) of `ip daddr`, `ip6 daddr`, `th dport`.
+    let daddr = match family {
+        IpFamily::V4 => (12, 12),
+        IpFamily::V6 => (13, 9),
+    };
+    let payload =
+        |(desc, field): (u32, u32)| (EXPR_PAYLOAD, vec![ud_u32(0, desc), ud_u32(1, field)]);
+    let dport = (11, 2);
+    let mut keys = Vec::new();
+    if key == KeyType::AddrProtoPortSlot {
+        keys.push(payload(daddr));
+    }
+    keys.push((EXPR_META, vec![ud_u32(0, NFT_META_L4PROTO)]));
+    keys.push(payload(dport));
+    keys.push((EXPR_NUMGEN, vec![ud_u32(0, 1), ud_u32(1, 1), ud_u32(2, 0)]));
+    let mut v = ud_u32(UDATA_SET_KEYBYTEORDER, 0);
+    v.extend(ud_u32(UDATA_SET_DATABYTEORDER, 0));
+    v.extend(ud_concat(UDATA_SET_KEY_TYPEOF, &keys));
+    v.extend(ud_concat(
+        UDATA_SET_DATA_TYPEOF,
+        &[payload(daddr), payload(dport)],
+    ));
+    v.extend(ud_u32(UDATA_SET_DATA_INTERVAL, 0));
+    if let Some(c) = comment {
+        v.extend(udata_comment(UDATA_SET_COMMENT, c));
+    }
+    v
 }
 
 fn hook_number(h: Hook) -> u32 {
@@ -768,6 +1017,9 @@ fn encode_op(
             let list = b.nest(NFTA_SET_ELEM_LIST_ELEMENTS);
             let el = b.nest(NFTA_LIST_ELEM);
             b.data_value(NFTA_SET_ELEM_KEY, &key_bytes(key));
+            if let Some(end) = key_end_bytes(key) {
+                b.data_value(NFTA_SET_ELEM_KEY_END, &end);
+            }
             b.close(el);
             b.close(list);
             b.end(m);
@@ -787,8 +1039,11 @@ fn encode_set(b: &mut Buf, family: IpFamily, set: &Set, seq: u32, flags: u16) {
     );
     let (key_type, key_len, fields) = key_spec(set.key, family);
     let mut set_flags = 0;
-    if set.verdict_map {
+    if set.verdict_map || set.key.is_slot() {
         set_flags |= NFT_SET_MAP;
+    }
+    if set.key.is_interval() {
+        set_flags |= NFT_SET_INTERVAL;
     }
     if set.timeout.is_some() {
         set_flags |= NFT_SET_TIMEOUT | NFT_SET_EVAL;
@@ -805,12 +1060,26 @@ fn encode_set(b: &mut Buf, family: IpFamily, set: &Set, seq: u32, flags: u16) {
         b.u32be(NFTA_SET_DATA_TYPE, NFT_DATA_VERDICT);
         b.u32be(NFTA_SET_DATA_LEN, 0);
     }
+    if set.key.is_slot() {
+        // `<ip> daddr . th dport`: ipv4_addr or ipv6_addr, then inet_service.
+        let (addr_type, addr_len) = match family {
+            IpFamily::V4 => (TYPE_IPADDR, 4),
+            IpFamily::V6 => (TYPE_IP6ADDR, 16),
+        };
+        b.u32be(
+            NFTA_SET_DATA_TYPE,
+            (addr_type << TYPE_BITS) | TYPE_INET_SERVICE,
+        );
+        b.u32be(NFTA_SET_DATA_LEN, addr_len + 4);
+    }
     if let Some(t) = set.timeout {
         b.attr(NFTA_SET_TIMEOUT, &(u64::from(t) * 1000).to_be_bytes());
     }
-    if set.timeout.is_some() || !fields.is_empty() {
+    if set.timeout.is_some() || !fields.is_empty() || set.size.is_some() {
         let d = b.nest(NFTA_SET_DESC);
-        if set.timeout.is_some() {
+        if let Some(n) = set.size {
+            b.u32be(NFTA_SET_DESC_SIZE, n);
+        } else if set.timeout.is_some() {
             // nft's default size for dynamic sets.
             b.u32be(NFTA_SET_DESC_SIZE, 65535);
         }
@@ -825,7 +1094,12 @@ fn encode_set(b: &mut Buf, family: IpFamily, set: &Set, seq: u32, flags: u16) {
         }
         b.close(d);
     }
-    if let Some(c) = &set.comment {
+    if set.key.is_slot() {
+        b.attr(
+            NFTA_SET_USERDATA,
+            &slot_map_udata(family, set.key, set.comment.as_deref()),
+        );
+    } else if let Some(c) = &set.comment {
         b.attr(NFTA_SET_USERDATA, &udata_comment(UDATA_SET_COMMENT, c));
     }
     b.end(m);
@@ -845,8 +1119,14 @@ fn encode_elements(b: &mut Buf, fam: u8, set: &str, elements: &[Element], seq: u
     for e in elements {
         let el = b.nest(NFTA_LIST_ELEM);
         b.data_value(NFTA_SET_ELEM_KEY, &key_bytes(&e.key));
+        if let Some(end) = key_end_bytes(&e.key) {
+            b.data_value(NFTA_SET_ELEM_KEY_END, &end);
+        }
         if let Some(v) = &e.value {
             b.verdict_data(NFTA_SET_ELEM_DATA, v);
+        }
+        if let Some(to) = &e.data {
+            b.data_value(NFTA_SET_ELEM_DATA, &endpoint_bytes(to));
         }
         if let Some(c) = &e.comment {
             b.attr(NFTA_SET_ELEM_USERDATA, &udata_comment(UDATA_COMMENT, c));
@@ -1170,6 +1450,17 @@ impl NetlinkKernel {
         }
     }
 
+    /// The operation the message `seq` of `batch` encodes.
+    fn op_at<'t>(tx: &'t Transaction, batch: &Batch, seq: u32) -> Option<&'t (IpFamily, Op)> {
+        let idx = batch
+            .seqs
+            .iter()
+            .rev()
+            .find(|(s, _)| *s <= seq)
+            .map(|(_, i)| *i)?;
+        tx.ops.get(idx)
+    }
+
     fn describe(tx: &Transaction, batch: &Batch, seq: u32) -> String {
         let idx = batch
             .seqs
@@ -1263,6 +1554,22 @@ impl Kernel for NetlinkKernel {
         self.last_timing = Some((encoded, started.elapsed() - encoded));
         if errors.is_empty() {
             return Ok(());
+        }
+        // A set at its `size`: named as such, so that the agent can report which.
+        for (seq, errno) in &errors {
+            if *errno == -(nix::errno::Errno::ENFILE as i32)
+                && let Some((family, Op::AddElement(e))) = Self::op_at(tx, &batch, *seq)
+            {
+                return Err(KernelError::SetFull {
+                    family: *family,
+                    set: e.set.to_string(),
+                    detail: format!(
+                        "{}: {}",
+                        Self::describe(tx, &batch, *seq),
+                        std::io::Error::from_raw_os_error(-errno)
+                    ),
+                });
+            }
         }
         let text: Vec<String> = errors
             .iter()
@@ -1363,12 +1670,16 @@ impl Kernel for NetlinkKernel {
             }
         })?;
         if existing.chains.is_empty() && existing.sets.is_empty() {
-            // Either no table or an empty one; both take the same path.
-            let tables = self.fallback.run(
-                &["list", "tables", super::ruleset::nft_family(family)],
-                None,
-            );
-            table_seen = tables.is_ok_and(|t| t.contains(TABLE));
+            // Either no table or an empty one: ask for the tables (over netlink too; `nft
+            // list tables` would fetch every table's sets and elements first).
+            self.dump(family, NFT_MSG_GETTABLE, |payload| {
+                let a = attrs(payload);
+                if a.iter()
+                    .any(|(t, v)| *t == NFTA_TABLE_NAME && attr_str(v) == TABLE)
+                {
+                    table_seen = true;
+                }
+            })?;
         }
         if !table_seen && existing.chains.is_empty() && existing.sets.is_empty() {
             return Ok(None);

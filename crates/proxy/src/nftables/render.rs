@@ -1,5 +1,6 @@
-//! `render`: desired state → nftables ruleset. Pure; the layout is kube-proxy's GA nftables
-//! layout (see the module documentation), chain by chain and name by name.
+//! `render`: desired state → nftables ruleset. Pure; in the flat layout (the default, see
+//! [`super::flat`]) or in kube-proxy's GA nftables layout (see the module documentation),
+//! chain by chain and name by name.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -11,7 +12,7 @@ use super::ruleset::{
     AddrMatch, BaseHook, BaseObjects, Chain, ChainType, CtKey, ElemKey, Element, Expr, Hook,
     KeyType, MapKey, Rule, Ruleset, ServiceObjects, Set, Table, Verdict, ct_state, ct_status,
 };
-use crate::config::{EndpointChoice, NodeConfig};
+use crate::config::{EndpointChoice, NftablesLayout, NodeConfig};
 use crate::desired::{DesiredState, EndpointTarget, FamilyState, ServicePortState};
 use crate::model::IpFamily;
 use crate::nodeaddr::Selection;
@@ -41,7 +42,8 @@ pub fn render_table(state: &FamilyState, config: &NodeConfig) -> Table {
     }
 }
 
-fn loopback(family: IpFamily) -> IpNet {
+/// The loopback range of a family.
+pub(super) fn loopback(family: IpFamily) -> IpNet {
     match family {
         IpFamily::V4 => "127.0.0.0/8".parse().expect("valid CIDR"),
         IpFamily::V6 => "::1/128".parse().expect("valid CIDR"),
@@ -102,7 +104,7 @@ pub fn localhost_nodeports(state: &FamilyState) -> bool {
 ///
 /// `filter-input` jumps here for every packet (not only `ct state new` ones), as the
 /// iptables `INPUT` chain jumps to `KUBE-FIREWALL`.
-fn localnet_check() -> Chain {
+pub(super) fn localnet_check() -> Chain {
     let lo = loopback(IpFamily::V4);
     let guard = |ct: Vec<Expr>| {
         let mut exprs = vec![
@@ -143,8 +145,28 @@ fn localnet_check() -> Chain {
     )
 }
 
-/// The static part of a table: kube-proxy's `setupNFTables`.
+/// The static part of a table, in the configured layout.
 pub fn render_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
+    match config.nftables_layout {
+        NftablesLayout::Flat => super::flat::render_base(state, config),
+        NftablesLayout::KubeProxy => kube_proxy_base(state, config),
+    }
+}
+
+/// The objects of one service port, in the configured layout.
+pub fn render_service(
+    svc: &ServicePortState,
+    state: &FamilyState,
+    config: &NodeConfig,
+) -> ServiceObjects {
+    match config.nftables_layout {
+        NftablesLayout::Flat => super::flat::render_service(svc, state, config),
+        NftablesLayout::KubeProxy => kube_proxy_service(svc, state, config),
+    }
+}
+
+/// The static part of a table in kube-proxy's layout: kube-proxy's `setupNFTables`.
+pub fn kube_proxy_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
     let family = state.family;
     let mark = config.masquerade_mark();
     let new_jump = |to: &str| Rule::new(vec![Expr::CtStateNew, jump(to)]);
@@ -154,6 +176,7 @@ pub fn render_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
         verdict_map: true,
         timeout: None,
         comment: Some(comment.to_string()),
+        size: None,
     };
     let match_all = state.nodeport_ips == Selection::MatchAll;
     // The guard is there while 127.0.0.1 serves NodePorts, and also while `route_localnet`
@@ -175,6 +198,7 @@ pub fn render_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
         verdict_map: false,
         timeout: None,
         comment: Some("Active ClusterIPs".to_string()),
+        size: None,
     }];
     if !match_all {
         sets.push(Set {
@@ -183,6 +207,7 @@ pub fn render_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
             verdict_map: false,
             timeout: None,
             comment: Some("IPs that accept NodePort traffic".to_string()),
+            size: None,
         });
     }
     sets.extend([
@@ -387,6 +412,7 @@ pub fn render_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
                 set: NODEPORT_IPS,
                 key: ElemKey::Addr(*ip),
                 value: None,
+                data: None,
                 comment: None,
             })
             .collect(),
@@ -398,8 +424,9 @@ pub fn render_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
     }
 }
 
-/// The objects of one service port: kube-proxy's per service loop of `syncProxyRules`.
-pub fn render_service(
+/// The objects of one service port in kube-proxy's layout: kube-proxy's per service loop of
+/// `syncProxyRules`.
+pub fn kube_proxy_service(
     svc: &ServicePortState,
     state: &FamilyState,
     config: &NodeConfig,
@@ -434,12 +461,14 @@ pub fn render_service(
         set,
         key,
         value: Some(value),
+        data: None,
         comment: None,
     };
     let no_endpoint = |set: &'static str, key: ElemKey, value: Verdict| Element {
         set,
         key,
         value: Some(value),
+        data: None,
         comment: Some(comment.clone()),
     };
 
@@ -448,6 +477,7 @@ pub fn render_service(
         set: CLUSTER_IPS,
         key: ElemKey::Addr(svc.cluster_ip),
         value: None,
+        data: None,
         comment: None,
     });
     let cip = addr_key(svc.cluster_ip, port.port);
@@ -657,6 +687,7 @@ pub fn render_service(
                 verdict_map: false,
                 timeout: Some(timeout),
                 comment: None,
+                size: None,
             });
         }
         rules.push(Rule::new(vec![Expr::Dnat(proto, e.socket())]));

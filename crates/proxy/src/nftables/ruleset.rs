@@ -78,6 +78,20 @@ pub enum MapKey {
     ProtoPort,
 }
 
+/// The key of a plain set lookup (flat layout).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LookupKey {
+    /// `ip daddr . meta l4proto . th dport`.
+    DaddrProtoPort,
+    /// `meta l4proto . th dport`.
+    ProtoPort,
+    /// `ip saddr . ip daddr`.
+    SaddrDaddr,
+    /// `ip daddr . meta l4proto . th dport . ip saddr` (an interval set: the source is
+    /// matched against prefixes).
+    DaddrProtoPortSaddr,
+}
+
 /// The conntrack field a [`Expr::Ct`] match tests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum CtKey {
@@ -186,6 +200,29 @@ pub enum Expr {
         /// The key.
         key: MapKey,
         /// The map.
+        map: String,
+    },
+    /// `<key> @<set>` or `<key> != @<set>`: the packet's key looked up in a named set.
+    Lookup {
+        /// The key.
+        key: LookupKey,
+        /// Negated (`!=`): matches when the key is not in the set.
+        negate: bool,
+        /// The set.
+        set: String,
+    },
+    /// `dnat ip to <key> . numgen random mod <modulus> offset <offset> map @<map>`: DNAT to
+    /// the `addr . port` the map holds for the packet's key and a random slot; no match
+    /// (the rule does nothing) when the map has no such element. The flat layout's endpoint
+    /// choice.
+    DnatMap {
+        /// The key before the slot.
+        key: MapKey,
+        /// `numgen random mod`.
+        modulus: u32,
+        /// `offset`.
+        offset: u32,
+        /// The data map.
         map: String,
     },
     /// `numgen random mod N vmap { 0 : goto a, 1 : goto b }`: kube-proxy's inline form, kept
@@ -329,6 +366,40 @@ fn write_expr(out: &mut String, e: &Expr, family: IpFamily) {
             }
             let _ = write!(out, " vmap @{map}");
         }
+        Expr::Lookup { key, negate, set } => {
+            match key {
+                LookupKey::DaddrProtoPort => {
+                    let _ = write!(out, "{ip} daddr . meta l4proto . th dport");
+                }
+                LookupKey::ProtoPort => out.push_str("meta l4proto . th dport"),
+                LookupKey::SaddrDaddr => {
+                    let _ = write!(out, "{ip} saddr . {ip} daddr");
+                }
+                LookupKey::DaddrProtoPortSaddr => {
+                    let _ = write!(out, "{ip} daddr . meta l4proto . th dport . {ip} saddr");
+                }
+            }
+            let _ = write!(out, " {}@{set}", if *negate { "!= " } else { "" });
+        }
+        Expr::DnatMap {
+            key,
+            modulus,
+            offset,
+            map,
+        } => {
+            let _ = write!(out, "dnat {ip} to ");
+            match key {
+                MapKey::DaddrProtoPort => {
+                    let _ = write!(out, "{ip} daddr . meta l4proto . th dport");
+                }
+                MapKey::ProtoPort => out.push_str("meta l4proto . th dport"),
+            }
+            let _ = write!(out, " . numgen random mod {modulus}");
+            if *offset != 0 {
+                let _ = write!(out, " offset {offset}");
+            }
+            let _ = write!(out, " map @{map}");
+        }
         Expr::NumgenVmap(targets) => {
             let _ = write!(out, "numgen random mod {} vmap {{ ", targets.len());
             for (i, t) in targets.iter().enumerate() {
@@ -459,6 +530,28 @@ pub enum KeyType {
     AddrProtoPort,
     /// `inet_proto . inet_service`.
     ProtoPort,
+    /// `ipv4_addr . ipv4_addr` (flat layout: hairpin source and destination).
+    AddrAddr,
+    /// `ipv4_addr . inet_proto . inet_service . ipv4_addr` with `flags interval` (flat
+    /// layout: load-balancer destinations and the source ranges they admit).
+    AddrProtoPortNet,
+    /// `typeof ip daddr . meta l4proto . th dport . numgen random mod 1`: a destination and
+    /// an endpoint slot (flat layout's endpoint maps, data `ip daddr . th dport`).
+    AddrProtoPortSlot,
+    /// `typeof meta l4proto . th dport . numgen random mod 1` (flat layout, NodePorts).
+    ProtoPortSlot,
+}
+
+impl KeyType {
+    /// Whether this key is written with `typeof` (a map to endpoints, `addr . port` data).
+    pub fn is_slot(self) -> bool {
+        matches!(self, KeyType::AddrProtoPortSlot | KeyType::ProtoPortSlot)
+    }
+
+    /// Whether the set holds intervals (`flags interval`).
+    pub fn is_interval(self) -> bool {
+        matches!(self, KeyType::AddrProtoPortNet)
+    }
 }
 
 /// A named set or verdict map.
@@ -474,6 +567,8 @@ pub struct Set {
     pub timeout: Option<u32>,
     /// `comment`.
     pub comment: Option<String>,
+    /// `size`: the most elements the kernel accepts (`None`: no limit is set).
+    pub size: Option<u32>,
 }
 
 impl Set {
@@ -483,16 +578,35 @@ impl Set {
             IpFamily::V4 => "ipv4_addr",
             IpFamily::V6 => "ipv6_addr",
         };
+        let ip = addr_keyword(family);
         let key = match self.key {
             KeyType::Addr => addr.to_string(),
             KeyType::AddrProtoPort => format!("{addr} . inet_proto . inet_service"),
             KeyType::ProtoPort => "inet_proto . inet_service".to_string(),
+            KeyType::AddrAddr => format!("{addr} . {addr}"),
+            KeyType::AddrProtoPortNet => format!("{addr} . inet_proto . inet_service . {addr}"),
+            KeyType::AddrProtoPortSlot => format!(
+                "{ip} daddr . meta l4proto . th dport . numgen random mod 1 : {ip} daddr . th dport"
+            ),
+            KeyType::ProtoPortSlot => {
+                format!("meta l4proto . th dport . numgen random mod 1 : {ip} daddr . th dport")
+            }
         };
-        let mut out = format!("{{ type {key}");
+        let mut out = if self.key.is_slot() {
+            format!("{{ typeof {key}")
+        } else {
+            format!("{{ type {key}")
+        };
         if self.verdict_map {
             out.push_str(" : verdict");
         }
         out.push_str(" ;");
+        if self.key.is_interval() {
+            out.push_str(" flags interval ;");
+        }
+        if let Some(n) = self.size {
+            let _ = write!(out, " size {n} ;");
+        }
         if let Some(t) = self.timeout {
             let _ = write!(out, " flags dynamic,timeout ; timeout {t}s ;");
         }
@@ -505,7 +619,12 @@ impl Set {
 
     /// `set` or `map`.
     pub fn keyword(&self) -> &'static str {
-        if self.verdict_map { "map" } else { "set" }
+        if self.is_map() { "map" } else { "set" }
+    }
+
+    /// A map (verdict or data), listed and flushed as `map`.
+    pub fn is_map(&self) -> bool {
+        self.verdict_map || self.key.is_slot()
     }
 }
 
@@ -518,6 +637,14 @@ pub enum ElemKey {
     AddrProtoPort(IpAddr, Protocol, u16),
     /// `proto . port`.
     ProtoPort(Protocol, u16),
+    /// `addr . addr`.
+    AddrAddr(IpAddr, IpAddr),
+    /// `addr . proto . port . prefix`.
+    AddrProtoPortNet(IpAddr, Protocol, u16, IpNet),
+    /// `addr . proto . port . slot`.
+    AddrProtoPortSlot(IpAddr, Protocol, u16, u32),
+    /// `proto . port . slot`.
+    ProtoPortSlot(Protocol, u16, u32),
 }
 
 impl fmt::Display for ElemKey {
@@ -526,6 +653,21 @@ impl fmt::Display for ElemKey {
             ElemKey::Addr(ip) => write!(f, "{ip}"),
             ElemKey::AddrProtoPort(ip, p, port) => write!(f, "{ip} . {} . {port}", p.as_lower()),
             ElemKey::ProtoPort(p, port) => write!(f, "{} . {port}", p.as_lower()),
+            ElemKey::AddrAddr(a, b) => write!(f, "{a} . {b}"),
+            ElemKey::AddrProtoPortNet(ip, p, port, net) => {
+                write!(f, "{ip} . {} . {port} . ", p.as_lower())?;
+                if net.prefix_len() == net.max_prefix_len() {
+                    write!(f, "{}", net.addr())
+                } else {
+                    write!(f, "{}", net.trunc())
+                }
+            }
+            ElemKey::AddrProtoPortSlot(ip, p, port, slot) => {
+                write!(f, "{ip} . {} . {port} . {slot}", p.as_lower())
+            }
+            ElemKey::ProtoPortSlot(p, port, slot) => {
+                write!(f, "{} . {port} . {slot}", p.as_lower())
+            }
         }
     }
 }
@@ -537,8 +679,10 @@ pub struct Element {
     pub set: &'static str,
     /// Key.
     pub key: ElemKey,
-    /// Verdict, for maps.
+    /// Verdict, for verdict maps.
     pub value: Option<Verdict>,
+    /// `addr . port`, for the flat layout's endpoint maps.
+    pub data: Option<SocketAddr>,
     /// `comment` (kube-proxy names the service port on no-endpoint elements).
     pub comment: Option<String>,
 }
@@ -552,6 +696,9 @@ impl Element {
         }
         if let Some(v) = &self.value {
             let _ = write!(out, " : {v}");
+        }
+        if let Some(d) = &self.data {
+            let _ = write!(out, " : {} . {}", d.ip(), d.port());
         }
         out.push_str(" }");
         out

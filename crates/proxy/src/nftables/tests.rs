@@ -1,4 +1,6 @@
 //! Golden and behaviour tests of the nftables backend: render, trace, apply (fake kernel).
+//! The tests here use kube-proxy's layout (`--nftables-layout kube-proxy`); the flat
+//! layout's are in `flat_tests.rs`, on the same fixtures.
 //!
 //! Behaviour is asserted with the tracer over the rendered rules, kube-proxy's way (its
 //! `nftables/helpers_test.go` packet-flow tests): each test names the Kubernetes behaviour it
@@ -10,28 +12,28 @@ use super::apply::{Applier, FakeKernel};
 use super::render::render;
 use super::ruleset::{Op, Ruleset, create_all};
 use super::tracer::{Env, Fate, Packet, trace};
-use crate::config::{EndpointChoice, NodeConfig};
+use crate::config::{EndpointChoice, NftablesLayout, NodeConfig};
 use crate::desired::{self, DesiredState, NodeView, StateConfig};
 use crate::model::{IpFamily, Protocol};
 use crate::nodeaddr::{NodeFacts, NodePortAddresses};
 use crate::objects::{self, Cluster};
 
-const NODE: &str = "node-a";
-const NODE_IP: &str = "192.0.2.10";
-const NODE_IP2: &str = "198.51.100.10";
-const CLIENT: &str = "203.0.113.5";
-const POD_CIDR: &str = "10.244.0.0/16";
+pub(super) const NODE: &str = "node-a";
+pub(super) const NODE_IP: &str = "192.0.2.10";
+pub(super) const NODE_IP2: &str = "198.51.100.10";
+pub(super) const CLIENT: &str = "203.0.113.5";
+pub(super) const POD_CIDR: &str = "10.244.0.0/16";
 
 /// A test world: objects from YAML, node `node-a` with two addresses, pod CIDR 10.244/16.
-struct World {
-    cluster: Cluster,
-    facts: NodeFacts,
-    state: StateConfig,
-    config: NodeConfig,
+pub(super) struct World {
+    pub(super) cluster: Cluster,
+    pub(super) facts: NodeFacts,
+    pub(super) state: StateConfig,
+    pub(super) config: NodeConfig,
 }
 
 impl World {
-    fn new(yaml: &str) -> Self {
+    pub(super) fn new(yaml: &str) -> Self {
         let loaded = objects::load(yaml).expect("fixture parses");
         World {
             cluster: loaded.cluster,
@@ -46,12 +48,20 @@ impl World {
             },
             config: NodeConfig {
                 cluster_cidrs: vec![POD_CIDR.parse().unwrap()],
+                nftables_layout: NftablesLayout::KubeProxy,
                 ..Default::default()
             },
         }
     }
 
-    fn desired(&self) -> DesiredState {
+    /// The same world in the flat layout.
+    pub(super) fn flat(yaml: &str) -> Self {
+        let mut w = Self::new(yaml);
+        w.config.nftables_layout = NftablesLayout::Flat;
+        w
+    }
+
+    pub(super) fn desired(&self) -> DesiredState {
         desired::build(
             &self.cluster,
             NodeView::named(NODE),
@@ -60,25 +70,25 @@ impl World {
         )
     }
 
-    fn ruleset(&self) -> Ruleset {
+    pub(super) fn ruleset(&self) -> Ruleset {
         render(&self.desired(), &self.config)
     }
 
-    fn env(&self) -> Env {
+    pub(super) fn env(&self) -> Env {
         Env {
             local_addrs: self.facts.local_ips.clone(),
             affinity: Vec::new(),
         }
     }
 
-    fn trace(&self, packet: Packet) -> super::tracer::Trace {
+    pub(super) fn trace(&self, packet: Packet) -> super::tracer::Trace {
         trace(&self.ruleset(), &packet, &self.env())
     }
 }
 
 /// A NodePort Service `default/web` (ClusterIP 10.96.0.10:80, NodePort 30080) with three
 /// endpoints, one of them on this node, plus extra spec lines.
-fn web(spec_extra: &str, endpoints: &str) -> String {
+pub(super) fn web(spec_extra: &str, endpoints: &str) -> String {
     format!(
         r#"
 apiVersion: v1
@@ -101,11 +111,11 @@ endpoints:
     )
 }
 
-const THREE_ENDPOINTS: &str = r#"- {addresses: [10.244.1.1], nodeName: node-a}
+pub(super) const THREE_ENDPOINTS: &str = r#"- {addresses: [10.244.1.1], nodeName: node-a}
 - {addresses: [10.244.2.1], nodeName: node-b}
 - {addresses: [10.244.3.1], nodeName: node-c}"#;
 
-fn tcp(src: &str, dst: &str, port: u16) -> Packet {
+pub(super) fn tcp(src: &str, dst: &str, port: u16) -> Packet {
     Packet::remote(src, dst, Protocol::Tcp, port)
 }
 
@@ -618,14 +628,14 @@ endpoints:
 
 // ---- applying: partial and full syncs against the fake kernel ----
 
-fn applier_with(w: &World) -> (Applier<FakeKernel>, DesiredState) {
+pub(super) fn applier_with(w: &World) -> (Applier<FakeKernel>, DesiredState) {
     let mut a = Applier::new(FakeKernel::default());
     let d = w.desired();
     a.sync(&d, &w.config, None).expect("first sync");
     (a, d)
 }
 
-fn kernel_trace(a: &Applier<FakeKernel>, w: &World, p: Packet) -> super::tracer::Trace {
+pub(super) fn kernel_trace(a: &Applier<FakeKernel>, w: &World, p: Packet) -> super::tracer::Trace {
     trace(&a.kernel().ruleset(), &p, &w.env())
 }
 

@@ -12,9 +12,11 @@ use std::collections::BTreeSet;
 use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 
+use std::collections::{BTreeMap, HashMap};
+
 use super::ruleset::{
-    AddrMatch, ChainType, CtKey, ElemKey, Expr, Hook, MapKey, Ruleset, Table, Verdict, ct_state,
-    ct_status,
+    AddrMatch, ChainType, CtKey, ElemKey, Element, Expr, Hook, LookupKey, MapKey, Ruleset, Table,
+    Verdict, ct_state, ct_status,
 };
 use crate::model::{IpFamily, Protocol};
 
@@ -231,7 +233,29 @@ pub fn trace(ruleset: &Ruleset, packet: &Packet, env: &Env) -> Trace {
             fates,
         };
     };
-    let t = Tracer { table, packet, env };
+    let elements = table.elements();
+    let index = elements.iter().map(|e| ((e.set, e.key), *e)).collect();
+    let mut slots: HashMap<(&str, ElemKey), BTreeMap<u32, SocketAddr>> = HashMap::new();
+    for e in &elements {
+        let (prefix, slot) = match e.key {
+            ElemKey::AddrProtoPortSlot(ip, p, port, slot) => {
+                (ElemKey::AddrProtoPort(ip, p, port), slot)
+            }
+            ElemKey::ProtoPortSlot(p, port, slot) => (ElemKey::ProtoPort(p, port), slot),
+            _ => continue,
+        };
+        if let Some(to) = e.data {
+            slots.entry((e.set, prefix)).or_default().insert(slot, to);
+        }
+    }
+    let t = Tracer {
+        table,
+        packet,
+        env,
+        elements,
+        index,
+        slots,
+    };
     let first_hooks: &[Hook] = match packet.origin {
         Origin::Remote => &[Hook::Prerouting],
         Origin::Local => &[Hook::Output],
@@ -283,6 +307,11 @@ struct Tracer<'a> {
     table: &'a Table,
     packet: &'a Packet,
     env: &'a Env,
+    /// Every element (the first owner's, as the kernel holds it), and by set and key.
+    elements: Vec<&'a Element>,
+    index: HashMap<(&'a str, ElemKey), &'a Element>,
+    /// The flat layout's endpoint maps: by map and key without the slot, slot → endpoint.
+    slots: HashMap<(&'a str, ElemKey), BTreeMap<u32, SocketAddr>>,
 }
 
 impl Tracer<'_> {
@@ -455,15 +484,55 @@ impl Tracer<'_> {
                         MapKey::ProtoPort => ElemKey::ProtoPort(self.packet.proto, state.dport),
                     };
                     let verdict = self
-                        .table
-                        .elements()
-                        .into_iter()
-                        .find(|el| el.set == map && el.key == elem_key)
+                        .index
+                        .get(&(map.as_str(), elem_key))
                         .and_then(|el| el.value.clone());
                     match verdict {
                         Some(v) => return self.verdict(chain, &v, state, depth),
                         None => return RuleResult::NoMatch,
                     }
+                }
+                Expr::Lookup { key, negate, set } => {
+                    if self.in_set(*key, set, &state) == *negate {
+                        return RuleResult::NoMatch;
+                    }
+                }
+                Expr::DnatMap {
+                    key,
+                    modulus,
+                    offset,
+                    map,
+                } => {
+                    // Every slot with probability 1/modulus: a slot the map holds DNATs (the
+                    // hook accepts), a missing one ends the rule without a match.
+                    let p = 1.0 / f64::from(*modulus);
+                    let mut hits: BTreeMap<SocketAddr, f64> = BTreeMap::new();
+                    let prefix = match key {
+                        MapKey::DaddrProtoPort => {
+                            ElemKey::AddrProtoPort(state.dst, self.packet.proto, state.dport)
+                        }
+                        MapKey::ProtoPort => ElemKey::ProtoPort(self.packet.proto, state.dport),
+                    };
+                    let mut found = 0u32;
+                    if let Some(held) = self.slots.get(&(map.as_str(), prefix)) {
+                        for (_, to) in held.range(*offset..offset + modulus) {
+                            *hits.entry(*to).or_default() += p;
+                            found += 1;
+                        }
+                    }
+                    let miss = f64::from(modulus - found) * p;
+                    let mut out = Vec::new();
+                    for (to, q) in hits {
+                        let mut s = state.clone();
+                        s.dnat = Some(to);
+                        s.dst = to.ip();
+                        s.dport = to.port();
+                        out.push((q, s, Step::End(End::Accept)));
+                    }
+                    if miss > 1e-12 {
+                        out.push((miss, state, Step::Next));
+                    }
+                    return RuleResult::Branches(out);
                 }
                 Expr::NumgenVmap(targets) => {
                     let n = targets.len() as f64;
@@ -534,13 +603,31 @@ impl Tracer<'_> {
                 if name.starts_with("affinity-") {
                     self.env.affinity.iter().any(|(s, c)| s == name && *c == ip)
                 } else {
-                    self.table
-                        .elements()
-                        .iter()
-                        .any(|e| e.set == name && e.key == ElemKey::Addr(ip))
+                    self.index.contains_key(&(name.as_str(), ElemKey::Addr(ip)))
                 }
             }
         }
+    }
+}
+
+impl Tracer<'_> {
+    /// Whether the packet's `key` is in the plain set `set`.
+    fn in_set(&self, key: LookupKey, set: &str, state: &State) -> bool {
+        let (src, proto) = (self.packet.src, self.packet.proto);
+        let k = match key {
+            LookupKey::DaddrProtoPort => ElemKey::AddrProtoPort(state.dst, proto, state.dport),
+            LookupKey::ProtoPort => ElemKey::ProtoPort(proto, state.dport),
+            LookupKey::SaddrDaddr => ElemKey::AddrAddr(src, state.dst),
+            LookupKey::DaddrProtoPortSaddr => {
+                return self.elements.iter().any(|e| {
+                    e.set == set
+                        && matches!(e.key, ElemKey::AddrProtoPortNet(ip, p, port, net)
+                            if ip == state.dst && p == proto && port == state.dport
+                                && net.contains(&src))
+                });
+            }
+        };
+        self.index.contains_key(&(set, k))
     }
 }
 

@@ -1,0 +1,964 @@
+//! `--nftables-layout flat`: a fixed, small set of chains and rules; every Service port and
+//! endpoint is an element of a named set or map. Pure, like [`mod@super::render`].
+//!
+//! Why: the kernel validates the whole chain graph on every commit that adds a rule (or a
+//! `goto` map element), and visits every chain of the table on every commit
+//! (`shared/reference/notes/nftables-kernel-costs.md`). With chains that do not depend on
+//! the Services, a Service or endpoint change is data-map and plain-set element operations
+//! only, which the kernel commits without validation.
+//!
+//! # How a packet finds its endpoint
+//!
+//! `services` (jumped to from `nat-prerouting` and `nat-output`, as in kube-proxy's layout)
+//! classifies the destination through plain sets (`masquerade-ips`, `local-policy-ips`, and
+//! their NodePort twins) and then jumps to a `pick-` chain. A `pick-` chain holds one rule
+//! per endpoint count `n`:
+//!
+//! ```text
+//! dnat ip to ip daddr . meta l4proto . th dport . numgen random mod n offset T(n) map @service-endpoints
+//! ```
+//!
+//! A list of `n` endpoints occupies the slots `T(n) .. T(n) + n - 1` of its destination in
+//! the map, with `T(n) = n (n - 1) / 2`, so that the slot ranges of different counts never
+//! overlap: only the rule for the list's own `n` finds an element, the others miss (a map
+//! lookup that misses ends the rule) and the packet goes on to the next rule. Each endpoint
+//! is chosen with probability exactly `1/n` for `n` up to [`EXACT_MAX`] (64). Above, a list
+//! takes the tier `j` with `n <= 128 * 2^j` and `M = 12,800 * 2^j` slots, each endpoint
+//! holding `floor(M/n)` or `ceil(M/n)` of them: its share is within 1 % of `1/n` (relative)
+//! by construction, for `n` up to 64 * 2^[`TIERS`] (8,192) endpoints.
+//!
+//! A NodePort is looked up by `meta l4proto . th dport` alone, behind the same
+//! `nodeport-ips` (or `fib daddr type local`) test as in kube-proxy's layout.
+//!
+//! # Policies, masquerade, filtering
+//!
+//! * ClusterIP traffic from outside `--cluster-cidr` (or all of it with
+//!   `--masquerade-all`) is marked for masquerade by one rule on `@cluster-ips`.
+//! * External destinations with `externalTrafficPolicy: Cluster` are in `masquerade-ips`
+//!   (`masquerade-nodeports`); with `Local`, in `local-policy-ips` (`local-policy-nodeports`):
+//!   pods (`--cluster-cidr`) and the node itself short-circuit to the Cluster-policy
+//!   endpoints (`service-cluster-endpoints`), the node masqueraded, everyone else goes to
+//!   the local endpoints the destination holds in `service-endpoints`.
+//! * Hairpin: `hairpin-ips` holds `ip . ip` of every endpoint; `masquerading` marks a
+//!   DNATed connection whose source is its endpoint.
+//! * No endpoints: `no-endpoint-services` / `no-endpoint-nodeports` are plain sets here and
+//!   their members are rejected; `no-local-endpoint-services` /
+//!   `no-local-endpoint-nodeports` are dropped (a Local policy without local endpoint).
+//! * LoadBalancerSourceRanges: `firewall-ips` (plain set) names the guarded destinations,
+//!   `firewall-allow` (an interval set of `addr . proto . port . source`) what they admit.
+//!
+//! # Session affinity
+//!
+//! A Service port with `sessionAffinity: ClientIP` keeps kube-proxy's chains (`service-`,
+//! `external-`, `endpoint-` and `affinity-` sets), reached through `service-ips` /
+//! `service-nodeports`, which in this layout hold only these ports' `goto` elements (as
+//! kube-proxy 1.36 keeps per-endpoint chains only for affinity Services). Their chain count
+//! therefore grows with the affinity Service ports, and a change to one costs a validation
+//! walk over them; every other port costs none.
+//!
+//! # Comments
+//!
+//! Every element carries its Service port's `namespace/name:port` ([`element_comment`]),
+//! shortened to nftables' 128 bytes.
+
+use std::net::{IpAddr, SocketAddr};
+
+use ipnet::IpNet;
+
+use super::names::*;
+use super::render::{kube_proxy_service, localhost_nodeports, localnet_check, loopback};
+use super::ruleset::{
+    AddrMatch, BaseHook, BaseObjects, Chain, ChainType, CtKey, ElemKey, Element, Expr, Hook,
+    KeyType, LookupKey, MapKey, Rule, ServiceObjects, Set, Verdict, ct_status,
+};
+use crate::config::NodeConfig;
+use crate::desired::{EndpointTarget, FamilyState, ServicePortState};
+use crate::model::{IpFamily, ServicePortName};
+use crate::nodeaddr::Selection;
+
+/// Endpoint counts up to this get exactly `1/n` each.
+pub const EXACT_MAX: u32 = 64;
+
+/// Tiers above [`EXACT_MAX`]: tier `j` serves up to `128 * 2^j` endpoints.
+pub const TIERS: u32 = 7;
+
+/// Slots of the first tier: `100 * 128`, so that every endpoint of up to 128 holds at least
+/// 100 slots (1 % resolution).
+const TIER_BASE_SLOTS: u32 = 12_800;
+
+/// First slot of the tiers: after the exact ranges `T(1) ..= T(64) + 63`.
+const TIER_START: u32 = EXACT_MAX * (EXACT_MAX + 1) / 2;
+
+/// nftables' longest comment (`NFTNL_UDATA_COMMENT_MAXLEN`).
+pub const COMMENT_MAX: usize = 128;
+
+/// The `(modulus, offset)` of the rule that picks among `n` endpoints (`n >= 1`).
+pub fn dispatch(n: usize) -> (u32, u32) {
+    let n = n.max(1) as u32;
+    if n <= EXACT_MAX {
+        return (n, n * (n - 1) / 2);
+    }
+    let mut j = 0;
+    while j + 1 < TIERS && n > 128 << j {
+        j += 1;
+    }
+    (
+        TIER_BASE_SLOTS << j,
+        TIER_START + TIER_BASE_SLOTS * ((1 << j) - 1),
+    )
+}
+
+/// Every `(modulus, offset)` a `pick-` chain has a rule for, smallest first.
+pub fn dispatch_rules() -> Vec<(u32, u32)> {
+    let mut out: Vec<(u32, u32)> = (1..=EXACT_MAX as usize).map(dispatch).collect();
+    for j in 0..TIERS {
+        out.push(dispatch(
+            ((128u32 << j) as usize).max(EXACT_MAX as usize + 1),
+        ));
+    }
+    out
+}
+
+/// The slots of a list of `n` endpoints: `(slot, index of the endpoint)`.
+pub fn slots(n: usize) -> impl Iterator<Item = (u32, usize)> {
+    let (modulus, offset) = dispatch(n);
+    let m = u64::from(modulus);
+    (0..modulus).map(move |s| (offset + s, (u64::from(s) * n as u64 / m) as usize))
+}
+
+/// The comment every element of a Service port carries: `namespace/name:port` (`/name`
+/// alone for an unnamed port), at most [`COMMENT_MAX`] bytes. Longer ones (Kubernetes allows
+/// 63-byte namespaces, 63-byte names and 15-byte port names: 143 bytes) keep the namespace
+/// and the port and cut the middle of the name, marking the cut with `...`.
+pub fn element_comment(port: &ServicePortName) -> String {
+    let full = port.to_string();
+    if full.len() <= COMMENT_MAX {
+        return full;
+    }
+    let suffix = if port.port.is_empty() {
+        String::new()
+    } else {
+        format!(":{}", port.port)
+    };
+    let budget = COMMENT_MAX - port.namespace.len() - 1 - suffix.len() - 3;
+    // Names are DNS labels (ASCII): byte cuts are char cuts.
+    let name = &port.name;
+    let head = budget.div_ceil(2);
+    let tail = budget - head;
+    format!(
+        "{}/{}...{}{}",
+        port.namespace,
+        &name[..head],
+        &name[name.len() - tail..],
+        suffix
+    )
+}
+
+fn jump(chain: &str) -> Expr {
+    Expr::Verdict(Verdict::Jump(chain.to_string()))
+}
+
+fn goto(chain: &str) -> Expr {
+    Expr::Verdict(Verdict::Goto(chain.to_string()))
+}
+
+fn lookup(key: LookupKey, set: &str) -> Expr {
+    Expr::Lookup {
+        key,
+        negate: false,
+        set: set.to_string(),
+    }
+}
+
+fn set(name: &str, key: KeyType, comment: &str) -> Set {
+    Set {
+        name: name.to_string(),
+        key,
+        verdict_map: false,
+        timeout: None,
+        comment: Some(comment.to_string()),
+        size: None,
+    }
+}
+
+fn base(name: &str, kind: ChainType, hook: Hook, priority: i32, rules: Vec<Rule>) -> Chain {
+    Chain {
+        name: name.to_string(),
+        base: Some(BaseHook {
+            kind,
+            hook,
+            priority,
+        }),
+        rules,
+    }
+}
+
+/// Smallest `size` of a flat set.
+pub const MIN_SET_SIZE: u32 = 4096;
+
+/// The `size` of a set that Service ports can fill with up to `bound` elements: twice that,
+/// a power of two, at least [`MIN_SET_SIZE`], at most `max`.
+pub fn set_size(bound: usize, max: u32) -> u32 {
+    let want = (bound.saturating_mul(2)).clamp(MIN_SET_SIZE as usize, 1 << 31);
+    (want.next_power_of_two().min(1 << 31) as u32).min(max)
+}
+
+/// Upper bounds of what the Service ports of `state` put into each flat set, counted without
+/// rendering them (a partial sync renders only the changed ports).
+fn set_bounds(state: &FamilyState) -> std::collections::HashMap<&'static str, usize> {
+    let slots = |n: usize| if n == 0 { 0 } else { dispatch(n).0 as usize };
+    let (mut dsts, mut nodeports, mut ep_dsts, mut ep_nodeports) = (0, 0, 0, 0);
+    let (mut cluster_dsts, mut cluster_nodeports, mut hairpin, mut allow) = (0, 0, 0, 0);
+    for svc in state.services.values() {
+        let external = svc.external_ips.len() + svc.load_balancer_ips.len();
+        let np = usize::from(svc.port.node_port.is_some());
+        let (c, l) = (
+            slots(svc.cluster_endpoints.len()),
+            slots(svc.local_endpoints.len()),
+        );
+        dsts += 1 + external;
+        nodeports += np;
+        ep_dsts += (1 + external) * c.max(l);
+        ep_nodeports += np * c.max(l);
+        cluster_dsts += external * c;
+        cluster_nodeports += np * c;
+        hairpin += svc.cluster_endpoints.len() + svc.local_endpoints.len();
+        allow +=
+            svc.load_balancer_ips.len() * (svc.source_ranges.len() + svc.load_balancer_ips.len());
+    }
+    let mut out = std::collections::HashMap::new();
+    for (set, n) in [
+        (CLUSTER_IPS, dsts),
+        (SERVICE_IPS, dsts),
+        (SERVICE_NODEPORTS, nodeports),
+        (NO_ENDPOINT_SERVICES, dsts),
+        (NO_ENDPOINT_NODEPORTS, nodeports),
+        (NO_LOCAL_ENDPOINT_SERVICES, dsts),
+        (NO_LOCAL_ENDPOINT_NODEPORTS, nodeports),
+        (FIREWALL_IPS, dsts),
+        (FIREWALL_ALLOW, allow),
+        (MASQUERADE_IPS, dsts),
+        (MASQUERADE_NODEPORTS, nodeports),
+        (LOCAL_POLICY_IPS, dsts),
+        (LOCAL_POLICY_NODEPORTS, nodeports),
+        (HAIRPIN_IPS, hairpin),
+        (SERVICE_ENDPOINTS, ep_dsts),
+        (NODEPORT_ENDPOINTS, ep_nodeports),
+        (SERVICE_CLUSTER_ENDPOINTS, cluster_dsts),
+        (NODEPORT_CLUSTER_ENDPOINTS, cluster_nodeports),
+    ] {
+        out.insert(set, n);
+    }
+    out
+}
+
+/// The fixed objects of a flat table: everything but the elements of Service ports.
+pub fn render_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
+    let family = state.family;
+    let mark = config.masquerade_mark();
+    let new_jump = |to: &str| Rule::new(vec![Expr::CtStateNew, jump(to)]);
+    let match_all = state.nodeport_ips == Selection::MatchAll;
+    let localnet_guard =
+        localhost_nodeports(state) || (state.family == IpFamily::V4 && config.route_localnet);
+
+    let mut sets = vec![set(CLUSTER_IPS, KeyType::Addr, "Active ClusterIPs")];
+    if !match_all {
+        sets.push(set(
+            NODEPORT_IPS,
+            KeyType::Addr,
+            "IPs that accept NodePort traffic",
+        ));
+    }
+    let vmap = |name: &str, key, comment: &str| Set {
+        verdict_map: true,
+        ..set(name, key, comment)
+    };
+    sets.extend([
+        vmap(
+            SERVICE_IPS,
+            KeyType::AddrProtoPort,
+            "session-affinity ClusterIP, ExternalIP and LoadBalancer IP traffic",
+        ),
+        vmap(
+            SERVICE_NODEPORTS,
+            KeyType::ProtoPort,
+            "session-affinity NodePort traffic",
+        ),
+        set(
+            NO_ENDPOINT_SERVICES,
+            KeyType::AddrProtoPort,
+            "services with no endpoints: rejected",
+        ),
+        set(
+            NO_ENDPOINT_NODEPORTS,
+            KeyType::ProtoPort,
+            "nodeports with no endpoints: rejected",
+        ),
+        set(
+            NO_LOCAL_ENDPOINT_SERVICES,
+            KeyType::AddrProtoPort,
+            "Local traffic policy without local endpoints: dropped",
+        ),
+        set(
+            NO_LOCAL_ENDPOINT_NODEPORTS,
+            KeyType::ProtoPort,
+            "nodeports with externalTrafficPolicy Local without local endpoints: dropped",
+        ),
+        set(
+            FIREWALL_IPS,
+            KeyType::AddrProtoPort,
+            "destinations that are subject to LoadBalancerSourceRanges",
+        ),
+        set(
+            FIREWALL_ALLOW,
+            KeyType::AddrProtoPortNet,
+            "sources LoadBalancerSourceRanges admit",
+        ),
+        set(
+            MASQUERADE_IPS,
+            KeyType::AddrProtoPort,
+            "external destinations with externalTrafficPolicy Cluster",
+        ),
+        set(
+            MASQUERADE_NODEPORTS,
+            KeyType::ProtoPort,
+            "nodeports with externalTrafficPolicy Cluster",
+        ),
+        set(
+            LOCAL_POLICY_IPS,
+            KeyType::AddrProtoPort,
+            "external destinations with externalTrafficPolicy Local",
+        ),
+        set(
+            LOCAL_POLICY_NODEPORTS,
+            KeyType::ProtoPort,
+            "nodeports with externalTrafficPolicy Local",
+        ),
+        set(
+            HAIRPIN_IPS,
+            KeyType::AddrAddr,
+            "endpoints reaching themselves",
+        ),
+        set(
+            SERVICE_ENDPOINTS,
+            KeyType::AddrProtoPortSlot,
+            "endpoints of each destination",
+        ),
+        set(
+            NODEPORT_ENDPOINTS,
+            KeyType::ProtoPortSlot,
+            "endpoints of each nodeport",
+        ),
+        set(
+            SERVICE_CLUSTER_ENDPOINTS,
+            KeyType::AddrProtoPortSlot,
+            "cluster endpoints of externalTrafficPolicy Local destinations",
+        ),
+        set(
+            NODEPORT_CLUSTER_ENDPOINTS,
+            KeyType::ProtoPortSlot,
+            "cluster endpoints of externalTrafficPolicy Local nodeports",
+        ),
+    ]);
+
+    let mut filter_input = Vec::new();
+    if localnet_guard {
+        filter_input.push(Rule::new(vec![jump(LOCALNET_CHECK)]));
+    }
+    filter_input.extend([
+        new_jump(NODEPORT_ENDPOINTS_CHECK),
+        new_jump(SERVICE_ENDPOINTS_CHECK),
+    ]);
+    let mut chains = vec![
+        base(
+            FILTER_PREROUTING_PRE_DNAT,
+            ChainType::Filter,
+            Hook::Prerouting,
+            -110,
+            vec![new_jump(FIREWALL_CHECK)],
+        ),
+        base(
+            FILTER_OUTPUT_PRE_DNAT,
+            ChainType::Filter,
+            Hook::Output,
+            -110,
+            vec![new_jump(FIREWALL_CHECK)],
+        ),
+        base(
+            FILTER_INPUT,
+            ChainType::Filter,
+            Hook::Input,
+            0,
+            filter_input,
+        ),
+        base(
+            FILTER_FORWARD,
+            ChainType::Filter,
+            Hook::Forward,
+            0,
+            vec![
+                new_jump(SERVICE_ENDPOINTS_CHECK),
+                new_jump(CLUSTER_IPS_CHECK),
+            ],
+        ),
+        base(
+            FILTER_OUTPUT,
+            ChainType::Filter,
+            Hook::Output,
+            0,
+            vec![
+                new_jump(SERVICE_ENDPOINTS_CHECK),
+                new_jump(CLUSTER_IPS_CHECK),
+            ],
+        ),
+        base(
+            NAT_PREROUTING,
+            ChainType::Nat,
+            Hook::Prerouting,
+            -100,
+            vec![Rule::new(vec![jump(SERVICES)])],
+        ),
+        base(
+            NAT_OUTPUT,
+            ChainType::Nat,
+            Hook::Output,
+            -100,
+            vec![Rule::new(vec![jump(SERVICES)])],
+        ),
+        base(
+            NAT_POSTROUTING,
+            ChainType::Nat,
+            Hook::Postrouting,
+            100,
+            vec![Rule::new(vec![jump(MASQUERADING)])],
+        ),
+    ];
+
+    let mut cluster_ips_check = vec![Rule::commented(
+        vec![
+            Expr::Daddr {
+                negate: false,
+                value: AddrMatch::Set(CLUSTER_IPS.to_string()),
+            },
+            Expr::Verdict(Verdict::Reject),
+        ],
+        "Reject traffic to invalid ports of ClusterIPs",
+    )];
+    if !state.service_cidrs.is_empty() {
+        cluster_ips_check.push(Rule::commented(
+            vec![
+                Expr::Daddr {
+                    negate: false,
+                    value: AddrMatch::Nets(state.service_cidrs.clone()),
+                },
+                Expr::Verdict(Verdict::Drop),
+            ],
+            "Drop traffic to unallocated ClusterIPs",
+        ));
+    }
+    // The NodePort destination test, as in kube-proxy's layout.
+    let nodeport_dst: Vec<Expr> = if match_all {
+        vec![
+            Expr::FibDaddrLocal,
+            Expr::Daddr {
+                negate: true,
+                value: AddrMatch::Net(loopback(family)),
+            },
+        ]
+    } else {
+        vec![Expr::Daddr {
+            negate: false,
+            value: AddrMatch::Set(NODEPORT_IPS.to_string()),
+        }]
+    };
+    let np = |rest: Vec<Expr>| {
+        let mut e = nodeport_dst.clone();
+        e.extend(rest);
+        Rule::new(e)
+    };
+    let dst = LookupKey::DaddrProtoPort;
+    let port = LookupKey::ProtoPort;
+
+    let mut services = vec![
+        Rule::new(vec![Expr::VerdictMap {
+            key: MapKey::DaddrProtoPort,
+            map: SERVICE_IPS.to_string(),
+        }]),
+        np(vec![Expr::VerdictMap {
+            key: MapKey::ProtoPort,
+            map: SERVICE_NODEPORTS.to_string(),
+        }]),
+    ];
+    let cluster_ip = Expr::Daddr {
+        negate: false,
+        value: AddrMatch::Set(CLUSTER_IPS.to_string()),
+    };
+    let pod_cidr = config.cluster_cidr(family);
+    if config.masquerade_all {
+        services.push(Rule::new(vec![
+            cluster_ip.clone(),
+            jump(MARK_FOR_MASQUERADE),
+        ]));
+    } else if let Some(cidr) = pod_cidr {
+        // Off-cluster traffic to a ClusterIP may bounce to another node: masqueraded.
+        services.push(Rule::new(vec![
+            cluster_ip.clone(),
+            Expr::Saddr {
+                negate: true,
+                value: AddrMatch::Net(cidr),
+            },
+            jump(MARK_FOR_MASQUERADE),
+        ]));
+    }
+    services.push(Rule::new(vec![cluster_ip, jump(PICK_SERVICE_ENDPOINTS)]));
+    // External destinations, then NodePorts: masquerade (Cluster policy) or short-circuit
+    // (Local policy), then the endpoint choice.
+    let external = |lookup_rule: &dyn Fn(Vec<Expr>) -> Rule,
+                    key: LookupKey,
+                    masq: &str,
+                    local: &str,
+                    short_circuit: &str,
+                    pick: &str,
+                    out: &mut Vec<Rule>| {
+        out.push(lookup_rule(vec![
+            lookup(key, masq),
+            jump(MARK_FOR_MASQUERADE),
+        ]));
+        if let Some(cidr) = pod_cidr {
+            let mut e = vec![Expr::Saddr {
+                negate: false,
+                value: AddrMatch::Net(cidr),
+            }];
+            e.extend(lookup_rule(vec![lookup(key, local), goto(short_circuit)]).exprs);
+            out.push(Rule::commented(e, "short-circuit pod traffic"));
+        }
+        let mut e = vec![Expr::FibSaddrLocal];
+        e.extend(lookup_rule(vec![lookup(key, local), jump(MARK_FOR_MASQUERADE)]).exprs);
+        out.push(Rule::commented(e, "masquerade local traffic"));
+        let mut e = vec![Expr::FibSaddrLocal];
+        e.extend(lookup_rule(vec![lookup(key, local), goto(short_circuit)]).exprs);
+        out.push(Rule::commented(e, "short-circuit local traffic"));
+        // Only destinations of a Service reach the `pick-` chain: other traffic (pod to
+        // pod, to the internet, to the node) pays one set lookup here, not one per rule
+        // there.
+        out.push(lookup_rule(vec![lookup(key, masq), jump(pick)]));
+        out.push(lookup_rule(vec![lookup(key, local), jump(pick)]));
+    };
+    external(
+        &Rule::new,
+        dst,
+        MASQUERADE_IPS,
+        LOCAL_POLICY_IPS,
+        PICK_SERVICE_CLUSTER_ENDPOINTS,
+        PICK_SERVICE_ENDPOINTS,
+        &mut services,
+    );
+    external(
+        &np,
+        port,
+        MASQUERADE_NODEPORTS,
+        LOCAL_POLICY_NODEPORTS,
+        PICK_NODEPORT_CLUSTER_ENDPOINTS,
+        PICK_NODEPORT_ENDPOINTS,
+        &mut services,
+    );
+
+    let pick = |name: &str, key: MapKey, map: &str| {
+        Chain::regular(
+            name,
+            dispatch_rules()
+                .into_iter()
+                .map(|(modulus, offset)| {
+                    Rule::new(vec![Expr::DnatMap {
+                        key,
+                        modulus,
+                        offset,
+                        map: map.to_string(),
+                    }])
+                })
+                .collect(),
+        )
+    };
+
+    chains.extend([
+        Chain::regular(CLUSTER_IPS_CHECK, cluster_ips_check),
+        Chain::regular(
+            FIREWALL_CHECK,
+            vec![Rule::new(vec![
+                lookup(dst, FIREWALL_IPS),
+                Expr::Lookup {
+                    key: LookupKey::DaddrProtoPortSaddr,
+                    negate: true,
+                    set: FIREWALL_ALLOW.to_string(),
+                },
+                Expr::Verdict(Verdict::Drop),
+            ])],
+        ),
+        Chain::regular(
+            MARK_FOR_MASQUERADE,
+            vec![Rule::new(vec![Expr::MarkSetOr(mark)])],
+        ),
+        Chain::regular(
+            MASQUERADING,
+            vec![
+                // Hairpin: a pod that reached itself through a Service.
+                Rule::new(vec![
+                    Expr::Ct {
+                        key: CtKey::Status,
+                        negate: false,
+                        bits: ct_status::DNAT,
+                    },
+                    lookup(LookupKey::SaddrDaddr, HAIRPIN_IPS),
+                    jump(MARK_FOR_MASQUERADE),
+                ]),
+                Rule::new(vec![Expr::MarkUnset(mark), Expr::Verdict(Verdict::Return)]),
+                Rule::new(vec![Expr::MarkSetXor(mark)]),
+                Rule::new(vec![Expr::Masquerade]),
+            ],
+        ),
+        Chain::regular(
+            NODEPORT_ENDPOINTS_CHECK,
+            vec![
+                np(vec![
+                    lookup(port, NO_ENDPOINT_NODEPORTS),
+                    Expr::Verdict(Verdict::Reject),
+                ]),
+                np(vec![
+                    lookup(port, NO_LOCAL_ENDPOINT_NODEPORTS),
+                    Expr::Verdict(Verdict::Drop),
+                ]),
+            ],
+        ),
+        Chain::regular(
+            SERVICE_ENDPOINTS_CHECK,
+            vec![
+                Rule::new(vec![
+                    lookup(dst, NO_ENDPOINT_SERVICES),
+                    Expr::Verdict(Verdict::Reject),
+                ]),
+                Rule::new(vec![
+                    lookup(dst, NO_LOCAL_ENDPOINT_SERVICES),
+                    Expr::Verdict(Verdict::Drop),
+                ]),
+            ],
+        ),
+        Chain::regular(SERVICES, services),
+        pick(
+            PICK_SERVICE_ENDPOINTS,
+            MapKey::DaddrProtoPort,
+            SERVICE_ENDPOINTS,
+        ),
+        pick(
+            PICK_NODEPORT_ENDPOINTS,
+            MapKey::ProtoPort,
+            NODEPORT_ENDPOINTS,
+        ),
+        pick(
+            PICK_SERVICE_CLUSTER_ENDPOINTS,
+            MapKey::DaddrProtoPort,
+            SERVICE_CLUSTER_ENDPOINTS,
+        ),
+        pick(
+            PICK_NODEPORT_CLUSTER_ENDPOINTS,
+            MapKey::ProtoPort,
+            NODEPORT_CLUSTER_ENDPOINTS,
+        ),
+    ]);
+    if localnet_guard {
+        chains.push(localnet_check());
+    }
+    // Sizes with headroom (`nodeport-ips` holds the node's addresses, no Service's).
+    let bounds = set_bounds(state);
+    for s in &mut sets {
+        if let Some(bound) = bounds.get(s.name.as_str()) {
+            s.size = Some(set_size(*bound, config.flat_max_set_size));
+        }
+    }
+
+    let elements = match &state.nodeport_ips {
+        Selection::MatchAll => Vec::new(),
+        Selection::Ips(ips) => ips
+            .iter()
+            .map(|ip| Element {
+                set: NODEPORT_IPS,
+                key: ElemKey::Addr(*ip),
+                value: None,
+                data: None,
+                comment: None,
+            })
+            .collect(),
+    };
+    BaseObjects {
+        sets,
+        chains,
+        elements,
+    }
+}
+
+/// One service port's elements (and, with session affinity, kube-proxy's chains for it).
+pub fn render_service(
+    svc: &ServicePortState,
+    state: &FamilyState,
+    config: &NodeConfig,
+) -> ServiceObjects {
+    let port = &svc.port;
+    let proto = port.name.protocol;
+    let comment = config.flat_comments.then(|| element_comment(&port.name));
+    let mut out = ServiceObjects::default();
+    let affinity = port.session_affinity_seconds.is_some();
+    if affinity {
+        // kube-proxy's chains and affinity sets, reached through the `goto` elements of
+        // `service-ips`/`service-nodeports`; everything the filter chains use comes below.
+        let kp = kube_proxy_service(svc, state, config);
+        let firewall = super::names::ServiceChainNames::new(&port.name).firewall;
+        out.chains = kp
+            .chains
+            .into_iter()
+            .filter(|c| c.name != firewall)
+            .collect();
+        out.sets = kp.sets;
+        out.elements = kp
+            .elements
+            .into_iter()
+            .filter(|e| e.set == SERVICE_IPS || e.set == SERVICE_NODEPORTS)
+            .map(|e| Element {
+                comment: comment.clone(),
+                ..e
+            })
+            .collect();
+    }
+    let mut el = |set: &'static str, key: ElemKey, data: Option<SocketAddr>| {
+        out.elements.push(Element {
+            set,
+            key,
+            value: None,
+            data,
+            comment: comment.clone(),
+        });
+    };
+
+    el(CLUSTER_IPS, ElemKey::Addr(svc.cluster_ip), None);
+
+    let has_internal = svc.has_internal_endpoints();
+    let has_external = svc.has_external_endpoints();
+    let etp_local = svc.external_policy_local();
+    let internal_list: &[EndpointTarget] = if port.internal_policy_local {
+        &svc.local_endpoints
+    } else {
+        &svc.cluster_endpoints
+    };
+    let external_list: &[EndpointTarget] = if etp_local {
+        &svc.local_endpoints
+    } else {
+        &svc.cluster_endpoints
+    };
+    // No usable endpoint at all: reject; a Local policy without local endpoints: drop.
+    let no_endpoint = |services: bool| match (svc.has_endpoints, services) {
+        (false, true) => NO_ENDPOINT_SERVICES,
+        (false, false) => NO_ENDPOINT_NODEPORTS,
+        (true, true) => NO_LOCAL_ENDPOINT_SERVICES,
+        (true, false) => NO_LOCAL_ENDPOINT_NODEPORTS,
+    };
+    let endpoints =
+        |list: &[EndpointTarget],
+         key: &dyn Fn(u32) -> ElemKey,
+         map: &'static str,
+         el: &mut dyn FnMut(&'static str, ElemKey, Option<SocketAddr>)| {
+            if list.is_empty() {
+                return;
+            }
+            for (slot, i) in slots(list.len()) {
+                el(map, key(slot), Some(list[i].socket()));
+            }
+        };
+
+    // ClusterIP.
+    let cip = ElemKey::AddrProtoPort(svc.cluster_ip, proto, port.port);
+    if has_internal {
+        if !affinity {
+            endpoints(
+                internal_list,
+                &|s| ElemKey::AddrProtoPortSlot(svc.cluster_ip, proto, port.port, s),
+                SERVICE_ENDPOINTS,
+                &mut el,
+            );
+        }
+    } else {
+        el(no_endpoint(true), cip, None);
+    }
+
+    // External and load-balancer IPs.
+    let external_dst =
+        |ip: IpAddr, el: &mut dyn FnMut(&'static str, ElemKey, Option<SocketAddr>)| {
+            let key = ElemKey::AddrProtoPort(ip, proto, port.port);
+            if svc.has_endpoints && !affinity {
+                el(
+                    if etp_local {
+                        LOCAL_POLICY_IPS
+                    } else {
+                        MASQUERADE_IPS
+                    },
+                    key,
+                    None,
+                );
+                if etp_local {
+                    endpoints(
+                        &svc.cluster_endpoints,
+                        &|s| ElemKey::AddrProtoPortSlot(ip, proto, port.port, s),
+                        SERVICE_CLUSTER_ENDPOINTS,
+                        el,
+                    );
+                }
+                if has_external {
+                    endpoints(
+                        external_list,
+                        &|s| ElemKey::AddrProtoPortSlot(ip, proto, port.port, s),
+                        SERVICE_ENDPOINTS,
+                        el,
+                    );
+                }
+            }
+            if !has_external {
+                el(no_endpoint(true), key, None);
+            }
+        };
+    for ip in &svc.external_ips {
+        external_dst(*ip, &mut el);
+    }
+    for ip in &svc.load_balancer_ips {
+        external_dst(*ip, &mut el);
+    }
+    if svc.uses_firewall_chain() {
+        let node_ip = state.node_ips.first().copied();
+        let mut sources = svc.source_ranges.clone();
+        if node_ip.is_some_and(|ip| svc.source_ranges.iter().any(|r| r.contains(&ip))) {
+            // A VIP the node holds locally loops back with the VIP as source.
+            sources.extend(svc.load_balancer_ips.iter().map(|ip| IpNet::from(*ip)));
+        }
+        for ip in &svc.load_balancer_ips {
+            el(
+                FIREWALL_IPS,
+                ElemKey::AddrProtoPort(*ip, proto, port.port),
+                None,
+            );
+            for range in &sources {
+                el(
+                    FIREWALL_ALLOW,
+                    ElemKey::AddrProtoPortNet(*ip, proto, port.port, range.trunc()),
+                    None,
+                );
+            }
+        }
+    }
+
+    // NodePort.
+    if let Some(np) = port.node_port {
+        let key = ElemKey::ProtoPort(proto, np);
+        if svc.has_endpoints && !affinity {
+            el(
+                if etp_local {
+                    LOCAL_POLICY_NODEPORTS
+                } else {
+                    MASQUERADE_NODEPORTS
+                },
+                key,
+                None,
+            );
+            if etp_local {
+                endpoints(
+                    &svc.cluster_endpoints,
+                    &|s| ElemKey::ProtoPortSlot(proto, np, s),
+                    NODEPORT_CLUSTER_ENDPOINTS,
+                    &mut el,
+                );
+            }
+            if has_external {
+                endpoints(
+                    external_list,
+                    &|s| ElemKey::ProtoPortSlot(proto, np, s),
+                    NODEPORT_ENDPOINTS,
+                    &mut el,
+                );
+            }
+        }
+        if !has_external {
+            el(no_endpoint(false), key, None);
+        }
+    }
+
+    // Hairpin: every endpoint this port may DNAT to.
+    if !affinity {
+        for e in svc.reachable_endpoints() {
+            el(HAIRPIN_IPS, ElemKey::AddrAddr(e.ip, e.ip), None);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Protocol;
+
+    #[test]
+    fn every_endpoint_count_has_its_own_slot_range_and_every_slot_an_endpoint() {
+        let rules = dispatch_rules();
+        // Disjoint ranges, in increasing order.
+        for w in rules.windows(2) {
+            assert!(w[0].1 + w[0].0 <= w[1].1, "{w:?}");
+        }
+        for n in 1..=64 {
+            let (m, o) = dispatch(n);
+            assert_eq!((m, o), (n as u32, (n * (n - 1) / 2) as u32));
+            let got: Vec<usize> = slots(n).map(|(_, i)| i).collect();
+            assert_eq!(got, (0..n).collect::<Vec<_>>(), "exactly one slot each");
+        }
+    }
+
+    #[test]
+    fn above_64_endpoints_every_share_is_within_one_percent_of_one_nth() {
+        for n in [65, 100, 127, 128, 129, 1000, 8192] {
+            let mut count = vec![0u32; n];
+            let (m, _) = dispatch(n);
+            for (_, i) in slots(n) {
+                count[i] += 1;
+            }
+            for c in count {
+                let share = f64::from(c) / f64::from(m);
+                let rel = share * n as f64;
+                assert!((0.99..=1.01).contains(&rel), "n={n}: {rel}");
+            }
+            assert!(rules_have(dispatch(n)), "n={n} has a rule");
+        }
+    }
+
+    #[test]
+    fn set_sizes_are_twice_the_bound_in_powers_of_two_within_their_limits() {
+        assert_eq!(set_size(0, 1 << 24), 4096);
+        assert_eq!(set_size(3000, 1 << 24), 8192);
+        assert_eq!(set_size(100_000, 1 << 24), 262_144);
+        assert_eq!(set_size(100_000_000, 1 << 24), 1 << 24);
+        assert_eq!(set_size(10, 4), 4, "the configured limit wins");
+    }
+
+    fn rules_have(d: (u32, u32)) -> bool {
+        dispatch_rules().contains(&d)
+    }
+
+    #[test]
+    fn comments_of_the_longest_names_kubernetes_allows_fit_in_128_bytes_keeping_namespace_and_port()
+    {
+        let ns = "n".repeat(63);
+        let name = format!("a{}z", "m".repeat(61));
+        let port = "p".repeat(15);
+        let c = element_comment(&ServicePortName::new(&ns, &name, &port, Protocol::Tcp));
+        assert_eq!(c.len(), COMMENT_MAX, "{c}");
+        assert!(c.starts_with(&format!("{ns}/a")), "{c}");
+        assert!(c.ends_with(&format!("z:{port}")), "{c}");
+        assert!(c.contains("..."), "{c}");
+        let short = element_comment(&ServicePortName::new("default", "web", "", Protocol::Tcp));
+        assert_eq!(short, "default/web");
+        let unnamed = element_comment(&ServicePortName::new(&ns, &name, "", Protocol::Tcp));
+        assert_eq!(unnamed, format!("{ns}/{name}"), "127 bytes fit");
+    }
+}
