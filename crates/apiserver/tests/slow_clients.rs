@@ -196,26 +196,23 @@ fn mutating_requests_beyond_the_limit_get_429_with_retry_after_and_reads_and_rea
             s
         })
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let (code, head, body) = loop {
-        let answer = request(
-            addr,
-            "POST",
-            "/api/v1/namespaces/default/services",
-            &service("third", 0),
+    // Wait until both hold their permit (a create of ours sent meanwhile would take one of the
+    // two, and one held create would be refused instead).
+    let mutating = r#"apiserver_current_inflight_requests{request_kind="mutating"}"#;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while metric(addr, mutating) < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the held creates never reached the server"
         );
-        if answer.0 != 201 || Instant::now() > deadline {
-            break answer;
-        }
-        // The held requests had not reached the limiter yet; that create went through.
-        let _ = request(
-            addr,
-            "DELETE",
-            "/api/v1/namespaces/default/services/third",
-            "",
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (code, head, body) = request(
+        addr,
+        "POST",
+        "/api/v1/namespaces/default/services",
+        &service("third", 0),
+    );
     assert_eq!(code, 429, "{body}");
     assert!(
         head.to_ascii_lowercase().contains("retry-after: 1"),

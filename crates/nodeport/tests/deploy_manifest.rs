@@ -2,7 +2,11 @@
 //! nothing is lost on the way (k8s-openapi ignores unknown fields, so a misspelt field would
 //! vanish silently: the re-serialized object must equal the input); the DaemonSet runs the
 //! proxy as kubeadm's kube-proxy addon runs kube-proxy; and the container's command line,
-//! with the ConfigMap's files where the pod mounts them, passes `nodeport proxy --validate`.
+//! with the ConfigMap's files where the pod mounts them, passes `nodeport proxy --validate`;
+//! and the ClusterRoleBinding, created with kubectl on our API server, gives the proxy's service
+//! account exactly what the bootstrap `system:node-proxier` role allows.
+
+mod apiserver_support;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -310,4 +314,54 @@ fn proxy_validate_rejects_a_bad_configmap_with_exit_64() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// The manifest's ClusterRoleBinding, created with kubectl on our API server (RBAC's bootstrap
+/// policy holds `system:node-proxier`), lets the service account read what the proxy watches and
+/// nothing more: `kubectl auth can-i` as that account, as kube-apiserver would answer it.
+#[test]
+fn the_cluster_role_binding_created_with_kubectl_grants_the_proxy_what_kube_proxy_gets() {
+    if !apiserver_support::kubectl_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let binding = documents()
+        .into_iter()
+        .find(|d| d["kind"] == "ClusterRoleBinding")
+        .unwrap();
+    let file = dir.path().join("binding.json");
+    std::fs::write(&file, serde_json::to_vec(&binding).unwrap()).unwrap();
+    // RBAC explicitly: on loopback the default is AlwaysAllow (the quick start's).
+    let server = apiserver_support::Server::start(
+        &dir.path().join("data"),
+        &["--authorization-mode", "RBAC"],
+    );
+    let out = server.kubectl(&["create", "-f", file.to_str().unwrap()]);
+    let (stdout, stderr) = apiserver_support::text(&out);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(
+        stdout.contains("clusterrolebinding.rbac.authorization.k8s.io/nodeport-proxy created"),
+        "{stdout}"
+    );
+    let account = "system:serviceaccount:kube-system:nodeport-proxy";
+    for (verb, resource, expected) in [
+        // system:node-proxier (kube 1.33's bootstrap policy): list/watch the Services and
+        // EndpointSlices it programs, get the Nodes, write events...
+        ("list", "services", "yes"),
+        ("watch", "endpointslices.discovery.k8s.io", "yes"),
+        ("get", "nodes", "yes"),
+        ("create", "events.events.k8s.io", "yes"),
+        // ...and nothing that would let a node rewrite the cluster.
+        ("create", "services", "no"),
+        ("delete", "endpointslices.discovery.k8s.io", "no"),
+        ("update", "nodes", "no"),
+    ] {
+        let out = server.kubectl(&["auth", "can-i", verb, resource, "--as", account]);
+        let (stdout, stderr) = apiserver_support::text(&out);
+        assert_eq!(
+            stdout.trim(),
+            expected,
+            "can-i {verb} {resource} as {account}: {stderr}"
+        );
+    }
 }

@@ -109,17 +109,58 @@ def kinds(url):
     ns.metadata.labels = {"replaced": "yes"}
     assert core.replace_namespace("py", ns).metadata.labels["replaced"] == "yes"
 
-    # ServiceCIDRs are read-only here: refused as a verb the resource does not support.
+    # ServiceCIDRs are writable (kube 1.33's MultiCIDRServiceAllocator), and IPAddresses may be
+    # created to reserve an address: kind and version come from the URL for them too.
     networking = client.NetworkingV1Api(api)
-    expect_status(
-        lambda: networking.create_service_cidr(
-            client.V1ServiceCIDR(
-                metadata=meta(name="extra"),
-                spec=client.V1ServiceCIDRSpec(cidrs=["10.97.0.0/16"]),
-            )
-        ),
-        405,
+    cidr = networking.create_service_cidr(
+        client.V1ServiceCIDR(
+            metadata=meta(name="extra"),
+            spec=client.V1ServiceCIDRSpec(cidrs=["10.97.0.0/16"]),
+        )
     )
+    assert cidr.kind == "ServiceCIDR", cidr
+    assert cidr.api_version == "networking.k8s.io/v1", cidr
+    ip = networking.create_ip_address(
+        client.V1IPAddress(
+            metadata=meta(name="10.97.0.10"),
+            spec=client.V1IPAddressSpec(
+                parent_ref=client.V1ParentReference(
+                    group="", resource="services", namespace="py", name="web"
+                )
+            ),
+        )
+    )
+    assert ip.kind == "IPAddress", ip
+    assert ip.api_version == "networking.k8s.io/v1", ip
+
+    # The RBAC kinds.
+    rbac = client.RbacAuthorizationV1Api(api)
+    role = rbac.create_namespaced_role(
+        "py",
+        client.V1Role(
+            metadata=meta(name="reader"),
+            rules=[
+                client.V1PolicyRule(api_groups=[""], resources=["services"], verbs=["get"])
+            ],
+        ),
+    )
+    assert role.kind == "Role", role
+    assert role.api_version == "rbac.authorization.k8s.io/v1", role
+    binding = rbac.create_namespaced_role_binding(
+        "py",
+        client.V1RoleBinding(
+            metadata=meta(name="reader"),
+            role_ref=client.V1RoleRef(
+                api_group="rbac.authorization.k8s.io", kind="Role", name="reader"
+            ),
+            subjects=[
+                client.RbacV1Subject(
+                    kind="User", name="alice", api_group="rbac.authorization.k8s.io"
+                )
+            ],
+        ),
+    )
+    assert binding.kind == "RoleBinding", binding
 
     # A kind that disagrees with the URL keeps kube's error and status.
     expect_status(
