@@ -1,6 +1,7 @@
 //! One module per subcommand; each owns its `Args` and `run`.
 
 pub mod apiserver;
+pub mod ebpf;
 pub mod lab;
 pub mod proxy;
 pub mod render;

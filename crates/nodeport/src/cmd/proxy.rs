@@ -27,7 +27,8 @@ pub struct Args {
     /// Name of this node (default: the hostname).
     #[arg(long)]
     hostname_override: Option<String>,
-    /// Dataplane: nftables (default), iptables or ipvs.
+    /// Dataplane: nftables (default), iptables, ipvs or ebpf (tc and cgroup socket programs
+    /// with BPF maps; see the --ebpf-* flags).
     #[arg(long)]
     proxy_mode: Option<String>,
     /// Which node IPs accept NodePorts, a comma-separated list of: CIDRs (the node's
@@ -71,6 +72,8 @@ pub struct Args {
     /// A KubeProxyConfiguration file.
     #[arg(long)]
     config: Option<PathBuf>,
+    #[command(flatten)]
+    ebpf: super::ebpf::EbpfArgs,
 }
 
 fn usage(message: impl Into<String>) -> anyhow::Error {
@@ -128,7 +131,7 @@ fn configure(args: &Args) -> anyhow::Result<(ProxyConfig, Option<PathBuf>, Varia
         .unwrap_or_else(|| "nftables".into());
     let mode = ProxyMode::parse(&mode).ok_or_else(|| {
         usage(format!(
-            "invalid value {mode:?} for --proxy-mode: must be nftables, iptables or ipvs"
+            "invalid value {mode:?} for --proxy-mode: must be nftables, iptables, ipvs or ebpf"
         ))
     })?;
     let variant = match args.iptables_variant.as_deref() {
@@ -219,7 +222,13 @@ fn configure(args: &Args) -> anyhow::Result<(ProxyConfig, Option<PathBuf>, Varia
             .and_then(|c| c.kubeconfig.clone())
             .map(PathBuf::from)
     });
+    let ebpf = if mode == ProxyMode::Ebpf {
+        args.ebpf.config(file.ebpf.as_ref())?
+    } else {
+        ProxyConfig::default().ebpf
+    };
     let config = ProxyConfig {
+        ebpf,
         node_name,
         node: NodeConfig {
             masquerade_bit,
