@@ -19,6 +19,7 @@ declare -A packages=(
   [protoc]=protobuf-compiler
   [clang-19]=clang-19
   [python3]=python3
+  [bpftool]=bpftool
 )
 missing=()
 for cmd in "${!packages[@]}"; do
