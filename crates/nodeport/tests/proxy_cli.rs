@@ -446,6 +446,18 @@ fn invalid_ebpf_flags_exit_64_naming_the_flag() {
             ],
             "--ebpf-lb-algorithm",
         ),
+        (
+            vec![
+                "up",
+                "--proxy-mode",
+                "ebpf",
+                "--node-ip",
+                "192.0.2.1",
+                "--ebpf-backends-map-size",
+                "0",
+            ],
+            "--ebpf-backends-map-size",
+        ),
     ] {
         let out = nodeport(&args);
         let stderr = String::from_utf8_lossy(&out.stderr);

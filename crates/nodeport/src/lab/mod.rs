@@ -13,6 +13,7 @@
 //! leave a working lab running; `nodeport lab --down <id>` removes that later. A lab whose
 //! process was killed outright is swept by the next `nodeport lab`.
 
+pub mod ebpf;
 pub mod interrupt;
 pub mod objects;
 pub mod pki;
@@ -46,6 +47,9 @@ pub enum ProxyMode {
     Iptables,
     /// kube-proxy's IPVS mode (needs IPVS in the kernel).
     Ipvs,
+    /// Our eBPF dataplane: tc and cgroup socket programs, BPF maps (a pin root and a cgroup
+    /// per node, see [`ebpf`]).
+    Ebpf,
 }
 
 impl ProxyMode {
@@ -55,6 +59,7 @@ impl ProxyMode {
             Self::Nftables => "nftables",
             Self::Iptables => "iptables",
             Self::Ipvs => "ipvs",
+            Self::Ebpf => "ebpf",
         }
     }
 
@@ -63,6 +68,7 @@ impl ProxyMode {
         match text {
             "iptables" => Self::Iptables,
             "ipvs" => Self::Ipvs,
+            "ebpf" => Self::Ebpf,
             _ => Self::Nftables,
         }
     }
@@ -462,6 +468,10 @@ impl Lab {
                 "--cluster-cidr",
                 &CLUSTER_CIDR.to_string(),
             ]));
+            if mode == ProxyMode::Ebpf {
+                let flags = ebpf::prepare_node(self.dir.path(), &self.plan.id, &node)?;
+                args.extend(flags.into_iter().map(OsString::from));
+            }
             let name = format!("proxy-{node}");
             let log = self.dir.log(&name);
             self.processes
@@ -479,18 +489,27 @@ impl Lab {
             ProxyMode::Iptables | ProxyMode::Ipvs => {
                 &["iptables", "-t", "nat", "-S", "KUBE-SERVICES"]
             }
+            // The first sync attaches the tc programs to the node's interface and pins the
+            // link (see `ebpf::first_sync_done`).
+            ProxyMode::Ebpf => &[],
         };
         for i in 0..self.plan.nodes.len() {
             loop {
                 interrupt.check()?;
                 self.check_processes()?;
-                if self.nodes[i].run(probe).is_ok() {
+                let done = if mode == ProxyMode::Ebpf {
+                    ebpf::first_sync_done(self.dir.path(), &self.plan.nodes[i].name)
+                } else {
+                    self.nodes[i].run(probe).is_ok()
+                };
+                if done {
                     println!(
                         "  {}: first sync done after {:.1}s ({} exists)",
                         self.plan.nodes[i].name,
                         start.elapsed().as_secs_f64(),
                         match mode {
                             ProxyMode::Nftables => "table ip kube-proxy",
+                            ProxyMode::Ebpf => "np_tc_ingress on eth0",
                             _ => "chain KUBE-SERVICES",
                         }
                     );
@@ -687,6 +706,18 @@ impl Lab {
             ProxyMode::Nftables => {
                 print(&["nft", "list", "table", "ip", "kube-proxy"]);
             }
+            ProxyMode::Ebpf => {
+                print(&["bpftool", "net", "show", "dev", "eth0"]);
+                let pins = self.dir.join("ebpf").join("pins").join(prompt);
+                let map = pins.join("maps").join("np_services");
+                print(&[
+                    "bpftool",
+                    "map",
+                    "dump",
+                    "pinned",
+                    &map.display().to_string(),
+                ]);
+            }
             ProxyMode::Iptables | ProxyMode::Ipvs => {
                 print(&["iptables", "-t", "nat", "-nvL", "PREROUTING"]);
                 let nodeports = print(&["iptables", "-t", "nat", "-nvL", "KUBE-NODEPORTS"]);
@@ -798,6 +829,7 @@ impl Lab {
         let rules = match ProxyMode::from_state(&self.state.proxy_mode) {
             ProxyMode::Nftables => "nft list table ip kube-proxy",
             ProxyMode::Iptables | ProxyMode::Ipvs => "iptables -t nat -nvL KUBE-NODEPORTS",
+            ProxyMode::Ebpf => "bpftool net show dev eth0",
         };
         println!("  the rules of {}:", last.name);
         println!("    ip netns exec {} {rules}", self.plan.netns(&last.name));

@@ -52,6 +52,11 @@ const NFT: Tool = Tool {
     package: "nftables",
     purpose: "the nftables proxy programs and the lab shows the rules with it",
 };
+const BPFTOOL: Tool = Tool {
+    command: "bpftool",
+    package: "bpftool",
+    purpose: "the lab sees the eBPF proxy's first sync and shows its programs and maps with it",
+};
 const IPTABLES: Tool = Tool {
     command: "iptables",
     package: "iptables",
@@ -81,6 +86,16 @@ pub fn check(mode: ProxyMode) -> Result<(), Missing> {
     let mut tools = vec![IP, KUBECTL];
     match mode {
         ProxyMode::Nftables => tools.push(NFT),
+        ProxyMode::Ebpf => {
+            tools.push(BPFTOOL);
+            if nodeport_proxy::ebpf::dataplane::cgroup2_mount().is_none() {
+                missing.push(Need {
+                    what: "cgroup v2".to_owned(),
+                    how: "--proxy-mode ebpf attaches socket programs to a cgroup v2 per node;                           no cgroup2 hierarchy is mounted (see /proc/self/mountinfo)"
+                        .to_owned(),
+                });
+            }
+        }
         ProxyMode::Iptables => tools.extend([IPTABLES, IPTABLES_RESTORE]),
         ProxyMode::Ipvs => {
             tools.extend([IPTABLES, IPTABLES_RESTORE]);
