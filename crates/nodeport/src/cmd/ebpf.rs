@@ -14,8 +14,8 @@ use super::UsageError;
 /// under `/sys/fs/bpf/tc/globals`).
 pub const DEFAULT_PIN_ROOT: &str = "/sys/fs/bpf/nodeport";
 
-/// eBPF mode flags. Map sizes are fixed when the maps are created: a change takes effect
-/// once the pinned maps are removed (`rm -r` of the pin root) and the proxy restarted.
+/// eBPF mode flags. Map sizes apply when the maps are created: maps pinned by an earlier run
+/// are taken over with their size, so a change takes effect once the pins are removed.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct EbpfArgs {
     /// eBPF mode: bpffs directory where maps and links are pinned, so that a restarted proxy

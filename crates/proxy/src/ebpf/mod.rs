@@ -1,4 +1,4 @@
-//! eBPF backend (`--proxy-mode ebpf`, in progress): Services served by tc and cgroup socket
+//! eBPF backend (`--proxy-mode ebpf`): Services served by tc and cgroup socket
 //! programs looking them up in BPF maps, with no iptables or nftables rules.
 //!
 //! # Programs (`bpf/nodeport.c`, compiled by `build.rs` with clang, loaded with aya 0.14)
