@@ -45,8 +45,14 @@ fn nodeport_reaches_all_three_pods_and_is_refused_once_endpoints_are_gone(mode: 
     for _ in 0..60 {
         match get(&c.client, &to, T) {
             Reply::Pod { pod, client } => {
-                // eTP=Cluster: masqueraded to the node's address towards the pod.
-                assert!(client.starts_with("10.244."), "client seen as {client}");
+                // eTP=Cluster: masqueraded to the node's address towards the pod; the eBPF
+                // mode SNATs to the node's address of the family (its InternalIP), as
+                // Cilium's BPF masquerading does, not to the outgoing interface's.
+                if mode == Mode::Ebpf {
+                    assert!(client.starts_with(NODE_IP), "client seen as {client}");
+                } else {
+                    assert!(client.starts_with("10.244."), "client seen as {client}");
+                }
                 seen.insert(pod);
             }
             other => panic!("request failed: {other:?}"),
@@ -722,23 +728,15 @@ in_ebpf_mode!(
     zero_cidr_answers_on_every_node_address,
     default_route_answers_only_on_the_public_interface_and_follows_a_moved_route,
     load_balancer_source_ranges_admit_only_listed_clients,
+    nodeport_reaches_all_three_pods_and_is_refused_once_endpoints_are_gone,
+    session_affinity_sends_a_client_to_one_pod,
+    proxy_killed_and_restarted_during_a_stream_of_requests_fails_none,
+    udp_conntrack_entries_to_a_removed_endpoint_are_cleaned,
+    itp_local_clusterip_reaches_only_the_local_pod,
     // Not in eBPF mode, each for a feature the dataplane lacks:
-    // - nodeport_reaches_all_three_pods_and_is_refused_once_endpoints_are_gone,
-    //   session_affinity_sends_a_client_to_one_pod,
-    //   proxy_killed_and_restarted_during_a_stream_of_requests_fails_none,
-    //   udp_conntrack_entries_to_a_removed_endpoint_are_cleaned: replies of connections
-    //   SNATed to a backend on another node are reversed only when they arrive on an
-    //   interface with the tc programs (those carrying NodePort addresses or routing local
-    //   endpoints). This topology's "remote" pods (pod2, pod3) sit behind the node's own
-    //   veths vpod2 and vpod3, as they would behind a tunnel device in a cluster: their
-    //   replies arrive there untranslated and the client times out.
     // - a_rule_deleted_by_hand_is_restored_by_the_periodic_resync: a full sync compares
     //   the desired entries with what the applier wrote, not with the maps, so a frontend
     //   deleted by hand (`bpftool map delete`) is not written again.
-    // - itp_local_clusterip_reaches_only_the_local_pod: the client (pod3) connects from
-    //   outside the node's cgroup (the probe runs in the test process), so the socket
-    //   programs do not see it, and its packets enter through vpod3, which has no tc
-    //   programs: ClusterIPs of processes outside the cgroup are served on tc interfaces only.
     // - localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropped:
     //   no localhost NodePorts (nor the route_localnet guard) in eBPF mode.
 );
