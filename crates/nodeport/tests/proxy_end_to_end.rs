@@ -733,10 +733,8 @@ in_ebpf_mode!(
     proxy_killed_and_restarted_during_a_stream_of_requests_fails_none,
     udp_conntrack_entries_to_a_removed_endpoint_are_cleaned,
     itp_local_clusterip_reaches_only_the_local_pod,
-    // Not in eBPF mode, each for a feature the dataplane lacks:
-    // - a_rule_deleted_by_hand_is_restored_by_the_periodic_resync: a full sync compares
-    //   the desired entries with what the applier wrote, not with the maps, so a frontend
-    //   deleted by hand (`bpftool map delete`) is not written again.
+    a_rule_deleted_by_hand_is_restored_by_the_periodic_resync,
+    // Not in eBPF mode, for a feature the dataplane lacks:
     // - localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropped:
     //   no localhost NodePorts (nor the route_localnet guard) in eBPF mode.
 );

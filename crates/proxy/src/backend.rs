@@ -165,7 +165,8 @@ impl Backend for ebpf::dataplane::Dataplane {
     }
 
     /// A partial sync writes only the changed services' entries; entries changed by others
-    /// (`bpftool map update`) are found only by a full sync's comparison with the maps.
+    /// (`bpftool map delete`) are found only by a full sync's comparison with the maps, so
+    /// every periodic sync is full.
     fn detects_drift(&self) -> bool {
         false
     }
