@@ -23,6 +23,7 @@ NODEPORT_PACKAGES=(
   "lab iptables iptables"
   "lab iptables-restore iptables"
   "lab kubectl kubernetes-client"    # a kubectl already on PATH is kept
+  "lab bpftool bpftool"              # the eBPF mode's lab shows its programs and maps
   "test ip6tables iptables"
   "test conntrack conntrack"
   "test etcd etcd-server"

@@ -469,3 +469,42 @@ fn lab_without_root_or_without_its_tools_says_exactly_what_is_missing() {
     assert!(!stderr.contains("`ip` on PATH"), "{stderr}");
     assert!(out.stdout.is_empty(), "nothing may be created: {out:?}");
 }
+
+#[test]
+fn lab_in_ebpf_mode_answers_on_every_node_ip_and_leaves_no_pin_mount_or_cgroup_behind() {
+    if !require_tools("lab_in_ebpf_mode", &["bpftool", "kubectl"]) {
+        return;
+    }
+    let out = lab(&["--proxy-mode", "ebpf"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "nodeport lab --proxy-mode ebpf failed ({}):\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("verdict: PASS: all 3 node IPs answered on NodePort"),
+        "{stdout}"
+    );
+    // The programs the lab shows: tc on each node's eth0.
+    assert!(stdout.contains("np_tc_ingress"), "{stdout}");
+    let id = lab_id(&stdout);
+    let veths = pod_veths(&stdout);
+    assert_eq!(veths.len(), 3, "{stdout}");
+    assert_nothing_left(&id, &veths);
+    // Per node: a bpffs and a cgroup under the lab's directory, all gone.
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(
+        !mounts.lines().any(|l| l.contains(&format!("/{id}/ebpf"))),
+        "{mounts}"
+    );
+    let cgroups = nodeport_proxy::ebpf::dataplane::cgroup2_mount().unwrap();
+    let left: Vec<String> = std::fs::read_dir(&cgroups)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&format!("nodeport-lab-{id}-")))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}

@@ -430,3 +430,109 @@ status: {addresses: [{type: InternalIP, address: 192.0.2.4}]}
         "{text}"
     );
 }
+
+#[test]
+fn invalid_ebpf_flags_exit_64_naming_the_flag() {
+    let not_a_cgroup = tempfile::tempdir().unwrap();
+    let not_a_cgroup = not_a_cgroup.path().to_str().unwrap();
+    for (args, flag) in [
+        (
+            vec!["proxy", "--proxy-mode", "ebpf", "--ebpf-ct-map-size", "0"],
+            "--ebpf-ct-map-size",
+        ),
+        (
+            vec![
+                "proxy",
+                "--proxy-mode",
+                "ebpf",
+                "--ebpf-services-map-size",
+                "1k",
+            ],
+            "--ebpf-services-map-size",
+        ),
+        (
+            vec!["proxy", "--proxy-mode", "ebpf", "--ebpf-lb-algorithm", "rr"],
+            "--ebpf-lb-algorithm",
+        ),
+        (
+            vec!["proxy", "--proxy-mode", "ebpf", "--ebpf-pin-root", "bpf"],
+            "--ebpf-pin-root",
+        ),
+        (
+            vec![
+                "proxy",
+                "--proxy-mode",
+                "ebpf",
+                "--ebpf-cgroup-root",
+                not_a_cgroup,
+            ],
+            "--ebpf-cgroup-root",
+        ),
+        (
+            vec![
+                "render",
+                "-f",
+                "-",
+                "--proxy-mode",
+                "ebpf",
+                "--ebpf-lb-algorithm",
+                "x",
+            ],
+            "--ebpf-lb-algorithm",
+        ),
+        (
+            vec![
+                "up",
+                "--proxy-mode",
+                "ebpf",
+                "--node-ip",
+                "192.0.2.1",
+                "--ebpf-backends-map-size",
+                "0",
+            ],
+            "--ebpf-backends-map-size",
+        ),
+    ] {
+        let out = nodeport(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{args:?}: {stderr}");
+        assert!(stderr.contains(flag), "{args:?}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+    }
+}
+
+#[test]
+fn proxy_help_states_each_ebpf_maps_default_and_memory() {
+    let out = nodeport(&["proxy", "--help"]);
+    let help = String::from_utf8_lossy(&out.stdout);
+    for flag in [
+        "--ebpf-pin-root",
+        "--ebpf-cgroup-root",
+        "--ebpf-lb-algorithm",
+        "--ebpf-services-map-size",
+        "--ebpf-backends-map-size",
+        "--ebpf-ct-map-size",
+        "--ebpf-affinity-map-size",
+        "--ebpf-source-ranges-map-size",
+        "--ebpf-maglev-map-size",
+        "--ebpf-sockets-map-size",
+    ] {
+        assert!(help.contains(flag), "{flag} missing from:\n{help}");
+    }
+    assert!(
+        help.contains("[default: 524288, about 80 MiB per map]"),
+        "{help}"
+    );
+}
+
+#[test]
+fn render_ebpf_prints_one_line_per_frontend_with_its_backends() {
+    let text = render("ebpf");
+    assert_eq!(
+        text,
+        "10.96.132.141:80/TCP external (default/web) → 10.244.1.6:80, 10.244.2.7:80, 10.244.2.8:80 (random)\n\
+         10.96.132.141:80/TCP internal (default/web) → 10.244.1.6:80, 10.244.2.7:80, 10.244.2.8:80 (random)\n\
+         192.0.2.4:30510/TCP external (default/web) → 10.244.1.6:80, 10.244.2.7:80, 10.244.2.8:80 (random, masquerade)\n\
+         192.0.2.4:30510/TCP internal (default/web) → 10.244.1.6:80, 10.244.2.7:80, 10.244.2.8:80 (random)\n"
+    );
+}

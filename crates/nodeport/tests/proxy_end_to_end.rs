@@ -4,7 +4,9 @@
 //!
 //! Every test runs once per proxy mode (`nftables::<test>` in the default flat layout,
 //! `nftables_kube_proxy_layout::<test>` and `iptables::<test>`, from [`in_every_mode!`]): the
-//! behaviour is the same, only the rules differ.
+//! behaviour is the same, only the rules differ. Those the eBPF dataplane passes run in eBPF
+//! mode too (`ebpf::<test>`, from [`in_ebpf_mode!`], which names the features missing for the
+//! others).
 
 mod proxy_support;
 
@@ -44,8 +46,14 @@ fn nodeport_reaches_all_three_pods_and_is_refused_once_endpoints_are_gone(mode: 
     for _ in 0..60 {
         match get(&c.client, &to, T) {
             Reply::Pod { pod, client } => {
-                // eTP=Cluster: masqueraded to the node's address towards the pod.
-                assert!(client.starts_with("10.244."), "client seen as {client}");
+                // eTP=Cluster: masqueraded to the node's address towards the pod; the eBPF
+                // mode SNATs to the node's address of the family (its InternalIP), as
+                // Cilium's BPF masquerading does, not to the outgoing interface's.
+                if mode == Mode::Ebpf {
+                    assert!(client.starts_with(NODE_IP), "client seen as {client}");
+                } else {
+                    assert!(client.starts_with("10.244."), "client seen as {client}");
+                }
                 seen.insert(pod);
             }
             other => panic!("request failed: {other:?}"),
@@ -178,6 +186,9 @@ fn zero_cidr_answers_on_every_node_address(mode: Mode) {
     match mode {
         Mode::Iptables => assert!(matches!(local, Reply::Pod { .. }), "{local:?}"),
         Mode::Nftables | Mode::NftablesKubeProxy => assert_eq!(local, Reply::Refused),
+        // The eBPF mode serves no NodePort on loopback (tc never sees loopback traffic),
+        // and this process is outside the node's cgroup: nothing answers.
+        Mode::Ebpf => assert_eq!(local, Reply::Refused),
     }
 }
 
@@ -361,6 +372,7 @@ fn localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropp
             "localnet-check",
         ],
         Mode::Iptables => &["iptables", "-t", "filter", "-F", "KUBE-FIREWALL"],
+        Mode::Ebpf => unreachable!("not run in eBPF mode: it has no localhost NodePorts"),
     };
     c.node.run(cmd).unwrap();
     assert!(
@@ -865,4 +877,35 @@ in_every_mode!(
     udp_conntrack_entries_to_a_removed_endpoint_are_cleaned,
     proxy_killed_and_restarted_during_a_stream_of_requests_fails_none,
     a_dual_stack_nodeport_answers_over_both_families_and_so_do_its_cluster_ips,
+);
+
+/// The same tests in eBPF mode (`ebpf::<test>`), one node cgroup and pin root each
+/// ([`EbpfNode`]).
+macro_rules! in_ebpf_mode {
+    ($($name:ident),* $(,)?) => {
+        mod ebpf {
+            $(#[test]
+            fn $name() {
+                super::$name(super::Mode::Ebpf)
+            })*
+        }
+    };
+}
+
+in_ebpf_mode!(
+    etp_local_drops_without_a_local_endpoint_and_keeps_the_client_ip_with_one,
+    nodeport_addresses_limit_which_node_ip_answers,
+    nodeport_addresses_follow_an_address_added_to_the_node_and_drop_a_removed_one,
+    zero_cidr_answers_on_every_node_address,
+    default_route_answers_only_on_the_public_interface_and_follows_a_moved_route,
+    load_balancer_source_ranges_admit_only_listed_clients,
+    nodeport_reaches_all_three_pods_and_is_refused_once_endpoints_are_gone,
+    session_affinity_sends_a_client_to_one_pod,
+    proxy_killed_and_restarted_during_a_stream_of_requests_fails_none,
+    udp_conntrack_entries_to_a_removed_endpoint_are_cleaned,
+    itp_local_clusterip_reaches_only_the_local_pod,
+    a_rule_deleted_by_hand_is_restored_by_the_periodic_resync,
+    // Not in eBPF mode, for a feature the dataplane lacks:
+    // - localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropped:
+    //   no localhost NodePorts (nor the route_localnet guard) in eBPF mode.
 );

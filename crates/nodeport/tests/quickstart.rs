@@ -48,6 +48,7 @@ fn quickstart(uid: u32) -> (Vec<String>, std::process::ExitStatus, String) {
         ("protobuf-compiler", &["protoc"]),
         ("gcc", &["cc"]),
         ("clang-19", &["clang-19"]),
+        ("bpftool", &["bpftool"]),
     ] {
         for command in commands {
             let real = real(command).unwrap_or_else(|| panic!("{command} is not installed"));

@@ -34,6 +34,9 @@ pub enum Error {
          `nodeport render --proxy-mode ipvs` shows what it would program; use nftables or iptables"
     )]
     IpvsNotProgrammed,
+    /// `--proxy-mode ebpf`: loading or attaching the programs failed.
+    #[error("--proxy-mode ebpf: starting the eBPF dataplane")]
+    Ebpf(#[source] crate::ebpf::dataplane::Error),
     /// A health or metrics address could not be bound.
     #[error("binding {what} on {addr}")]
     Bind {
@@ -78,6 +81,8 @@ pub struct ProxyConfig {
     pub nft: NftCommand,
     /// The `iptables` tools (iptables mode).
     pub iptables: crate::iptables::apply::IptablesCommand,
+    /// The eBPF dataplane's settings (eBPF mode: `--ebpf-*`).
+    pub ebpf: crate::ebpf::dataplane::Config,
 }
 
 impl Default for ProxyConfig {
@@ -97,6 +102,7 @@ impl Default for ProxyConfig {
             address_poll_interval: Duration::from_secs(1),
             nft: NftCommand::default(),
             iptables: crate::iptables::apply::IptablesCommand::default(),
+            ebpf: crate::ebpf::dataplane::Config::default(),
         }
     }
 }
@@ -346,6 +352,8 @@ struct Outcome {
     trigger_times: Vec<SystemTime>,
     no_local: Vec<(IpFamily, i64, i64)>,
     iptables_rules: Vec<crate::iptables::apply::RuleCount>,
+    /// The backend's map fill levels (eBPF mode).
+    map_fill: Vec<backend::MapFill>,
 }
 
 impl Engine {
@@ -502,6 +510,7 @@ impl Engine {
             trigger_times,
             no_local,
             iptables_rules: report.iptables_rules,
+            map_fill: self.backend.map_fill(),
         })
     }
 }
@@ -531,6 +540,9 @@ pub async fn run(
             config.iptables.clone(),
         )),
         ProxyMode::Ipvs => return Err(Error::IpvsNotProgrammed),
+        ProxyMode::Ebpf => Box::new(
+            crate::ebpf::dataplane::Dataplane::start(config.ebpf.clone()).map_err(Error::Ebpf)?,
+        ),
     };
     run_with_backend(client, config, backend, shutdown).await
 }
@@ -892,6 +904,28 @@ async fn sync_loop(shared: Arc<Shared>, engine: Arc<Mutex<Engine>>, config: Prox
                         tokio::time::Instant::now() + crate::nftables::apply::STALE_CHAIN_GRACE,
                     );
                 }
+                for f in &outcome.map_fill {
+                    let l = vec![("map".to_string(), f.map.to_string())];
+                    metrics
+                        .ebpf_map_entries
+                        .get_or_create(&l)
+                        .set(f.entries as i64);
+                    metrics
+                        .ebpf_map_capacity
+                        .get_or_create(&l)
+                        .set(i64::from(f.capacity));
+                }
+                if !outcome.map_fill.is_empty() {
+                    let full = shared.health.set_map_fill(&outcome.map_fill);
+                    if !full.is_empty() {
+                        tracing::warn!(
+                            maps = ?full,
+                            percent = crate::health::MAP_FULL_PERCENT,
+                            "eBPF maps nearly full; /healthz fails until they empty (raise \
+                             the --ebpf-*-map-size flags)"
+                        );
+                    }
+                }
                 health_servers.sync(&outcome.checks, &outcome.health_addresses);
                 if !outcome.conntrack.is_empty() {
                     let m = shared.metrics.clone();
@@ -934,6 +968,7 @@ async fn sync_loop(shared: Arc<Shared>, engine: Arc<Mutex<Engine>>, config: Prox
                         backend::Error::Nftables(_) => {
                             metrics.nftables_sync_failures.get_or_create(&l).inc();
                         }
+                        backend::Error::Ebpf(_) => {}
                         backend::Error::Iptables(_) => {
                             metrics.iptables_restore_failures.get_or_create(&l).inc();
                             if partial {
@@ -952,6 +987,9 @@ async fn sync_loop(shared: Arc<Shared>, engine: Arc<Mutex<Engine>>, config: Prox
                 ) = &e
                 {
                     report_full_set(&shared, metrics, Some((*family, set.clone())));
+                }
+                if let backend::Error::Ebpf(_) = &e {
+                    metrics.ebpf_sync_failures.inc();
                 }
                 tracing::error!(error = %e, source = ?std::error::Error::source(&e), retry_in = ?backoff, "sync failed; previous rules stay in place");
                 retry_at = Some(tokio::time::Instant::now() + backoff);

@@ -9,6 +9,7 @@ use std::collections::BTreeSet;
 
 use crate::config::{NodeConfig, ProxyMode};
 use crate::desired::DesiredState;
+use crate::ebpf;
 use crate::iptables;
 use crate::model::ServicePortName;
 use crate::nftables;
@@ -33,6 +34,22 @@ pub enum Error {
     /// `iptables-restore` failed.
     #[error("iptables sync failed")]
     Iptables(#[source] iptables::apply::Error),
+    /// Writing the eBPF maps (or attaching the tc programs) failed.
+    #[error("eBPF sync failed")]
+    Ebpf(#[source] ebpf::dataplane::Error),
+}
+
+/// One BPF map's fill level (`nodeport_ebpf_map_entries{map}`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MapFill {
+    /// The map's name (`np_services`, ...).
+    pub map: &'static str,
+    /// Entries it holds.
+    pub entries: usize,
+    /// Its `max_entries`.
+    pub capacity: u32,
+    /// An LRU map: it evicts its oldest entries rather than refuse new ones.
+    pub lru: bool,
 }
 
 /// One dataplane, driven by the agent's sync loop.
@@ -54,6 +71,12 @@ pub trait Backend: Send {
     /// Whether a partial sync notices and repairs changes made by others (then periodic
     /// syncs may be partial; otherwise every periodic sync is full).
     fn detects_drift(&self) -> bool;
+
+    /// Fill levels of the backend's maps, read after each sync (only the eBPF dataplane has
+    /// maps of a fixed size).
+    fn map_fill(&self) -> Vec<MapFill> {
+        Vec::new()
+    }
 }
 
 impl<K: nftables::apply::Kernel> Backend for nftables::apply::Applier<K> {
@@ -113,5 +136,56 @@ impl<K: iptables::apply::Kernel> Backend for iptables::apply::Applier<K> {
     /// it into a full one (kube-proxy's `iptables.Monitor`): periodic syncs can be partial.
     fn detects_drift(&self) -> bool {
         true
+    }
+}
+
+impl Backend for ebpf::dataplane::Dataplane {
+    fn mode(&self) -> ProxyMode {
+        ProxyMode::Ebpf
+    }
+
+    /// `config` is not read: masquerading follows the traffic policies (kube-proxy's
+    /// behaviour without `--masquerade-all` and local traffic detection).
+    fn sync(
+        &mut self,
+        desired: &DesiredState,
+        _config: &NodeConfig,
+        changed: Option<&BTreeSet<ServicePortName>>,
+    ) -> Result<SyncReport, Error> {
+        let r = ebpf::dataplane::Dataplane::sync(self, desired, changed).map_err(Error::Ebpf)?;
+        Ok(SyncReport {
+            full: r.full,
+            cleanup_failed: false,
+            iptables_rules: Vec::new(),
+        })
+    }
+
+    fn needs_full_sync(&self) -> bool {
+        ebpf::dataplane::Dataplane::needs_full_sync(self)
+    }
+
+    /// A partial sync writes only the changed services' entries; entries changed by others
+    /// (`bpftool map delete`) are found only by a full sync's comparison with the maps, so
+    /// every periodic sync is full.
+    fn detects_drift(&self) -> bool {
+        false
+    }
+
+    fn map_fill(&self) -> Vec<MapFill> {
+        match self.fill() {
+            Ok(levels) => levels
+                .into_iter()
+                .map(|(map, entries, capacity)| MapFill {
+                    map,
+                    entries,
+                    capacity,
+                    lru: ebpf::programs::LRU_MAPS.contains(&map),
+                })
+                .collect(),
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the eBPF map fill levels failed");
+                Vec::new()
+            }
+        }
     }
 }

@@ -59,15 +59,18 @@ pub enum ProxyMode {
     Iptables,
     /// IPVS: deprecated upstream (KEP-5495); rendered only.
     Ipvs,
+    /// eBPF: tc and cgroup socket programs looking Services up in BPF maps (no rules).
+    Ebpf,
 }
 
 impl ProxyMode {
-    /// Parses `nftables`, `iptables` or `ipvs` (kube-proxy's values).
+    /// Parses `nftables`, `iptables` or `ipvs` (kube-proxy's values), or `ebpf` (ours).
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "nftables" => Some(ProxyMode::Nftables),
             "iptables" => Some(ProxyMode::Iptables),
             "ipvs" => Some(ProxyMode::Ipvs),
+            "ebpf" => Some(ProxyMode::Ebpf),
             _ => None,
         }
     }
@@ -78,6 +81,7 @@ impl ProxyMode {
             ProxyMode::Nftables => "nftables",
             ProxyMode::Iptables => "iptables",
             ProxyMode::Ipvs => "ipvs",
+            ProxyMode::Ebpf => "ebpf",
         }
     }
 }
@@ -184,6 +188,20 @@ pub struct KubeProxyConfiguration {
     pub nftables: Option<ModeSection>,
     /// `iptables` section (read for `masqueradeAll`/`masqueradeBit` as kube-proxy does).
     pub iptables: Option<ModeSection>,
+    /// `ebpf` section (ours: kube-proxy has no eBPF mode).
+    pub ebpf: Option<EbpfSection>,
+}
+
+/// The `ebpf:` section, the file form of the `--ebpf-*` flags.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EbpfSection {
+    /// `pinRoot` (`--ebpf-pin-root`).
+    pub pin_root: Option<String>,
+    /// `cgroupRoot` (`--ebpf-cgroup-root`).
+    pub cgroup_root: Option<String>,
+    /// `lbAlgorithm` (`--ebpf-lb-algorithm`): `random` or `maglev`.
+    pub lb_algorithm: Option<String>,
 }
 
 /// `clientConnection`.
@@ -349,6 +367,7 @@ conntrack: {maxPerCore: 32768}
 "#,
         )
         .unwrap();
+        assert_eq!(c.ebpf, None);
         assert_eq!(c.cluster_cidr.as_deref(), Some("10.244.0.0/16"));
         assert_eq!(c.masquerade_all(), Some(true));
         assert_eq!(c.sync_period(), Some("1m0s"));
@@ -358,5 +377,23 @@ conntrack: {maxPerCore: 32768}
             Some("/etc/kube/proxy.conf")
         );
         assert!(KubeProxyConfiguration::parse("kind: Pod").is_err());
+    }
+
+    #[test]
+    fn the_ebpf_mode_and_its_section_are_read_from_the_file() {
+        let c = KubeProxyConfiguration::parse(
+            "kind: KubeProxyConfiguration\nmode: ebpf\n\
+             ebpf: {pinRoot: /sys/fs/bpf/np, cgroupRoot: /sys/fs/cgroup/k, lbAlgorithm: maglev}\n",
+        )
+        .unwrap();
+        assert_eq!(
+            c.mode.as_deref().and_then(ProxyMode::parse),
+            Some(ProxyMode::Ebpf)
+        );
+        let e = c.ebpf.unwrap();
+        assert_eq!(e.pin_root.as_deref(), Some("/sys/fs/bpf/np"));
+        assert_eq!(e.cgroup_root.as_deref(), Some("/sys/fs/cgroup/k"));
+        assert_eq!(e.lb_algorithm.as_deref(), Some("maglev"));
+        assert_eq!(ProxyMode::Ebpf.as_str(), "ebpf");
     }
 }

@@ -32,7 +32,16 @@ pub struct ProxyHealth {
     /// Watched resources the API server refuses to list or watch (403): the rules cannot
     /// follow them, so the proxy is unhealthy until access comes back.
     refused: Mutex<std::collections::BTreeSet<&'static str>>,
+    /// eBPF mode: the maps at least [`MAP_FULL_PERCENT`] full, which make `/healthz` fail.
+    full_maps: Mutex<Vec<String>>,
 }
+
+/// eBPF mode: a map this full (percent of `max_entries`) makes `/healthz` fail, so that load
+/// balancers stop sending new Services' traffic to a node that may soon be unable to program
+/// them. LRU maps (connections, affinity, socket reverse entries) are left out: they evict
+/// rather than refuse, and hold stale entries until the collector runs; their fill is in
+/// `nodeport_ebpf_map_entries`.
+pub const MAP_FULL_PERCENT: u64 = 90;
 
 impl ProxyHealth {
     /// Health for the given families; unhealthy once an update waits longer than `timeout`.
@@ -48,6 +57,7 @@ impl ProxyHealth {
             full_set: Mutex::new(None),
             timeout,
             refused: Mutex::default(),
+            full_maps: Mutex::new(Vec::new()),
         }
     }
 
@@ -92,6 +102,22 @@ impl ProxyHealth {
         self.refused.lock().expect("health lock").is_empty()
     }
 
+    /// Records the eBPF maps' fill levels after a sync; returns the maps now too full (see
+    /// [`MAP_FULL_PERCENT`]).
+    pub fn set_map_fill(&self, fill: &[crate::backend::MapFill]) -> Vec<String> {
+        let full: Vec<String> = fill
+            .iter()
+            .filter(|f| {
+                !f.lru
+                    && f.capacity > 0
+                    && f.entries as u64 * 100 >= u64::from(f.capacity) * MAP_FULL_PERCENT
+            })
+            .map(|f| f.map.to_string())
+            .collect();
+        *self.full_maps.lock().expect("health lock") = full.clone();
+        full
+    }
+
     /// Healthy: no family has an update pending for longer than the timeout, and every watched
     /// resource may be listed and watched.
     pub fn healthy(&self) -> bool {
@@ -127,6 +153,7 @@ impl ProxyHealth {
         let eligible = self.node_eligible();
         if with_node {
             healthy &= eligible;
+            healthy &= self.full_maps.lock().expect("health lock").is_empty();
         }
         let full_set = self.full_set.lock().expect("health lock").clone();
         healthy &= full_set.is_none();
@@ -451,6 +478,36 @@ mod tests {
             ),
             "{body}"
         );
+    }
+
+    #[test]
+    fn healthz_fails_while_a_non_lru_ebpf_map_is_90_percent_full_and_livez_does_not() {
+        use crate::backend::MapFill;
+        let h = ProxyHealth::new(&[IpFamily::V4], Duration::from_secs(60));
+        h.set_node(Some(Node {
+            name: "n".into(),
+            ..Default::default()
+        }));
+        let fill = |map, entries, lru| MapFill {
+            map,
+            entries,
+            capacity: 100,
+            lru,
+        };
+        // 89 of 100, and a full LRU map: healthy.
+        let full = h.set_map_fill(&[fill("np_services", 89, false), fill("np_ct", 100, true)]);
+        assert!(full.is_empty());
+        assert!(h.body(true).0);
+        // 90 of 100: unhealthy, and said which.
+        let full = h.set_map_fill(&[fill("np_services", 90, false), fill("np_ct", 3, true)]);
+        assert_eq!(full, vec!["np_services".to_string()]);
+        let (ok, body) = h.body(true);
+        assert!(!ok, "{body}");
+        assert!(body.contains("\"healthy\":false"), "{body}");
+        assert!(h.body(false).0, "livez is not about the maps");
+        // Emptied again: healthy.
+        h.set_map_fill(&[fill("np_services", 10, false)]);
+        assert!(h.body(true).0);
     }
 
     async fn get(port: u16) -> (u16, String) {

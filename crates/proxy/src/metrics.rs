@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
 
-use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::text::{encode_eof, encode_registry};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::{Family, MetricConstructor};
 use prometheus_client::metrics::gauge::Gauge;
@@ -38,6 +38,8 @@ fn programming_buckets() -> Vec<f64> {
 /// Every metric the proxy exports.
 pub struct Metrics {
     registry: Registry,
+    /// Metrics of ours, under the `nodeport` prefix (kube-proxy has no eBPF mode).
+    nodeport_registry: Registry,
     /// `kubeproxy_sync_proxy_rules_duration_seconds{ip_family}`.
     pub sync_duration: Family<Labels, Histogram, Buckets>,
     /// `kubeproxy_sync_full_proxy_rules_duration_seconds{ip_family}`.
@@ -85,6 +87,13 @@ pub struct Metrics {
     pub healthz_total: Family<Labels, Counter>,
     /// `kubeproxy_proxy_livez_total{code}`.
     pub livez_total: Family<Labels, Counter>,
+    /// `nodeport_ebpf_map_entries{map}` (eBPF mode): entries each BPF map holds after the
+    /// last sync.
+    pub ebpf_map_entries: Family<Labels, Gauge>,
+    /// `nodeport_ebpf_map_capacity{map}` (eBPF mode): each BPF map's `max_entries`.
+    pub ebpf_map_capacity: Family<Labels, Gauge>,
+    /// `nodeport_ebpf_sync_failures_total` (eBPF mode): failed map syncs.
+    pub ebpf_sync_failures: Counter,
 }
 
 /// The `ip_family` label.
@@ -134,8 +143,30 @@ impl Metrics {
             conntrack_deleted: Family::default(),
             healthz_total: Family::default(),
             livez_total: Family::default(),
+            ebpf_map_entries: Family::default(),
+            ebpf_map_capacity: Family::default(),
+            ebpf_sync_failures: Counter::default(),
             registry: Registry::default(),
+            nodeport_registry: Registry::default(),
         };
+        let mut nodeport_registry = Registry::with_prefix("nodeport");
+        if mode == crate::config::ProxyMode::Ebpf {
+            nodeport_registry.register(
+                "ebpf_map_entries",
+                "Entries each eBPF map holds after the last sync",
+                m.ebpf_map_entries.clone(),
+            );
+            nodeport_registry.register(
+                "ebpf_map_capacity",
+                "Maximum entries of each eBPF map",
+                m.ebpf_map_capacity.clone(),
+            );
+            nodeport_registry.register(
+                "ebpf_sync_failures",
+                "Number of eBPF map sync failures",
+                m.ebpf_sync_failures.clone(),
+            );
+        }
         registry.register(
             "sync_proxy_rules_duration_seconds",
             "SyncProxyRules latency in seconds",
@@ -249,13 +280,20 @@ impl Metrics {
             "Cumulative proxy livez HTTP status",
             m.livez_total.clone(),
         );
-        Metrics { registry, ..m }
+        Metrics {
+            registry,
+            nodeport_registry,
+            ..m
+        }
     }
 
     /// The Prometheus text exposition.
     pub fn render(&self) -> String {
         let mut out = String::new();
-        encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        encode_registry(&mut out, &self.registry).expect("writing to a String cannot fail");
+        encode_registry(&mut out, &self.nodeport_registry)
+            .expect("writing to a String cannot fail");
+        encode_eof(&mut out).expect("writing to a String cannot fail");
         out
     }
 }
@@ -331,5 +369,26 @@ mod tests {
             assert!(text.contains(name), "{name} missing from:\n{text}");
         }
         assert!(!text.contains("nftables"), "{text}");
+        assert!(!text.contains("nodeport_ebpf"), "{text}");
+    }
+
+    #[test]
+    fn ebpf_mode_exports_each_maps_entries_and_capacity_under_the_nodeport_prefix() {
+        let m = Metrics::for_mode(crate::config::ProxyMode::Ebpf);
+        let l = vec![("map".to_string(), "np_services".to_string())];
+        m.ebpf_map_entries.get_or_create(&l).set(7);
+        m.ebpf_map_capacity.get_or_create(&l).set(1024);
+        m.ebpf_sync_failures.inc();
+        let text = m.render();
+        for name in [
+            "nodeport_ebpf_map_entries{map=\"np_services\"} 7",
+            "nodeport_ebpf_map_capacity{map=\"np_services\"} 1024",
+            "nodeport_ebpf_sync_failures_total 1",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_total 0",
+        ] {
+            assert!(text.contains(name), "{name} missing from:\n{text}");
+        }
+        assert_eq!(text.matches("# EOF").count(), 1, "{text}");
+        assert!(text.ends_with("# EOF\n"), "{text}");
     }
 }

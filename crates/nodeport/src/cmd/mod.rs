@@ -2,6 +2,7 @@
 
 pub mod apiserver;
 pub mod completions;
+pub mod ebpf;
 pub mod lab;
 pub mod proxy;
 pub mod render;

@@ -29,7 +29,8 @@ pub struct Args {
     /// Name of this node (default: the hostname).
     #[arg(long)]
     hostname_override: Option<String>,
-    /// Dataplane: nftables (default), iptables or ipvs.
+    /// Dataplane: nftables (default), iptables, ipvs or ebpf (tc and cgroup socket programs
+    /// with BPF maps; see the --ebpf-* flags).
     #[arg(long)]
     proxy_mode: Option<String>,
     /// nftables mode: the table layout. "flat" (default): a fixed set of chains, every
@@ -86,6 +87,8 @@ pub struct Args {
     /// 0 when valid, 64 naming the mistake when not.
     #[arg(long)]
     validate: bool,
+    #[command(flatten)]
+    ebpf: super::ebpf::EbpfArgs,
 }
 
 fn usage(message: impl Into<String>) -> anyhow::Error {
@@ -143,7 +146,7 @@ fn configure(args: &Args) -> anyhow::Result<(ProxyConfig, Option<PathBuf>, Varia
         .unwrap_or_else(|| "nftables".into());
     let mode = ProxyMode::parse(&mode).ok_or_else(|| {
         usage(format!(
-            "invalid value {mode:?} for --proxy-mode: must be nftables, iptables or ipvs"
+            "invalid value {mode:?} for --proxy-mode: must be nftables, iptables, ipvs or ebpf"
         ))
     })?;
     let layout = args
@@ -245,7 +248,13 @@ fn configure(args: &Args) -> anyhow::Result<(ProxyConfig, Option<PathBuf>, Varia
             .and_then(|c| c.kubeconfig.clone())
             .map(PathBuf::from)
     });
+    let ebpf = if mode == ProxyMode::Ebpf {
+        args.ebpf.config(file.ebpf.as_ref())?
+    } else {
+        ProxyConfig::default().ebpf
+    };
     let config = ProxyConfig {
+        ebpf,
         node_name,
         node: NodeConfig {
             masquerade_bit,

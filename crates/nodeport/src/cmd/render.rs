@@ -12,7 +12,7 @@ use nodeport_proxy::ipnet::IpNet;
 use nodeport_proxy::model::IpFamily;
 use nodeport_proxy::nodeaddr::{NodeFacts, NodePortAddresses};
 use nodeport_proxy::objects;
-use nodeport_proxy::{iptables, ipvs, nftables};
+use nodeport_proxy::{ebpf, iptables, ipvs, nftables};
 
 use super::UsageError;
 
@@ -20,7 +20,8 @@ use super::UsageError;
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Dataplane to render for: nftables (`nft -f` input), iptables (`iptables-restore`
-    /// input) or ipvs (`ipvsadm -S` lines, ipsets and the companion iptables rules).
+    /// input), ipvs (`ipvsadm -S` lines, ipsets and the companion iptables rules) or ebpf
+    /// (the BPF maps' frontends and backends, one line each).
     #[arg(long, default_value = "nftables")]
     proxy_mode: String,
     /// nftables mode: "flat" (default, what `nodeport proxy` programs by default) or
@@ -68,6 +69,9 @@ pub struct Args {
     /// Mark bit used to tag packets to masquerade.
     #[arg(long, default_value_t = 14)]
     masquerade_bit: u8,
+    /// ebpf mode: how a new connection picks its backend, "random" or "maglev".
+    #[arg(long, default_value = "random", value_name = "random|maglev")]
+    ebpf_lb_algorithm: String,
 }
 
 fn usage(message: impl Into<String>) -> anyhow::Error {
@@ -153,8 +157,14 @@ pub fn parse_cluster_cidrs(value: &str) -> anyhow::Result<Vec<IpNet>> {
 pub fn run(args: Args) -> anyhow::Result<()> {
     let mode = ProxyMode::parse(&args.proxy_mode).ok_or_else(|| {
         usage(format!(
-            "invalid value {:?} for --proxy-mode: must be nftables, iptables or ipvs",
+            "invalid value {:?} for --proxy-mode: must be nftables, iptables, ipvs or ebpf",
             args.proxy_mode
+        ))
+    })?;
+    let algorithm = ebpf::render::Algorithm::parse(&args.ebpf_lb_algorithm).ok_or_else(|| {
+        usage(format!(
+            "invalid value {:?} for --ebpf-lb-algorithm: must be random or maglev",
+            args.ebpf_lb_algorithm
         ))
     })?;
     if args.masquerade_bit > 31 {
@@ -169,6 +179,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             // kube-proxy's defaults: `primary` in nftables mode, every address otherwise.
             ProxyMode::Nftables => "primary",
             ProxyMode::Iptables | ProxyMode::Ipvs => "0.0.0.0/0,::/0",
+            // The eBPF mode takes the nftables mode's default.
+            ProxyMode::Ebpf => "primary",
         })
         .parse()
         .map_err(|e| usage(format!("{e}")))?;
@@ -276,6 +288,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             args.nftables_layout
         ))
     })?;
+    let local_ips = facts.local_ips.clone();
     let config = NodeConfig {
         nftables_layout,
         masquerade_bit: args.masquerade_bit,
@@ -302,6 +315,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
         ProxyMode::Ipvs => print!("{}", ipvs::render(&desired, &config).text()),
+        ProxyMode::Ebpf => {
+            // What the maps would hold: one line per frontend.
+            let render_config = ebpf::render::RenderConfig {
+                algorithm,
+                local_ips,
+                fib_forward: true,
+            };
+            for line in ebpf::render::render(&desired, &render_config).lines(algorithm) {
+                println!("{line}");
+            }
+        }
     }
     Ok(())
 }

@@ -73,6 +73,8 @@ pub struct Args {
     /// The proxy's metrics endpoint.
     #[arg(long, default_value = "127.0.0.1:10249")]
     metrics_bind_address: SocketAddr,
+    #[command(flatten)]
+    ebpf: super::ebpf::EbpfArgs,
 }
 
 fn usage(message: impl Into<String>) -> anyhow::Error {
@@ -108,6 +110,7 @@ fn proxy_config(args: &Args, node_name: &str) -> anyhow::Result<ProxyConfig> {
     let mode = match args.proxy_mode {
         ProxyMode::Nftables => nodeport_proxy::config::ProxyMode::Nftables,
         ProxyMode::Iptables => nodeport_proxy::config::ProxyMode::Iptables,
+        ProxyMode::Ebpf => nodeport_proxy::config::ProxyMode::Ebpf,
         ProxyMode::Ipvs => {
             // IPVS is deprecated upstream (KEP-5495) and only rendered here.
             nodeport_proxy::ipvs::apply::check_kernel(std::path::Path::new(
@@ -133,7 +136,13 @@ fn proxy_config(args: &Args, node_name: &str) -> anyhow::Result<ProxyConfig> {
                 args.nftables_layout
             ))
         })?;
+    let ebpf = if mode == nodeport_proxy::config::ProxyMode::Ebpf {
+        args.ebpf.config(None)?
+    } else {
+        ProxyConfig::default().ebpf
+    };
     Ok(ProxyConfig {
+        ebpf,
         node_name: node_name.to_owned(),
         mode,
         node: NodeConfig {

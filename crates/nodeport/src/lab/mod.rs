@@ -14,6 +14,7 @@
 //! process was killed outright is swept by the next `nodeport lab`.
 
 pub mod dual_stack;
+pub mod ebpf;
 pub mod interrupt;
 pub mod objects;
 pub mod pki;
@@ -47,6 +48,9 @@ pub enum ProxyMode {
     Iptables,
     /// kube-proxy's IPVS mode (needs IPVS in the kernel).
     Ipvs,
+    /// Our eBPF dataplane: tc and cgroup socket programs, BPF maps (a pin root and a cgroup
+    /// per node, see [`ebpf`]).
+    Ebpf,
 }
 
 impl ProxyMode {
@@ -56,6 +60,7 @@ impl ProxyMode {
             Self::Nftables => "nftables",
             Self::Iptables => "iptables",
             Self::Ipvs => "ipvs",
+            Self::Ebpf => "ebpf",
         }
     }
 
@@ -64,6 +69,7 @@ impl ProxyMode {
         match text {
             "iptables" => Self::Iptables,
             "ipvs" => Self::Ipvs,
+            "ebpf" => Self::Ebpf,
             _ => Self::Nftables,
         }
     }
@@ -508,6 +514,10 @@ impl Lab {
                 "--cluster-cidr",
                 &dual_stack::cluster_cidrs(self.ip_family),
             ]));
+            if mode == ProxyMode::Ebpf {
+                let flags = ebpf::prepare_node(self.dir.path(), &self.plan.id, &node)?;
+                args.extend(flags.into_iter().map(OsString::from));
+            }
             let name = format!("proxy-{node}");
             let log = self.dir.log(&name);
             self.processes
@@ -525,18 +535,27 @@ impl Lab {
             ProxyMode::Iptables | ProxyMode::Ipvs => {
                 &["iptables", "-t", "nat", "-S", "KUBE-SERVICES"]
             }
+            // The first sync attaches the tc programs to the node's interface and pins the
+            // link (see `ebpf::first_sync_done`).
+            ProxyMode::Ebpf => &[],
         };
         for i in 0..self.plan.nodes.len() {
             loop {
                 interrupt.check()?;
                 self.check_processes()?;
-                if self.nodes[i].run(probe).is_ok() {
+                let done = if mode == ProxyMode::Ebpf {
+                    ebpf::first_sync_done(self.dir.path(), &self.plan.nodes[i].name)
+                } else {
+                    self.nodes[i].run(probe).is_ok()
+                };
+                if done {
                     println!(
                         "  {}: first sync done after {:.1}s ({} exists)",
                         self.plan.nodes[i].name,
                         start.elapsed().as_secs_f64(),
                         match mode {
                             ProxyMode::Nftables => "table ip kube-proxy",
+                            ProxyMode::Ebpf => "np_tc_ingress on eth0",
                             _ => "chain KUBE-SERVICES",
                         }
                     );
@@ -798,6 +817,18 @@ impl Lab {
                     print(&["nft", "list", "table", "ip6", "kube-proxy"]);
                 }
             }
+            ProxyMode::Ebpf => {
+                print(&["bpftool", "net", "show", "dev", "eth0"]);
+                let pins = self.dir.join("ebpf").join("pins").join(prompt);
+                let map = pins.join("maps").join("np_services");
+                print(&[
+                    "bpftool",
+                    "map",
+                    "dump",
+                    "pinned",
+                    &map.display().to_string(),
+                ]);
+            }
             ProxyMode::Iptables | ProxyMode::Ipvs => {
                 print(&["iptables", "-t", "nat", "-nvL", "PREROUTING"]);
                 let nodeports = print(&["iptables", "-t", "nat", "-nvL", "KUBE-NODEPORTS"]);
@@ -909,6 +940,7 @@ impl Lab {
         let rules = match ProxyMode::from_state(&self.state.proxy_mode) {
             ProxyMode::Nftables => "nft list table ip kube-proxy",
             ProxyMode::Iptables | ProxyMode::Ipvs => "iptables -t nat -nvL KUBE-NODEPORTS",
+            ProxyMode::Ebpf => "bpftool net show dev eth0",
         };
         println!("  the rules of {}:", last.name);
         println!("    ip netns exec {} {rules}", self.plan.netns(&last.name));

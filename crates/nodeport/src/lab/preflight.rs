@@ -53,6 +53,11 @@ const NFT: Tool = Tool {
     package: "nftables",
     purpose: "the nftables proxy programs and the lab shows the rules with it",
 };
+const BPFTOOL: Tool = Tool {
+    command: "bpftool",
+    package: "bpftool",
+    purpose: "the lab sees the eBPF proxy's first sync and shows its programs and maps with it",
+};
 const IPTABLES: Tool = Tool {
     command: "iptables",
     package: "iptables",
@@ -75,6 +80,7 @@ fn tools(mode: ProxyMode) -> Vec<Tool> {
     let mut tools = vec![IP, KUBECTL];
     match mode {
         ProxyMode::Nftables => tools.push(NFT),
+        ProxyMode::Ebpf => tools.push(BPFTOOL),
         ProxyMode::Iptables | ProxyMode::Ipvs => tools.extend([IPTABLES, IPTABLES_RESTORE]),
     }
     tools
@@ -95,6 +101,14 @@ pub fn check(mode: ProxyMode) -> Result<(), Missing> {
             what: "IPVS in the kernel".to_owned(),
             how: "--proxy-mode ipvs needs the ip_vs module (`modprobe ip_vs`); this kernel \
                   does not have it: use --proxy-mode nftables or iptables"
+                .to_owned(),
+        });
+    }
+    if mode == ProxyMode::Ebpf && nodeport_proxy::ebpf::dataplane::cgroup2_mount().is_none() {
+        missing.push(Need {
+            what: "cgroup v2".to_owned(),
+            how: "--proxy-mode ebpf attaches socket programs to a cgroup v2 per node; no cgroup2 \
+                  hierarchy is mounted (see /proc/self/mountinfo)"
                 .to_owned(),
         });
     }

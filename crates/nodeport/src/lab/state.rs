@@ -122,6 +122,8 @@ pub fn tear_down(id: &str) -> Vec<String> {
     for name in &names {
         drop(Netns::adopt(name));
     }
+    // eBPF mode: pins, bpffs and cgroup2 mounts, cgroups (the processes are gone).
+    super::ebpf::tear_down(dir.path());
     let _ = std::fs::remove_dir_all(dir.path());
     names
 }

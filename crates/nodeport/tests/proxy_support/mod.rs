@@ -56,6 +56,9 @@ pub enum Mode {
     NftablesKubeProxy,
     /// `KUBE-*` chains in iptables' nat and filter tables.
     Iptables,
+    /// tc and cgroup socket programs with BPF maps, pinned in a bpffs of the test's own,
+    /// the socket programs on a cgroup of the test's own ([`EbpfNode`]).
+    Ebpf,
 }
 
 impl Mode {
@@ -64,6 +67,7 @@ impl Mode {
         match self {
             Mode::Nftables | Mode::NftablesKubeProxy => "nftables",
             Mode::Iptables => "iptables",
+            Mode::Ebpf => "ebpf",
         }
     }
 
@@ -71,7 +75,7 @@ impl Mode {
     pub fn extra_args(self) -> &'static [&'static str] {
         match self {
             Mode::NftablesKubeProxy => &["--nftables-layout", "kube-proxy"],
-            Mode::Nftables | Mode::Iptables => &[],
+            Mode::Nftables | Mode::Iptables | Mode::Ebpf => &[],
         }
     }
 
@@ -80,6 +84,7 @@ impl Mode {
         match self {
             Mode::Nftables | Mode::NftablesKubeProxy => &["nft"],
             Mode::Iptables => &["iptables", "iptables-restore", "iptables-save"],
+            Mode::Ebpf => &["bpftool"],
         }
     }
 }
@@ -95,6 +100,8 @@ pub struct Cluster {
     pub proxy: Option<ChildGuard>,
     mode: Mode,
     proxy_args: Vec<String>,
+    /// eBPF mode: the node's cgroup and pin root (dropped after the proxy and namespaces).
+    pub ebpf: Option<EbpfNode>,
     _lans: (Lan, Lan),
     _data: tempfile::TempDir,
 }
@@ -212,6 +219,7 @@ impl Cluster {
             proxy: None,
             mode,
             proxy_args: proxy_args.iter().map(|s| s.to_string()).collect(),
+            ebpf: (mode == Mode::Ebpf).then(|| EbpfNode::new(data.path())),
             _lans: (lan1, lan2),
             _data: data,
         };
@@ -256,6 +264,7 @@ impl Cluster {
         ])
         .args(self.mode.extra_args())
         .args(&self.proxy_args)
+        .args(self.ebpf.iter().flat_map(EbpfNode::proxy_args))
         .env(
             "NODEPORT_LOG",
             std::env::var("NODEPORT_TEST_PROXY_LOG").unwrap_or_else(|_| "warn".into()),
@@ -276,6 +285,27 @@ impl Cluster {
                 &["nft", "flush", "chain", "ip", "kube-proxy", "services"]
             }
             Mode::Iptables => &["iptables", "-t", "nat", "-F", "KUBE-SERVICES"],
+            Mode::Ebpf => {
+                // Every frontend deleted from the pinned map.
+                let map = self.ebpf.as_ref().expect("eBPF mode").services_map();
+                let dump = self
+                    .node
+                    .run(&["bpftool", "-j", "map", "dump", "pinned", &map])
+                    .unwrap();
+                let entries: Vec<serde_json::Value> = serde_json::from_str(&dump).unwrap();
+                for e in entries {
+                    let key: Vec<String> = e["key"]
+                        .as_array()
+                        .expect("bpftool's key bytes")
+                        .iter()
+                        .map(|b| b.as_str().expect("a hex byte").to_string())
+                        .collect();
+                    let mut args = vec!["bpftool", "map", "delete", "pinned", &map, "key", "hex"];
+                    args.extend(key.iter().map(String::as_str));
+                    self.node.run(&args).unwrap();
+                }
+                return;
+            }
         };
         self.node.run(cmd).unwrap();
     }
@@ -451,4 +481,71 @@ spec:
         slice("IPv4", 1, &|i| format!("10.244.{i}.2")),
         slice("IPv6", 2, &|i| format!("fd00:10:244:{i}::2")),
     )
+}
+
+/// eBPF mode: the node's own cgroup and its own bpffs pin root, both reachable from inside
+/// `ip netns exec` (which remounts /sys, hiding /sys/fs/cgroup): the cgroup2 hierarchy is
+/// mounted a second time on the test's temporary directory, and the node's cgroup created
+/// in it; the bpffs is mounted there too, in the test's mount namespace (private mounts of
+/// `ip netns exec` die with it). On drop: pins removed, cgroup removed, both unmounted.
+pub struct EbpfNode {
+    /// The cgroup2 hierarchy, mounted again on the test's directory.
+    hierarchy: std::path::PathBuf,
+    /// The cgroup directory.
+    pub cgroup: std::path::PathBuf,
+    /// The pin root.
+    pub pin_root: std::path::PathBuf,
+}
+
+impl EbpfNode {
+    fn new(data: &std::path::Path) -> Self {
+        let hierarchy = data.join("cgroup2");
+        std::fs::create_dir(&hierarchy).unwrap();
+        nix::mount::mount(
+            Some("cgroup2"),
+            &hierarchy,
+            Some("cgroup2"),
+            nix::mount::MsFlags::empty(),
+            None::<&str>,
+        )
+        .expect("eBPF mode needs cgroup v2: mounting the cgroup2 hierarchy");
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let cgroup = hierarchy.join(format!("nodeport-e2e-{}-{n}", std::process::id()));
+        std::fs::create_dir(&cgroup).expect("creating the node's cgroup");
+        let pin_root = data.join("bpf");
+        nodeport_proxy::ebpf::programs::ensure_bpffs(&pin_root).expect("mounting bpffs");
+        EbpfNode {
+            hierarchy,
+            cgroup,
+            pin_root,
+        }
+    }
+
+    fn proxy_args(&self) -> [String; 4] {
+        [
+            "--ebpf-pin-root".into(),
+            self.pin_root.display().to_string(),
+            "--ebpf-cgroup-root".into(),
+            self.cgroup.display().to_string(),
+        ]
+    }
+
+    /// The pinned frontends map.
+    pub fn services_map(&self) -> String {
+        self.pin_root
+            .join("maps")
+            .join("np_services")
+            .display()
+            .to_string()
+    }
+}
+
+impl Drop for EbpfNode {
+    fn drop(&mut self) {
+        let _ = nodeport_proxy::ebpf::programs::remove_pins(&self.pin_root);
+        let _ = nix::mount::umount2(&self.pin_root, nix::mount::MntFlags::MNT_DETACH);
+        let _ = std::fs::remove_dir(&self.cgroup);
+        let _ = nix::mount::umount2(&self.hierarchy, nix::mount::MntFlags::MNT_DETACH);
+    }
 }

@@ -208,6 +208,7 @@ impl Applier {
             }
         }
         if full {
+            report.map_operations += self.repair()?;
             report.map_operations += self.sweep()?;
         }
         Ok(report)
@@ -379,6 +380,54 @@ impl Applier {
         for (i, be) in list.iter().enumerate() {
             self.maps.remove_backend(id, i as u32 + 1, be)?;
             ops += 2;
+        }
+        Ok(ops)
+    }
+
+    /// Writes again the frontends and backends the applier wrote that the maps no longer
+    /// hold as written (deleted or changed by someone else, `bpftool map delete`): kube-proxy's
+    /// full syncs repair hand edits of its rules the same way. Full syncs only (a walk over
+    /// both maps). Maglev tables and source ranges are not compared.
+    fn repair(&mut self) -> Result<usize, programs::Error> {
+        let frontends: BTreeMap<FrontendKey, Frontend> =
+            self.maps.frontends()?.into_iter().collect();
+        let backends: BTreeMap<programs::BackendSlot, BackendEntry> =
+            self.maps.backends()?.into_iter().collect();
+        let mut sets = Vec::new();
+        let mut fronts = Vec::new();
+        for inst in self.installed.values() {
+            for (set, id) in &inst.set_ids {
+                let list = &inst.maps.sets[set];
+                let intact = list
+                    .iter()
+                    .enumerate()
+                    .all(|(i, be)| backends.get(&(*id, i as u32 + 1)) == Some(be));
+                if !intact {
+                    sets.push((*id, list.clone()));
+                }
+            }
+            for (fk, spec) in &inst.maps.frontends {
+                let value = frontend_value(inst.svc_id, spec, &inst.maps, &inst.set_ids);
+                if frontends.get(fk) != Some(&value) {
+                    fronts.push((*fk, value));
+                }
+            }
+        }
+        let mut ops = 0;
+        // Backends before the frontends that name them.
+        for (id, list) in &sets {
+            ops += self.write_set(*id, list)?;
+        }
+        for (fk, value) in &fronts {
+            self.maps.set_frontend(fk, value)?;
+            ops += 1;
+        }
+        if ops > 0 {
+            tracing::info!(
+                frontends = fronts.len(),
+                backend_sets = sets.len(),
+                "eBPF map entries changed by others written again"
+            );
         }
         Ok(ops)
     }

@@ -1,7 +1,8 @@
 //! The eBPF dataplane of one node, whole: the object loaded (pinned or not), the socket
 //! programs on a cgroup, the tc programs on every interface carrying a NodePort address
-//! (followed as addresses appear) and on every interface the node routes its local endpoints
-//! through (where the replies of connections SNATed to the node come back from local pods),
+//! (followed as addresses appear) and on every interface the node routes its endpoints
+//! through, local or remote (where the replies of connections SNATed to the node come back:
+//! from local pods, or through a tunnel device from other nodes' pods),
 //! the applier, the closing of UDP sockets connected to removed backends, the collector and
 //! the fill levels the metrics and `/healthz` report.
 //!
@@ -183,6 +184,22 @@ impl Dataplane {
                 interfaces.insert(name.clone());
             }
         }
+        // Replies of connections SNATed to a remote backend come back through the device
+        // that backend is routed through (a tunnel device, a pod network's link): the tc
+        // programs go there too, found by longest prefix match in the main routing tables
+        // (one dump per family and sync, not one lookup per endpoint).
+        let remote: BTreeSet<IpAddr> = desired
+            .families
+            .iter()
+            .flat_map(|f| f.services.values())
+            .flat_map(|s| s.cluster_endpoints.iter().chain(&s.local_endpoints))
+            .filter(|e| !e.local)
+            .map(|e| e.ip)
+            .collect();
+        if !remote.is_empty() {
+            let table = route_table();
+            interfaces.extend(remote.iter().filter_map(|ip| route_device(&table, *ip)));
+        }
         if self
             .last_collect
             .is_none_or(|t| t.elapsed() >= self.config.collect_every)
@@ -263,6 +280,60 @@ pub fn route_interface(ip: IpAddr) -> Option<String> {
     (dev != "lo").then(|| dev.to_string())
 }
 
+/// The main routing tables of both families (`ip -o route show`, `ip -o -6 route show`):
+/// (destination, device) per route, the default routes as `/0`.
+pub fn route_table() -> Vec<(ipnet::IpNet, String)> {
+    let mut out = Vec::new();
+    for family in ["-4", "-6"] {
+        let Ok(o) = std::process::Command::new("ip")
+            .args([family, "-o", "route", "show"])
+            .output()
+        else {
+            continue;
+        };
+        if o.status.success() {
+            out.extend(parse_routes(
+                &String::from_utf8_lossy(&o.stdout),
+                family == "-6",
+            ));
+        }
+    }
+    out
+}
+
+/// Parses `ip -o route show` lines into (destination, device).
+pub fn parse_routes(text: &str, v6: bool) -> Vec<(ipnet::IpNet, String)> {
+    text.lines()
+        .filter_map(|line| {
+            let mut words = line.split_whitespace();
+            let mut dest = words.next()?;
+            // Route types ahead of the destination (`unreachable`, `blackhole`, ...) carry
+            // no device.
+            if matches!(dest, "unicast") {
+                dest = words.next()?;
+            }
+            let net: ipnet::IpNet = match dest {
+                "default" if v6 => "::/0".parse().ok()?,
+                "default" => "0.0.0.0/0".parse().ok()?,
+                d if d.contains('/') => d.parse().ok()?,
+                d => ipnet::IpNet::from(d.parse::<IpAddr>().ok()?),
+            };
+            words.find(|w| *w == "dev")?;
+            Some((net, words.next()?.to_string()))
+        })
+        .collect()
+}
+
+/// The device of the longest prefix in `table` containing `ip`, unless it is the loopback.
+pub fn route_device(table: &[(ipnet::IpNet, String)], ip: IpAddr) -> Option<String> {
+    table
+        .iter()
+        .filter(|(net, _)| net.contains(&ip))
+        .max_by_key(|(net, _)| net.prefix_len())
+        .filter(|(_, dev)| dev != "lo")
+        .map(|(_, dev)| dev.clone())
+}
+
 /// Every (interface, address) of this network namespace.
 pub fn local_addresses() -> Result<Vec<(String, IpAddr)>, Error> {
     let mut out = Vec::new();
@@ -302,6 +373,31 @@ pub fn cgroup2_mount_in(mountinfo: &str) -> Option<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_remote_endpoint_is_routed_through_the_device_of_its_longest_prefix() {
+        let table = parse_routes(
+            "default via 192.0.2.1 dev eth0 proto static\n\
+             10.244.2.0/24 via 10.244.2.0 dev flannel.1 onlink\n\
+             10.244.2.7 dev vpod7 scope link\n\
+             192.0.2.0/24 dev eth0 proto kernel scope link src 192.0.2.10\n\
+             blackhole 10.9.0.0/16\n",
+            false,
+        );
+        assert_eq!(table.len(), 4, "{table:?}");
+        let dev = |ip: &str| route_device(&table, ip.parse().unwrap());
+        assert_eq!(dev("10.244.2.5").as_deref(), Some("flannel.1"));
+        assert_eq!(dev("10.244.2.7").as_deref(), Some("vpod7"));
+        assert_eq!(dev("198.51.100.1").as_deref(), Some("eth0"));
+        let v6 = parse_routes(
+            "default via fe80::1 dev eth1 metric 1024 pref medium\n",
+            true,
+        );
+        assert_eq!(
+            route_device(&v6, "2001:db8::1".parse().unwrap()).as_deref(),
+            Some("eth1")
+        );
+    }
 
     #[test]
     fn the_cgroup2_mount_is_found_in_a_hybrid_hierarchy() {

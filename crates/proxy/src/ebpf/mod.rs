@@ -1,11 +1,11 @@
-//! eBPF backend (`--proxy-mode ebpf`, in progress): Services served by tc and cgroup socket
+//! eBPF backend (`--proxy-mode ebpf`): Services served by tc and cgroup socket
 //! programs looking them up in BPF maps, with no iptables or nftables rules.
 //!
 //! # Programs (`bpf/nodeport.c`, compiled by `build.rs` with clang, loaded with aya 0.14)
 //!
 //! | program | hook | does |
 //! | --- | --- | --- |
-//! | `np_tc_ingress` | tc ingress, interfaces carrying NodePort addresses and those towards local endpoints | reverses replies (`np_nat`); translates known connections (`np_ct`); opens connections to external frontends (`np_services`, scope external): source ranges, affinity, random or Maglev choice, DNAT, SNAT to the node under the Cluster policy or for remote backends; forwards with `bpf_fib_lookup` + `bpf_redirect_neigh`; no endpoints: ICMP (ICMPv6) port unreachable, or drop under a Local policy |
+//! | `np_tc_ingress` | tc ingress, interfaces carrying NodePort addresses and those the node routes endpoints (local or remote) through | reverses replies (`np_nat`); translates known connections (`np_ct`); opens connections to external frontends (`np_services`, scope external): source ranges, affinity, random or Maglev choice, DNAT, SNAT to the node under the Cluster policy or for remote backends; forwards with `bpf_fib_lookup` + `bpf_redirect_neigh`; no endpoints: ICMP (ICMPv6) port unreachable, or drop under a Local policy |
 //! | `np_tc_egress` | tc egress, same interfaces | reverses replies of local backends (`np_nat`) |
 //! | `np_connect4/6`, `np_sendmsg4/6` | cgroup socket hooks | rewrite the destination of sockets to a backend (scope internal: ClusterIPs, and NodePorts, external and load-balancer IPs reached from the node) |
 //! | `np_recvmsg4/6`, `np_getpeername4/6` | cgroup socket hooks | show the service address back to the application (`np_sock_rev`) |
@@ -36,7 +36,7 @@
 //! ports: a connection of the node itself to a backend, from the very port a SNATed flow to
 //! that backend uses, would have its replies taken for the SNATed flow's. Packets of pods
 //! outside the dataplane's cgroup to a ClusterIP are served by tc only on interfaces the
-//! programs are on (those carrying NodePort addresses and those towards local endpoints).
+//! programs are on (those carrying NodePort addresses and those routing endpoints).
 
 pub mod apply;
 pub mod dataplane;

@@ -34,7 +34,11 @@ pub const SOCK_PROGRAMS: [&str; 8] = [
     "np_getpeername6_prog",
 ];
 
-/// Map sizes (`--ebpf-*-map-max` when the mode is wired to flags). The defaults hold the
+/// The LRU maps: full, they evict their least recently used entries (live connections,
+/// affinities) instead of refusing new ones.
+pub const LRU_MAPS: [&str; 4] = [names::CT, names::NAT, names::AFFINITY, names::SOCK_REV];
+
+/// Map sizes (`--ebpf-*-map-size`). The defaults hold the
 /// benchmark's 100,000 Services × 10 endpoints, with Cilium's conntrack size.
 ///
 /// Memory (kernel 6.18, `bpftool map show`): the LRU maps are preallocated, about 160 bytes

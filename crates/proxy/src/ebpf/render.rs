@@ -42,6 +42,15 @@ pub enum Algorithm {
 }
 
 impl Algorithm {
+    /// Parses the flag value (`random`, `maglev`).
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "random" => Some(Algorithm::Random),
+            "maglev" => Some(Algorithm::Maglev),
+            _ => None,
+        }
+    }
+
     /// The flag value.
     pub fn as_str(self) -> &'static str {
         match self {
