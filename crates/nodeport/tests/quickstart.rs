@@ -95,7 +95,8 @@ fn quickstart(uid: u32) -> (Vec<String>, std::process::ExitStatus, String) {
     )
 }
 
-const PACKAGES: &str = "gcc iproute2 iptables kubernetes-client nftables protobuf-compiler";
+const PACKAGES: &str =
+    "bpftool clang-19 gcc iproute2 iptables kubernetes-client nftables protobuf-compiler";
 
 #[test]
 fn as_root_the_quick_start_installs_what_is_missing_builds_and_runs_the_lab() {

@@ -66,10 +66,12 @@ use std::net::{IpAddr, SocketAddr};
 use ipnet::IpNet;
 
 use super::names::*;
-use super::render::{kube_proxy_service, localhost_nodeports, localnet_check, loopback};
+use super::render::{
+    base_chains, kube_proxy_service, localhost_nodeports, localnet_check, loopback,
+};
 use super::ruleset::{
-    AddrMatch, BaseHook, BaseObjects, Chain, ChainType, CtKey, ElemKey, Element, Expr, Hook,
-    KeyType, LookupKey, MapKey, Rule, ServiceObjects, Set, Verdict, ct_status,
+    AddrMatch, BaseObjects, Chain, CtKey, ElemKey, Element, Expr, KeyType, LookupKey, MapKey, Rule,
+    ServiceObjects, Set, Verdict, ct_status,
 };
 use crate::config::NodeConfig;
 use crate::desired::{EndpointTarget, FamilyState, ServicePortState};
@@ -178,18 +180,6 @@ fn set(name: &str, key: KeyType, comment: &str) -> Set {
         timeout: None,
         comment: Some(comment.to_string()),
         size: None,
-    }
-}
-
-fn base(name: &str, kind: ChainType, hook: Hook, priority: i32, rules: Vec<Rule>) -> Chain {
-    Chain {
-        name: name.to_string(),
-        base: Some(BaseHook {
-            kind,
-            hook,
-            priority,
-        }),
-        rules,
     }
 }
 
@@ -369,70 +359,7 @@ pub fn render_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
         new_jump(NODEPORT_ENDPOINTS_CHECK),
         new_jump(SERVICE_ENDPOINTS_CHECK),
     ]);
-    let mut chains = vec![
-        base(
-            FILTER_PREROUTING_PRE_DNAT,
-            ChainType::Filter,
-            Hook::Prerouting,
-            -110,
-            vec![new_jump(FIREWALL_CHECK)],
-        ),
-        base(
-            FILTER_OUTPUT_PRE_DNAT,
-            ChainType::Filter,
-            Hook::Output,
-            -110,
-            vec![new_jump(FIREWALL_CHECK)],
-        ),
-        base(
-            FILTER_INPUT,
-            ChainType::Filter,
-            Hook::Input,
-            0,
-            filter_input,
-        ),
-        base(
-            FILTER_FORWARD,
-            ChainType::Filter,
-            Hook::Forward,
-            0,
-            vec![
-                new_jump(SERVICE_ENDPOINTS_CHECK),
-                new_jump(CLUSTER_IPS_CHECK),
-            ],
-        ),
-        base(
-            FILTER_OUTPUT,
-            ChainType::Filter,
-            Hook::Output,
-            0,
-            vec![
-                new_jump(SERVICE_ENDPOINTS_CHECK),
-                new_jump(CLUSTER_IPS_CHECK),
-            ],
-        ),
-        base(
-            NAT_PREROUTING,
-            ChainType::Nat,
-            Hook::Prerouting,
-            -100,
-            vec![Rule::new(vec![jump(SERVICES)])],
-        ),
-        base(
-            NAT_OUTPUT,
-            ChainType::Nat,
-            Hook::Output,
-            -100,
-            vec![Rule::new(vec![jump(SERVICES)])],
-        ),
-        base(
-            NAT_POSTROUTING,
-            ChainType::Nat,
-            Hook::Postrouting,
-            100,
-            vec![Rule::new(vec![jump(MASQUERADING)])],
-        ),
-    ];
+    let mut chains = base_chains(filter_input);
 
     let mut cluster_ips_check = vec![Rule::commented(
         vec![

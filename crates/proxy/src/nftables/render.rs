@@ -70,6 +70,77 @@ fn base(name: &str, kind: ChainType, hook: Hook, priority: i32, rules: Vec<Rule>
     }
 }
 
+/// The base chains, with kube-proxy's hooks and priorities, shared by both layouts (the
+/// public contract, documented in the module doc: DNAT at dstnat, masquerade at srcnat,
+/// no-endpoint filtering in filter chains); `filter_input` is the input chain's rules.
+pub(super) fn base_chains(filter_input: Vec<Rule>) -> Vec<Chain> {
+    let new_jump = |to: &str| Rule::new(vec![Expr::CtStateNew, jump(to)]);
+    vec![
+        base(
+            FILTER_PREROUTING_PRE_DNAT,
+            ChainType::Filter,
+            Hook::Prerouting,
+            -110,
+            vec![new_jump(FIREWALL_CHECK)],
+        ),
+        base(
+            FILTER_OUTPUT_PRE_DNAT,
+            ChainType::Filter,
+            Hook::Output,
+            -110,
+            vec![new_jump(FIREWALL_CHECK)],
+        ),
+        base(
+            FILTER_INPUT,
+            ChainType::Filter,
+            Hook::Input,
+            0,
+            filter_input,
+        ),
+        base(
+            FILTER_FORWARD,
+            ChainType::Filter,
+            Hook::Forward,
+            0,
+            vec![
+                new_jump(SERVICE_ENDPOINTS_CHECK),
+                new_jump(CLUSTER_IPS_CHECK),
+            ],
+        ),
+        base(
+            FILTER_OUTPUT,
+            ChainType::Filter,
+            Hook::Output,
+            0,
+            vec![
+                new_jump(SERVICE_ENDPOINTS_CHECK),
+                new_jump(CLUSTER_IPS_CHECK),
+            ],
+        ),
+        base(
+            NAT_PREROUTING,
+            ChainType::Nat,
+            Hook::Prerouting,
+            -100,
+            vec![Rule::new(vec![jump(SERVICES)])],
+        ),
+        base(
+            NAT_OUTPUT,
+            ChainType::Nat,
+            Hook::Output,
+            -100,
+            vec![Rule::new(vec![jump(SERVICES)])],
+        ),
+        base(
+            NAT_POSTROUTING,
+            ChainType::Nat,
+            Hook::Postrouting,
+            100,
+            vec![Rule::new(vec![jump(MASQUERADING)])],
+        ),
+    ]
+}
+
 /// Whether this family serves localhost NodePorts: a CIDR of `--nodeport-addresses` selected
 /// an IPv4 loopback address (`127.0.0.0/8`, `127.0.0.1/32`).
 ///
@@ -237,70 +308,7 @@ pub fn kube_proxy_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects 
     // Base chains with kube-proxy's hooks and priorities; the public contract (DNAT at
     // dstnat, masquerade at srcnat, no-endpoint filtering in filter chains) is documented
     // in the module doc.
-    let mut chains = vec![
-        base(
-            FILTER_PREROUTING_PRE_DNAT,
-            ChainType::Filter,
-            Hook::Prerouting,
-            -110,
-            vec![new_jump(FIREWALL_CHECK)],
-        ),
-        base(
-            FILTER_OUTPUT_PRE_DNAT,
-            ChainType::Filter,
-            Hook::Output,
-            -110,
-            vec![new_jump(FIREWALL_CHECK)],
-        ),
-        base(
-            FILTER_INPUT,
-            ChainType::Filter,
-            Hook::Input,
-            0,
-            filter_input,
-        ),
-        base(
-            FILTER_FORWARD,
-            ChainType::Filter,
-            Hook::Forward,
-            0,
-            vec![
-                new_jump(SERVICE_ENDPOINTS_CHECK),
-                new_jump(CLUSTER_IPS_CHECK),
-            ],
-        ),
-        base(
-            FILTER_OUTPUT,
-            ChainType::Filter,
-            Hook::Output,
-            0,
-            vec![
-                new_jump(SERVICE_ENDPOINTS_CHECK),
-                new_jump(CLUSTER_IPS_CHECK),
-            ],
-        ),
-        base(
-            NAT_PREROUTING,
-            ChainType::Nat,
-            Hook::Prerouting,
-            -100,
-            vec![Rule::new(vec![jump(SERVICES)])],
-        ),
-        base(
-            NAT_OUTPUT,
-            ChainType::Nat,
-            Hook::Output,
-            -100,
-            vec![Rule::new(vec![jump(SERVICES)])],
-        ),
-        base(
-            NAT_POSTROUTING,
-            ChainType::Nat,
-            Hook::Postrouting,
-            100,
-            vec![Rule::new(vec![jump(MASQUERADING)])],
-        ),
-    ];
+    let mut chains = base_chains(filter_input);
 
     let mut cluster_ips_check = vec![Rule::commented(
         vec![
