@@ -26,6 +26,10 @@ fi
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
-cargo test --workspace --locked --no-fail-fast
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+cargo test --workspace --locked --no-fail-fast 2>&1 | tee "$log"
 # The Debian package: built, installed, verified and removed (a release build).
 bash scripts/package.sh
+# One closing line for the whole run (each test binary printed its own above).
+awk '/^test result:/ {p += $4; f += $6} END {printf "tests: %d passed, %d failed\n", p, f}' "$log"
