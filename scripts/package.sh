@@ -18,7 +18,10 @@ CARGO_DEB_VERSION=3.8.0   # builds with Rust 1.95
 target=${CARGO_TARGET_DIR:-target}
 
 nodeport_install package
-if ! cargo deb --version 2>/dev/null | grep -qx "cargo-deb $CARGO_DEB_VERSION"; then
+# (Outputs are read into variables before grep -q looks at them: under pipefail, grep -q
+# leaving early would fail its pipeline with the writer's SIGPIPE.)
+installed_deb=$(cargo deb --version 2>/dev/null || true)
+if ! grep -qx "cargo-deb $CARGO_DEB_VERSION" <<<"$installed_deb"; then
   cargo install cargo-deb --locked --version "$CARGO_DEB_VERSION"
 fi
 
@@ -43,7 +46,8 @@ if [ "$(id -u)" -ne 0 ]; then
   echo "package.sh: installing the package to check it needs root" >&2
   exit 1
 fi
-if dpkg-query -W -f='${Status}' nodeport 2>/dev/null | grep -q 'installed\|config-files'; then
+status=$(dpkg-query -W -f='${Status}' nodeport 2>/dev/null || true)
+if grep -q 'installed\|config-files' <<<"$status"; then
   echo "package.sh: a nodeport package is already on this machine; not touching it" >&2
   exit 1
 fi
@@ -71,12 +75,13 @@ cat "$work/version"
 
 # No debug sections in the shipped binary; line tables in the separate debug file.
 # (.debug_gdb_scripts is not debug information: a loaded section naming gdb's pretty-printers.)
-if readelf -S -W /usr/bin/nodeport | grep -v '\.debug_gdb_scripts' | grep -q '\.debug_'; then
-  fail "/usr/bin/nodeport carries debug sections"
-fi
+sections=$(readelf -S -W /usr/bin/nodeport 2>/dev/null || true)
+debug_sections=$(grep '\.debug_' <<<"$sections" | grep -v '\.debug_gdb_scripts' || true)
+[ -z "$debug_sections" ] || fail "/usr/bin/nodeport carries debug sections: $debug_sections"
 debug_file=$(dpkg -L nodeport | grep '^/usr/lib/debug/.build-id/.*\.debug$' || true)
 [ -n "$debug_file" ] || fail "no separate debug file under /usr/lib/debug/.build-id"
-readelf -S -W "$debug_file" 2>/dev/null | grep -q '\.debug_line' || fail "$debug_file has no line tables"
+sections=$(readelf -S -W "$debug_file" 2>/dev/null || true)
+grep -q '\.debug_line' <<<"$sections" || fail "$debug_file has no line tables"
 # A panic (stdout is /dev/full: println! fails) shows file and line in its backtrace.
 set +e
 RUST_BACKTRACE=1 /usr/bin/nodeport version >/dev/full 2>"$work/panic"
