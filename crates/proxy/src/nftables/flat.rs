@@ -67,7 +67,8 @@ use ipnet::IpNet;
 
 use super::names::*;
 use super::render::{
-    base_chains, kube_proxy_service, localhost_nodeports, localnet_check, loopback,
+    base_chains, cluster_ips_check, kube_proxy_service, localhost_nodeports, localnet_check,
+    loopback,
 };
 use super::ruleset::{
     AddrMatch, BaseObjects, Chain, CtKey, ElemKey, Element, Expr, KeyType, LookupKey, MapKey, Rule,
@@ -361,28 +362,7 @@ pub fn render_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
     ]);
     let mut chains = base_chains(filter_input);
 
-    let mut cluster_ips_check = vec![Rule::commented(
-        vec![
-            Expr::Daddr {
-                negate: false,
-                value: AddrMatch::Set(CLUSTER_IPS.to_string()),
-            },
-            Expr::Verdict(Verdict::Reject),
-        ],
-        "Reject traffic to invalid ports of ClusterIPs",
-    )];
-    if !state.service_cidrs.is_empty() {
-        cluster_ips_check.push(Rule::commented(
-            vec![
-                Expr::Daddr {
-                    negate: false,
-                    value: AddrMatch::Nets(state.service_cidrs.clone()),
-                },
-                Expr::Verdict(Verdict::Drop),
-            ],
-            "Drop traffic to unallocated ClusterIPs",
-        ));
-    }
+    let cluster_ips_check = cluster_ips_check(state);
     // The NodePort destination test, as in kube-proxy's layout.
     let nodeport_dst: Vec<Expr> = if match_all {
         vec![

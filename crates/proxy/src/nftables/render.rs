@@ -141,6 +141,34 @@ pub(super) fn base_chains(filter_input: Vec<Rule>) -> Vec<Chain> {
     ]
 }
 
+/// `cluster-ips-check`, the same in both layouts: packets to a ClusterIP on a port it does not
+/// serve are rejected, and packets to an unallocated address of a ServiceCIDR dropped.
+pub(super) fn cluster_ips_check(state: &FamilyState) -> Vec<Rule> {
+    let mut cluster_ips_check = vec![Rule::commented(
+        vec![
+            Expr::Daddr {
+                negate: false,
+                value: AddrMatch::Set(CLUSTER_IPS.to_string()),
+            },
+            Expr::Verdict(Verdict::Reject),
+        ],
+        "Reject traffic to invalid ports of ClusterIPs",
+    )];
+    if !state.service_cidrs.is_empty() {
+        cluster_ips_check.push(Rule::commented(
+            vec![
+                Expr::Daddr {
+                    negate: false,
+                    value: AddrMatch::Nets(state.service_cidrs.clone()),
+                },
+                Expr::Verdict(Verdict::Drop),
+            ],
+            "Drop traffic to unallocated ClusterIPs",
+        ));
+    }
+    cluster_ips_check
+}
+
 /// Whether this family serves localhost NodePorts: a CIDR of `--nodeport-addresses` selected
 /// an IPv4 loopback address (`127.0.0.0/8`, `127.0.0.1/32`).
 ///
@@ -310,28 +338,7 @@ pub fn kube_proxy_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects 
     // in the module doc.
     let mut chains = base_chains(filter_input);
 
-    let mut cluster_ips_check = vec![Rule::commented(
-        vec![
-            Expr::Daddr {
-                negate: false,
-                value: AddrMatch::Set(CLUSTER_IPS.to_string()),
-            },
-            Expr::Verdict(Verdict::Reject),
-        ],
-        "Reject traffic to invalid ports of ClusterIPs",
-    )];
-    if !state.service_cidrs.is_empty() {
-        cluster_ips_check.push(Rule::commented(
-            vec![
-                Expr::Daddr {
-                    negate: false,
-                    value: AddrMatch::Nets(state.service_cidrs.clone()),
-                },
-                Expr::Verdict(Verdict::Drop),
-            ],
-            "Drop traffic to unallocated ClusterIPs",
-        ));
-    }
+    let cluster_ips_check = cluster_ips_check(state);
     let not_loopback = Expr::Daddr {
         negate: true,
         value: AddrMatch::Net(loopback(family)),
