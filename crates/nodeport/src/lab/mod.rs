@@ -172,6 +172,9 @@ pub fn down(id: &str) -> anyhow::Result<()> {
 struct Lab {
     plan: Plan,
     dir: LabDir,
+    /// The owner's lock on the lab directory, held until this process ends (see
+    /// [`state::sweep_abandoned`]).
+    _owner: std::fs::File,
     state: State,
     processes: Processes,
     pods: Vec<Netns>,
@@ -207,6 +210,7 @@ impl Lab {
                     None => anyhow::anyhow!("{what}: no free lab id"),
                 }
             })?;
+        let owner = dir.lock_as_owner().context("lock the lab directory")?;
         let plan = Plan::new(&id, config.replicas);
         let state = State {
             id: id.clone(),
@@ -218,6 +222,7 @@ impl Lab {
         let lab = Self {
             plan,
             dir,
+            _owner: owner,
             state,
             processes: Processes::default(),
             pods: Vec::new(),

@@ -18,6 +18,8 @@ const NETNS_DIR: &str = "/run/netns";
 /// The environment variable set on every process a lab starts, naming the lab: it tells the
 /// lab's processes apart from everything else on the machine.
 pub const LAB_ENV: &str = "NODEPORT_LAB";
+/// The file in a lab's directory that its owner keeps locked while it runs.
+const OWNER_LOCK: &str = "owner.lock";
 
 /// What a lab records about itself before it creates anything.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -75,10 +77,38 @@ impl LabDir {
         self.path.join("logs").join(format!("{process}.log"))
     }
 
-    /// Writes the state file.
+    /// Writes the state file: a new file renamed over the old one, so that a sweep reading it
+    /// meanwhile sees the old state or the new one, never an empty or half-written file.
     pub fn save(&self, state: &State) -> io::Result<()> {
         let text = serde_json::to_string_pretty(state).map_err(io::Error::other)?;
-        std::fs::write(self.join("state.json"), text + "\n")
+        let next = self.join("state.json.next");
+        std::fs::write(&next, text + "\n")?;
+        std::fs::rename(&next, self.join("state.json"))
+    }
+
+    /// Takes the owner's lock (`owner.lock`, an exclusive `flock`), waiting if a sweep holds
+    /// it for a moment. The owner holds it for as long as it lives; the kernel releases it
+    /// when the process ends, however it ends (SIGKILL included).
+    pub fn lock_as_owner(&self) -> io::Result<std::fs::File> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(self.join(OWNER_LOCK))?;
+        file.lock()?;
+        Ok(file)
+    }
+
+    /// Takes the owner's lock if nobody holds it: proof that the lab's `nodeport lab` process
+    /// is gone (whatever became of its PID). `None` while the owner lives, and for a lab whose
+    /// owner has not taken the lock yet (the file does not exist).
+    fn try_lock_abandoned(&self) -> Option<std::fs::File> {
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(self.join(OWNER_LOCK))
+            .ok()?;
+        file.try_lock().ok()?;
+        Some(file)
     }
 
     /// Reads the state file, if there is one.
@@ -147,16 +177,68 @@ pub fn labs() -> Vec<(String, Option<State>)> {
 
 /// Removes labs that were not kept and whose `nodeport lab` process no longer exists (it was
 /// killed before it could clean up). Returns their ids.
+///
+/// "No longer exists" is the owner's lock being free, not its PID being absent from `/proc`:
+/// a check of the PID followed by a read of the state could see a lab as not kept, then its
+/// owner mark it kept and exit, then the PID gone, and tear down a lab left running on purpose
+/// (with whatever ran in it, a user's kubectl included). Holding the lock while reading the
+/// state closes that gap: the owner writes `kept` before it exits and releases the lock.
 pub fn sweep_abandoned() -> Vec<String> {
     labs()
         .into_iter()
-        .filter_map(|(id, state)| {
-            let state = state?;
-            let owner_alive = Path::new(&format!("/proc/{}", state.owner_pid)).exists();
-            (!state.kept && !owner_alive).then(|| {
+        .filter_map(|(id, _)| {
+            let dir = LabDir::of(&id);
+            let _lock = dir.try_lock_abandoned()?;
+            let state = dir.load()?;
+            (!state.kept).then(|| {
                 tear_down(&id);
                 id
             })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dir_in(tmp: &tempfile::TempDir) -> LabDir {
+        LabDir {
+            path: tmp.path().to_owned(),
+        }
+    }
+
+    #[test]
+    fn a_lab_is_abandoned_only_once_its_owner_lock_is_free() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = dir_in(&tmp);
+        // Before the owner has taken the lock (no lock file yet), the lab is not abandoned.
+        assert!(dir.try_lock_abandoned().is_none());
+        let owner = dir.lock_as_owner().unwrap();
+        assert!(dir.try_lock_abandoned().is_none(), "the owner holds it");
+        drop(owner); // what the kernel does when the owner exits, SIGKILL or not
+        let sweeper = dir.try_lock_abandoned().expect("the owner is gone");
+        // While a sweep holds it, a new owner waits rather than fails; here it just shows that
+        // the lock is exclusive.
+        assert!(dir.try_lock_abandoned().is_none());
+        drop(sweeper);
+    }
+
+    #[test]
+    fn the_state_file_is_replaced_whole() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = dir_in(&tmp);
+        let mut state = State {
+            id: "abcde".into(),
+            owner_pid: 1,
+            kept: false,
+            proxy_mode: "nftables".into(),
+            namespaces: vec!["nplab-abcde-client".into()],
+        };
+        dir.save(&state).unwrap();
+        state.kept = true;
+        dir.save(&state).unwrap();
+        assert_eq!(dir.load(), Some(state));
+        assert!(!dir.join("state.json.next").exists());
+    }
 }
