@@ -20,7 +20,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::names::is_affinity_set;
-use super::render::{render_base, render_service};
+use super::flat::SetBounds;
+use super::render::{render_base, render_base_sized, render_service};
 use super::ruleset::{
     BaseHook, BaseObjects, Chain, ElemKey, Element, Expr, Op, Rule, Ruleset, ServiceObjects, Set,
     Table, Transaction, Verdict,
@@ -562,6 +563,8 @@ struct Unit {
     sets: BTreeMap<String, u64>,
     /// Element keys contributed.
     elements: Vec<(&'static str, ElemKey)>,
+    /// What the owner (a Service port) may put into the flat layout's sets.
+    bounds: SetBounds,
 }
 
 type ElemValue = (
@@ -717,6 +720,8 @@ struct AppliedTable {
     elements: HashMap<(&'static str, ElemKey), Contributors>,
     /// Which sets are verdict maps (for `flush map`).
     set_is_map: HashMap<String, bool>,
+    /// The sum of the units' bounds: what the flat sets are sized for.
+    bounds: SetBounds,
 }
 
 fn hash_of<T: Hash>(t: &T) -> u64 {
@@ -850,7 +855,10 @@ impl<K: Kernel> Applier<K> {
             bases = desired
                 .families
                 .iter()
-                .map(|state| render_base(state, config))
+                .map(|state| {
+                    let bounds = self.bounds_after(state, changed.expect("partial"));
+                    render_base_sized(state, config, &bounds)
+                })
                 .collect();
             if self.shared_sets_changed(desired, &bases) {
                 // A shared set re-created (the flat layout's sets grow their `size` in steps)
@@ -914,6 +922,24 @@ impl<K: Kernel> Applier<K> {
                 Err(e)
             }
         }
+    }
+
+    /// The flat sets' bounds of `state`'s table once the `changed` ports are applied: the
+    /// applied sum, moved by those ports only.
+    fn bounds_after(&self, state: &FamilyState, changed: &BTreeSet<ServicePortName>) -> SetBounds {
+        let Some(table) = self.tables.get(&state.family) else {
+            return SetBounds::of_state(state);
+        };
+        let mut bounds = table.bounds;
+        for name in changed {
+            if let Some(unit) = table.units.get(&Owner::Service(Arc::new(name.clone()))) {
+                bounds.remove(&unit.bounds);
+            }
+            if let Some(svc) = state.services.get(name) {
+                bounds.add(&SetBounds::of_port(svc));
+            }
+        }
+        bounds
     }
 
     /// Whether a shared (static) set's definition (`bases`, one per desired family) differs
@@ -1056,11 +1082,17 @@ impl<K: Kernel> Applier<K> {
             let base = objects_of_base(base);
             plan.unit(applied, Owner::Base, Some(base), false);
             for name in changed {
-                let objs = state
-                    .services
-                    .get(name)
-                    .map(|svc| render_service(svc, state, config));
-                plan.unit(applied, Owner::Service(Arc::new(name.clone())), objs, false);
+                let owner = Owner::Service(Arc::new(name.clone()));
+                if let Some(unit) = applied.units.get(&owner) {
+                    applied.bounds.remove(&unit.bounds);
+                }
+                let svc = state.services.get(name);
+                let objs = svc.map(|svc| render_service(svc, state, config));
+                plan.unit(applied, owner.clone(), objs, false);
+                if let (Some(svc), Some(unit)) = (svc, applied.units.get_mut(&owner)) {
+                    unit.bounds = SetBounds::of_port(svc);
+                    applied.bounds.add(&unit.bounds);
+                }
             }
             stale.extend(plan.stale.iter().map(|c| (family, c.clone())));
             // A chain waiting for deletion that is wanted again (an endpoint back before its
@@ -1416,7 +1448,12 @@ fn full_table(
     for (name, svc) in &state.services {
         let objects = render_service(svc, state, config);
         let owner = Owner::Service(Arc::new(name.clone()));
-        owner_piece(&mut applied, owner, objects)?;
+        owner_piece(&mut applied, owner.clone(), objects)?;
+        let bounds = SetBounds::of_port(svc);
+        applied.bounds.add(&bounds);
+        if let Some(unit) = applied.units.get_mut(&owner) {
+            unit.bounds = bounds;
+        }
     }
 
     let wanted_chains: HashSet<String> = chain_names(&applied).collect();
