@@ -678,7 +678,9 @@ pub fn render_service(
 ) -> ServiceObjects {
     let port = &svc.port;
     let proto = port.name.protocol;
-    let comment = config.flat_comments.then(|| element_comment(&port.name));
+    let comment: Option<std::sync::Arc<str>> = config
+        .flat_comments
+        .then(|| element_comment(&port.name).into());
     let mut out = ServiceObjects::default();
     let affinity = port.session_affinity_seconds.is_some();
     if affinity {

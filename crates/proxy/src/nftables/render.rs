@@ -463,7 +463,7 @@ pub fn kube_proxy_service(
     let port = &svc.port;
     let proto = port.name.protocol;
     let names = ServiceChainNames::new(&port.name);
-    let comment = port.name.to_string();
+    let comment: std::sync::Arc<str> = port.name.to_string().into();
     let mut out = ServiceObjects::default();
 
     let has_internal = svc.has_internal_endpoints();
