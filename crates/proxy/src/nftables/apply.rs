@@ -19,8 +19,8 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::names::is_affinity_set;
 use super::flat::SetBounds;
+use super::names::is_affinity_set;
 use super::render::{render_base, render_base_sized, render_service};
 use super::ruleset::{
     BaseHook, BaseObjects, Chain, ElemKey, Element, Expr, Op, Rule, Ruleset, ServiceObjects, Set,

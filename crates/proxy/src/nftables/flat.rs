@@ -284,8 +284,13 @@ impl SetBounds {
     /// The bound of flat set `set`, if Service ports fill it.
     fn of_set(&self, set: &str) -> Option<usize> {
         let n = match set {
-            CLUSTER_IPS | SERVICE_IPS | NO_ENDPOINT_SERVICES | NO_LOCAL_ENDPOINT_SERVICES
-            | FIREWALL_IPS | MASQUERADE_IPS | LOCAL_POLICY_IPS => self.dsts,
+            CLUSTER_IPS
+            | SERVICE_IPS
+            | NO_ENDPOINT_SERVICES
+            | NO_LOCAL_ENDPOINT_SERVICES
+            | FIREWALL_IPS
+            | MASQUERADE_IPS
+            | LOCAL_POLICY_IPS => self.dsts,
             SERVICE_NODEPORTS
             | NO_ENDPOINT_NODEPORTS
             | NO_LOCAL_ENDPOINT_NODEPORTS

@@ -580,7 +580,12 @@ fn partial_syncs_size_the_sets_as_a_full_render_of_the_same_state_would() {
     let many: String = (0..100)
         .map(|i| format!("- {{addresses: [10.244.7.{}]}}\n", i + 1))
         .collect();
-    for eps in [many.as_str(), THREE_ENDPOINTS, "- {addresses: [10.244.1.1]}", &many] {
+    for eps in [
+        many.as_str(),
+        THREE_ENDPOINTS,
+        "- {addresses: [10.244.1.1]}",
+        &many,
+    ] {
         let touched = change_endpoints(&mut w, &mut d, eps);
         a.sync(&d, &w.config, Some(&touched)).unwrap();
         check(&a, &d, &w);
