@@ -788,7 +788,28 @@ fn bootstrap_policy_is_reconciled_on_restart_and_autoupdate_false_is_left_alone(
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let mut server = start(dir.path(), &[]);
+    reconciliation_checks(dir.path(), &[]);
+}
+
+#[test]
+fn bootstrap_policy_is_reconciled_on_restart_on_etcd_and_autoupdate_false_is_left_alone() {
+    if !kubectl_available() || !apiserver_support::etcd::etcd_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = apiserver_support::etcd::Etcd::start(&dir.path().join("etcd"));
+    let url = etcd.url();
+    reconciliation_checks(dir.path(), &["--etcd-servers", &url]);
+}
+
+/// Reconciliation of the bootstrap policy on a restart, as kube-apiserver's
+/// `EnsureRBACPolicy` post-start hook does it (`reconciliation.ReconcileRoleOptions`): a
+/// deleted bootstrap role is created again, rules removed from one are added back while a
+/// rule the user added is kept (`Confirm`: the union), and an object annotated
+/// `rbac.authorization.kubernetes.io/autoupdate: "false"` is left as the user made it.
+/// `extra`: the store's flags, the same on both starts.
+fn reconciliation_checks(dir: &std::path::Path, extra: &[&str]) {
+    let mut server = start(dir, extra);
     // Remove a rule from node-proxier and add one of our own; delete system:discovery; mark
     // system:basic-user as ours.
     ok(
@@ -807,6 +828,25 @@ fn bootstrap_policy_is_reconciled_on_restart_and_autoupdate_false_is_left_alone(
         &server,
         None,
         &["delete", "clusterrole", "system:discovery"],
+    );
+    // Bindings likewise: the node-proxier binding loses its subject and gains one of ours;
+    // the discovery binding is deleted.
+    ok(
+        &server,
+        None,
+        &[
+            "patch",
+            "clusterrolebinding",
+            "system:node-proxier",
+            "--type=json",
+            "-p",
+            r#"[{"op":"replace","path":"/subjects","value":[{"apiGroup":"rbac.authorization.k8s.io","kind":"User","name":"alice"}]}]"#,
+        ],
+    );
+    ok(
+        &server,
+        None,
+        &["delete", "clusterrolebinding", "system:discovery"],
     );
     ok(
         &server,
@@ -831,17 +871,10 @@ fn bootstrap_policy_is_reconciled_on_restart_and_autoupdate_false_is_left_alone(
             r#"[{"op":"replace","path":"/rules","value":[{"apiGroups":[""],"resources":["configmaps"],"verbs":["get"]}]}]"#,
         ],
     );
+    // Unbound now: the restart is what gives it back.
+    refused(&server, Some(PROXY), &["get", "--raw", "/api/v1/services"]);
     server.terminate();
-    let tokens = dir.path().join("tokens.csv");
-    let server = Server::start(
-        &dir.path().join("data"),
-        &[
-            "--authorization-mode",
-            "RBAC",
-            "--token-auth-file",
-            tokens.to_str().unwrap(),
-        ],
-    );
+    let server = start(dir, extra);
     let proxier = ok(
         &server,
         None,
@@ -852,6 +885,31 @@ fn bootstrap_policy_is_reconciled_on_restart_and_autoupdate_false_is_left_alone(
         "rules restored and the user's kept:\n{proxier}"
     );
     ok(&server, None, &["get", "clusterrole", "system:discovery"]);
+    ok(
+        &server,
+        None,
+        &["get", "clusterrolebinding", "system:discovery"],
+    );
+    let binding = ok(
+        &server,
+        None,
+        &[
+            "get",
+            "clusterrolebinding",
+            "system:node-proxier",
+            "-o",
+            "jsonpath={.subjects[*].name}",
+        ],
+    );
+    let subjects: Vec<&str> = binding.split_whitespace().collect();
+    assert!(
+        subjects.contains(&"system:kube-proxy") && subjects.contains(&"alice"),
+        "the bootstrap subject restored and the user's kept: {subjects:?}"
+    );
+    // And the restored binding works: the proxy's user may list Services again. (Not with
+    // `auth can-i`: system:basic-user, which grants SelfSubjectAccessReviews, is the one
+    // stripped above and left so.)
+    ok(&server, Some(PROXY), &["get", "--raw", "/api/v1/services"]);
     let basic = ok(
         &server,
         None,
