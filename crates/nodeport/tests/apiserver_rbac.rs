@@ -16,6 +16,36 @@ const ALICE: &str = "alice";
 const BOB: &str = "bob";
 const PROXY: &str = "system:kube-proxy";
 
+/// alice's bearer token in [`tokens`]'s file.
+const ALICE_TOKEN: &str = "alice-token-0123456789";
+
+/// A GET with a bearer token and extra headers; `(status, body)`. (kubectl sends no token over
+/// plain HTTP, and its `--as` comes from the administrator.)
+fn raw(server: &Server, token: &str, headers: &[(&str, &str)], path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+    let mut request = format!(
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nAccept: application/json\r\nAuthorization: Bearer {token}\r\n"
+    );
+    for (name, value) in headers {
+        request.push_str(&format!("{name}: {value}\r\n"));
+    }
+    request.push_str("\r\n");
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no HTTP status in {response:?}"));
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
 fn tokens(dir: &std::path::Path) -> std::path::PathBuf {
     let path = dir.join("tokens.csv");
     std::fs::write(
@@ -747,6 +777,165 @@ fn rbac_checks(server: &Server) {
     );
     ok(server, None, &["delete", "clusterrolebinding", "bob-nodes"]);
     refused(server, Some(BOB), &["get", "nodes"]);
+
+    // RBAC kinds are watched like any other (kubectl get -w; an informer of bindings).
+    let (success, stdout, stderr) = run(
+        server,
+        None,
+        &[
+            "get",
+            "--raw",
+            "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings?watch=1&timeoutSeconds=1",
+        ],
+    );
+    assert!(
+        success && stdout.contains(r#""type":"ADDED""#) && stdout.contains("system:node-proxier"),
+        "{stdout}\n{stderr}"
+    );
+
+    // Group and ServiceAccount subjects (kubectl --as-group; a service account impersonated
+    // without groups is in system:serviceaccounts and system:serviceaccounts:<namespace>, as
+    // kube's impersonation filter puts it).
+    ok(
+        server,
+        None,
+        &[
+            "create",
+            "rolebinding",
+            "ops-view",
+            "--clusterrole=view",
+            "--group=ops",
+            "-n",
+            "team-x",
+        ],
+    );
+    ok(
+        server,
+        None,
+        &[
+            "get",
+            "services",
+            "-n",
+            "team-x",
+            "--as",
+            "carol",
+            "--as-group",
+            "ops",
+        ],
+    );
+    refused(server, Some("carol"), &["get", "services", "-n", "team-x"]);
+    let robot = "system:serviceaccount:team-x:robot";
+    ok(
+        server,
+        None,
+        &[
+            "create",
+            "rolebinding",
+            "robot-view",
+            "--clusterrole=view",
+            "--serviceaccount=team-x:robot",
+            "-n",
+            "team-a",
+        ],
+    );
+    ok(server, Some(robot), &["get", "services", "-n", "team-a"]);
+    refused(
+        server,
+        Some("system:serviceaccount:team-x:other"),
+        &["get", "services", "-n", "team-a"],
+    );
+    ok(
+        server,
+        None,
+        &[
+            "create",
+            "rolebinding",
+            "team-x-accounts",
+            "--clusterrole=view",
+            "--group=system:serviceaccounts:team-x",
+            "-n",
+            "team-b",
+        ],
+    );
+    ok(server, Some(robot), &["get", "services", "-n", "team-b"]);
+    refused(
+        server,
+        Some("system:serviceaccount:team-y:robot"),
+        &["get", "services", "-n", "team-b"],
+    );
+
+    // Impersonation by a user outside system:masters needs the `impersonate` verb, checked
+    // for the user, each group and the uid separately (kube's `WithImpersonation`), with
+    // kube's 403 for the first one refused.
+    let services = "/api/v1/namespaces/team-c/services";
+    let (code, body) = raw(
+        server,
+        ALICE_TOKEN,
+        &[("Impersonate-User", "bob")],
+        services,
+    );
+    assert_eq!(code, 403, "{body}");
+    assert!(
+        body.contains(r#"users \"bob\" is forbidden: User \"alice\" cannot impersonate resource \"users\" in API group \"\" at the cluster scope"#),
+        "{body}"
+    );
+    let file = server.data_dir.with_extension("impersonate.yaml");
+    std::fs::write(
+        &file,
+        "apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRole\nmetadata: {name: impersonate-bob}\nrules:\n- {apiGroups: [\"\"], resources: [users], verbs: [impersonate], resourceNames: [bob]}\n---\napiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRoleBinding\nmetadata: {name: alice-impersonates-bob}\nroleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: impersonate-bob}\nsubjects:\n- {kind: User, name: alice}\n",
+    )
+    .unwrap();
+    ok(server, None, &["apply", "-f", file.to_str().unwrap()]);
+    // Now alice acts as bob, with bob's rights (svc-reader in team-c, nothing in team-a).
+    let (code, body) = raw(
+        server,
+        ALICE_TOKEN,
+        &[("Impersonate-User", "bob")],
+        services,
+    );
+    assert_eq!(code, 200, "{body}");
+    let (code, body) = raw(
+        server,
+        ALICE_TOKEN,
+        &[("Impersonate-User", "bob")],
+        "/api/v1/namespaces/team-a/services",
+    );
+    assert_eq!(code, 403, "{body}");
+    assert!(
+        body.contains(r#"User \"bob\" cannot list resource \"services\""#),
+        "{body}"
+    );
+    // Only bob: another user, a group or a uid is still refused.
+    let (code, body) = raw(
+        server,
+        ALICE_TOKEN,
+        &[("Impersonate-User", "carol")],
+        services,
+    );
+    assert_eq!(code, 403, "{body}");
+    let (code, body) = raw(
+        server,
+        ALICE_TOKEN,
+        &[("Impersonate-User", "bob"), ("Impersonate-Group", "ops")],
+        services,
+    );
+    assert_eq!(code, 403, "{body}");
+    assert!(
+        body.contains(r#"groups \"ops\" is forbidden: User \"alice\" cannot impersonate resource \"groups\" in API group \"\" at the cluster scope"#),
+        "{body}"
+    );
+    let (code, body) = raw(
+        server,
+        ALICE_TOKEN,
+        &[("Impersonate-User", "bob"), ("Impersonate-Uid", "uid-7")],
+        services,
+    );
+    assert_eq!(code, 403, "{body}");
+    assert!(
+        body.contains(r#"uids.authentication.k8s.io \"uid-7\" is forbidden: User \"alice\" cannot impersonate resource \"uids\" in API group \"authentication.k8s.io\" at the cluster scope"#),
+        "{body}"
+    );
+    ok(server, None, &["delete", "-f", file.to_str().unwrap()]);
 
     // Anyone authenticated may read the version; the health checks too.
     ok(server, Some(BOB), &["get", "--raw", "/version"]);
