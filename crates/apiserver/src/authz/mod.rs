@@ -705,4 +705,33 @@ mod tests {
             Err(ModeError::Duplicate(_))
         ));
     }
+
+    #[test]
+    fn the_default_mode_is_always_allow_on_loopback_and_rbac_beyond_it_and_a_given_list_wins() {
+        let on = |ip: &str, modes: Option<Vec<Mode>>| crate::Config {
+            bind_address: ip.parse().unwrap(),
+            authorization_modes: modes,
+            ..crate::Config::default()
+        };
+        assert_eq!(
+            on("127.0.0.1", None).effective_authorization_modes(),
+            vec![Mode::AlwaysAllow]
+        );
+        assert_eq!(
+            on("::1", None).effective_authorization_modes(),
+            vec![Mode::AlwaysAllow]
+        );
+        assert_eq!(
+            on("192.0.2.10", None).effective_authorization_modes(),
+            vec![Mode::Rbac]
+        );
+        assert_eq!(
+            on("0.0.0.0", None).effective_authorization_modes(),
+            vec![Mode::Rbac]
+        );
+        assert_eq!(
+            on("127.0.0.1", Some(vec![Mode::Rbac])).effective_authorization_modes(),
+            vec![Mode::Rbac]
+        );
+    }
 }
