@@ -627,6 +627,81 @@ fn rbac_checks(server: &Server) {
     ok(server, Some(BOB), &["get", "services", "-n", "team-c"]);
     refused(server, Some(BOB), &["get", "services", "-n", "team-a"]);
 
+    // `bind` and `escalate` (kube's `BindingAuthorized`, `EscalationAllowed`): dave, who holds
+    // nothing of `edit`, may bind exactly `edit` in team-b because he may `bind` that
+    // ClusterRole there, and may write a Role granting what he lacks because he may `escalate`.
+    let file = server.data_dir.with_extension("dave.yaml");
+    std::fs::write(
+        &file,
+        "apiVersion: rbac.authorization.k8s.io/v1\nkind: Role\nmetadata: {name: rbac-delegate, namespace: team-b}\nrules:\n- {apiGroups: [rbac.authorization.k8s.io], resources: [rolebindings, roles], verbs: [create]}\n- {apiGroups: [rbac.authorization.k8s.io], resources: [clusterroles], verbs: [bind], resourceNames: [edit]}\n- {apiGroups: [rbac.authorization.k8s.io], resources: [roles], verbs: [escalate]}\n---\napiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\nmetadata: {name: dave-delegates, namespace: team-b}\nroleRef: {apiGroup: rbac.authorization.k8s.io, kind: Role, name: rbac-delegate}\nsubjects:\n- {kind: User, name: dave}\n",
+    )
+    .unwrap();
+    ok(server, None, &["apply", "-f", file.to_str().unwrap()]);
+    refused(server, Some("dave"), &["get", "services", "-n", "team-b"]);
+    ok(
+        server,
+        Some("dave"),
+        &[
+            "create",
+            "rolebinding",
+            "erin-edits",
+            "--clusterrole=edit",
+            "--user=erin",
+            "-n",
+            "team-b",
+        ],
+    );
+    ok(server, Some("erin"), &["get", "services", "-n", "team-b"]);
+    // `bind` names edit only: admin is refused, with the escalation message.
+    let err = refused(
+        server,
+        Some("dave"),
+        &[
+            "create",
+            "rolebinding",
+            "erin-admins",
+            "--clusterrole=admin",
+            "--user=erin",
+            "-n",
+            "team-b",
+        ],
+    );
+    assert!(
+        err.contains("is attempting to grant RBAC permissions not currently held"),
+        "{err}"
+    );
+    ok(
+        server,
+        Some("dave"),
+        &[
+            "create",
+            "role",
+            "service-deleter",
+            "--verb=delete",
+            "--resource=services",
+            "-n",
+            "team-b",
+        ],
+    );
+    // In another namespace he has neither.
+    let err = refused(
+        server,
+        Some("dave"),
+        &[
+            "create",
+            "role",
+            "service-deleter",
+            "--verb=delete",
+            "--resource=services",
+            "-n",
+            "team-a",
+        ],
+    );
+    assert!(
+        err.contains(r#"User "dave" cannot create resource "roles" in API group "rbac.authorization.k8s.io" in the namespace "team-a""#),
+        "{err}"
+    );
+
     // Watches are authorized when they start.
     let (success, _, _) = run(
         server,
