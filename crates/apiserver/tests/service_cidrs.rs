@@ -121,6 +121,26 @@ async fn service_cidrs_are_validated_with_kubes_texts() {
              networking.ServiceCIDRSpec{CIDRs:[]string{\"10.97.0.0/24\", \"10.98.0.0/24\"}}: may \
              specify no more than one IP for each IP family, i.e 192.168.0.0/24 and 2001:db8::/64",
         ),
+        // kube 1.33 checks the families of two CIDRs first (a CIDR that does not parse fails
+        // that check), then each CIDR strictly (`IsValidCIDR`).
+        (
+            service_cidr("two-bad", &["10.97.0.0/33", "fd00::/108"]),
+            "ServiceCIDR.networking.k8s.io \"two-bad\" is invalid: spec.cidrs: Invalid value: \
+             networking.ServiceCIDRSpec{CIDRs:[]string{\"10.97.0.0/33\", \"fd00::/108\"}}: may \
+             specify no more than one IP for each IP family, i.e 192.168.0.0/24 and 2001:db8::/64",
+        ),
+        (
+            service_cidr("host-bits", &["10.97.0.1/24", "fd00:0:0::/108"]),
+            "ServiceCIDR.networking.k8s.io \"host-bits\" is invalid: [spec.cidrs[0]: Invalid \
+             value: \"10.97.0.1/24\": must not have bits set beyond the prefix length, \
+             spec.cidrs[1]: Invalid value: \"fd00:0:0::/108\": must be in canonical form \
+             (\"fd00::/108\")]",
+        ),
+        (
+            service_cidr("zeros", &["10.097.0.0/24"]),
+            "ServiceCIDR.networking.k8s.io \"zeros\" is invalid: spec.cidrs[0]: Invalid value: \
+             \"10.097.0.0/24\": must not have leading 0s in IP or prefix length",
+        ),
         (
             service_cidr("three", &["10.97.0.0/24", "fd00::/108", "10.98.0.0/24"]),
             "ServiceCIDR.networking.k8s.io \"three\" is invalid: spec.cidrs: Invalid value: \

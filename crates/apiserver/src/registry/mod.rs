@@ -15,6 +15,7 @@ pub mod ip_families;
 pub mod kinds;
 pub mod master_leases;
 pub mod namespace;
+pub mod net_validation;
 pub mod object;
 pub mod patch;
 pub mod selector;

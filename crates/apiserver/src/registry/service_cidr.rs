@@ -79,8 +79,6 @@ pub const TERMINATING_REASON: &str = "Terminating";
 /// Its message, as the ServiceCIDR controller writes it.
 pub const TERMINATING_MESSAGE: &str = "There are still IPAddresses referencing the ServiceCIDR, please remove them or create a new ServiceCIDR";
 
-const CIDR_HINT: &str = "must be a valid CIDR value, (e.g. 10.9.8.0/24 or 2001:db8::/64)";
-
 /// `%#v` of the internal `networking.ServiceCIDRSpec`, as kube prints it in field errors.
 fn go_spec(cidrs: &[String]) -> GoValue<'static> {
     GoValue::Raw(format!(
@@ -89,8 +87,9 @@ fn go_spec(cidrs: &[String]) -> GoValue<'static> {
     ))
 }
 
-/// `ValidateServiceCIDR` (`pkg/apis/networking/validation`): a DNS subdomain name, one or two
-/// CIDRs, each a CIDR, two only of different families.
+/// `ValidateServiceCIDR` (`pkg/apis/networking/validation`, kube 1.33): a DNS subdomain name,
+/// one or two CIDRs, two only of different families, each valid as `IsValidCIDR` (strict:
+/// canonical, no bits beyond the prefix), in that order and with its texts.
 pub fn validate(cidr: &ServiceCIDR) -> Vec<FieldError> {
     let mut errs = validation::object_meta(&cidr.metadata, false, NameRule::Dns1123Subdomain);
     let list = cidrs(cidr);
@@ -109,22 +108,32 @@ pub fn validate(cidr: &ServiceCIDR) -> Vec<FieldError> {
         ));
         return errs;
     }
+    // `netutils.IsDualStackCIDRStrings`: both parse (sloppily) and are of different families;
+    // else this one error and nothing more.
+    if list.len() == 2 {
+        let families: Vec<Option<bool>> = list
+            .iter()
+            .map(|c| super::net_validation::parse_cidr_sloppy(c).map(|(ip, _)| ip.is_ipv6()))
+            .collect();
+        let dual = matches!(families.as_slice(), [Some(a), Some(b)] if a != b);
+        if !dual {
+            errs.push(FieldError::invalid(
+                "spec.cidrs",
+                go_spec(&list),
+                "may specify no more than one IP for each IP family, i.e 192.168.0.0/24 and 2001:db8::/64",
+            ));
+            return errs;
+        }
+    }
+    // `IsValidCIDR`, strict as for every new field.
     for (i, text) in list.iter().enumerate() {
-        if text.parse::<IpNet>().is_err() {
+        for problem in super::net_validation::cidr_problems(text) {
             errs.push(FieldError::invalid(
                 format!("spec.cidrs[{i}]"),
                 GoValue::Str(text),
-                CIDR_HINT,
+                problem,
             ));
         }
-    }
-    let nets = parsed(cidr);
-    if nets.len() == 2 && nets[0].addr().is_ipv6() == nets[1].addr().is_ipv6() {
-        errs.push(FieldError::invalid(
-            "spec.cidrs",
-            go_spec(&list),
-            "may specify no more than one IP for each IP family, i.e 192.168.0.0/24 and 2001:db8::/64",
-        ));
     }
     errs
 }
