@@ -235,6 +235,63 @@ async fn a_second_service_cidr_lets_creates_continue_when_the_first_is_full() {
     assert_consistent(&s).await;
 }
 
+/// kube 1.33's allocator of a ServiceCIDR (`NewIPAllocator`) takes any IPv4 size and IPv6
+/// down to a /64, without the flag's 20-bit cap; a shorter IPv6 prefix is a valid ServiceCIDR
+/// that gives no address.
+#[tokio::test]
+async fn an_added_service_cidr_larger_than_the_flags_cap_gives_addresses_to_its_end() {
+    let config = Config {
+        cluster_ip_range: "10.96.0.0/28".parse().unwrap(),
+        secondary_cluster_ip_range: Some("fd00:10:96::/124".parse().unwrap()),
+        ..Config::default()
+    };
+    let s = nodeport_apiserver::in_memory(&config).await.unwrap();
+    fill_flag_range(&s).await;
+    let r = post(
+        &s,
+        CIDRS,
+        service_cidr("huge", &["10.0.0.0/8", "fd00:1::/64"]),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    let r = post(&s, CIDRS, service_cidr("too-wide", &["fd00:2::/48"])).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    for (name, ip) in [
+        ("last", "10.255.255.254"),
+        ("v6-last", "fd00:1::ffff:ffff:ffff:ffff"),
+    ] {
+        let family = if ip.contains(':') { "IPv6" } else { "IPv4" };
+        let r = post(
+            &s,
+            SERVICES,
+            svc(name, json!({"clusterIP": ip, "ipFamilies": [family]})),
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+        assert_eq!(cluster_ip(&r.body), ip);
+    }
+    for i in 0..5 {
+        let r = post(&s, SERVICES, svc(&format!("dyn-{i}"), json!({}))).await;
+        assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+        assert!(cluster_ip(&r.body).starts_with("10."), "{}", r.body);
+    }
+    let r = post(
+        &s,
+        SERVICES,
+        svc(
+            "in-the-48",
+            json!({"clusterIP": "fd00:2::5", "ipFamilies": ["IPv6"]}),
+        ),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
+    assert_consistent(&s).await;
+    // The IPAddress objects name them, as kube's.
+    let r = get(&s, "/apis/networking.k8s.io/v1/ipaddresses/10.255.255.254").await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body["spec"]["parentRef"]["name"], "last");
+}
+
 #[tokio::test]
 async fn deleting_a_service_cidr_in_use_waits_on_its_finalizer_until_the_services_are_gone() {
     let s = small_server().await;
