@@ -292,6 +292,67 @@ async fn an_added_service_cidr_larger_than_the_flags_cap_gives_addresses_to_its_
     assert_eq!(r.body["spec"]["parentRef"]["name"], "last");
 }
 
+/// kube 1.33 (kubernetes/kubernetes#131261, #131263): a single-stack ServiceCIDR may gain a
+/// CIDR of the other family after its own, and nothing else changes; the added CIDR gives
+/// addresses in the same write.
+#[tokio::test]
+async fn a_single_stack_service_cidr_may_gain_the_other_family_and_nothing_else_changes() {
+    let config = Config {
+        cluster_ip_range: "10.96.0.0/28".parse().unwrap(),
+        secondary_cluster_ip_range: Some("fd00:10:96::/124".parse().unwrap()),
+        ..Config::default()
+    };
+    let s = nodeport_apiserver::in_memory(&config).await.unwrap();
+    let r = post(&s, CIDRS, service_cidr("more", &["10.97.0.0/28"])).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    let put = |cidrs: Value| {
+        let s = s.clone();
+        async move {
+            let mut changed = get(&s, &format!("{CIDRS}/more")).await.body;
+            changed["spec"]["cidrs"] = cidrs;
+            call(
+                &s,
+                Method::PUT,
+                &format!("{CIDRS}/more"),
+                "application/json",
+                changed,
+            )
+            .await
+        }
+    };
+    let immutable = |cidrs: &str| {
+        format!(
+            "ServiceCIDR.networking.k8s.io \"more\" is invalid: spec.cidrs: Invalid value: \
+             []string{{{cidrs}}}: field is immutable"
+        )
+    };
+    // Its own CIDR changed on the way: refused.
+    let r = put(json!(["10.98.0.0/28", "fd00:97::/120"])).await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
+    assert_eq!(
+        r.body["message"],
+        immutable(r#""10.98.0.0/28", "fd00:97::/120""#)
+    );
+    // The other family after its own: accepted, and it gives addresses at once.
+    let r = put(json!(["10.97.0.0/28", "fd00:97::/120"])).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let r = post(
+        &s,
+        SERVICES,
+        svc(
+            "v6",
+            json!({"clusterIP": "fd00:97::5", "ipFamilies": ["IPv6"]}),
+        ),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    assert_consistent(&s).await;
+    // Back to one CIDR: refused.
+    let r = put(json!(["10.97.0.0/28"])).await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
+    assert_eq!(r.body["message"], immutable(r#""10.97.0.0/28""#));
+}
+
 #[tokio::test]
 async fn deleting_a_service_cidr_in_use_waits_on_its_finalizer_until_the_services_are_gone() {
     let s = small_server().await;

@@ -601,6 +601,110 @@ fn a_restart_with_another_range_keeps_the_default_service_cidr_and_both_ranges_a
     );
 }
 
+/// A single-stack server restarted with a second range of the other family after its own, as
+/// kube-apiserver 1.33 handles it (its default ServiceCIDR controller, since
+/// kubernetes/kubernetes#131263): the default ServiceCIDR `kubernetes` becomes dual-stack, the
+/// earlier Services keep their addresses, and dual-stack Services get both families.
+fn single_to_dual_stack_restart(dir: &std::path::Path, store: &[&str]) {
+    let data = dir.join("data");
+    let args = |range: &'static str| {
+        let mut all = vec!["--service-cluster-ip-range", range];
+        all.extend_from_slice(store);
+        all
+    };
+    let mut server = Server::start(&data, &args("10.96.0.0/24"));
+    ok(
+        &server,
+        &["create", "service", "clusterip", "old", "--tcp=80"],
+    );
+    let old_ip = ok(
+        &server,
+        &["get", "svc", "old", "-o", "jsonpath={.spec.clusterIP}"],
+    );
+    server.terminate();
+    drop(server);
+
+    let mut server = Server::start(&data, &args("10.96.0.0/24,fd00:10:96::/120"));
+    let cidrs = ok(
+        &server,
+        &[
+            "get",
+            "servicecidr",
+            "kubernetes",
+            "-o",
+            "jsonpath={.spec.cidrs}",
+        ],
+    );
+    assert_eq!(cidrs, r#"["10.96.0.0/24","fd00:10:96::/120"]"#);
+    let listed = ok(&server, &["get", "servicecidrs"]);
+    assert!(
+        listed
+            .lines()
+            .any(|l| l.starts_with("kubernetes ") && l.contains("10.96.0.0/24,fd00:10:96::/120")),
+        "{listed}"
+    );
+    assert_eq!(
+        ok(
+            &server,
+            &["get", "svc", "old", "-o", "jsonpath={.spec.clusterIP}"]
+        ),
+        old_ip
+    );
+    let file = dir.join("web.yaml");
+    std::fs::write(&file, WEB.replace("PreferDualStack", "RequireDualStack")).unwrap();
+    ok(&server, &["create", "-f", file.to_str().unwrap()]);
+    let ips = cluster_ips(&server, "web");
+    assert!(
+        ips.len() == 2 && ips[0].starts_with("10.96.0.") && ips[1].starts_with("fd00:10:96::"),
+        "{ips:?}"
+    );
+    // Another restart with the same flags changes nothing.
+    let before = ok(
+        &server,
+        &[
+            "get",
+            "servicecidr",
+            "kubernetes",
+            "-o",
+            "jsonpath={.metadata.resourceVersion}",
+        ],
+    );
+    server.terminate();
+    drop(server);
+    let server = Server::start(&data, &args("10.96.0.0/24,fd00:10:96::/120"));
+    let after = ok(
+        &server,
+        &[
+            "get",
+            "servicecidr",
+            "kubernetes",
+            "-o",
+            "jsonpath={.metadata.resourceVersion}",
+        ],
+    );
+    assert_eq!(before, after);
+}
+
+#[test]
+fn a_single_stack_server_restarted_dual_stack_makes_the_default_service_cidr_dual_stack() {
+    if !kubectl_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    single_to_dual_stack_restart(dir.path(), &[]);
+}
+
+#[test]
+fn on_etcd_a_single_stack_server_restarted_dual_stack_makes_the_default_service_cidr_dual_stack() {
+    if !kubectl_available() || !etcd_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(&dir.path().join("etcd"));
+    let url = etcd.url();
+    single_to_dual_stack_restart(dir.path(), &["--etcd-servers", &url]);
+}
+
 /// Each dual-stack create writes the Service and two IPAddress objects: two hundred at once on
 /// one replica still commit, the writer keeping every etcd transaction within etcd's default
 /// `--max-txn-ops` (128) by moving what does not fit to the next batch.

@@ -1125,16 +1125,27 @@ impl Registry {
                         );
                     }
                     Some(entry) => {
-                        // Left as it is, as kube-apiserver leaves it; every API server must
-                        // run with the range it holds. Its other ranges keep allocating.
-                        if let Ok(Object::ServiceCidr(cidr)) =
+                        // Left as it is, as kube-apiserver leaves it (every API server must
+                        // run with the range it holds; its other ranges keep allocating),
+                        // except for kube's single- to dual-stack upgrade.
+                        if let Ok(Object::ServiceCidr(mut cidr)) =
                             typed_from_entry(Kind::ServiceCidr, &entry.value)
                         {
-                            if service_cidr::cidrs(&cidr) != service_cidr::flag_cidrs(&ranges) {
+                            let stored = service_cidr::cidrs(&cidr);
+                            let flags = service_cidr::flag_cidrs(&ranges);
+                            if service_cidr::upgrade_default(&mut cidr, &ranges) {
+                                // kube's words.
+                                tracing::info!(
+                                    "Updating default ServiceCIDR from single-stack ({stored:?}) to dual-stack ({flags:?})"
+                                );
+                                txn.put(
+                                    cidr_key.clone(),
+                                    encode_stored(&Object::ServiceCidr(cidr.clone())),
+                                );
+                            } else if stored != flags {
                                 tracing::warn!(
-                                    stored = ?service_cidr::cidrs(&cidr),
-                                    flag = ?service_cidr::flag_cidrs(&ranges),
-                                    "the default ServiceCIDR does not match --service-cluster-ip-range"
+                                    "Inconsistent ServiceCIDR status for {}, controller configuration: {flags:?}, ServiceCIDR configuration: {stored:?}. Configure the flags to match current ServiceCIDR or manually delete it.",
+                                    service_cidr::DEFAULT_NAME
                                 );
                             }
                             let extra = &txn.allocators()?.extra;
@@ -1884,7 +1895,7 @@ fn apply_update(
                 return Err(invalid(kind, &name, errs));
             }
             // A status write may make it Ready or not: allocation follows in this write.
-            service_cidr::track(new_cidr, &mut txn.allocators()?.extra);
+            service_cidr::track_any(new_cidr, ranges, &mut txn.allocators()?.extra);
         }
         (Object::Namespace(new_ns), Object::Namespace(old_ns)) => {
             // The namespace strategy's PrepareForUpdate: finalizers change only through

@@ -138,10 +138,13 @@ pub fn validate(cidr: &ServiceCIDR) -> Vec<FieldError> {
     errs
 }
 
-/// `ValidateServiceCIDRUpdate`: the CIDRs do not change.
+/// `ValidateServiceCIDRUpdate`: the CIDRs do not change, except that a single-stack
+/// ServiceCIDR may gain a CIDR of the other family after its own (kube 1.33, for the
+/// single- to dual-stack upgrade of the default ServiceCIDR: kubernetes/kubernetes#131261,
+/// fixed by #131263 in 1.33; the new CIDR passes [`validate`] like any other).
 pub fn validate_update(old: &ServiceCIDR, new: &ServiceCIDR) -> Vec<FieldError> {
     let (before, after) = (cidrs(old), cidrs(new));
-    if before == after {
+    if before == after || (before.len() == 1 && after.len() == 2 && after[0] == before[0]) {
         return Vec::new();
     }
     vec![FieldError::invalid(
@@ -198,6 +201,30 @@ pub fn on_create(cidr: &mut ServiceCIDR, extra: &mut ExtraRanges, now: Time) {
     }
     set_ready(cidr, "True", "", ADDED_READY_MESSAGE, now);
     track(cidr, extra);
+}
+
+/// The single- to dual-stack upgrade kube-apiserver 1.33's default ServiceCIDR controller
+/// makes on start (`sync` in `pkg/controlplane/controller/defaultservicecidr`, since
+/// kubernetes/kubernetes#131263): when the flags name two CIDRs and the stored default holds
+/// one, the flags' first, the default takes both. Any other difference is left alone (the
+/// operator reconfigures). Returns whether `cidr` was changed.
+pub fn upgrade_default(cidr: &mut ServiceCIDR, ranges: &ServiceRanges) -> bool {
+    let (stored, flags) = (cidrs(cidr), flag_cidrs(ranges));
+    if !(flags.len() == 2 && stored.len() == 1 && stored[0] == flags[0]) {
+        return false;
+    }
+    cidr.spec.get_or_insert_with(ServiceCIDRSpec::default).cidrs = Some(flags);
+    true
+}
+
+/// [`track`] for any ServiceCIDR, the default one included (its CIDRs beyond the flags', see
+/// [`track_default`]).
+pub fn track_any(cidr: &ServiceCIDR, ranges: &ServiceRanges, extra: &mut ExtraRanges) {
+    if cidr.metadata.name.as_deref() == Some(DEFAULT_NAME) {
+        track_default(cidr, ranges, extra);
+    } else {
+        track(cidr, extra);
+    }
 }
 
 /// Keeps the allocation's view of `cidr` (its CIDRs, whether it gives addresses) in step.
