@@ -43,6 +43,13 @@ pub struct ExtraRanges {
     /// Allocated ClusterIPs outside the flag's ranges.
     #[serde(default)]
     pub allocated: BTreeSet<IpAddr>,
+    /// The flag's ranges that the default ServiceCIDR does not hold (a restart with another
+    /// `--service-cluster-ip-range` than the one it was created from): kube 1.33 allocates
+    /// only from ServiceCIDRs (its `MetaAllocator` builds one allocator per ServiceCIDR; the
+    /// flag only seeds the default one), so these give no new address unless another Ready
+    /// ServiceCIDR covers it. Addresses Services hold there stay recorded.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub unnamed_flag_ranges: BTreeSet<IpNet>,
 }
 
 /// One added ServiceCIDR, as allocation sees it.
@@ -196,16 +203,27 @@ impl View<'_> {
         }
     }
 
-    /// Takes `ip`, asked for by a Service: in the flag's range as the bitmap allocator does,
-    /// or in a Ready added ServiceCIDR. Outside all of them: the flag range's `NotInRange`.
+    /// Takes `ip`, asked for by a Service: in the flag's range as the bitmap allocator does
+    /// (if a ServiceCIDR names it), or in a Ready added ServiceCIDR. Refused as kube 1.33's
+    /// `MetaAllocator.AllocateService` refuses it: inside a range that gives addresses but not
+    /// one of its usable addresses (the network or IPv4 broadcast address, beyond the flag
+    /// bitmap's IPv6 cap), that range's `NotInRange`; in no such range, `ErrMismatchedNetwork`
+    /// (`getAllocator` finds no allocator).
     pub fn allocate(&mut self, ip: IpAddr) -> Result<(), ip::Error> {
-        let ready_extra = self
-            .extra
-            .ready_cidrs(ip.is_ipv6())
-            .into_iter()
+        let ready = self.extra.ready_cidrs(ip.is_ipv6());
+        let ready_extra = ready
+            .iter()
+            .copied()
             .filter_map(Span::of)
             .any(|span| span.contains(ip));
-        if let Some(a) = flag_allocator(self.primary, self.secondary.as_deref_mut(), ip) {
+        let unnamed = self
+            .extra
+            .unnamed_flag_ranges
+            .iter()
+            .any(|c| c.contains(&ip));
+        if let Some(a) = flag_allocator(self.primary, self.secondary.as_deref_mut(), ip)
+            && (!unnamed || ready_extra)
+        {
             return a.allocate(ip);
         }
         if ready_extra {
@@ -215,12 +233,15 @@ impl View<'_> {
                 Err(ip::Error::Allocated)
             };
         }
-        match self.flag_of_family(ip.is_ipv6()) {
-            Some(a) => a.allocate(ip),
-            None => Err(ip::Error::NotInRange {
+        let served_flag = std::iter::once(self.primary.cidr())
+            .chain(self.secondary.as_ref().map(|a| a.cidr()))
+            .filter(|c| !self.extra.unnamed_flag_ranges.contains(c));
+        match served_flag.chain(ready).find(|c| c.contains(&ip)) {
+            Some(range) => Err(ip::Error::NotInRange {
                 ip,
-                range: self.primary.cidr().to_string(),
+                range: range.to_string(),
             }),
+            None => Err(ip::Error::MismatchedRange),
         }
     }
 
@@ -254,7 +275,11 @@ impl View<'_> {
         use rand::seq::SliceRandom;
         let mut ranges: Vec<Option<IpNet>> =
             self.extra.ready_cidrs(ipv6).into_iter().map(Some).collect();
-        if self.flag_of_family(ipv6).is_some() {
+        let unnamed = self.extra.unnamed_flag_ranges.clone();
+        if self
+            .flag_of_family(ipv6)
+            .is_some_and(|a| !unnamed.contains(&a.cidr()))
+        {
             // The flag's range, as the default ServiceCIDR `kubernetes`.
             ranges.push(None);
         }
@@ -344,6 +369,7 @@ impl View<'_> {
             .collect();
         let flag: Vec<IpNet> = std::iter::once(self.primary.cidr())
             .chain(self.secondary.as_ref().map(|a| a.cidr()))
+            .filter(|c| !self.extra.unnamed_flag_ranges.contains(c))
             .collect();
         self.extra
             .allocated
@@ -480,12 +506,9 @@ mod tests {
             "{picks:?}"
         );
         // The /48: "shortest allowed prefix length for service CIDR is 64" in kube, so no
-        // allocator: a request in it is out of range.
+        // allocator: a request in it finds none (`ErrMismatchedNetwork`).
         let inside: IpAddr = "fd00:2::5".parse().unwrap();
-        assert!(matches!(
-            view.allocate(inside),
-            Err(ip::Error::NotInRange { .. })
-        ));
+        assert_eq!(view.allocate(inside), Err(ip::Error::MismatchedRange));
         assert!(!allocatable(&"fd00:2::/48".parse().unwrap()));
         assert!(allocatable(&"fd00:2::/64".parse().unwrap()));
         assert!(allocatable(&"10.0.0.0/1".parse().unwrap()));
@@ -552,13 +575,8 @@ mod tests {
         view.extra.service_cidrs.get_mut("more").unwrap().ready = false;
         let ip: IpAddr = "10.97.0.3".parse().unwrap();
         view.release(ip);
-        assert_eq!(
-            view.allocate(ip),
-            Err(ip::Error::NotInRange {
-                ip,
-                range: "10.96.0.0/28".into()
-            })
-        );
+        // In no range that gives addresses: kube's `ErrMismatchedNetwork`.
+        assert_eq!(view.allocate(ip), Err(ip::Error::MismatchedRange));
         assert_eq!(
             view.stranded("10.97.0.0/28".parse().unwrap(), "more").len(),
             13

@@ -1119,6 +1119,12 @@ impl Registry {
                 match txn.get(&cidr_key) {
                     None => {
                         let cidr = service_cidr::default_service_cidr(&ranges, new_uid(), now());
+                        let extra = &txn.allocators()?.extra;
+                        let mut tracked = extra.clone();
+                        service_cidr::track_default(&cidr, &ranges, &mut tracked);
+                        if &tracked != extra {
+                            txn.allocators()?.extra = tracked;
+                        }
                         txn.put(
                             cidr_key.clone(),
                             encode_stored(&Object::ServiceCidr(Box::new(cidr))),

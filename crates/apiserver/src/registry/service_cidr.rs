@@ -279,17 +279,22 @@ pub fn on_remove(cidr: &ServiceCIDR, extra: &mut ExtraRanges) {
 /// The default ServiceCIDR written by an earlier start with other flags: kube-apiserver 1.33
 /// does not rewrite it (all API servers must match it; the operator reconfigures, see the
 /// "Kubernetes Default Service CIDR Reconfiguration" task of kubernetes.io), and since it
-/// allocates from ServiceCIDR objects, its CIDRs keep giving addresses beside the new flag's.
-/// Here its CIDRs the flags no longer name are tracked like an added ServiceCIDR, so the
-/// addresses Services hold there stay allocated and new ones may come from them.
+/// allocates from ServiceCIDR objects only, its CIDRs keep giving addresses and the new flag's
+/// give none until a ServiceCIDR names them. Here its CIDRs the flags no longer name are
+/// tracked like an added ServiceCIDR, so the addresses Services hold there stay allocated and
+/// new ones come from them, and the flag's ranges it does not name are marked as giving no
+/// address ([`ExtraRanges::unnamed_flag_ranges`]).
 pub fn track_default(cidr: &ServiceCIDR, ranges: &ServiceRanges, extra: &mut ExtraRanges) {
     let flags: Vec<IpNet> = std::iter::once(ranges.cluster_ips)
         .chain(ranges.secondary_cluster_ips)
         .collect();
-    let others: Vec<IpNet> = parsed(cidr)
-        .into_iter()
-        .filter(|c| !flags.contains(c))
+    let held = parsed(cidr);
+    extra.unnamed_flag_ranges = flags
+        .iter()
+        .filter(|f| !held.contains(f))
+        .copied()
         .collect();
+    let others: Vec<IpNet> = held.into_iter().filter(|c| !flags.contains(c)).collect();
     if others.is_empty() {
         extra.service_cidrs.remove(DEFAULT_NAME);
     } else {
