@@ -753,6 +753,116 @@ fn on_etcd_a_single_stack_server_restarted_dual_stack_makes_the_default_service_
     single_to_dual_stack_restart(dir.path(), &["--etcd-servers", &url]);
 }
 
+/// The default ServiceCIDR as kube 1.33 keeps it: it carries the ServiceCIDR controller's
+/// finalizer like every ServiceCIDR; deleted while Services hold addresses only it covers, it
+/// stays `Ready=False` (`Terminating`) and gives no new address; once another ServiceCIDR
+/// covers them it goes, and kube-apiserver's default ServiceCIDR controller creates it again
+/// from the flags.
+fn default_service_cidr_deletion(dir: &std::path::Path, store: &[&str]) {
+    let mut args = vec!["--service-cluster-ip-range", "10.96.0.0/28"];
+    args.extend_from_slice(store);
+    let server = Server::start(&dir.join("data"), &args);
+    let get = |path: &str| {
+        ok(
+            &server,
+            &[
+                "get",
+                "servicecidr",
+                "kubernetes",
+                "-o",
+                &format!("jsonpath={path}"),
+            ],
+        )
+    };
+    assert_eq!(
+        get("{.metadata.finalizers}"),
+        r#"["networking.k8s.io/service-cidr-finalizer"]"#
+    );
+    let uid = get("{.metadata.uid}");
+    ok(
+        &server,
+        &["create", "service", "clusterip", "a", "--tcp=80"],
+    );
+    ok(
+        &server,
+        &["delete", "servicecidr", "kubernetes", "--wait=false"],
+    );
+    let object = json(&ok(
+        &server,
+        &["get", "servicecidr", "kubernetes", "-o", "json"],
+    ));
+    assert!(
+        object["metadata"]["deletionTimestamp"].is_string(),
+        "{object}"
+    );
+    let ready = &object["status"]["conditions"][0];
+    assert_eq!(ready["type"], "Ready", "{object}");
+    assert_eq!(ready["status"], "False", "{object}");
+    assert_eq!(ready["reason"], "Terminating", "{object}");
+    let err = refused(
+        &server,
+        &["create", "service", "clusterip", "b", "--tcp=80"],
+    );
+    assert!(err.contains("range is full"), "{err}");
+    // Another ServiceCIDR covers its addresses: it goes, and comes back from the flags.
+    let file = dir.join("wide.yaml");
+    std::fs::write(
+        &file,
+        "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: wide}\nspec: {cidrs: [10.96.0.0/24]}\n",
+    )
+    .unwrap();
+    ok(&server, &["create", "-f", file.to_str().unwrap()]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let out = server.kubectl(&[
+            "get",
+            "servicecidr",
+            "kubernetes",
+            "-o",
+            "jsonpath={.metadata.uid} {.metadata.deletionTimestamp}",
+        ]);
+        let (now, _) = text(&out);
+        if out.status.success() && !now.trim().is_empty() && now.trim() != uid {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the default ServiceCIDR was not removed and created again: {now:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    assert_eq!(get("{.spec.cidrs}"), r#"["10.96.0.0/28"]"#);
+    assert_eq!(
+        get("{.metadata.finalizers}"),
+        r#"["networking.k8s.io/service-cidr-finalizer"]"#
+    );
+    ok(
+        &server,
+        &["create", "service", "clusterip", "b", "--tcp=80"],
+    );
+}
+
+#[test]
+fn the_default_service_cidr_keeps_its_finalizer_until_another_covers_its_addresses_then_comes_back()
+{
+    if !kubectl_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    default_service_cidr_deletion(dir.path(), &[]);
+}
+
+#[test]
+fn on_etcd_the_default_service_cidr_keeps_its_finalizer_until_another_covers_its_addresses() {
+    if !kubectl_available() || !etcd_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(&dir.path().join("etcd"));
+    let url = etcd.url();
+    default_service_cidr_deletion(dir.path(), &["--etcd-servers", &url]);
+}
+
 /// Each dual-stack create writes the Service and two IPAddress objects: two hundred at once on
 /// one replica still commit, the writer keeping every etcd transaction within etcd's default
 /// `--max-txn-ops` (128) by moving what does not fit to the next batch.

@@ -1139,14 +1139,17 @@ impl Registry {
                         {
                             let stored = service_cidr::cidrs(&cidr);
                             let flags = service_cidr::flag_cidrs(&ranges);
-                            if service_cidr::upgrade_default(&mut cidr, &ranges) {
-                                // kube's words.
-                                tracing::info!(
-                                    "Updating default ServiceCIDR from single-stack ({stored:?}) to dual-stack ({flags:?})"
-                                );
+                            let upgraded = service_cidr::upgrade_default(&mut cidr, &ranges);
+                            if service_cidr::ensure_finalizer(&mut cidr) || upgraded {
                                 txn.put(
                                     cidr_key.clone(),
                                     encode_stored(&Object::ServiceCidr(cidr.clone())),
+                                );
+                            }
+                            if upgraded {
+                                // kube's words.
+                                tracing::info!(
+                                    "Updating default ServiceCIDR from single-stack ({stored:?}) to dual-stack ({flags:?})"
                                 );
                             } else if stored != flags {
                                 tracing::warn!(
@@ -1506,6 +1509,35 @@ impl Registry {
 }
 
 impl Registry {
+    /// kube-apiserver's default ServiceCIDR controller between starts: the default ServiceCIDR
+    /// `kubernetes`, once a deletion has removed it, is created again from the flags (kube's
+    /// `sync` does it on its next round). Returns whether it was created.
+    pub async fn ensure_default_service_cidr(&self) -> Result<bool, ApiError> {
+        let key = self.key(Kind::ServiceCidr, None, service_cidr::DEFAULT_NAME);
+        let ranges = self.ranges.clone();
+        let done = self
+            .store
+            .mutate(vec![key.clone()], move |txn| {
+                if txn.get(&key).is_some() {
+                    return Ok(false);
+                }
+                let cidr = service_cidr::default_service_cidr(&ranges, new_uid(), now());
+                let extra = &txn.allocators()?.extra;
+                let mut tracked = extra.clone();
+                service_cidr::track_default(&cidr, &ranges, &mut tracked);
+                if &tracked != extra {
+                    txn.allocators()?.extra = tracked;
+                }
+                txn.put(
+                    key.clone(),
+                    encode_stored(&Object::ServiceCidr(Box::new(cidr))),
+                );
+                Ok(true)
+            })
+            .await?;
+        Ok(done.value)
+    }
+
     /// The deletion side of kube-controller-manager's ServiceCIDR controller: every ServiceCIDR
     /// marked for deletion whose addresses no Service holds any more (or another Ready range
     /// covers) loses its finalizer and goes, in one write. Returns how many went.

@@ -33,6 +33,9 @@ pub fn default_service_cidr(ranges: &ServiceRanges, uid: String, now: Time) -> S
             name: Some(DEFAULT_NAME.to_owned()),
             uid: Some(uid),
             creation_timestamp: Some(now.clone()),
+            // kube-controller-manager's ServiceCIDR controller puts it on every ServiceCIDR,
+            // the default one included.
+            finalizers: Some(vec![FINALIZER.to_owned()]),
             ..Default::default()
         },
         spec: Some(ServiceCIDRSpec {
@@ -243,12 +246,37 @@ pub fn track(cidr: &ServiceCIDR, extra: &mut ExtraRanges) {
     );
 }
 
+/// The finalizer on a ServiceCIDR that lacks it and is not being deleted (one written
+/// before this server put it on the default one), as the ServiceCIDR controller adds it to
+/// every ServiceCIDR. Returns whether `cidr` changed.
+pub fn ensure_finalizer(cidr: &mut ServiceCIDR) -> bool {
+    if cidr.metadata.deletion_timestamp.is_some() {
+        return false;
+    }
+    let finalizers = cidr.metadata.finalizers.get_or_insert_with(Vec::new);
+    if finalizers.iter().any(|f| f == FINALIZER) {
+        return false;
+    }
+    finalizers.push(FINALIZER.to_owned());
+    true
+}
+
 /// A ServiceCIDR marked for deletion: if no Service holds an address only it covers, the
 /// controller's work is done at once (`true`: remove it now); otherwise it stops giving
-/// addresses and says why in its `Ready` condition, and its finalizer keeps it.
+/// addresses and says why in its `Ready` condition, and its finalizer keeps it. The default
+/// one likewise: its ranges, the flag's included, give no new address meanwhile, and
+/// [`crate::registry::Registry::ensure_default_service_cidr`] creates it again once it is
+/// gone, as kube-apiserver's default ServiceCIDR controller does.
 pub fn on_delete(cidr: &mut ServiceCIDR, allocs: &mut Allocators, now: Time) -> bool {
     let name = cidr.metadata.name.clone().unwrap_or_default();
-    track(cidr, &mut allocs.extra);
+    if name == DEFAULT_NAME {
+        let flags: Vec<IpNet> = std::iter::once(allocs.ips.cidr())
+            .chain(allocs.secondary_ips.as_ref().map(|a| a.cidr()))
+            .collect();
+        track_default_with(cidr, &flags, &mut allocs.extra);
+    } else {
+        track(cidr, &mut allocs.extra);
+    }
     if !in_use(cidr, allocs) {
         if let Some(f) = cidr.metadata.finalizers.as_mut() {
             f.retain(|f| f != FINALIZER);
@@ -284,14 +312,22 @@ pub fn on_remove(cidr: &ServiceCIDR, extra: &mut ExtraRanges) {
 /// tracked like an added ServiceCIDR, so the addresses Services hold there stay allocated and
 /// new ones come from them, and the flag's ranges it does not name are marked as giving no
 /// address ([`ExtraRanges::unnamed_flag_ranges`]).
+/// A default ServiceCIDR being deleted gives no address at all (kube: its allocator is not
+/// Ready), the flag's ranges included.
 pub fn track_default(cidr: &ServiceCIDR, ranges: &ServiceRanges, extra: &mut ExtraRanges) {
     let flags: Vec<IpNet> = std::iter::once(ranges.cluster_ips)
         .chain(ranges.secondary_cluster_ips)
         .collect();
+    track_default_with(cidr, &flags, extra);
+}
+
+/// [`track_default`] with the flag's ranges given.
+fn track_default_with(cidr: &ServiceCIDR, flags: &[IpNet], extra: &mut ExtraRanges) {
     let held = parsed(cidr);
+    let serving = gives_addresses(cidr);
     extra.unnamed_flag_ranges = flags
         .iter()
-        .filter(|f| !held.contains(f))
+        .filter(|f| !serving || !held.contains(f))
         .copied()
         .collect();
     let others: Vec<IpNet> = held.into_iter().filter(|c| !flags.contains(c)).collect();
