@@ -44,7 +44,8 @@ pub const AUTHENTICATED: &str = "system:authenticated";
 pub const UNAUTHENTICATED: &str = "system:unauthenticated";
 /// The user name of anonymous requests.
 pub const ANONYMOUS: &str = "system:anonymous";
-/// The name of the local administrator (plain HTTP on loopback, `up`'s in-process proxy).
+/// The name of the local administrator (plain HTTP on loopback without a token; `up`'s in-process
+/// proxy unless `--proxy-token-file` gives it a token).
 pub const LOCAL_ADMIN: &str = "system:apiserver";
 
 /// Who a request is from.
