@@ -863,6 +863,93 @@ fn on_etcd_the_default_service_cidr_keeps_its_finalizer_until_another_covers_its
     default_service_cidr_deletion(dir.path(), &["--etcd-servers", &url]);
 }
 
+/// A user's IPAddress reserves its address, as in kube 1.33 (the allocator skips an address
+/// whose IPAddress exists), in the flag's range and in an added ServiceCIDR alike, until it is
+/// deleted; `kubectl get ipaddresses` lists it beside the allocator's.
+fn ip_address_reservations(dir: &std::path::Path, store: &[&str]) {
+    let mut args = vec!["--service-cluster-ip-range", "10.96.0.0/24"];
+    args.extend_from_slice(store);
+    let server = Server::start(&dir.join("data"), &args);
+    let file = dir.join("reservations.yaml");
+    std::fs::write(
+        &file,
+        "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: more}\nspec: {cidrs: [10.97.0.0/24]}\n---\n\
+         apiVersion: networking.k8s.io/v1\nkind: IPAddress\nmetadata: {name: 10.96.0.10}\nspec: {parentRef: {group: \"\", resource: services, namespace: kube-system, name: kube-dns}}\n---\n\
+         apiVersion: networking.k8s.io/v1\nkind: IPAddress\nmetadata: {name: 10.97.0.10}\nspec: {parentRef: {group: \"\", resource: services, namespace: default, name: later}}\n",
+    )
+    .unwrap();
+    ok(&server, &["create", "-f", file.to_str().unwrap()]);
+    let listed = ok(&server, &["get", "ipaddresses"]);
+    assert!(
+        listed
+            .lines()
+            .any(|l| l.starts_with("10.96.0.10 ") && l.contains("services/kube-system/kube-dns")),
+        "{listed}"
+    );
+    for ip in ["10.96.0.10", "10.97.0.10"] {
+        let err = refused(
+            &server,
+            &[
+                "create",
+                "service",
+                "clusterip",
+                "taker",
+                "--tcp=80",
+                &format!("--clusterip={ip}"),
+            ],
+        );
+        assert!(
+            err.contains(&format!(
+                "failed to allocate IP {ip}: provided IP is already allocated"
+            )),
+            "{err}"
+        );
+    }
+    ok(&server, &["delete", "ipaddress", "10.97.0.10"]);
+    ok(
+        &server,
+        &[
+            "create",
+            "service",
+            "clusterip",
+            "later",
+            "--tcp=80",
+            "--clusterip=10.97.0.10",
+        ],
+    );
+    let owner = ok(
+        &server,
+        &[
+            "get",
+            "ipaddress",
+            "10.97.0.10",
+            "-o",
+            "jsonpath={.spec.parentRef.name} {.metadata.labels.ipaddress\\.kubernetes\\.io/managed-by}",
+        ],
+    );
+    assert_eq!(owner, "later ipallocator.k8s.io");
+}
+
+#[test]
+fn a_users_ip_address_reserves_its_address_in_the_flags_range_and_an_added_service_cidr() {
+    if !kubectl_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    ip_address_reservations(dir.path(), &[]);
+}
+
+#[test]
+fn on_etcd_a_users_ip_address_reserves_its_address_in_the_flags_range_and_an_added_service_cidr() {
+    if !kubectl_available() || !etcd_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(&dir.path().join("etcd"));
+    let url = etcd.url();
+    ip_address_reservations(dir.path(), &["--etcd-servers", &url]);
+}
+
 /// Each dual-stack create writes the Service and two IPAddress objects: two hundred at once on
 /// one replica still commit, the writer keeping every etcd transaction within etcd's default
 /// `--max-txn-ops` (128) by moving what does not fit to the next batch.
