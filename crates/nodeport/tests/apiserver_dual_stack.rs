@@ -950,6 +950,85 @@ fn on_etcd_a_users_ip_address_reserves_its_address_in_the_flags_range_and_an_add
     ip_address_reservations(dir.path(), &["--etcd-servers", &url]);
 }
 
+/// The verification loop (`--allocation-check-interval`, kube's repair loop of the
+/// IPAddress allocator) writes again an allocator's IPAddress deleted by hand, and removes one
+/// in the allocator's name that no Service holds, in the running server.
+fn repair_loop(dir: &std::path::Path, store: &[&str]) {
+    let mut args = vec![
+        "--service-cluster-ip-range",
+        "10.96.0.0/24",
+        "--allocation-check-interval",
+        "1",
+    ];
+    args.extend_from_slice(store);
+    let server = Server::start(&dir.join("data"), &args);
+    ok(
+        &server,
+        &["create", "service", "clusterip", "web", "--tcp=80"],
+    );
+    let ip = ok(
+        &server,
+        &["get", "svc", "web", "-o", "jsonpath={.spec.clusterIP}"],
+    );
+    ok(&server, &["delete", "ipaddress", &ip]);
+    let file = dir.join("stale.yaml");
+    std::fs::write(
+        &file,
+        "apiVersion: networking.k8s.io/v1\nkind: IPAddress\nmetadata: {name: 10.96.0.77, labels: {ipaddress.kubernetes.io/managed-by: ipallocator.k8s.io}}\nspec: {parentRef: {group: \"\", resource: services, namespace: default, name: gone}}\n",
+    )
+    .unwrap();
+    ok(&server, &["create", "-f", file.to_str().unwrap()]);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let listed = ok(&server, &["get", "ipaddresses", "-o", "name"]);
+        let back = listed
+            .lines()
+            .any(|l| l == format!("ipaddress.networking.k8s.io/{ip}"));
+        let stale = listed.contains("10.96.0.77");
+        if back && !stale {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not repaired (missing {ip} back: {back}, stale 10.96.0.77 gone: {}):\n{listed}",
+            !stale
+        );
+        std::thread::sleep(std::time::Duration::from_millis(250));
+    }
+    // The stale one's address is free again.
+    ok(
+        &server,
+        &[
+            "create",
+            "service",
+            "clusterip",
+            "seventy-seven",
+            "--tcp=80",
+            "--clusterip=10.96.0.77",
+        ],
+    );
+}
+
+#[test]
+fn the_verification_loop_repairs_ip_addresses_in_a_running_server() {
+    if !kubectl_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    repair_loop(dir.path(), &[]);
+}
+
+#[test]
+fn on_etcd_the_verification_loop_repairs_ip_addresses_in_a_running_server() {
+    if !kubectl_available() || !etcd_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = Etcd::start(&dir.path().join("etcd"));
+    let url = etcd.url();
+    repair_loop(dir.path(), &["--etcd-servers", &url]);
+}
+
 /// Each dual-stack create writes the Service and two IPAddress objects: two hundred at once on
 /// one replica still commit, the writer keeping every etcd transaction within etcd's default
 /// `--max-txn-ops` (128) by moving what does not fit to the next batch.
