@@ -352,6 +352,13 @@ async fn state_over(backend: Arc<dyn Backend>, config: &Config) -> Result<AppSta
                     tracing::debug!(error = %err, "cannot look for ServiceCIDRs being deleted")
                 }
             }
+            match cidrs.ensure_default_service_cidr().await {
+                Ok(false) => {}
+                Ok(true) => tracing::info!("default ServiceCIDR created again"),
+                Err(err) => {
+                    tracing::debug!(error = %err, "cannot check the default ServiceCIDR")
+                }
+            }
         }
     };
     tokio::spawn(tracing::Instrument::instrument(

@@ -222,9 +222,50 @@ async fn a_user_ip_address_reserves_its_address_until_it_is_deleted() {
     assert_eq!(
         body["message"],
         "IPAddress.networking.k8s.io \"fd00:10:96:0::5\" is invalid: [metadata.name: Invalid \
-         value: \"fd00:10:96:0::5\": must be a canonical IP address, spec.parentRef.resource: \
-         Required value, spec.parentRef.name: Required value]"
+         value: \"fd00:10:96:0::5\": must be in canonical form (\"fd00:10:96::5\"), \
+         spec.parentRef.resource: Required value, spec.parentRef.name: Required value]"
     );
+    // kube 1.33's `ValidateIPAddressName` (apimachinery's `IsValidIP`) and
+    // `validateIPAddressParentReference`, text for text.
+    for (name, parent, message) in [
+        (
+            "10.96.0.010",
+            json!({"resource":"services","name":"web"}),
+            "IPAddress.networking.k8s.io \"10.96.0.010\" is invalid: metadata.name: Invalid \
+             value: \"10.96.0.010\": must not have leading 0s",
+        ),
+        (
+            "::ffff:10.96.0.5",
+            json!({"resource":"services","name":"web"}),
+            "IPAddress.networking.k8s.io \"::ffff:10.96.0.5\" is invalid: metadata.name: \
+             Invalid value: \"::ffff:10.96.0.5\": must not be an IPv4-mapped IPv6 address",
+        ),
+        (
+            "web",
+            json!({"resource":"services","name":"web"}),
+            "IPAddress.networking.k8s.io \"web\" is invalid: metadata.name: Invalid value: \
+             \"web\": must be a valid IP address, (e.g. 10.9.8.7 or 2001:db8::ffff)",
+        ),
+        (
+            "10.96.0.11",
+            json!({"group":"Core_","resource":"..","name":"a/b%","namespace":"x/y"}),
+            "IPAddress.networking.k8s.io \"10.96.0.11\" is invalid: [spec.parentRef.group: \
+             Invalid value: \"Core_\": a lowercase RFC 1123 subdomain must consist of lower \
+             case alphanumeric characters, '-' or '.', and must start and end with an \
+             alphanumeric character (e.g. 'example.com', regex used for validation is \
+             '[a-z0-9]([-a-z0-9]*[a-z0-9])?(\\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*'), \
+             spec.parentRef.resource: Invalid value: \"..\": may not be '..', \
+             spec.parentRef.name: Invalid value: \"a/b%\": may not contain '/', \
+             spec.parentRef.name: Invalid value: \"a/b%\": may not contain '%', \
+             spec.parentRef.namespace: Invalid value: \"x/y\": may not contain '/']",
+        ),
+    ] {
+        let bad = json!({"apiVersion":"networking.k8s.io/v1","kind":"IPAddress",
+            "metadata":{"name":name},"spec":{"parentRef":parent}});
+        let (status, body) = post(&s, ADDRESSES, bad).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+        assert_eq!(body["message"], message);
+    }
 }
 
 #[tokio::test]

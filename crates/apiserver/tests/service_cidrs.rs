@@ -121,6 +121,26 @@ async fn service_cidrs_are_validated_with_kubes_texts() {
              networking.ServiceCIDRSpec{CIDRs:[]string{\"10.97.0.0/24\", \"10.98.0.0/24\"}}: may \
              specify no more than one IP for each IP family, i.e 192.168.0.0/24 and 2001:db8::/64",
         ),
+        // kube 1.33 checks the families of two CIDRs first (a CIDR that does not parse fails
+        // that check), then each CIDR strictly (`IsValidCIDR`).
+        (
+            service_cidr("two-bad", &["10.97.0.0/33", "fd00::/108"]),
+            "ServiceCIDR.networking.k8s.io \"two-bad\" is invalid: spec.cidrs: Invalid value: \
+             networking.ServiceCIDRSpec{CIDRs:[]string{\"10.97.0.0/33\", \"fd00::/108\"}}: may \
+             specify no more than one IP for each IP family, i.e 192.168.0.0/24 and 2001:db8::/64",
+        ),
+        (
+            service_cidr("host-bits", &["10.97.0.1/24", "fd00:0:0::/108"]),
+            "ServiceCIDR.networking.k8s.io \"host-bits\" is invalid: [spec.cidrs[0]: Invalid \
+             value: \"10.97.0.1/24\": must not have bits set beyond the prefix length, \
+             spec.cidrs[1]: Invalid value: \"fd00:0:0::/108\": must be in canonical form \
+             (\"fd00::/108\")]",
+        ),
+        (
+            service_cidr("zeros", &["10.097.0.0/24"]),
+            "ServiceCIDR.networking.k8s.io \"zeros\" is invalid: spec.cidrs[0]: Invalid value: \
+             \"10.097.0.0/24\": must not have leading 0s in IP or prefix length",
+        ),
         (
             service_cidr("three", &["10.97.0.0/24", "fd00::/108", "10.98.0.0/24"]),
             "ServiceCIDR.networking.k8s.io \"three\" is invalid: spec.cidrs: Invalid value: \
@@ -213,6 +233,124 @@ async fn a_second_service_cidr_lets_creates_continue_when_the_first_is_full() {
     .await;
     assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
     assert_consistent(&s).await;
+}
+
+/// kube 1.33's allocator of a ServiceCIDR (`NewIPAllocator`) takes any IPv4 size and IPv6
+/// down to a /64, without the flag's 20-bit cap; a shorter IPv6 prefix is a valid ServiceCIDR
+/// that gives no address.
+#[tokio::test]
+async fn an_added_service_cidr_larger_than_the_flags_cap_gives_addresses_to_its_end() {
+    let config = Config {
+        cluster_ip_range: "10.96.0.0/28".parse().unwrap(),
+        secondary_cluster_ip_range: Some("fd00:10:96::/124".parse().unwrap()),
+        ..Config::default()
+    };
+    let s = nodeport_apiserver::in_memory(&config).await.unwrap();
+    fill_flag_range(&s).await;
+    let r = post(
+        &s,
+        CIDRS,
+        service_cidr("huge", &["10.0.0.0/8", "fd00:1::/64"]),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    let r = post(&s, CIDRS, service_cidr("too-wide", &["fd00:2::/48"])).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    for (name, ip) in [
+        ("last", "10.255.255.254"),
+        ("v6-last", "fd00:1::ffff:ffff:ffff:ffff"),
+    ] {
+        let family = if ip.contains(':') { "IPv6" } else { "IPv4" };
+        let r = post(
+            &s,
+            SERVICES,
+            svc(name, json!({"clusterIP": ip, "ipFamilies": [family]})),
+        )
+        .await;
+        assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+        assert_eq!(cluster_ip(&r.body), ip);
+    }
+    for i in 0..5 {
+        let r = post(&s, SERVICES, svc(&format!("dyn-{i}"), json!({}))).await;
+        assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+        assert!(cluster_ip(&r.body).starts_with("10."), "{}", r.body);
+    }
+    let r = post(
+        &s,
+        SERVICES,
+        svc(
+            "in-the-48",
+            json!({"clusterIP": "fd00:2::5", "ipFamilies": ["IPv6"]}),
+        ),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
+    assert_consistent(&s).await;
+    // The IPAddress objects name them, as kube's.
+    let r = get(&s, "/apis/networking.k8s.io/v1/ipaddresses/10.255.255.254").await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.body["spec"]["parentRef"]["name"], "last");
+}
+
+/// kube 1.33 (kubernetes/kubernetes#131261, #131263): a single-stack ServiceCIDR may gain a
+/// CIDR of the other family after its own, and nothing else changes; the added CIDR gives
+/// addresses in the same write.
+#[tokio::test]
+async fn a_single_stack_service_cidr_may_gain_the_other_family_and_nothing_else_changes() {
+    let config = Config {
+        cluster_ip_range: "10.96.0.0/28".parse().unwrap(),
+        secondary_cluster_ip_range: Some("fd00:10:96::/124".parse().unwrap()),
+        ..Config::default()
+    };
+    let s = nodeport_apiserver::in_memory(&config).await.unwrap();
+    let r = post(&s, CIDRS, service_cidr("more", &["10.97.0.0/28"])).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    let put = |cidrs: Value| {
+        let s = s.clone();
+        async move {
+            let mut changed = get(&s, &format!("{CIDRS}/more")).await.body;
+            changed["spec"]["cidrs"] = cidrs;
+            call(
+                &s,
+                Method::PUT,
+                &format!("{CIDRS}/more"),
+                "application/json",
+                changed,
+            )
+            .await
+        }
+    };
+    let immutable = |cidrs: &str| {
+        format!(
+            "ServiceCIDR.networking.k8s.io \"more\" is invalid: spec.cidrs: Invalid value: \
+             []string{{{cidrs}}}: field is immutable"
+        )
+    };
+    // Its own CIDR changed on the way: refused.
+    let r = put(json!(["10.98.0.0/28", "fd00:97::/120"])).await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
+    assert_eq!(
+        r.body["message"],
+        immutable(r#""10.98.0.0/28", "fd00:97::/120""#)
+    );
+    // The other family after its own: accepted, and it gives addresses at once.
+    let r = put(json!(["10.97.0.0/28", "fd00:97::/120"])).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let r = post(
+        &s,
+        SERVICES,
+        svc(
+            "v6",
+            json!({"clusterIP": "fd00:97::5", "ipFamilies": ["IPv6"]}),
+        ),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    assert_consistent(&s).await;
+    // Back to one CIDR: refused.
+    let r = put(json!(["10.97.0.0/28"])).await;
+    assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{}", r.body);
+    assert_eq!(r.body["message"], immutable(r#""10.97.0.0/28""#));
 }
 
 #[tokio::test]

@@ -139,3 +139,19 @@ fn an_event_ttl_that_is_not_a_positive_duration_is_refused_with_exit_64() {
         );
     }
 }
+
+#[test]
+fn an_unknown_or_repeated_authorization_mode_is_refused_with_exit_64() {
+    for (value, says) in [
+        ("RBAC,Node", "Node"),
+        ("RBAC,RBAC", "RBAC"),
+        ("", "--authorization-mode"),
+    ] {
+        let (code, stderr) = run(&["--authorization-mode", value]);
+        assert_eq!(code, Some(64), "{value:?}: {stderr}");
+        assert!(
+            stderr.contains("--authorization-mode") && stderr.contains(says),
+            "{value:?}: {stderr}"
+        );
+    }
+}

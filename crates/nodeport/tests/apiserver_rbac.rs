@@ -16,6 +16,36 @@ const ALICE: &str = "alice";
 const BOB: &str = "bob";
 const PROXY: &str = "system:kube-proxy";
 
+/// alice's bearer token in [`tokens`]'s file.
+const ALICE_TOKEN: &str = "alice-token-0123456789";
+
+/// A GET with a bearer token and extra headers; `(status, body)`. (kubectl sends no token over
+/// plain HTTP, and its `--as` comes from the administrator.)
+fn raw(server: &Server, token: &str, headers: &[(&str, &str)], path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+    let mut request = format!(
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nAccept: application/json\r\nAuthorization: Bearer {token}\r\n"
+    );
+    for (name, value) in headers {
+        request.push_str(&format!("{name}: {value}\r\n"));
+    }
+    request.push_str("\r\n");
+    stream.write_all(request.as_bytes()).unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no HTTP status in {response:?}"));
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
 fn tokens(dir: &std::path::Path) -> std::path::PathBuf {
     let path = dir.join("tokens.csv");
     std::fs::write(
@@ -597,6 +627,81 @@ fn rbac_checks(server: &Server) {
     ok(server, Some(BOB), &["get", "services", "-n", "team-c"]);
     refused(server, Some(BOB), &["get", "services", "-n", "team-a"]);
 
+    // `bind` and `escalate` (kube's `BindingAuthorized`, `EscalationAllowed`): dave, who holds
+    // nothing of `edit`, may bind exactly `edit` in team-b because he may `bind` that
+    // ClusterRole there, and may write a Role granting what he lacks because he may `escalate`.
+    let file = server.data_dir.with_extension("dave.yaml");
+    std::fs::write(
+        &file,
+        "apiVersion: rbac.authorization.k8s.io/v1\nkind: Role\nmetadata: {name: rbac-delegate, namespace: team-b}\nrules:\n- {apiGroups: [rbac.authorization.k8s.io], resources: [rolebindings, roles], verbs: [create]}\n- {apiGroups: [rbac.authorization.k8s.io], resources: [clusterroles], verbs: [bind], resourceNames: [edit]}\n- {apiGroups: [rbac.authorization.k8s.io], resources: [roles], verbs: [escalate]}\n---\napiVersion: rbac.authorization.k8s.io/v1\nkind: RoleBinding\nmetadata: {name: dave-delegates, namespace: team-b}\nroleRef: {apiGroup: rbac.authorization.k8s.io, kind: Role, name: rbac-delegate}\nsubjects:\n- {kind: User, name: dave}\n",
+    )
+    .unwrap();
+    ok(server, None, &["apply", "-f", file.to_str().unwrap()]);
+    refused(server, Some("dave"), &["get", "services", "-n", "team-b"]);
+    ok(
+        server,
+        Some("dave"),
+        &[
+            "create",
+            "rolebinding",
+            "erin-edits",
+            "--clusterrole=edit",
+            "--user=erin",
+            "-n",
+            "team-b",
+        ],
+    );
+    ok(server, Some("erin"), &["get", "services", "-n", "team-b"]);
+    // `bind` names edit only: admin is refused, with the escalation message.
+    let err = refused(
+        server,
+        Some("dave"),
+        &[
+            "create",
+            "rolebinding",
+            "erin-admins",
+            "--clusterrole=admin",
+            "--user=erin",
+            "-n",
+            "team-b",
+        ],
+    );
+    assert!(
+        err.contains("is attempting to grant RBAC permissions not currently held"),
+        "{err}"
+    );
+    ok(
+        server,
+        Some("dave"),
+        &[
+            "create",
+            "role",
+            "service-deleter",
+            "--verb=delete",
+            "--resource=services",
+            "-n",
+            "team-b",
+        ],
+    );
+    // In another namespace he has neither.
+    let err = refused(
+        server,
+        Some("dave"),
+        &[
+            "create",
+            "role",
+            "service-deleter",
+            "--verb=delete",
+            "--resource=services",
+            "-n",
+            "team-a",
+        ],
+    );
+    assert!(
+        err.contains(r#"User "dave" cannot create resource "roles" in API group "rbac.authorization.k8s.io" in the namespace "team-a""#),
+        "{err}"
+    );
+
     // Watches are authorized when they start.
     let (success, _, _) = run(
         server,
@@ -748,6 +853,216 @@ fn rbac_checks(server: &Server) {
     ok(server, None, &["delete", "clusterrolebinding", "bob-nodes"]);
     refused(server, Some(BOB), &["get", "nodes"]);
 
+    // Aggregation follows ClusterRoles created later: one labelled aggregate-to-view is folded
+    // into view (kube's ClusterRoleAggregation controller), so view's holders get it.
+    // (Asked with alice's token: the authorization filter answers before routing, as kube's,
+    // so a resource this server does not serve is a 403 when refused and a 404 when allowed.
+    // `kubectl auth can-i` cannot ask: for an unknown resource it sends "widgets.example.com"
+    // as a resource name of the core group.)
+    let widgets = "/apis/example.com/v1/namespaces/team-a/widgets";
+    let alice_lists_widgets = || raw(server, ALICE_TOKEN, &[], widgets).0;
+    let file = server.data_dir.with_extension("widgets.yaml");
+    std::fs::write(
+        &file,
+        "apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRole\nmetadata: {name: widgets-reader}\nrules:\n- {apiGroups: [example.com], resources: [widgets], verbs: [get, list]}\n",
+    )
+    .unwrap();
+    ok(server, None, &["apply", "-f", file.to_str().unwrap()]);
+    assert_eq!(alice_lists_widgets(), 403);
+    ok(
+        server,
+        None,
+        &[
+            "label",
+            "clusterrole",
+            "widgets-reader",
+            "rbac.authorization.k8s.io/aggregate-to-view=true",
+        ],
+    );
+    let mut view = String::new();
+    for _ in 0..50 {
+        view = ok(server, None, &["get", "clusterrole", "view", "-o", "yaml"]);
+        if view.contains("widgets") {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert!(
+        view.contains("widgets"),
+        "not aggregated into view:\n{view}"
+    );
+    assert_eq!(alice_lists_widgets(), 404);
+    // Deleted, it leaves view again.
+    ok(server, None, &["delete", "clusterrole", "widgets-reader"]);
+    for _ in 0..50 {
+        view = ok(server, None, &["get", "clusterrole", "view", "-o", "yaml"]);
+        if !view.contains("widgets") {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert!(!view.contains("widgets"), "still aggregated:\n{view}");
+    assert_eq!(alice_lists_widgets(), 403);
+
+    // RBAC kinds are watched like any other (kubectl get -w; an informer of bindings).
+    let (success, stdout, stderr) = run(
+        server,
+        None,
+        &[
+            "get",
+            "--raw",
+            "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings?watch=1&timeoutSeconds=1",
+        ],
+    );
+    assert!(
+        success && stdout.contains(r#""type":"ADDED""#) && stdout.contains("system:node-proxier"),
+        "{stdout}\n{stderr}"
+    );
+
+    // Group and ServiceAccount subjects (kubectl --as-group; a service account impersonated
+    // without groups is in system:serviceaccounts and system:serviceaccounts:<namespace>, as
+    // kube's impersonation filter puts it).
+    ok(
+        server,
+        None,
+        &[
+            "create",
+            "rolebinding",
+            "ops-view",
+            "--clusterrole=view",
+            "--group=ops",
+            "-n",
+            "team-x",
+        ],
+    );
+    ok(
+        server,
+        None,
+        &[
+            "get",
+            "services",
+            "-n",
+            "team-x",
+            "--as",
+            "carol",
+            "--as-group",
+            "ops",
+        ],
+    );
+    refused(server, Some("carol"), &["get", "services", "-n", "team-x"]);
+    let robot = "system:serviceaccount:team-x:robot";
+    ok(
+        server,
+        None,
+        &[
+            "create",
+            "rolebinding",
+            "robot-view",
+            "--clusterrole=view",
+            "--serviceaccount=team-x:robot",
+            "-n",
+            "team-a",
+        ],
+    );
+    ok(server, Some(robot), &["get", "services", "-n", "team-a"]);
+    refused(
+        server,
+        Some("system:serviceaccount:team-x:other"),
+        &["get", "services", "-n", "team-a"],
+    );
+    ok(
+        server,
+        None,
+        &[
+            "create",
+            "rolebinding",
+            "team-x-accounts",
+            "--clusterrole=view",
+            "--group=system:serviceaccounts:team-x",
+            "-n",
+            "team-b",
+        ],
+    );
+    ok(server, Some(robot), &["get", "services", "-n", "team-b"]);
+    refused(
+        server,
+        Some("system:serviceaccount:team-y:robot"),
+        &["get", "services", "-n", "team-b"],
+    );
+
+    // Impersonation by a user outside system:masters needs the `impersonate` verb, checked
+    // for the user, each group and the uid separately (kube's `WithImpersonation`), with
+    // kube's 403 for the first one refused.
+    let services = "/api/v1/namespaces/team-c/services";
+    let (code, body) = raw(
+        server,
+        ALICE_TOKEN,
+        &[("Impersonate-User", "bob")],
+        services,
+    );
+    assert_eq!(code, 403, "{body}");
+    assert!(
+        body.contains(r#"users \"bob\" is forbidden: User \"alice\" cannot impersonate resource \"users\" in API group \"\" at the cluster scope"#),
+        "{body}"
+    );
+    let file = server.data_dir.with_extension("impersonate.yaml");
+    std::fs::write(
+        &file,
+        "apiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRole\nmetadata: {name: impersonate-bob}\nrules:\n- {apiGroups: [\"\"], resources: [users], verbs: [impersonate], resourceNames: [bob]}\n---\napiVersion: rbac.authorization.k8s.io/v1\nkind: ClusterRoleBinding\nmetadata: {name: alice-impersonates-bob}\nroleRef: {apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: impersonate-bob}\nsubjects:\n- {kind: User, name: alice}\n",
+    )
+    .unwrap();
+    ok(server, None, &["apply", "-f", file.to_str().unwrap()]);
+    // Now alice acts as bob, with bob's rights (svc-reader in team-c, nothing in team-a).
+    let (code, body) = raw(
+        server,
+        ALICE_TOKEN,
+        &[("Impersonate-User", "bob")],
+        services,
+    );
+    assert_eq!(code, 200, "{body}");
+    let (code, body) = raw(
+        server,
+        ALICE_TOKEN,
+        &[("Impersonate-User", "bob")],
+        "/api/v1/namespaces/team-a/services",
+    );
+    assert_eq!(code, 403, "{body}");
+    assert!(
+        body.contains(r#"User \"bob\" cannot list resource \"services\""#),
+        "{body}"
+    );
+    // Only bob: another user, a group or a uid is still refused.
+    let (code, body) = raw(
+        server,
+        ALICE_TOKEN,
+        &[("Impersonate-User", "carol")],
+        services,
+    );
+    assert_eq!(code, 403, "{body}");
+    let (code, body) = raw(
+        server,
+        ALICE_TOKEN,
+        &[("Impersonate-User", "bob"), ("Impersonate-Group", "ops")],
+        services,
+    );
+    assert_eq!(code, 403, "{body}");
+    assert!(
+        body.contains(r#"groups \"ops\" is forbidden: User \"alice\" cannot impersonate resource \"groups\" in API group \"\" at the cluster scope"#),
+        "{body}"
+    );
+    let (code, body) = raw(
+        server,
+        ALICE_TOKEN,
+        &[("Impersonate-User", "bob"), ("Impersonate-Uid", "uid-7")],
+        services,
+    );
+    assert_eq!(code, 403, "{body}");
+    assert!(
+        body.contains(r#"uids.authentication.k8s.io \"uid-7\" is forbidden: User \"alice\" cannot impersonate resource \"uids\" in API group \"authentication.k8s.io\" at the cluster scope"#),
+        "{body}"
+    );
+    ok(server, None, &["delete", "-f", file.to_str().unwrap()]);
+
     // Anyone authenticated may read the version; the health checks too.
     ok(server, Some(BOB), &["get", "--raw", "/version"]);
     let err = refused(server, Some(BOB), &["get", "--raw", "/metrics"]);
@@ -788,7 +1103,28 @@ fn bootstrap_policy_is_reconciled_on_restart_and_autoupdate_false_is_left_alone(
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let mut server = start(dir.path(), &[]);
+    reconciliation_checks(dir.path(), &[]);
+}
+
+#[test]
+fn bootstrap_policy_is_reconciled_on_restart_on_etcd_and_autoupdate_false_is_left_alone() {
+    if !kubectl_available() || !apiserver_support::etcd::etcd_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let etcd = apiserver_support::etcd::Etcd::start(&dir.path().join("etcd"));
+    let url = etcd.url();
+    reconciliation_checks(dir.path(), &["--etcd-servers", &url]);
+}
+
+/// Reconciliation of the bootstrap policy on a restart, as kube-apiserver's
+/// `EnsureRBACPolicy` post-start hook does it (`reconciliation.ReconcileRoleOptions`): a
+/// deleted bootstrap role is created again, rules removed from one are added back while a
+/// rule the user added is kept (`Confirm`: the union), and an object annotated
+/// `rbac.authorization.kubernetes.io/autoupdate: "false"` is left as the user made it.
+/// `extra`: the store's flags, the same on both starts.
+fn reconciliation_checks(dir: &std::path::Path, extra: &[&str]) {
+    let mut server = start(dir, extra);
     // Remove a rule from node-proxier and add one of our own; delete system:discovery; mark
     // system:basic-user as ours.
     ok(
@@ -807,6 +1143,25 @@ fn bootstrap_policy_is_reconciled_on_restart_and_autoupdate_false_is_left_alone(
         &server,
         None,
         &["delete", "clusterrole", "system:discovery"],
+    );
+    // Bindings likewise: the node-proxier binding loses its subject and gains one of ours;
+    // the discovery binding is deleted.
+    ok(
+        &server,
+        None,
+        &[
+            "patch",
+            "clusterrolebinding",
+            "system:node-proxier",
+            "--type=json",
+            "-p",
+            r#"[{"op":"replace","path":"/subjects","value":[{"apiGroup":"rbac.authorization.k8s.io","kind":"User","name":"alice"}]}]"#,
+        ],
+    );
+    ok(
+        &server,
+        None,
+        &["delete", "clusterrolebinding", "system:discovery"],
     );
     ok(
         &server,
@@ -831,17 +1186,10 @@ fn bootstrap_policy_is_reconciled_on_restart_and_autoupdate_false_is_left_alone(
             r#"[{"op":"replace","path":"/rules","value":[{"apiGroups":[""],"resources":["configmaps"],"verbs":["get"]}]}]"#,
         ],
     );
+    // Unbound now: the restart is what gives it back.
+    refused(&server, Some(PROXY), &["get", "--raw", "/api/v1/services"]);
     server.terminate();
-    let tokens = dir.path().join("tokens.csv");
-    let server = Server::start(
-        &dir.path().join("data"),
-        &[
-            "--authorization-mode",
-            "RBAC",
-            "--token-auth-file",
-            tokens.to_str().unwrap(),
-        ],
-    );
+    let server = start(dir, extra);
     let proxier = ok(
         &server,
         None,
@@ -852,6 +1200,31 @@ fn bootstrap_policy_is_reconciled_on_restart_and_autoupdate_false_is_left_alone(
         "rules restored and the user's kept:\n{proxier}"
     );
     ok(&server, None, &["get", "clusterrole", "system:discovery"]);
+    ok(
+        &server,
+        None,
+        &["get", "clusterrolebinding", "system:discovery"],
+    );
+    let binding = ok(
+        &server,
+        None,
+        &[
+            "get",
+            "clusterrolebinding",
+            "system:node-proxier",
+            "-o",
+            "jsonpath={.subjects[*].name}",
+        ],
+    );
+    let subjects: Vec<&str> = binding.split_whitespace().collect();
+    assert!(
+        subjects.contains(&"system:kube-proxy") && subjects.contains(&"alice"),
+        "the bootstrap subject restored and the user's kept: {subjects:?}"
+    );
+    // And the restored binding works: the proxy's user may list Services again. (Not with
+    // `auth can-i`: system:basic-user, which grants SelfSubjectAccessReviews, is the one
+    // stripped above and left so.)
+    ok(&server, Some(PROXY), &["get", "--raw", "/api/v1/services"]);
     let basic = ok(
         &server,
         None,

@@ -44,7 +44,8 @@ pub const AUTHENTICATED: &str = "system:authenticated";
 pub const UNAUTHENTICATED: &str = "system:unauthenticated";
 /// The user name of anonymous requests.
 pub const ANONYMOUS: &str = "system:anonymous";
-/// The name of the local administrator (plain HTTP on loopback, `up`'s in-process proxy).
+/// The name of the local administrator (plain HTTP on loopback without a token; `up`'s in-process
+/// proxy unless `--proxy-token-file` gives it a token).
 pub const LOCAL_ADMIN: &str = "system:apiserver";
 
 /// Who a request is from.
@@ -704,5 +705,34 @@ mod tests {
             Mode::parse_list("RBAC,RBAC"),
             Err(ModeError::Duplicate(_))
         ));
+    }
+
+    #[test]
+    fn the_default_mode_is_always_allow_on_loopback_and_rbac_beyond_it_and_a_given_list_wins() {
+        let on = |ip: &str, modes: Option<Vec<Mode>>| crate::Config {
+            bind_address: ip.parse().unwrap(),
+            authorization_modes: modes,
+            ..crate::Config::default()
+        };
+        assert_eq!(
+            on("127.0.0.1", None).effective_authorization_modes(),
+            vec![Mode::AlwaysAllow]
+        );
+        assert_eq!(
+            on("::1", None).effective_authorization_modes(),
+            vec![Mode::AlwaysAllow]
+        );
+        assert_eq!(
+            on("192.0.2.10", None).effective_authorization_modes(),
+            vec![Mode::Rbac]
+        );
+        assert_eq!(
+            on("0.0.0.0", None).effective_authorization_modes(),
+            vec![Mode::Rbac]
+        );
+        assert_eq!(
+            on("127.0.0.1", Some(vec![Mode::Rbac])).effective_authorization_modes(),
+            vec![Mode::Rbac]
+        );
     }
 }

@@ -17,10 +17,11 @@ use k8s_openapi::api::core::v1::Service;
 use k8s_openapi::api::networking::v1::{IPAddress, IPAddressSpec, ParentReference};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
+use super::net_validation;
 use super::object::Object;
 use super::service;
 use super::validation::{self, NameRule};
-use crate::error::{FieldError, GoValue};
+use crate::error::{FieldError, FieldErrorKind, GoValue};
 use crate::resource::Kind;
 use crate::store::{Allocators, Txn};
 
@@ -51,31 +52,79 @@ pub fn managed(ip: &IPAddress) -> bool {
 /// kube's IPAddress validation: the name is an address in canonical form, and
 /// `spec.parentRef` names a resource and an object.
 pub fn validate(ip: &IPAddress) -> Vec<FieldError> {
+    // The name rules are `ValidateIPAddressName` (`IsValidIP`), not a DNS subdomain's: only
+    // the common metadata checks and "name or generateName is required" are kept.
     let mut errs: Vec<FieldError> =
         validation::object_meta(&ip.metadata, false, NameRule::Dns1123Subdomain)
             .into_iter()
-            .filter(|e| e.field != "metadata.name")
+            .filter(|e| e.field != "metadata.name" || e.kind == FieldErrorKind::Required)
             .collect();
     let name = ip.metadata.name.as_deref().unwrap_or("");
-    if !name.is_empty() && address(ip).is_none() {
-        errs.push(FieldError::invalid(
-            "metadata.name",
-            GoValue::Str(name),
-            "must be a canonical IP address",
-        ));
+    if !name.is_empty() {
+        for problem in net_validation::ip_problems(name) {
+            errs.push(FieldError::invalid(
+                "metadata.name",
+                GoValue::Str(name),
+                problem,
+            ));
+        }
     }
     match ip.spec.as_ref().map(|s| &s.parent_ref) {
         None => errs.push(FieldError::required("spec.parentRef", "")),
         Some(parent) => {
-            if parent.resource.is_empty() {
-                errs.push(FieldError::required("spec.parentRef.resource", ""));
+            // `validateIPAddressParentReference`: the group (the core group is empty) a DNS
+            // subdomain, resource and name required path segments, the namespace optional.
+            let group = parent.group.as_deref().unwrap_or("");
+            if !group.is_empty() {
+                for problem in validation::dns1123_subdomain(group) {
+                    errs.push(FieldError::invalid(
+                        "spec.parentRef.group",
+                        GoValue::Str(group),
+                        problem,
+                    ));
+                }
             }
-            if parent.name.is_empty() {
-                errs.push(FieldError::required("spec.parentRef.name", ""));
+            for (field, value, required) in [
+                ("resource", parent.resource.as_str(), true),
+                ("name", parent.name.as_str(), true),
+                (
+                    "namespace",
+                    parent.namespace.as_deref().unwrap_or(""),
+                    false,
+                ),
+            ] {
+                let path = format!("spec.parentRef.{field}");
+                if value.is_empty() {
+                    if required {
+                        errs.push(FieldError::required(path, ""));
+                    }
+                    continue;
+                }
+                for problem in path_segment_problems(value) {
+                    errs.push(FieldError::invalid(
+                        path.clone(),
+                        GoValue::Str(value),
+                        problem,
+                    ));
+                }
             }
         }
     }
     errs
+}
+
+/// apimachinery's `path.IsValidPathSegmentName`, with its texts.
+fn path_segment_problems(name: &str) -> Vec<String> {
+    if name == "." || name == ".." {
+        return vec![format!("may not be '{name}'")];
+    }
+    let mut problems = Vec::new();
+    for illegal in ["/", "%"] {
+        if name.contains(illegal) {
+            problems.push(format!("may not contain '{illegal}'"));
+        }
+    }
+    problems
 }
 
 /// The object the allocator writes for `ip` of `svc`.

@@ -15,6 +15,7 @@ pub mod ip_families;
 pub mod kinds;
 pub mod master_leases;
 pub mod namespace;
+pub mod net_validation;
 pub mod object;
 pub mod patch;
 pub mod selector;
@@ -1118,22 +1119,42 @@ impl Registry {
                 match txn.get(&cidr_key) {
                     None => {
                         let cidr = service_cidr::default_service_cidr(&ranges, new_uid(), now());
+                        let extra = &txn.allocators()?.extra;
+                        let mut tracked = extra.clone();
+                        service_cidr::track_default(&cidr, &ranges, &mut tracked);
+                        if &tracked != extra {
+                            txn.allocators()?.extra = tracked;
+                        }
                         txn.put(
                             cidr_key.clone(),
                             encode_stored(&Object::ServiceCidr(Box::new(cidr))),
                         );
                     }
                     Some(entry) => {
-                        // Left as it is, as kube-apiserver leaves it; every API server must
-                        // run with the range it holds. Its other ranges keep allocating.
-                        if let Ok(Object::ServiceCidr(cidr)) =
+                        // Left as it is, as kube-apiserver leaves it (every API server must
+                        // run with the range it holds; its other ranges keep allocating),
+                        // except for kube's single- to dual-stack upgrade.
+                        if let Ok(Object::ServiceCidr(mut cidr)) =
                             typed_from_entry(Kind::ServiceCidr, &entry.value)
                         {
-                            if service_cidr::cidrs(&cidr) != service_cidr::flag_cidrs(&ranges) {
+                            let stored = service_cidr::cidrs(&cidr);
+                            let flags = service_cidr::flag_cidrs(&ranges);
+                            let upgraded = service_cidr::upgrade_default(&mut cidr, &ranges);
+                            if service_cidr::ensure_finalizer(&mut cidr) || upgraded {
+                                txn.put(
+                                    cidr_key.clone(),
+                                    encode_stored(&Object::ServiceCidr(cidr.clone())),
+                                );
+                            }
+                            if upgraded {
+                                // kube's words.
+                                tracing::info!(
+                                    "Updating default ServiceCIDR from single-stack ({stored:?}) to dual-stack ({flags:?})"
+                                );
+                            } else if stored != flags {
                                 tracing::warn!(
-                                    stored = ?service_cidr::cidrs(&cidr),
-                                    flag = ?service_cidr::flag_cidrs(&ranges),
-                                    "the default ServiceCIDR does not match --service-cluster-ip-range"
+                                    "Inconsistent ServiceCIDR status for {}, controller configuration: {flags:?}, ServiceCIDR configuration: {stored:?}. Configure the flags to match current ServiceCIDR or manually delete it.",
+                                    service_cidr::DEFAULT_NAME
                                 );
                             }
                             let extra = &txn.allocators()?.extra;
@@ -1488,6 +1509,35 @@ impl Registry {
 }
 
 impl Registry {
+    /// kube-apiserver's default ServiceCIDR controller between starts: the default ServiceCIDR
+    /// `kubernetes`, once a deletion has removed it, is created again from the flags (kube's
+    /// `sync` does it on its next round). Returns whether it was created.
+    pub async fn ensure_default_service_cidr(&self) -> Result<bool, ApiError> {
+        let key = self.key(Kind::ServiceCidr, None, service_cidr::DEFAULT_NAME);
+        let ranges = self.ranges.clone();
+        let done = self
+            .store
+            .mutate(vec![key.clone()], move |txn| {
+                if txn.get(&key).is_some() {
+                    return Ok(false);
+                }
+                let cidr = service_cidr::default_service_cidr(&ranges, new_uid(), now());
+                let extra = &txn.allocators()?.extra;
+                let mut tracked = extra.clone();
+                service_cidr::track_default(&cidr, &ranges, &mut tracked);
+                if &tracked != extra {
+                    txn.allocators()?.extra = tracked;
+                }
+                txn.put(
+                    key.clone(),
+                    encode_stored(&Object::ServiceCidr(Box::new(cidr))),
+                );
+                Ok(true)
+            })
+            .await?;
+        Ok(done.value)
+    }
+
     /// The deletion side of kube-controller-manager's ServiceCIDR controller: every ServiceCIDR
     /// marked for deletion whose addresses no Service holds any more (or another Ready range
     /// covers) loses its finalizer and goes, in one write. Returns how many went.
@@ -1883,7 +1933,7 @@ fn apply_update(
                 return Err(invalid(kind, &name, errs));
             }
             // A status write may make it Ready or not: allocation follows in this write.
-            service_cidr::track(new_cidr, &mut txn.allocators()?.extra);
+            service_cidr::track_any(new_cidr, ranges, &mut txn.allocators()?.extra);
         }
         (Object::Namespace(new_ns), Object::Namespace(old_ns)) => {
             // The namespace strategy's PrepareForUpdate: finalizers change only through

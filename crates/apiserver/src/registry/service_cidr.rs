@@ -33,6 +33,9 @@ pub fn default_service_cidr(ranges: &ServiceRanges, uid: String, now: Time) -> S
             name: Some(DEFAULT_NAME.to_owned()),
             uid: Some(uid),
             creation_timestamp: Some(now.clone()),
+            // kube-controller-manager's ServiceCIDR controller puts it on every ServiceCIDR,
+            // the default one included.
+            finalizers: Some(vec![FINALIZER.to_owned()]),
             ..Default::default()
         },
         spec: Some(ServiceCIDRSpec {
@@ -79,8 +82,6 @@ pub const TERMINATING_REASON: &str = "Terminating";
 /// Its message, as the ServiceCIDR controller writes it.
 pub const TERMINATING_MESSAGE: &str = "There are still IPAddresses referencing the ServiceCIDR, please remove them or create a new ServiceCIDR";
 
-const CIDR_HINT: &str = "must be a valid CIDR value, (e.g. 10.9.8.0/24 or 2001:db8::/64)";
-
 /// `%#v` of the internal `networking.ServiceCIDRSpec`, as kube prints it in field errors.
 fn go_spec(cidrs: &[String]) -> GoValue<'static> {
     GoValue::Raw(format!(
@@ -89,8 +90,9 @@ fn go_spec(cidrs: &[String]) -> GoValue<'static> {
     ))
 }
 
-/// `ValidateServiceCIDR` (`pkg/apis/networking/validation`): a DNS subdomain name, one or two
-/// CIDRs, each a CIDR, two only of different families.
+/// `ValidateServiceCIDR` (`pkg/apis/networking/validation`, kube 1.33): a DNS subdomain name,
+/// one or two CIDRs, two only of different families, each valid as `IsValidCIDR` (strict:
+/// canonical, no bits beyond the prefix), in that order and with its texts.
 pub fn validate(cidr: &ServiceCIDR) -> Vec<FieldError> {
     let mut errs = validation::object_meta(&cidr.metadata, false, NameRule::Dns1123Subdomain);
     let list = cidrs(cidr);
@@ -109,30 +111,43 @@ pub fn validate(cidr: &ServiceCIDR) -> Vec<FieldError> {
         ));
         return errs;
     }
+    // `netutils.IsDualStackCIDRStrings`: both parse (sloppily) and are of different families;
+    // else this one error and nothing more.
+    if list.len() == 2 {
+        let families: Vec<Option<bool>> = list
+            .iter()
+            .map(|c| super::net_validation::parse_cidr_sloppy(c).map(|(ip, _)| ip.is_ipv6()))
+            .collect();
+        let dual = matches!(families.as_slice(), [Some(a), Some(b)] if a != b);
+        if !dual {
+            errs.push(FieldError::invalid(
+                "spec.cidrs",
+                go_spec(&list),
+                "may specify no more than one IP for each IP family, i.e 192.168.0.0/24 and 2001:db8::/64",
+            ));
+            return errs;
+        }
+    }
+    // `IsValidCIDR`, strict as for every new field.
     for (i, text) in list.iter().enumerate() {
-        if text.parse::<IpNet>().is_err() {
+        for problem in super::net_validation::cidr_problems(text) {
             errs.push(FieldError::invalid(
                 format!("spec.cidrs[{i}]"),
                 GoValue::Str(text),
-                CIDR_HINT,
+                problem,
             ));
         }
-    }
-    let nets = parsed(cidr);
-    if nets.len() == 2 && nets[0].addr().is_ipv6() == nets[1].addr().is_ipv6() {
-        errs.push(FieldError::invalid(
-            "spec.cidrs",
-            go_spec(&list),
-            "may specify no more than one IP for each IP family, i.e 192.168.0.0/24 and 2001:db8::/64",
-        ));
     }
     errs
 }
 
-/// `ValidateServiceCIDRUpdate`: the CIDRs do not change.
+/// `ValidateServiceCIDRUpdate`: the CIDRs do not change, except that a single-stack
+/// ServiceCIDR may gain a CIDR of the other family after its own (kube 1.33, for the
+/// single- to dual-stack upgrade of the default ServiceCIDR: kubernetes/kubernetes#131261,
+/// fixed by #131263 in 1.33; the new CIDR passes [`validate`] like any other).
 pub fn validate_update(old: &ServiceCIDR, new: &ServiceCIDR) -> Vec<FieldError> {
     let (before, after) = (cidrs(old), cidrs(new));
-    if before == after {
+    if before == after || (before.len() == 1 && after.len() == 2 && after[0] == before[0]) {
         return Vec::new();
     }
     vec![FieldError::invalid(
@@ -191,6 +206,30 @@ pub fn on_create(cidr: &mut ServiceCIDR, extra: &mut ExtraRanges, now: Time) {
     track(cidr, extra);
 }
 
+/// The single- to dual-stack upgrade kube-apiserver 1.33's default ServiceCIDR controller
+/// makes on start (`sync` in `pkg/controlplane/controller/defaultservicecidr`, since
+/// kubernetes/kubernetes#131263): when the flags name two CIDRs and the stored default holds
+/// one, the flags' first, the default takes both. Any other difference is left alone (the
+/// operator reconfigures). Returns whether `cidr` was changed.
+pub fn upgrade_default(cidr: &mut ServiceCIDR, ranges: &ServiceRanges) -> bool {
+    let (stored, flags) = (cidrs(cidr), flag_cidrs(ranges));
+    if !(flags.len() == 2 && stored.len() == 1 && stored[0] == flags[0]) {
+        return false;
+    }
+    cidr.spec.get_or_insert_with(ServiceCIDRSpec::default).cidrs = Some(flags);
+    true
+}
+
+/// [`track`] for any ServiceCIDR, the default one included (its CIDRs beyond the flags', see
+/// [`track_default`]).
+pub fn track_any(cidr: &ServiceCIDR, ranges: &ServiceRanges, extra: &mut ExtraRanges) {
+    if cidr.metadata.name.as_deref() == Some(DEFAULT_NAME) {
+        track_default(cidr, ranges, extra);
+    } else {
+        track(cidr, extra);
+    }
+}
+
 /// Keeps the allocation's view of `cidr` (its CIDRs, whether it gives addresses) in step.
 pub fn track(cidr: &ServiceCIDR, extra: &mut ExtraRanges) {
     let name = cidr.metadata.name.clone().unwrap_or_default();
@@ -207,12 +246,37 @@ pub fn track(cidr: &ServiceCIDR, extra: &mut ExtraRanges) {
     );
 }
 
+/// The finalizer on a ServiceCIDR that lacks it and is not being deleted (one written
+/// before this server put it on the default one), as the ServiceCIDR controller adds it to
+/// every ServiceCIDR. Returns whether `cidr` changed.
+pub fn ensure_finalizer(cidr: &mut ServiceCIDR) -> bool {
+    if cidr.metadata.deletion_timestamp.is_some() {
+        return false;
+    }
+    let finalizers = cidr.metadata.finalizers.get_or_insert_with(Vec::new);
+    if finalizers.iter().any(|f| f == FINALIZER) {
+        return false;
+    }
+    finalizers.push(FINALIZER.to_owned());
+    true
+}
+
 /// A ServiceCIDR marked for deletion: if no Service holds an address only it covers, the
 /// controller's work is done at once (`true`: remove it now); otherwise it stops giving
-/// addresses and says why in its `Ready` condition, and its finalizer keeps it.
+/// addresses and says why in its `Ready` condition, and its finalizer keeps it. The default
+/// one likewise: its ranges, the flag's included, give no new address meanwhile, and
+/// [`crate::registry::Registry::ensure_default_service_cidr`] creates it again once it is
+/// gone, as kube-apiserver's default ServiceCIDR controller does.
 pub fn on_delete(cidr: &mut ServiceCIDR, allocs: &mut Allocators, now: Time) -> bool {
     let name = cidr.metadata.name.clone().unwrap_or_default();
-    track(cidr, &mut allocs.extra);
+    if name == DEFAULT_NAME {
+        let flags: Vec<IpNet> = std::iter::once(allocs.ips.cidr())
+            .chain(allocs.secondary_ips.as_ref().map(|a| a.cidr()))
+            .collect();
+        track_default_with(cidr, &flags, &mut allocs.extra);
+    } else {
+        track(cidr, &mut allocs.extra);
+    }
     if !in_use(cidr, allocs) {
         if let Some(f) = cidr.metadata.finalizers.as_mut() {
             f.retain(|f| f != FINALIZER);
@@ -243,17 +307,30 @@ pub fn on_remove(cidr: &ServiceCIDR, extra: &mut ExtraRanges) {
 /// The default ServiceCIDR written by an earlier start with other flags: kube-apiserver 1.33
 /// does not rewrite it (all API servers must match it; the operator reconfigures, see the
 /// "Kubernetes Default Service CIDR Reconfiguration" task of kubernetes.io), and since it
-/// allocates from ServiceCIDR objects, its CIDRs keep giving addresses beside the new flag's.
-/// Here its CIDRs the flags no longer name are tracked like an added ServiceCIDR, so the
-/// addresses Services hold there stay allocated and new ones may come from them.
+/// allocates from ServiceCIDR objects only, its CIDRs keep giving addresses and the new flag's
+/// give none until a ServiceCIDR names them. Here its CIDRs the flags no longer name are
+/// tracked like an added ServiceCIDR, so the addresses Services hold there stay allocated and
+/// new ones come from them, and the flag's ranges it does not name are marked as giving no
+/// address ([`ExtraRanges::unnamed_flag_ranges`]).
+/// A default ServiceCIDR being deleted gives no address at all (kube: its allocator is not
+/// Ready), the flag's ranges included.
 pub fn track_default(cidr: &ServiceCIDR, ranges: &ServiceRanges, extra: &mut ExtraRanges) {
     let flags: Vec<IpNet> = std::iter::once(ranges.cluster_ips)
         .chain(ranges.secondary_cluster_ips)
         .collect();
-    let others: Vec<IpNet> = parsed(cidr)
-        .into_iter()
-        .filter(|c| !flags.contains(c))
+    track_default_with(cidr, &flags, extra);
+}
+
+/// [`track_default`] with the flag's ranges given.
+fn track_default_with(cidr: &ServiceCIDR, flags: &[IpNet], extra: &mut ExtraRanges) {
+    let held = parsed(cidr);
+    let serving = gives_addresses(cidr);
+    extra.unnamed_flag_ranges = flags
+        .iter()
+        .filter(|f| !serving || !held.contains(f))
+        .copied()
         .collect();
+    let others: Vec<IpNet> = held.into_iter().filter(|c| !flags.contains(c)).collect();
     if others.is_empty() {
         extra.service_cidrs.remove(DEFAULT_NAME);
     } else {

@@ -73,6 +73,19 @@ pub struct Args {
     /// The proxy's metrics endpoint.
     #[arg(long, default_value = "127.0.0.1:10249")]
     metrics_bind_address: SocketAddr,
+    /// Authorizers of the API server, in order, as `nodeport apiserver --authorization-mode`:
+    /// AlwaysAllow (the default: `up` serves loopback only) or RBAC, comma-separated.
+    #[arg(long)]
+    authorization_mode: Option<String>,
+    /// Bearer tokens of the API server (kube-apiserver's CSV format). Plain HTTP without a
+    /// token stays the local administrator; a request with one of these tokens is its user.
+    #[arg(long)]
+    token_auth_file: Option<PathBuf>,
+    /// A file holding the bearer token the in-process proxy sends, one of --token-auth-file's
+    /// (kube-proxy's is bound to system:node-proxier by the bootstrap policy when its user is
+    /// `system:kube-proxy`). Without it the proxy is the local administrator.
+    #[arg(long, requires = "token_auth_file")]
+    proxy_token_file: Option<PathBuf>,
     #[command(flatten)]
     ebpf: super::ebpf::EbpfArgs,
 }
@@ -93,7 +106,15 @@ fn api_config(args: &Args) -> anyhow::Result<ApiConfig> {
         .map_err(|e| usage(format!("--service-node-port-range: {e}")))?;
     let (cluster_ip_range, secondary_cluster_ip_range) =
         super::apiserver::cluster_ip_ranges(&args.service_cluster_ip_range)?;
+    let authorization_modes = args
+        .authorization_mode
+        .as_deref()
+        .map(nodeport_apiserver::authz::Mode::parse_list)
+        .transpose()
+        .map_err(|e| usage(format!("--authorization-mode: {e}")))?;
     let mut config = ApiConfig {
+        authorization_modes,
+        token_auth_file: args.token_auth_file.clone(),
         bind_address: args.bind_address,
         port: args.port,
         node_port_range,
@@ -180,6 +201,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         proxy_config.iptables.variant = chosen.variant;
         tracing::info!(reason = chosen.reason, "iptables tools chosen");
     }
+    // A bad token file is a usage error, found before anything is opened.
+    let security = nodeport_apiserver::Security::load(&config)
+        .map_err(|e| usage(nodeport_apiserver::report(&e)))?;
+    let proxy_token = proxy_token(&args, &security)?;
     let runtime = tokio::runtime::Runtime::new().context("start the async runtime")?;
     runtime.block_on(async move {
         let listener = nodeport_apiserver::bind(&config).await?;
@@ -191,12 +216,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "serving the Kubernetes API"
         );
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let server = tokio::spawn(nodeport_apiserver::serve(state, listener, async move {
-            let _ = stop_rx.await;
-        }));
+        let server = tokio::spawn(nodeport_apiserver::serve_secured(
+            state,
+            listener,
+            security,
+            async move {
+                let _ = stop_rx.await;
+            },
+        ));
 
-        let client = client(&server_url)?;
-        register_node(client.clone(), &node_name, &node_ips).await?;
+        // The Node is registered as its kubelet would, by the local administrator; the proxy
+        // runs as the user of its token, if it has one.
+        register_node(client(&server_url, None)?, &node_name, &node_ips).await?;
+        let client = client(&server_url, proxy_token.as_deref())?;
         let (proxy_stop_tx, proxy_stop_rx) = tokio::sync::oneshot::channel::<()>();
         let mut proxy = tokio::spawn(agent::run(client, proxy_config, async move {
             let _ = proxy_stop_rx.await;
@@ -229,10 +261,43 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     })
 }
 
-/// A client of our own API server.
-fn client(server: &str) -> anyhow::Result<kube::Client> {
-    let config = kube::Config::new(server.parse().context("API server URL")?);
+/// A client of our own API server: the local administrator, or the user of `token`.
+fn client(server: &str, token: Option<&str>) -> anyhow::Result<kube::Client> {
+    let mut config = kube::Config::new(server.parse().context("API server URL")?);
+    config.auth_info.token = token.map(|t| secrecy::SecretString::from(t.to_owned()));
     kube::Client::try_from(config).context("API client")
+}
+
+/// The token of `--proxy-token-file` (surrounding whitespace removed), checked before anything
+/// starts: it must be one of `--token-auth-file`'s (an unknown one would make every request of
+/// the proxy a 401).
+fn proxy_token(
+    args: &Args,
+    security: &nodeport_apiserver::Security,
+) -> anyhow::Result<Option<String>> {
+    let Some(path) = &args.proxy_token_file else {
+        return Ok(None);
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        usage(format!(
+            "invalid value for --proxy-token-file: reading {}: {e}",
+            path.display()
+        ))
+    })?;
+    let known = security
+        .tokens
+        .as_ref()
+        .and_then(|tokens| tokens.authenticate(text.trim()));
+    match known {
+        Some(user) => {
+            tracing::info!(user = %user.name, "the proxy authenticates with --proxy-token-file");
+            Ok(Some(text.trim().to_owned()))
+        }
+        None => Err(usage(format!(
+            "--proxy-token-file {}: the token is not one of --token-auth-file's",
+            path.display()
+        ))),
+    }
 }
 
 /// Resolves on the first SIGTERM or SIGINT.
@@ -397,6 +462,69 @@ mod tests {
         assert!(
             err.to_string().starts_with("--service-node-port-range:"),
             "{err}"
+        );
+    }
+
+    #[test]
+    fn a_proxy_token_missing_from_the_token_auth_file_is_a_usage_error_and_a_known_one_is_trimmed()
+    {
+        use clap::Parser;
+        #[derive(Debug, clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: Args,
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let (tokens, known, unknown) = (
+            dir.path().join("tokens.csv"),
+            dir.path().join("known.token"),
+            dir.path().join("unknown.token"),
+        );
+        std::fs::write(&tokens, "proxy-token-0123456789,system:kube-proxy,3\n").unwrap();
+        std::fs::write(&known, "proxy-token-0123456789\n").unwrap();
+        std::fs::write(&unknown, "another-token-0123456789\n").unwrap();
+        let parse = |token: &std::path::Path| {
+            Cli::parse_from([
+                "up".as_ref(),
+                "--authorization-mode".as_ref(),
+                "RBAC".as_ref(),
+                "--token-auth-file".as_ref(),
+                tokens.as_os_str(),
+                "--proxy-token-file".as_ref(),
+                token.as_os_str(),
+            ])
+            .args
+        };
+        let args = parse(&known);
+        let config = api_config(&args).unwrap();
+        assert_eq!(
+            config.effective_authorization_modes(),
+            vec![nodeport_apiserver::authz::Mode::Rbac]
+        );
+        let security = nodeport_apiserver::Security::load(&config).unwrap();
+        assert_eq!(
+            proxy_token(&args, &security).unwrap().as_deref(),
+            Some("proxy-token-0123456789")
+        );
+        let args = parse(&unknown);
+        let err = proxy_token(&args, &security).unwrap_err();
+        assert!(err.downcast_ref::<UsageError>().is_some());
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "--proxy-token-file {}: the token is not one of --token-auth-file's",
+                unknown.display()
+            )
+        );
+        // Without --token-auth-file the flag is refused by the parser (a token would
+        // authenticate no one: every plain-HTTP request is the local administrator).
+        assert!(
+            Cli::try_parse_from([
+                std::ffi::OsStr::new("up"),
+                "--proxy-token-file".as_ref(),
+                known.as_os_str()
+            ])
+            .is_err()
         );
     }
 
