@@ -364,6 +364,30 @@ async fn apply_bodies_need_kind_apiversion_name_and_a_field_manager_as_on_kube()
     )
     .await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{err}");
+    // kube's ValidateFieldManager, on every write.
+    let long = "m".repeat(129);
+    let (status, err) = apply(&s, "web", &format!("fieldManager={long}"), WEB).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{err}");
+    assert_eq!(
+        err["message"],
+        "PatchOptions.meta.k8s.io \"\" is invalid: fieldManager: Too long: may not be more than 128 bytes"
+    );
+    let (status, err) = call(
+        &s,
+        Method::POST,
+        &format!("{SERVICES}?fieldManager=a%07b"),
+        "application/json",
+        b"{}",
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{err}");
+    let message = err["message"].as_str().unwrap();
+    assert!(
+        message.starts_with(
+            "CreateOptions.meta.k8s.io \"\" is invalid: fieldManager: Invalid value: "
+        ) && message.ends_with(": invalid character U+0007 (at position 1)"),
+        "{message}"
+    );
     // JSON is YAML: a JSON body applies too.
     let json_body = r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"web"},"spec":{"ports":[{"port":80}]}}"#;
     let (status, svc) = apply(&s, "web", "fieldManager=a", json_body).await;
@@ -586,4 +610,26 @@ proptest! {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         runtime.block_on(run(steps))?;
     }
+}
+
+#[test]
+fn the_fuzzing_harness_sends_apply_patches_when_bit_six_is_set() {
+    let api = nodeport_apiserver::fuzzing::Api::new();
+    let seed = |name: &str| {
+        std::fs::read(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../fuzz/corpus/api_patch")
+                .join(name),
+        )
+        .unwrap()
+    };
+    // The fuzzer's Service was created without nodePort 30555 or targetPort 9090: both seeds
+    // change fields its creator owns, so only the forced one passes.
+    assert_eq!(api.patch(&seed("seed-apply")), 409);
+    assert_eq!(api.patch(&seed("seed-apply-force-json")), 200);
+    assert_eq!(api.patch(&seed("seed-status-apply")), 200);
+    let mut without_kind = seed("seed-apply");
+    without_kind.truncate(1);
+    without_kind.extend_from_slice(b"metadata: {name: web}\n");
+    assert_eq!(api.patch(&without_kind), 400);
 }

@@ -1015,12 +1015,15 @@ pub fn apply(
         merge(schema, &live_value, config).map_err(|why| typed_patch_error(kind, &why))?;
 
     let subresource = writer.subresource();
-    let last = match entries
+    let (last, last_time) = match entries
         .iter()
         .position(|e| e.same_manager(writer.manager, true, subresource))
     {
-        Some(i) => entries.remove(i).set,
-        None => FieldSet::new(),
+        Some(i) => {
+            let entry = entries.remove(i);
+            (entry.set, entry.time)
+        }
+        None => (FieldSet::new(), None),
     };
     if !last.is_empty() {
         // prune: what this manager applied before, left out now, and nobody else owns.
@@ -1052,11 +1055,17 @@ pub fn apply(
             .set
             .retain(|p| !changed.contains(p) && !cmp.removed.contains(p));
     }
+    // An apply that changes nothing keeps its time (kube's field manager updates the time only
+    // when the object changed), so that it writes nothing.
+    let time = match last_time {
+        Some(time) if merged == live_value => time,
+        _ => writer.now.clone(),
+    };
     entries.push(Entry {
         manager: writer.manager.to_owned(),
         apply: true,
         api_version: kind.api_version().to_owned(),
-        time: Some(writer.now.clone()),
+        time: Some(time),
         subresource: subresource.to_owned(),
         set: config_set,
     });
@@ -1286,6 +1295,28 @@ mod tests {
         let type_path = vec!["f:spec".to_owned(), "f:type".to_owned()];
         assert!(!a.set.contains(&type_path) && b.set.contains(&type_path));
         assert!(!a.set.iter().any(|p| p.iter().any(|pe| pe == "f:labels")));
+    }
+
+    #[test]
+    fn an_apply_that_changes_nothing_keeps_its_time_and_a_change_moves_it() {
+        let (t1, t2) = (now(), json!("2026-01-01T00:00:09Z"));
+        let config = service(json!([{"port": 80, "protocol": "TCP"}]));
+        let first = apply(Kind::Service, None, &config, writer("a", &t1), false).unwrap();
+        let mut live = first.object;
+        live["metadata"]["managedFields"] = first.managed_fields.clone();
+        let again = apply(Kind::Service, Some(&live), &config, writer("a", &t2), false).unwrap();
+        assert_eq!(again.managed_fields, first.managed_fields);
+        let mut changed = config.clone();
+        changed["spec"]["type"] = json!("ClusterIP");
+        let moved = apply(
+            Kind::Service,
+            Some(&live),
+            &changed,
+            writer("a", &t2),
+            false,
+        )
+        .unwrap();
+        assert_eq!(moved.managed_fields[0]["time"], t2);
     }
 
     #[test]

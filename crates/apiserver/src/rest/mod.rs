@@ -336,7 +336,58 @@ fn flag(query: &Query, key: &str) -> bool {
     matches!(query.get(key).map(String::as_str), Some("true" | "1"))
 }
 
-fn write_options(query: &Query, headers: &HeaderMap) -> Result<WriteOptions, ApiError> {
+/// kube's `ValidateFieldManager` of a write's options: at most 128 bytes, printable.
+fn check_field_manager(method: &Method, manager: &str) -> Result<(), ApiError> {
+    let mut errs = Vec::new();
+    if manager.len() > crate::registry::managed_fields::MAX_MANAGER_LENGTH {
+        errs.push(crate::error::FieldError::too_long(
+            "fieldManager",
+            crate::registry::managed_fields::MAX_MANAGER_LENGTH,
+        ));
+    }
+    for (i, c) in manager.char_indices() {
+        if c.is_control() {
+            errs.push(crate::error::FieldError::invalid(
+                "fieldManager",
+                crate::error::GoValue::Str(manager),
+                format!("invalid character U+{:04X} (at position {i})", u32::from(c)),
+            ));
+        }
+    }
+    if errs.is_empty() {
+        return Ok(());
+    }
+    let kind = match *method {
+        Method::POST => "CreateOptions",
+        Method::PUT => "UpdateOptions",
+        _ => "PatchOptions",
+    };
+    let resource = match *method {
+        Method::POST => "createoptions",
+        Method::PUT => "updateoptions",
+        _ => "patchoptions",
+    };
+    Err(ApiError::invalid(
+        crate::error::Subject {
+            group: "meta.k8s.io",
+            resource,
+            kind,
+        },
+        "",
+        errs,
+    ))
+}
+
+fn write_options(
+    query: &Query,
+    method: &Method,
+    headers: &HeaderMap,
+) -> Result<WriteOptions, ApiError> {
+    if let Some(manager) = query.get("fieldManager")
+        && *method != Method::DELETE
+    {
+        check_field_manager(method, manager)?;
+    }
     let dry_run = match query.get("dryRun").map(String::as_str) {
         None | Some("") => false,
         Some("All") => true,
@@ -676,7 +727,7 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
             if kind.namespaced() && ns.is_none() {
                 return Err(ApiError::method_not_supported(kind.subject(), "create"));
             }
-            let options = write_options(&query, &parts.headers)?;
+            let options = write_options(&query, &parts.method, &parts.headers)?;
             let body = decode_body(&ct, kind, &read_body(body).await?, options.field_validation)?;
             check_escalation(state, &parts.extensions, kind, ns, &body.value)?;
             let written = registry.create(kind, ns, body.value, options).await?;
@@ -686,7 +737,7 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
             ))
         }
         (&Method::DELETE, None) => {
-            let options = write_options(&query, &parts.headers)?;
+            let options = write_options(&query, &parts.method, &parts.headers)?;
             let list = list_options(kind, &query)?;
             let deleted = registry.delete_collection(kind, ns, &list, options).await?;
             let items: Vec<Value> = deleted
@@ -708,7 +759,7 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
             Ok(object_response(StatusCode::OK, kind, object, &accept))
         }
         (&Method::PUT, Some(name)) if target.subresource.as_deref() == Some("finalize") => {
-            let options = write_options(&query, &parts.headers)?;
+            let options = write_options(&query, &parts.method, &parts.headers)?;
             let body = decode_body(&ct, kind, &read_body(body).await?, options.field_validation)?;
             let object = registry
                 .finalize_namespace(name, body.value, options)
@@ -722,7 +773,7 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
             ))
         }
         (&Method::PUT, Some(name)) => {
-            let options = write_options(&query, &parts.headers)?;
+            let options = write_options(&query, &parts.method, &parts.headers)?;
             let body = decode_body(&ct, kind, &read_body(body).await?, options.field_validation)?;
             let status_only = target.subresource.is_some();
             check_escalation(state, &parts.extensions, kind, ns, &body.value)?;
@@ -740,7 +791,7 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
             ))
         }
         (&Method::PATCH, Some(name)) if ct == APPLY_PATCH => {
-            let options = write_options(&query, &parts.headers)?;
+            let options = write_options(&query, &parts.method, &parts.headers)?;
             apply_options(&query, true)?;
             let bytes = read_body(body).await?;
             let config: Value = yaml_serde::from_slice(&bytes)
@@ -806,7 +857,7 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
             ))
         }
         (&Method::PATCH, Some(name)) => {
-            let options = write_options(&query, &parts.headers)?;
+            let options = write_options(&query, &parts.method, &parts.headers)?;
             let patch_type = patch_type(&ct)?;
             apply_options(&query, false)?;
             let bytes = read_body(body).await?;
@@ -840,7 +891,7 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
             ))
         }
         (&Method::DELETE, Some(name)) if target.subresource.is_none() => {
-            let mut options = write_options(&query, &parts.headers)?;
+            let mut options = write_options(&query, &parts.method, &parts.headers)?;
             let bytes = read_body(body).await?;
             let mut preconditions = Preconditions::default();
             if !bytes.is_empty() {
