@@ -633,3 +633,50 @@ fn the_fuzzing_harness_sends_apply_patches_when_bit_six_is_set() {
     without_kind.extend_from_slice(b"metadata: {name: web}\n");
     assert_eq!(api.patch(&without_kind), 400);
 }
+
+#[tokio::test]
+async fn a_dropped_cluster_ip_and_health_check_node_port_are_carried_over_while_needed() {
+    let s = server().await;
+    let explicit = "apiVersion: v1
+kind: Service
+metadata: {name: lb}
+spec:
+  type: LoadBalancer
+  externalTrafficPolicy: Local
+  clusterIP: 10.96.0.50
+  healthCheckNodePort: 30300
+  ports:
+  - {name: http, port: 80}
+";
+    let (status, svc) = apply(&s, "lb", "fieldManager=a", explicit).await;
+    assert_eq!(status, StatusCode::CREATED, "{svc}");
+    assert_eq!(svc["spec"]["clusterIP"], "10.96.0.50");
+    let dropped = "apiVersion: v1
+kind: Service
+metadata: {name: lb}
+spec:
+  type: LoadBalancer
+  externalTrafficPolicy: Local
+  ports:
+  - {name: http, port: 80}
+";
+    let (status, svc) = apply(&s, "lb", "fieldManager=a", dropped).await;
+    assert_eq!(status, StatusCode::OK, "{svc}");
+    assert_eq!(svc["spec"]["clusterIP"], "10.96.0.50", "{svc}");
+    assert_eq!(svc["spec"]["clusterIPs"], json!(["10.96.0.50"]), "{svc}");
+    assert_eq!(svc["spec"]["healthCheckNodePort"], 30300, "{svc}");
+    verify_consistent(&s).await;
+    // Cluster traffic policy: the health check port is no longer needed and is released.
+    let (status, svc) = apply(
+        &s,
+        "lb",
+        "fieldManager=a",
+        &dropped.replace("Local", "Cluster"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{svc}");
+    assert!(svc["spec"].get("healthCheckNodePort").is_none(), "{svc}");
+    verify_consistent(&s).await;
+    let (_, ranges) = call(&s, Method::GET, "/ranges", "", b"").await;
+    assert_eq!(ranges["nodePorts"]["used"], 1, "{ranges}");
+}
