@@ -26,10 +26,13 @@
 //!   `before-first-apply` (kube's `skipNonApplied` manager); an update of such an object records
 //!   nothing, as kube's does.
 //!
-//! Not followed: kube's `capManagers` (at most 10 update managers, older ones merged into
-//! `ancient-changes`), and the interplay with `kubectl.kubernetes.io/last-applied-configuration`
-//! (kube lets a server-side apply take over fields from a client-side apply whose annotation
-//! equals the applied configuration).
+//! - Beyond ten Update entries the oldest are folded into `ancient-changes` (kube's
+//!   `capManagers`).
+//!
+//! Not followed: the interplay with `kubectl.kubernetes.io/last-applied-configuration` (kube
+//! lets a server-side apply take over fields from a client-side apply whose annotation equals
+//! the applied configuration; kubectl itself moves a client-side apply's fields to its
+//! server-side manager after a successful apply, which works here).
 
 use std::collections::BTreeSet;
 
@@ -733,20 +736,78 @@ fn decode_entries(managed: Option<&Value>) -> Result<Vec<Entry>, String> {
     Ok(out)
 }
 
+/// The most Update entries kept (kube's `DefaultMaxUpdateManagers`).
+const MAX_UPDATE_MANAGERS: usize = 10;
+
+/// The manager the oldest Update entries are folded into beyond [`MAX_UPDATE_MANAGERS`].
+pub const ANCIENT_CHANGES: &str = "ancient-changes";
+
+fn time_of(entry: &Entry) -> &str {
+    entry.time.as_ref().and_then(Value::as_str).unwrap_or("")
+}
+
+/// kube's `capManagersManager`: beyond ten Update entries, the oldest are merged (oldest first,
+/// per API version) into one `ancient-changes` entry carrying the time of the latest one merged.
+fn cap_update_managers(entries: &mut Vec<Entry>) {
+    let mut updaters: Vec<usize> = (0..entries.len()).filter(|&i| !entries[i].apply).collect();
+    if updaters.len() <= MAX_UPDATE_MANAGERS {
+        return;
+    }
+    updaters.sort_by(|&a, &b| {
+        let (a, b) = (&entries[a], &entries[b]);
+        time_of(a)
+            .cmp(time_of(b))
+            .then_with(|| a.manager.cmp(&b.manager))
+            .then_with(|| a.subresource.cmp(&b.subresource))
+    });
+    let mut length = updaters.len();
+    let mut first_of_version: Vec<(String, usize)> = Vec::new();
+    let mut merged = vec![false; entries.len()];
+    for &i in &updaters {
+        if length <= MAX_UPDATE_MANAGERS {
+            break;
+        }
+        let version = entries[i].api_version.clone();
+        let is_bucket =
+            |e: &Entry| e.manager == ANCIENT_CHANGES && !e.apply && e.subresource.is_empty();
+        let Some(&(_, first)) = first_of_version.iter().find(|(v, _)| *v == version) else {
+            first_of_version.push((version, i));
+            continue;
+        };
+        let bucket = match (0..entries.len())
+            .find(|&b| !merged[b] && is_bucket(&entries[b]) && entries[b].api_version == version)
+        {
+            Some(b) => b,
+            None => {
+                entries[first].manager = ANCIENT_CHANGES.to_owned();
+                entries[first].subresource.clear();
+                first
+            }
+        };
+        if bucket == i {
+            continue;
+        }
+        let set = std::mem::take(&mut entries[i].set);
+        entries[bucket].set.extend(set);
+        entries[bucket].time = entries[i].time.clone();
+        merged[i] = true;
+        length -= 1;
+    }
+    let mut index = 0;
+    entries.retain(|_| {
+        index += 1;
+        !merged[index - 1]
+    });
+}
+
 /// kube's order of entries: Apply before Update, then by time, manager, version, subresource.
 fn encode_entries(mut entries: Vec<Entry>) -> Value {
     entries.retain(|e| !e.set.is_empty());
-    let time_of = |e: &Entry| {
-        e.time
-            .as_ref()
-            .and_then(Value::as_str)
-            .unwrap_or("")
-            .to_owned()
-    };
+    cap_update_managers(&mut entries);
     entries.sort_by(|a, b| {
         b.apply
             .cmp(&a.apply)
-            .then_with(|| time_of(a).cmp(&time_of(b)))
+            .then_with(|| time_of(a).cmp(time_of(b)))
             .then_with(|| a.manager.cmp(&b.manager))
             .then_with(|| a.api_version.cmp(&b.api_version))
             .then_with(|| a.subresource.cmp(&b.subresource))
@@ -1317,6 +1378,49 @@ mod tests {
         )
         .unwrap();
         assert_eq!(moved.managed_fields[0]["time"], t2);
+    }
+
+    #[test]
+    fn beyond_ten_update_managers_the_oldest_are_folded_into_ancient_changes() {
+        let mut live = service(json!([{"port": 80, "protocol": "TCP"}]));
+        let mut times = Vec::new();
+        for i in 0..12 {
+            times.push(json!(format!("2026-01-01T00:00:{i:02}Z")));
+        }
+        for i in 0..12 {
+            let mut next = live.clone();
+            next["metadata"]["labels"][format!("l{i}")] = json!("x");
+            let managed = on_update(
+                Kind::Service,
+                (i > 0).then_some(&live),
+                &next,
+                writer(&format!("m{i:02}"), &times[i]),
+            )
+            .unwrap();
+            next["metadata"]["managedFields"] = managed;
+            live = next;
+        }
+        let entries = decode_entries(live.pointer("/metadata/managedFields")).unwrap();
+        assert_eq!(entries.len(), 10);
+        let ancient = entries
+            .iter()
+            .find(|e| e.manager == ANCIENT_CHANGES)
+            .expect("an ancient-changes entry");
+        // m00, m01 and m02 were merged, with m02's time.
+        assert_eq!(ancient.time, Some(times[2].clone()));
+        for label in ["l0", "l1", "l2"] {
+            assert!(
+                ancient
+                    .set
+                    .iter()
+                    .any(|p| p.last().is_some_and(|pe| *pe == format!("f:{label}")))
+            );
+        }
+        assert!(
+            !entries
+                .iter()
+                .any(|e| ["m00", "m01", "m02"].contains(&e.manager.as_str()))
+        );
     }
 
     #[test]
