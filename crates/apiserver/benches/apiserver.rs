@@ -2,7 +2,8 @@
 //! Service creates per second and latency with 1, 8 and 64 concurrent clients, a list of 10,000
 //! Services, and 100 watchers receiving every event; `-- rbac`: creates/s with 8 clients
 //! authorized by RBAC (1,000 RoleBindings and 100 ClusterRoleBindings to look through) against
-//! AlwaysAllow, in the same run.
+//! AlwaysAllow, in the same run; `-- managed`: the CPU time of the field manager alone
+//! (`metadata.managedFields` of an update, and a server-side apply) per Service write.
 //!
 //! `cargo bench -p nodeport-apiserver --bench apiserver` (figures in docs/BENCHMARKS.md).
 //! Client and server share the machine's cores, as they would on one node.
@@ -176,6 +177,10 @@ async fn main() {
         listener,
         std::future::pending(),
     ));
+
+    if run("managed") {
+        managed_fields();
+    }
 
     if run("creates") {
         println!("## creates (NodePort Services, fsync per batch, on-disk redb)");
@@ -480,4 +485,66 @@ async fn rbac(dir: &std::path::Path) {
         "RBAC decision for that create (looks through 100 ClusterRoleBindings and 1,001 RoleBindings): {:.1} µs",
         per.as_secs_f64() * 1e6
     );
+}
+
+/// The field manager's own cost per write, without HTTP or storage: the `managedFields` of an
+/// update (create, then a label change), and an apply that changes one port of a Service that
+/// two managers share.
+fn managed_fields() {
+    use nodeport_apiserver::registry::managed_fields::{Writer, apply, on_update};
+    use nodeport_apiserver::resource::Kind;
+    let now = serde_json::json!("2026-01-01T00:00:00Z");
+    let writer = |manager| Writer {
+        manager,
+        status: false,
+        now: &now,
+    };
+    let mut svc: serde_json::Value = serde_json::from_str(&service("web", true)).unwrap();
+    svc["spec"]["ports"][0]["protocol"] = serde_json::json!("TCP");
+    svc["spec"]["ports"][0]["targetPort"] = serde_json::json!(80);
+    svc["spec"]["sessionAffinity"] = serde_json::json!("None");
+    let mut live = svc.clone();
+    live["metadata"]["managedFields"] =
+        on_update(Kind::Service, None, &svc, writer("create")).unwrap();
+    let mut labelled = live.clone();
+    labelled["metadata"]["labels"] = serde_json::json!({"app": "web", "team": "a"});
+    let mut config = svc.clone();
+    config["spec"]["ports"][0]["targetPort"] = serde_json::json!(9090);
+    println!("## field manager (one Service, CPU per call)");
+    println!("| call | per call |");
+    println!("| --- | --- |");
+    let rounds = 20_000;
+    let time = |name: &str, f: &dyn Fn()| {
+        let t = Instant::now();
+        for _ in 0..rounds {
+            f();
+        }
+        println!(
+            "| {name} | {:.1} µs |",
+            t.elapsed().as_secs_f64() * 1e6 / f64::from(rounds)
+        );
+    };
+    time("managedFields of a create", &|| {
+        std::hint::black_box(on_update(Kind::Service, None, &svc, writer("create")));
+    });
+    time("managedFields of an update", &|| {
+        std::hint::black_box(on_update(
+            Kind::Service,
+            Some(&live),
+            &labelled,
+            writer("labeller"),
+        ));
+    });
+    time("apply, with force", &|| {
+        std::hint::black_box(
+            apply(
+                Kind::Service,
+                Some(&live),
+                &config,
+                writer("deployer"),
+                true,
+            )
+            .unwrap(),
+        );
+    });
 }

@@ -460,6 +460,12 @@ impl ApiError {
         )
     }
 
+    /// 409 `Conflict` of a server-side apply (`errors.NewApplyConflict`): the message lists the
+    /// conflicts; add one `FieldManagerConflict` cause per conflict with [`ApiError::with_cause`].
+    pub fn apply_conflict(message: impl Into<String>) -> Self {
+        Self::new(409, "Conflict", message)
+    }
+
     /// 415 `UnsupportedMediaType`.
     pub fn unsupported_media_type(message: impl Into<String>) -> Self {
         Self::new(415, "UnsupportedMediaType", message)

@@ -53,6 +53,9 @@ const PATCH_TYPES: [&str; 3] = [
     "application/strategic-merge-patch+json",
 ];
 
+/// The content type of a server-side apply.
+const APPLY_PATCH: &str = "application/apply-patch+yaml";
+
 /// The Service every patch is applied to.
 const WEB: &str = r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"web","labels":{"app":"web"}},"spec":{"type":"NodePort","selector":{"app":"web"},"ports":[{"name":"http","port":80,"targetPort":8080}],"externalTrafficPolicy":"Local"}}"#;
 
@@ -107,16 +110,27 @@ impl Api {
         self.checked(method, path, content_type, body.to_vec(), data)
     }
 
-    /// A patch of `default/web`. `data[0]` picks the patch type; the rest is the patch.
+    /// A patch of `default/web`. `data[0]` picks the patch type (its top bit: of `/status`);
+    /// with bit 6 set it is a server-side apply instead (YAML, `fieldManager=fuzz`; bit 5:
+    /// `force=true`), which no earlier saved input sets. The rest is the patch.
     pub fn patch(&self, data: &[u8]) -> u16 {
         let Some((&selector, body)) = data.split_first() else {
             return 0;
         };
-        let content_type = PATCH_TYPES[usize::from(selector) % PATCH_TYPES.len()];
         let subresource = if selector & 0x80 == 0 { "" } else { "/status" };
+        let (content_type, query) = if selector & 0x40 == 0 {
+            (
+                PATCH_TYPES[usize::from(selector) % PATCH_TYPES.len()],
+                "dryRun=All",
+            )
+        } else if selector & 0x20 == 0 {
+            (APPLY_PATCH, "dryRun=All&fieldManager=fuzz")
+        } else {
+            (APPLY_PATCH, "dryRun=All&fieldManager=fuzz&force=true")
+        };
         self.checked(
             Method::PATCH,
-            format!("/api/v1/namespaces/default/services/web{subresource}?dryRun=All"),
+            format!("/api/v1/namespaces/default/services/web{subresource}?{query}"),
             content_type,
             body.to_vec(),
             data,

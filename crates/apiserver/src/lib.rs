@@ -31,8 +31,9 @@
 //! - a `dryRun=All` create shows the port and address that would really be allocated instead of
 //!   kube-apiserver's placeholders (32769..., the network address);
 //! - the namespace controller's work (deleting a Terminating namespace's contents, then the
-//!   namespace) runs inside the API server (see [`registry::namespace`]); server-side apply is
-//!   answered with 415;
+//!   namespace) runs inside the API server (see [`registry::namespace`]);
+//! - server-side apply follows kube's field manager without taking over a client-side apply's
+//!   fields through its last-applied annotation (see [`registry::managed_fields`]);
 //! - `networking.k8s.io/v1` ServiceCIDRs added through the API give ClusterIPs as in kube 1.33,
 //!   but their allocations are recorded in one stored document (`<prefix>/ranges/servicecidrs`,
 //!   see [`cidr_ranges`]); the IPAddress objects are written beside the allocations in the same

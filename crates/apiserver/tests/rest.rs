@@ -1081,7 +1081,13 @@ async fn patches_json_merge_and_strategic_apply() {
     assert_eq!(ports.len(), 2);
     assert_eq!(ports[0]["nodePort"], np);
     assert!(ports[1]["nodePort"].as_u64().unwrap() >= 30000);
+    // Server-side apply without `fieldManager` is kube's 422 (`ValidatePatchOptions`).
     let r = patch(&s, &uri, "application/apply-patch+yaml", json!({})).await;
+    assert_invalid(
+        &r,
+        "PatchOptions.meta.k8s.io \"\" is invalid: fieldManager: Required value: is required for apply patch",
+    );
+    let r = patch(&s, &uri, "application/x-unknown-patch", json!({})).await;
     assert_eq!(r.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
     verify_consistent(&s).await;
 }

@@ -76,3 +76,13 @@ fn python_client_writes_and_selects_events_through_both_apis() {
 fn python_client_writes_and_selects_events_through_both_apis_on_etcd() {
     run_case("events", Store::Etcd);
 }
+
+#[test]
+fn python_client_applies_server_side_with_conflicts_and_force() {
+    run_case("apply", Store::Embedded);
+}
+
+#[test]
+fn python_client_applies_server_side_with_conflicts_and_force_on_etcd() {
+    run_case("apply", Store::Etcd);
+}

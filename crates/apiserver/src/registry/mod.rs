@@ -13,6 +13,7 @@ pub mod gvk;
 pub mod ip_addresses;
 pub mod ip_families;
 pub mod kinds;
+pub mod managed_fields;
 pub mod master_leases;
 pub mod namespace;
 pub mod net_validation;
@@ -68,12 +69,52 @@ impl FieldValidation {
 }
 
 /// Options of a write.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone)]
 pub struct WriteOptions {
     /// `dryRun=All`: run everything, keep nothing.
     pub dry_run: bool,
     /// `fieldValidation`.
     pub field_validation: FieldValidation,
+    /// The field manager the write is recorded under in `metadata.managedFields`
+    /// (`fieldManager`, or what kube derives from the User-Agent; see
+    /// [`managed_fields::manager_name`]). The server's own writes are `kube-apiserver`'s, the
+    /// name kube-apiserver's own clients write under.
+    pub manager: Arc<str>,
+}
+
+impl Default for WriteOptions {
+    fn default() -> Self {
+        WriteOptions {
+            dry_run: false,
+            field_validation: FieldValidation::default(),
+            manager: "kube-apiserver".into(),
+        }
+    }
+}
+
+/// The managed fields after an Update by `options.manager` from `old` (stored form; `None` on
+/// create) to `new` (see [`managed_fields::on_update`]), set on `new`.
+fn record_update(kind: Kind, old: Option<&Value>, new: &mut Object, manager: &str, status: bool) {
+    let now = serde_json::to_value(now()).expect("times serialize");
+    let managed = managed_fields::on_update(
+        kind.stored_as(),
+        old,
+        &new.to_value(),
+        managed_fields::Writer {
+            manager,
+            status,
+            now: &now,
+        },
+    );
+    set_managed_fields(new, managed);
+}
+
+/// Sets `metadata.managedFields` from its JSON form (`None` clears it).
+fn set_managed_fields(object: &mut Object, managed: Option<Value>) {
+    let entries = managed
+        .and_then(|m| serde_json::from_value::<Vec<_>>(m).ok())
+        .filter(|e| !e.is_empty());
+    object.metadata_mut().managed_fields = entries;
 }
 
 /// The result of a write.
@@ -529,66 +570,9 @@ impl Registry {
         options: WriteOptions,
     ) -> Result<Written, ApiError> {
         let (mut object, warnings) = Self::decode_body(kind, body, options.field_validation)?;
-        let resource_version_set;
-        {
-            let meta = object.metadata_mut();
-            if kind.namespaced() {
-                let url_ns = namespace.unwrap_or("");
-                match meta.namespace.as_deref() {
-                    None | Some("") => meta.namespace = Some(url_ns.to_owned()),
-                    Some(ns) if ns != url_ns => {
-                        return Err(ApiError::bad_request(
-                            "the namespace of the provided object does not match the namespace sent on the request",
-                        ));
-                    }
-                    _ => {}
-                }
-            } else {
-                meta.namespace = None;
-            }
-            if meta.name.as_deref().unwrap_or("").is_empty()
-                && let Some(prefix) = meta.generate_name.as_deref().filter(|p| !p.is_empty())
-            {
-                meta.name = Some(generate_name(prefix));
-            }
-            // etcd3's check parses the value as a number and lets 0 (and anything that does
-            // not parse) through; a dry run never reaches it.
-            resource_version_set = !options.dry_run
-                && meta
-                    .resource_version
-                    .as_deref()
-                    .and_then(|v| v.parse::<u64>().ok())
-                    .is_some_and(|v| v != 0);
-            reset_for_create(meta);
-        }
-        kinds::prepare_create(&mut object);
+        let resource_version_set = admit_create(kind, namespace, &mut object, options.dry_run)?;
+        record_update(kind, None, &mut object, &options.manager, false);
         let name = object.name().to_owned();
-        if let Object::Event(event) = &object {
-            let errs = event::validate_create(kind, event);
-            if !errs.is_empty() {
-                return Err(invalid(kind, &name, errs));
-            }
-        } else if !matches!(object, Object::Service(_)) {
-            let errs = kinds::validate(&object);
-            if !errs.is_empty() {
-                return Err(invalid(kind, &name, errs));
-            }
-        } else {
-            // Without a usable name there is no key; report it before allocating anything. The
-            // rest of the metadata is judged with the spec, after allocation, as kube-apiserver
-            // does (BeginCreate, then validation).
-            let errs: Vec<_> = validation::object_meta(
-                object.metadata(),
-                true,
-                validation::NameRule::Dns1035Label,
-            )
-            .into_iter()
-            .filter(|e| matches!(e.field.as_str(), "metadata.name" | "metadata.namespace"))
-            .collect();
-            if !errs.is_empty() {
-                return Err(invalid(kind, &name, errs));
-            }
-        }
         let ns = object.metadata().namespace.clone();
         let key = self.key(kind, ns.as_deref(), &name);
         let mut keys = vec![key.clone()];
@@ -600,39 +584,25 @@ impl Registry {
         let done = self
             .store
             .mutate(keys, move |txn| {
-                if let (Some(ns_key), Some(ns)) = (&ns_key, &ns) {
-                    check_namespace_open(txn, ns_key, ns, kind, &name)?;
-                }
                 if resource_version_set {
+                    if let (Some(ns_key), Some(ns)) = (&ns_key, &ns) {
+                        check_namespace_open(txn, ns_key, ns, kind, &name)?;
+                    }
                     // The storage's `ErrResourceVersionSetOnCreate`, which no handler classifies.
                     return Err(ApiError::unclassified(
                         "resourceVersion should not be set on objects to be created",
                     ));
                 }
-                if txn.get(&key).is_some() {
-                    return Err(ApiError::already_exists(kind.subject(), &name));
-                }
-                let mut object = object.clone();
-                if let Object::Service(svc) = &mut object {
-                    service::create(svc, txn.allocators()?, &ranges)?;
-                }
-                if let Object::ServiceCidr(cidr) = &mut object {
-                    service_cidr::on_create(cidr, &mut txn.allocators()?.extra, now());
-                }
-                if let Object::IpAddress(ip) = &object
-                    && !ip_addresses::reserve(ip, txn.allocators()?)
-                {
-                    return Err(ApiError::already_exists(kind.subject(), &name));
-                }
-                if dry_run {
-                    txn.set_dry_run();
-                }
-                txn.put(key.clone(), encode_stored(&object));
-                // After the object: its write's resourceVersion is the first of the request's.
-                if let Object::Service(svc) = &object {
-                    ip_addresses::sync(txn, &prefix, None, Some(svc));
-                }
-                Ok(object.to_value())
+                let target = CreateTarget {
+                    kind,
+                    key: &key,
+                    ns_key: ns_key.as_deref(),
+                    namespace: ns.as_deref(),
+                    ranges: &ranges,
+                    prefix: &prefix,
+                    dry_run,
+                };
+                store_create(txn, &target, object.clone())
             })
             .await?;
         Ok(finish(done, warnings, true))
@@ -684,6 +654,7 @@ impl Registry {
         let prefix: Arc<str> = self.store.prefix().into();
         let name = name.to_owned();
         let namespace = namespace.map(str::to_owned);
+        let manager = options.manager.clone();
         let done = self
             .store
             .mutate(keys, move |txn| {
@@ -697,6 +668,7 @@ impl Registry {
                     let mut object = object.clone();
                     reset_for_create(object.metadata_mut());
                     kinds::prepare_create(&mut object);
+                    record_update(kind, None, &mut object, &manager, false);
                     if let Object::Service(svc) = &mut object {
                         service::create(svc, txn.allocators()?, &ranges)?;
                     } else if let Object::Event(event) = &object {
@@ -720,15 +692,25 @@ impl Registry {
                     return Ok((object.to_value(), true, 0));
                 };
                 let old_object = typed_from_entry(kind, &old.value)?;
-                let new = apply_update(
+                let mut object = object.clone();
+                record_update(
+                    kind,
+                    Some(&decode_stored(&old.value, 0)?),
+                    &mut object,
+                    &manager,
+                    status_only,
+                );
+                let managed = object.metadata().managed_fields.clone();
+                let mut new = apply_update(
                     txn,
                     kind,
                     &old_object,
                     old.mod_revision,
-                    object.clone(),
+                    object,
                     status_only,
                     &ranges,
                 )?;
+                new.metadata_mut().managed_fields = managed;
                 if options.dry_run {
                     txn.set_dry_run();
                 }
@@ -781,6 +763,7 @@ impl Registry {
         let ranges = self.ranges.clone();
         let prefix: Arc<str> = self.store.prefix().into();
         let name = name.to_owned();
+        let manager = options.manager.clone();
         let done = self
             .store
             .mutate(keys, move |txn| {
@@ -801,7 +784,15 @@ impl Registry {
                 }
                 kinds::set_defaults(&mut object);
                 let old_object = typed_from_entry(kind, &old.value)?;
-                let new = apply_update(
+                record_update(
+                    kind,
+                    Some(&decode_stored(&old.value, 0)?),
+                    &mut object,
+                    &manager,
+                    status_only,
+                );
+                let managed = object.metadata().managed_fields.clone();
+                let mut new = apply_update(
                     txn,
                     kind,
                     &old_object,
@@ -810,6 +801,7 @@ impl Registry {
                     status_only,
                     &ranges,
                 )?;
+                new.metadata_mut().managed_fields = managed;
                 if options.dry_run {
                     txn.set_dry_run();
                 }
@@ -833,6 +825,131 @@ impl Registry {
             object,
             warnings,
             created: false,
+        })
+    }
+
+    /// Server-side apply (PATCH with `application/apply-patch+yaml`) of `config` by
+    /// `options.manager`, of the object or of its `status` (see [`managed_fields`]). An apply
+    /// to an object that does not exist creates it, allocating as a create does, unless
+    /// `create_denied` says the user may not create (RBAC: apply needs `create` then).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn apply(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+        status_only: bool,
+        config: Value,
+        force: bool,
+        create_denied: Option<ApiError>,
+        options: WriteOptions,
+    ) -> Result<Written, ApiError> {
+        let config = apply_config(kind, namespace, name, config)?;
+        let key = self.key(kind, namespace, name);
+        let mut keys = vec![key.clone()];
+        let ns_key = namespace
+            .filter(|_| kind.namespaced())
+            .map(|n| self.namespace_key(n));
+        keys.extend(ns_key.clone());
+        let extra = self.companion_keys(kind, namespace, name);
+        keys.extend(extra.iter().cloned());
+        keys.extend(self.ip_address_keys(kind, namespace, name).await?);
+        let ranges = self.ranges.clone();
+        let prefix: Arc<str> = self.store.prefix().into();
+        let name = name.to_owned();
+        let namespace = namespace.map(str::to_owned);
+        let done = self
+            .store
+            .mutate(keys, move |txn| {
+                let old = txn.get(&key);
+                if old.is_none() && status_only {
+                    return Err(ApiError::not_found(kind.subject(), &name));
+                }
+                if old.is_none()
+                    && let Some(err) = &create_denied
+                {
+                    return Err(err.clone());
+                }
+                let live = old
+                    .as_ref()
+                    .map(|o| decode_stored(&o.value, 0))
+                    .transpose()?;
+                let now_value = serde_json::to_value(now()).expect("times serialize");
+                let applied = managed_fields::apply(
+                    kind.stored_as(),
+                    live.as_ref(),
+                    &config,
+                    managed_fields::Writer {
+                        manager: &options.manager,
+                        status: status_only,
+                        now: &now_value,
+                    },
+                    force,
+                )?;
+                let decoded = Object::decode(kind.stored_as(), &applied.object)?;
+                let warnings =
+                    unknown_field_handling(&decoded.unknown_fields, options.field_validation)?;
+                let mut object = decoded.object;
+                let Some(old) = old else {
+                    let resource_version_set =
+                        admit_create(kind, namespace.as_deref(), &mut object, options.dry_run)?;
+                    if resource_version_set {
+                        return Err(ApiError::unclassified(
+                            "resourceVersion should not be set on objects to be created",
+                        ));
+                    }
+                    set_managed_fields(&mut object, Some(applied.managed_fields));
+                    let target = CreateTarget {
+                        kind,
+                        key: &key,
+                        ns_key: ns_key.as_deref(),
+                        namespace: namespace.as_deref(),
+                        ranges: &ranges,
+                        prefix: &prefix,
+                        dry_run: options.dry_run,
+                    };
+                    let value = store_create(txn, &target, object)?;
+                    return Ok((value, warnings, true, 0));
+                };
+                kinds::set_defaults(&mut object);
+                let old_object = typed_from_entry(kind, &old.value)?;
+                let mut new = apply_update(
+                    txn,
+                    kind,
+                    &old_object,
+                    old.mod_revision,
+                    object,
+                    status_only,
+                    &ranges,
+                )?;
+                set_managed_fields(&mut new, Some(applied.managed_fields));
+                if options.dry_run {
+                    txn.set_dry_run();
+                }
+                if finalized(&new) {
+                    remove_object(txn, &key, &new, &extra)?;
+                    return Ok((new.to_value(), warnings, false, old.mod_revision));
+                }
+                let encoded = encode_stored(&new);
+                if encoded != old.value {
+                    txn.put(key.clone(), encoded);
+                    if let (Object::Service(before), Object::Service(after)) = (&old_object, &new) {
+                        ip_addresses::sync(txn, &prefix, Some(before), Some(after));
+                    }
+                }
+                Ok((new.to_value(), warnings, false, old.mod_revision))
+            })
+            .await?;
+        let (mut object, warnings, created, old_revision) = done.value;
+        match done.revision {
+            Some(rev) => set_resource_version(&mut object, rev),
+            None if old_revision != 0 => set_resource_version(&mut object, old_revision),
+            None => {}
+        }
+        Ok(Written {
+            object,
+            warnings,
+            created,
         })
     }
 
@@ -1832,6 +1949,181 @@ fn remove_object(
         ip_addresses::sync(txn, prefix, Some(svc), None);
     }
     Ok(())
+}
+
+/// An applied configuration, checked as kube checks it before merging: an object naming this
+/// endpoint's group, version and kind (apply bodies are not defaulted from the URL: kube's
+/// `versionCheckManager` answers `invalid object type: /v1, Kind=`), the name of the URL, the
+/// namespace of the URL (filled in when left out). Returned in the stored form.
+fn apply_config(
+    kind: Kind,
+    namespace: Option<&str>,
+    name: &str,
+    config: Value,
+) -> Result<Value, ApiError> {
+    let Value::Object(map) = &config else {
+        return Err(ApiError::bad_request(format!(
+            "error decoding YAML: the applied configuration is not an object: {config}"
+        )));
+    };
+    let text = |key: &str| map.get(key).and_then(Value::as_str).unwrap_or("");
+    let api_version = text("apiVersion");
+    let (group, version) = api_version.rsplit_once('/').unwrap_or(("", api_version));
+    if api_version != kind.api_version() || text("kind") != kind.kind() {
+        return Err(ApiError::bad_request(format!(
+            "invalid object type: {group}/{version}, Kind={}",
+            text("kind")
+        )));
+    }
+    let mut config = if kind == Kind::EventsV1 {
+        event::to_core(&config).0
+    } else {
+        config
+    };
+    if let Some(Value::Object(meta)) = config.get_mut("metadata") {
+        let given = meta.get("name").and_then(Value::as_str).unwrap_or("");
+        if given != name {
+            return Err(ApiError::bad_request(format!(
+                "the name of the object ({given}) does not match the name on the URL ({name})"
+            )));
+        }
+        if let Some(url_ns) = namespace.filter(|_| kind.namespaced()) {
+            match meta.get("namespace").and_then(Value::as_str) {
+                None | Some("") => {
+                    meta.insert("namespace".into(), Value::String(url_ns.to_owned()));
+                }
+                Some(ns) if ns != url_ns => {
+                    return Err(ApiError::bad_request(
+                        "the namespace of the provided object does not match the namespace sent on the request",
+                    ));
+                }
+                Some(_) => {}
+            }
+        }
+    } else {
+        return Err(ApiError::bad_request(format!(
+            "the name of the object () does not match the name on the URL ({name})"
+        )));
+    }
+    Ok(config)
+}
+
+/// `BeginCreate` and the strategy's `PrepareForCreate` and validation, before the store is read:
+/// the namespace from the URL, `generateName`, the system fields, defaults, and (but for
+/// Services, which validate after allocation) validation. Returns whether the client set a
+/// `resourceVersion`, which the store refuses.
+fn admit_create(
+    kind: Kind,
+    namespace: Option<&str>,
+    object: &mut Object,
+    dry_run: bool,
+) -> Result<bool, ApiError> {
+    let resource_version_set;
+    {
+        let meta = object.metadata_mut();
+        if kind.namespaced() {
+            let url_ns = namespace.unwrap_or("");
+            match meta.namespace.as_deref() {
+                None | Some("") => meta.namespace = Some(url_ns.to_owned()),
+                Some(ns) if ns != url_ns => {
+                    return Err(ApiError::bad_request(
+                        "the namespace of the provided object does not match the namespace sent on the request",
+                    ));
+                }
+                _ => {}
+            }
+        } else {
+            meta.namespace = None;
+        }
+        if meta.name.as_deref().unwrap_or("").is_empty()
+            && let Some(prefix) = meta.generate_name.as_deref().filter(|p| !p.is_empty())
+        {
+            meta.name = Some(generate_name(prefix));
+        }
+        // etcd3's check parses the value as a number and lets 0 (and anything that does
+        // not parse) through; a dry run never reaches it.
+        resource_version_set = !dry_run
+            && meta
+                .resource_version
+                .as_deref()
+                .and_then(|v| v.parse::<u64>().ok())
+                .is_some_and(|v| v != 0);
+        reset_for_create(meta);
+    }
+    kinds::prepare_create(object);
+    let name = object.name().to_owned();
+    if let Object::Event(event) = &*object {
+        let errs = event::validate_create(kind, event);
+        if !errs.is_empty() {
+            return Err(invalid(kind, &name, errs));
+        }
+    } else if !matches!(object, Object::Service(_)) {
+        let errs = kinds::validate(object);
+        if !errs.is_empty() {
+            return Err(invalid(kind, &name, errs));
+        }
+    } else {
+        // Without a usable name there is no key; report it before allocating anything. The
+        // rest of the metadata is judged with the spec, after allocation, as kube-apiserver
+        // does (BeginCreate, then validation).
+        let errs: Vec<_> =
+            validation::object_meta(object.metadata(), true, validation::NameRule::Dns1035Label)
+                .into_iter()
+                .filter(|e| matches!(e.field.as_str(), "metadata.name" | "metadata.namespace"))
+                .collect();
+        if !errs.is_empty() {
+            return Err(invalid(kind, &name, errs));
+        }
+    }
+    Ok(resource_version_set)
+}
+
+/// Where a create writes.
+struct CreateTarget<'a> {
+    kind: Kind,
+    key: &'a str,
+    ns_key: Option<&'a str>,
+    namespace: Option<&'a str>,
+    ranges: &'a ServiceRanges,
+    prefix: &'a str,
+    dry_run: bool,
+}
+
+/// The part of a create inside the store's transaction: the namespace is open, the name free,
+/// then allocation and the write.
+fn store_create(
+    txn: &mut Txn<'_>,
+    target: &CreateTarget<'_>,
+    mut object: Object,
+) -> Result<Value, ApiError> {
+    let kind = target.kind;
+    let name = object.name().to_owned();
+    if let (Some(ns_key), Some(ns)) = (target.ns_key, target.namespace) {
+        check_namespace_open(txn, ns_key, ns, kind, &name)?;
+    }
+    if txn.get(target.key).is_some() {
+        return Err(ApiError::already_exists(kind.subject(), &name));
+    }
+    if let Object::Service(svc) = &mut object {
+        service::create(svc, txn.allocators()?, target.ranges)?;
+    }
+    if let Object::ServiceCidr(cidr) = &mut object {
+        service_cidr::on_create(cidr, &mut txn.allocators()?.extra, now());
+    }
+    if let Object::IpAddress(ip) = &object
+        && !ip_addresses::reserve(ip, txn.allocators()?)
+    {
+        return Err(ApiError::already_exists(kind.subject(), &name));
+    }
+    if target.dry_run {
+        txn.set_dry_run();
+    }
+    txn.put(target.key.to_owned(), encode_stored(&object));
+    // After the object: its write's resourceVersion is the first of the request's.
+    if let Object::Service(svc) = &object {
+        ip_addresses::sync(txn, target.prefix, None, Some(svc));
+    }
+    Ok(object.to_value())
 }
 
 /// The shared part of PUT and PATCH once the new object is decoded: optimistic concurrency,

@@ -498,15 +498,18 @@ impl Registry {
         options: WriteOptions,
     ) -> Vec<Result<Value, ApiError>> {
         futures::stream::iter(targets)
-            .map(|(namespace, name)| async move {
-                self.delete(
-                    kind,
-                    namespace.as_deref(),
-                    &name,
-                    Preconditions::default(),
-                    options,
-                )
-                .await
+            .map(|(namespace, name)| {
+                let options = options.clone();
+                async move {
+                    self.delete(
+                        kind,
+                        namespace.as_deref(),
+                        &name,
+                        Preconditions::default(),
+                        options,
+                    )
+                    .await
+                }
             })
             .buffered(DELETE_CONCURRENCY)
             .collect()

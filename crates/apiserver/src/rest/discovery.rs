@@ -251,6 +251,30 @@ fn schemas_of(group: &str) -> serde_json::Map<String, Value> {
     generator.take_definitions(true)
 }
 
+/// The schemas of every served kind with kube's merge markers, as `/openapi/v3` serves them
+/// (server-side apply merges by them), built once.
+pub(crate) fn merge_schemas() -> &'static serde_json::Map<String, Value> {
+    static SCHEMAS: std::sync::OnceLock<serde_json::Map<String, Value>> =
+        std::sync::OnceLock::new();
+    SCHEMAS.get_or_init(|| {
+        let mut all = serde_json::Map::new();
+        for (_, group, _, _) in openapi_paths() {
+            all.extend(schemas_of(group));
+        }
+        super::list_types::annotate(&mut all);
+        all
+    })
+}
+
+/// The name of a kind's schema in `/openapi/v3` (`io.k8s.api.core.v1.Service`).
+pub(crate) fn schema_name(kind: Kind) -> String {
+    let package = openapi_paths()
+        .into_iter()
+        .find(|(_, group, _, _)| *group == kind.group())
+        .map_or("core", |(_, _, _, package)| package);
+    format!("io.k8s.api.{package}.{}.{}", kind.version(), kind.kind())
+}
+
 /// [`schemas_of`], for the marker table's own test.
 #[cfg(test)]
 pub(crate) fn schemas_for_test(group: &str) -> serde_json::Map<String, Value> {
@@ -273,7 +297,11 @@ pub fn openapi_v3_document(path: &str) -> Option<Value> {
     });
     for kind in Kind::ALL.into_iter().filter(|k| k.group() == group) {
         let gvk = json!({"group": group, "version": version, "kind": kind.kind()});
-        let schema_name = format!("io.k8s.api.{package}.{version}.{}", kind.kind());
+        let schema_name = schema_name(kind);
+        debug_assert_eq!(
+            schema_name,
+            format!("io.k8s.api.{package}.{version}.{}", kind.kind())
+        );
         let schema = schemas
             .entry(schema_name.clone())
             .or_insert_with(|| json!({"type": "object"}));

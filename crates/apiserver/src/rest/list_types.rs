@@ -50,6 +50,10 @@ fn service_ports() -> Value {
     })
 }
 
+fn default_tcp() -> Value {
+    json!({"default": "TCP"})
+}
+
 fn owner_references() -> Value {
     json!({
         "x-kubernetes-list-map-keys": ["uid"],
@@ -70,6 +74,9 @@ const PROPERTIES: &[PropertyMarkers] = &[
         atomic_list,
     ),
     ("io.k8s.api.core.v1.ServiceSpec", "ports", service_ports),
+    // Not a merge marker: the `+default="TCP"` of `ServicePort.protocol`, which kube's document
+    // carries and server-side apply reads for a port's key when `protocol` is left out.
+    ("io.k8s.api.core.v1.ServicePort", "protocol", default_tcp),
     ("io.k8s.api.core.v1.ServiceSpec", "selector", atomic_map),
     (
         "io.k8s.api.core.v1.ServiceStatus",

@@ -336,7 +336,58 @@ fn flag(query: &Query, key: &str) -> bool {
     matches!(query.get(key).map(String::as_str), Some("true" | "1"))
 }
 
-fn write_options(query: &Query) -> Result<WriteOptions, ApiError> {
+/// kube's `ValidateFieldManager` of a write's options: at most 128 bytes, printable.
+fn check_field_manager(method: &Method, manager: &str) -> Result<(), ApiError> {
+    let mut errs = Vec::new();
+    if manager.len() > crate::registry::managed_fields::MAX_MANAGER_LENGTH {
+        errs.push(crate::error::FieldError::too_long(
+            "fieldManager",
+            crate::registry::managed_fields::MAX_MANAGER_LENGTH,
+        ));
+    }
+    for (i, c) in manager.char_indices() {
+        if c.is_control() {
+            errs.push(crate::error::FieldError::invalid(
+                "fieldManager",
+                crate::error::GoValue::Str(manager),
+                format!("invalid character U+{:04X} (at position {i})", u32::from(c)),
+            ));
+        }
+    }
+    if errs.is_empty() {
+        return Ok(());
+    }
+    let kind = match *method {
+        Method::POST => "CreateOptions",
+        Method::PUT => "UpdateOptions",
+        _ => "PatchOptions",
+    };
+    let resource = match *method {
+        Method::POST => "createoptions",
+        Method::PUT => "updateoptions",
+        _ => "patchoptions",
+    };
+    Err(ApiError::invalid(
+        crate::error::Subject {
+            group: "meta.k8s.io",
+            resource,
+            kind,
+        },
+        "",
+        errs,
+    ))
+}
+
+fn write_options(
+    query: &Query,
+    method: &Method,
+    headers: &HeaderMap,
+) -> Result<WriteOptions, ApiError> {
+    if let Some(manager) = query.get("fieldManager")
+        && *method != Method::DELETE
+    {
+        check_field_manager(method, manager)?;
+    }
     let dry_run = match query.get("dryRun").map(String::as_str) {
         None | Some("") => false,
         Some("All") => true,
@@ -346,6 +397,10 @@ fn write_options(query: &Query) -> Result<WriteOptions, ApiError> {
             )));
         }
     };
+    let user_agent = headers
+        .get(header::USER_AGENT)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
     Ok(WriteOptions {
         dry_run,
         field_validation: FieldValidation::parse(
@@ -354,6 +409,11 @@ fn write_options(query: &Query) -> Result<WriteOptions, ApiError> {
                 .map(String::as_str)
                 .unwrap_or(""),
         )?,
+        manager: crate::registry::managed_fields::manager_name(
+            query.get("fieldManager").map(String::as_str),
+            user_agent,
+        )
+        .into(),
     })
 }
 
@@ -502,13 +562,43 @@ fn protobuf_error(err: protobuf::Error) -> ApiError {
     }
 }
 
+/// The media type of a server-side apply (`types.ApplyYAMLPatchType`; YAML, so JSON too).
+const APPLY_PATCH: &str = "application/apply-patch+yaml";
+
+/// kube's `ValidatePatchOptions`: an apply names its `fieldManager`; `force` is only for applies.
+fn apply_options(query: &Query, apply: bool) -> Result<(), ApiError> {
+    let patch_options = crate::error::Subject {
+        group: "meta.k8s.io",
+        resource: "patchoptions",
+        kind: "PatchOptions",
+    };
+    let mut errs = Vec::new();
+    if apply && query.get("fieldManager").is_none_or(String::is_empty) {
+        errs.push(crate::error::FieldError::required(
+            "fieldManager",
+            "is required for apply patch",
+        ));
+    }
+    if !apply && query.contains_key("force") {
+        errs.push(crate::error::FieldError::forbidden(
+            "force",
+            "may not be specified for non-apply patch",
+        ));
+    }
+    if errs.is_empty() {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(patch_options, "", errs))
+    }
+}
+
 fn patch_type(content_type: &str) -> Result<PatchType, ApiError> {
     match content_type {
         "application/json-patch+json" => Ok(PatchType::Json),
         "application/merge-patch+json" => Ok(PatchType::Merge),
         "application/strategic-merge-patch+json" => Ok(PatchType::StrategicMerge),
         other => Err(ApiError::unsupported_media_type(format!(
-            "the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/strategic-merge-patch+json ({other:?} was sent; server-side apply is not supported, use client-side `kubectl apply`)"
+            "the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/strategic-merge-patch+json, application/apply-patch+yaml ({other:?} was sent)"
         ))),
     }
 }
@@ -637,7 +727,7 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
             if kind.namespaced() && ns.is_none() {
                 return Err(ApiError::method_not_supported(kind.subject(), "create"));
             }
-            let options = write_options(&query)?;
+            let options = write_options(&query, &parts.method, &parts.headers)?;
             let body = decode_body(&ct, kind, &read_body(body).await?, options.field_validation)?;
             check_escalation(state, &parts.extensions, kind, ns, &body.value)?;
             let written = registry.create(kind, ns, body.value, options).await?;
@@ -647,7 +737,7 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
             ))
         }
         (&Method::DELETE, None) => {
-            let options = write_options(&query)?;
+            let options = write_options(&query, &parts.method, &parts.headers)?;
             let list = list_options(kind, &query)?;
             let deleted = registry.delete_collection(kind, ns, &list, options).await?;
             let items: Vec<Value> = deleted
@@ -669,7 +759,7 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
             Ok(object_response(StatusCode::OK, kind, object, &accept))
         }
         (&Method::PUT, Some(name)) if target.subresource.as_deref() == Some("finalize") => {
-            let options = write_options(&query)?;
+            let options = write_options(&query, &parts.method, &parts.headers)?;
             let body = decode_body(&ct, kind, &read_body(body).await?, options.field_validation)?;
             let object = registry
                 .finalize_namespace(name, body.value, options)
@@ -683,7 +773,7 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
             ))
         }
         (&Method::PUT, Some(name)) => {
-            let options = write_options(&query)?;
+            let options = write_options(&query, &parts.method, &parts.headers)?;
             let body = decode_body(&ct, kind, &read_body(body).await?, options.field_validation)?;
             let status_only = target.subresource.is_some();
             check_escalation(state, &parts.extensions, kind, ns, &body.value)?;
@@ -700,9 +790,76 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
                 &[body.warnings, written.warnings].concat(),
             ))
         }
+        (&Method::PATCH, Some(name)) if ct == APPLY_PATCH => {
+            let options = write_options(&query, &parts.method, &parts.headers)?;
+            apply_options(&query, true)?;
+            let bytes = read_body(body).await?;
+            let config: Value = yaml_serde::from_slice(&bytes)
+                .map_err(|e| ApiError::bad_request(format!("error decoding YAML: {e}")))?;
+            let status_only = target.subresource.is_some();
+            let force = flag(&query, "force");
+            // RBAC: the request passed the gate as a `patch`; an apply that creates needs
+            // `create` too.
+            let create_denied = parts
+                .extensions
+                .get::<crate::authz::UserInfo>()
+                .and_then(|user| {
+                    let attributes = crate::authz::Attributes::resource(
+                        user.clone(),
+                        "create",
+                        kind.group(),
+                        kind.resource(),
+                        ns.unwrap_or(""),
+                        "",
+                    );
+                    let decision = state.authorizer.authorize(&attributes);
+                    (!decision.allowed)
+                        .then(|| crate::authz::forbidden(&attributes, &decision.reason))
+                });
+            if escalation_checked(kind) {
+                let preview = registry
+                    .apply(
+                        kind,
+                        ns,
+                        name,
+                        status_only,
+                        config.clone(),
+                        force,
+                        create_denied.clone(),
+                        WriteOptions {
+                            dry_run: true,
+                            ..options.clone()
+                        },
+                    )
+                    .await?;
+                check_escalation(state, &parts.extensions, kind, ns, &preview.object)?;
+            }
+            let written = registry
+                .apply(
+                    kind,
+                    ns,
+                    name,
+                    status_only,
+                    config,
+                    force,
+                    create_denied,
+                    options,
+                )
+                .await?;
+            let code = if written.created {
+                StatusCode::CREATED
+            } else {
+                StatusCode::OK
+            };
+            Ok(with_warnings(
+                object_response(code, kind, written.object, &accept),
+                &written.warnings,
+            ))
+        }
         (&Method::PATCH, Some(name)) => {
-            let options = write_options(&query)?;
+            let options = write_options(&query, &parts.method, &parts.headers)?;
             let patch_type = patch_type(&ct)?;
+            apply_options(&query, false)?;
             let bytes = read_body(body).await?;
             let patch: Value = serde_json::from_slice(&bytes)
                 .map_err(|e| ApiError::bad_request(format!("error decoding patch: {e}")))?;
@@ -719,7 +876,7 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
                         patch.clone(),
                         WriteOptions {
                             dry_run: true,
-                            ..options
+                            ..options.clone()
                         },
                     )
                     .await?;
@@ -734,7 +891,7 @@ async fn handle(state: &AppState, request: Request) -> Result<Response, ApiError
             ))
         }
         (&Method::DELETE, Some(name)) if target.subresource.is_none() => {
-            let mut options = write_options(&query)?;
+            let mut options = write_options(&query, &parts.method, &parts.headers)?;
             let bytes = read_body(body).await?;
             let mut preconditions = Preconditions::default();
             if !bytes.is_empty() {

@@ -261,7 +261,84 @@ def events(url):
     print("events: ok")
 
 
-CASES = {"kinds": kinds, "events": events}
+def apply(url):
+    """Server-side apply through `patch_*` with `application/apply-patch+yaml`, as the client
+    documents it: create, managedFields, conflicts with kube's 409, force, and the 422 without a
+    field manager."""
+    api = api_client(url)
+    core = client.CoreV1Api(api)
+    config = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "applied", "labels": {"app": "applied"}},
+        "spec": {
+            "type": "NodePort",
+            "selector": {"app": "applied"},
+            "ports": [{"name": "http", "port": 80, "nodePort": 30180}],
+        },
+    }
+    apply_type = "application/apply-patch+yaml"
+    svc = core.patch_namespaced_service(
+        "applied", "default", config, field_manager="py-deployer", _content_type=apply_type
+    )
+    assert svc.spec.ports[0].node_port == 30180, svc
+    assert svc.spec.cluster_ip, svc
+    entries = [(e.manager, e.operation) for e in svc.metadata.managed_fields]
+    assert entries == [("py-deployer", "Apply")], entries
+    fields = svc.metadata.managed_fields[0].fields_v1
+    assert 'k:{"port":80,"protocol":"TCP"}' in fields["f:spec"]["f:ports"], fields
+
+    # Another manager changing an owned field: kube's 409 with its message and causes.
+    other = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "applied"},
+        "spec": {"ports": [{"name": "http", "port": 80, "nodePort": 30181}]},
+    }
+    err = expect_status(
+        lambda: core.patch_namespaced_service(
+            "applied", "default", other, field_manager="py-other", _content_type=apply_type
+        ),
+        409,
+        'Apply failed with 1 conflict: conflict with \\"py-deployer\\": '
+        '.spec.ports[port=80,protocol=\\"TCP\\"].nodePort',
+    )
+    assert '"FieldManagerConflict"' in err.body, err.body
+    svc = core.patch_namespaced_service(
+        "applied",
+        "default",
+        other,
+        field_manager="py-other",
+        force=True,
+        _content_type=apply_type,
+    )
+    assert svc.spec.ports[0].node_port == 30181, svc
+    assert {e.manager for e in svc.metadata.managed_fields} == {"py-deployer", "py-other"}
+
+    # Without a field manager: kube's 422.
+    expect_status(
+        lambda: core.patch_namespaced_service(
+            "applied", "default", other, _content_type=apply_type
+        ),
+        422,
+        "fieldManager: Required value: is required for apply patch",
+    )
+    # A plain create records an Update under the client's User-Agent product.
+    created = core.create_namespaced_service(
+        "default",
+        client.V1Service(
+            metadata=client.V1ObjectMeta(name="created"),
+            spec=client.V1ServiceSpec(ports=[client.V1ServicePort(port=80)]),
+        ),
+    )
+    entries = [(e.manager, e.operation) for e in created.metadata.managed_fields]
+    assert entries == [("OpenAPI-Generator", "Update")], entries
+    core.delete_namespaced_service("applied", "default")
+    core.delete_namespaced_service("created", "default")
+    print("apply: ok")
+
+
+CASES = {"kinds": kinds, "events": events, "apply": apply}
 
 if __name__ == "__main__":
     CASES[sys.argv[2]](sys.argv[1])
