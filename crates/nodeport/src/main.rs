@@ -64,6 +64,12 @@ fn main() -> ExitCode {
                 eprintln!("nodeport: {usage}");
                 return ExitCode::from(EXIT_USAGE);
             }
+            if let Some(exit) = err.downcast_ref::<cmd::Exit>() {
+                if let Some(message) = &exit.message {
+                    eprintln!("nodeport: {message}");
+                }
+                return ExitCode::from(exit.code);
+            }
             eprintln!("nodeport: {err:#}");
             ExitCode::FAILURE
         }

@@ -345,7 +345,9 @@ fn why(
     verdict: Verdict,
     chain: Option<&str>,
 ) -> (Reason, String) {
-    let at = chain.map(|c| format!(" (in {c})")).unwrap_or_default();
+    // The chain is named only when no Service setting explains the verdict (kube-proxy's
+    // chain names carry hashes); `Outcome::at` always has it.
+    let at = chain.map(|c| format!(" in {c}")).unwrap_or_default();
     let Some((svc, frontend, unselected)) = found else {
         return match verdict {
             Verdict::Pass => (
@@ -395,22 +397,22 @@ fn why(
         _ => Reason::Other,
     };
     let message = match reason {
-        Reason::NoEndpoints => format!("{}: {label} has no endpoints{at}", verb(verdict)),
+        Reason::NoEndpoints => format!("{}: {label} has no endpoints", verb(verdict)),
         Reason::SourceRanges => {
             let ranges: Vec<String> = svc.source_ranges.iter().map(|r| r.to_string()).collect();
             format!(
-                "{}: {} is not in loadBalancerSourceRanges {} of {label}{at}",
+                "{}: {} is not in loadBalancerSourceRanges {} of {label}",
                 verb(verdict),
                 packet.src,
                 ranges.join(", ")
             )
         }
         Reason::NoLocalEndpointsExternal => format!(
-            "{}: externalTrafficPolicy Local and {label} has no endpoint on this node{at}",
+            "{}: externalTrafficPolicy Local and {label} has no endpoint on this node",
             verb(verdict)
         ),
         Reason::NoLocalEndpointsInternal => format!(
-            "{}: internalTrafficPolicy Local and {label} has no endpoint on this node{at}",
+            "{}: internalTrafficPolicy Local and {label} has no endpoint on this node",
             verb(verdict)
         ),
         _ if verdict == Verdict::Pass => format!("passed on untranslated although {label} owns it"),
@@ -511,7 +513,11 @@ impl fmt::Display for Explanation {
             "input" => "from the network (input path)",
             _ => "from this node (output path)",
         };
-        writeln!(f, "packet    {} → {}/{}, {path}", p.from, p.to, p.protocol)?;
+        writeln!(
+            f,
+            "packet      {} → {}/{}, {path}",
+            p.from, p.to, p.protocol
+        )?;
         match &self.service {
             Some(s) => {
                 let kind = match s.frontend {
@@ -527,15 +533,15 @@ impl fmt::Display for Explanation {
                 };
                 write!(
                     f,
-                    "service   {} ({kind} {}, {policy} {}",
+                    "service     {}: {kind} {}, {policy} {}",
                     s.port, p.to, s.traffic_policy
                 )?;
                 if let Some(t) = s.session_affinity_seconds {
                     write!(f, ", sessionAffinity ClientIP {t}s")?;
                 }
-                writeln!(f, ")")?;
+                writeln!(f)?;
             }
-            None => writeln!(f, "service   none")?,
+            None => writeln!(f, "service     none")?,
         }
         let share = if self.endpoint_choice == "maglev" {
             " of the Maglev table"
@@ -544,22 +550,34 @@ impl fmt::Display for Explanation {
         };
         for c in &self.endpoints {
             let place = if c.local { "this node" } else { "another node" };
-            write!(
+            writeln!(
                 f,
-                "endpoint  {} {:.2}%{share} on {place}",
+                "endpoint    {}  {:.2}%{share}  on {place}",
                 c.endpoint,
                 c.probability * 100.0,
             )?;
-            let masq = if c.masquerade {
-                "masqueraded"
-            } else {
-                "not masqueraded"
-            };
-            writeln!(f, ", {masq}: {}", c.masquerade_reason)?;
+        }
+        let yes = |c: &Candidate| if c.masquerade { "yes" } else { "no" };
+        let uniform = self.endpoints.windows(2).all(|w| {
+            w[0].masquerade == w[1].masquerade && w[0].masquerade_reason == w[1].masquerade_reason
+        });
+        match self.endpoints.first() {
+            Some(c) if uniform => writeln!(f, "masquerade  {}: {}", yes(c), c.masquerade_reason)?,
+            _ => {
+                for c in &self.endpoints {
+                    writeln!(
+                        f,
+                        "masquerade  {} to {}: {}",
+                        yes(c),
+                        c.endpoint,
+                        c.masquerade_reason
+                    )?;
+                }
+            }
         }
         for (i, o) in self.outcomes.iter().enumerate() {
             let label = if i == 0 { "fate" } else { "or" };
-            write!(f, "{label:<9} {}", o.message)?;
+            write!(f, "{label:<11} {}", o.message)?;
             if self.outcomes.len() > 1 {
                 write!(f, " ({:.2}%)", o.probability * 100.0)?;
             }
