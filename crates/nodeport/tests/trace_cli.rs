@@ -292,3 +292,45 @@ fn bad_usage_exits_64_naming_the_flag_and_an_untraceable_packet_exits_3() {
         assert!(stderr.contains(why), "{args:?}: {stderr}");
     }
 }
+
+#[test]
+fn node_name_picks_that_nodes_addresses_from_a_file_of_several_nodes() {
+    // What `kubectl get svc,endpointslices,nodes -o yaml` of a cluster gives: every Node.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("cluster.yaml");
+    let objects = std::fs::read_to_string(testdata().join("objects.yaml")).unwrap();
+    std::fs::write(
+        &file,
+        format!(
+            "{objects}---\napiVersion: v1\nkind: Node\nmetadata: {{name: node-b}}\n\
+             status: {{addresses: [{{type: InternalIP, address: 192.0.2.12}}]}}\n"
+        ),
+    )
+    .unwrap();
+    let file = file.to_str().unwrap();
+    for (node, to, local) in [
+        (
+            "node-a",
+            "192.0.2.11:30569/tcp",
+            "10.244.1.5:8080  50.00%  on this node",
+        ),
+        (
+            "node-b",
+            "192.0.2.12:30569/tcp",
+            "10.244.2.7:8080  50.00%  on this node",
+        ),
+    ] {
+        let (stdout, stderr, code) = trace(&[
+            "-f",
+            file,
+            "--node-name",
+            node,
+            "--from",
+            "203.0.113.5",
+            "--to",
+            to,
+        ]);
+        assert_eq!(code, 0, "{node}: {stdout}{stderr}");
+        assert!(stdout.contains(local), "{node}: {stdout}");
+    }
+}

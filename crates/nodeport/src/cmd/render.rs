@@ -40,8 +40,8 @@ pub struct Flags {
     /// "kube-proxy" (kube-proxy 1.33's chains and names, to compare with a kube-proxy node).
     #[arg(long, default_value = "flat", value_name = "flat|kube-proxy")]
     nftables_layout: String,
-    /// This node's name: endpoints with this nodeName are local (default: the Node in the
-    /// file, if any).
+    /// This node's name: endpoints with this nodeName are local; the file's Node of this
+    /// name gives the node's addresses (default: the Node in the file, if any).
     #[arg(long)]
     node_name: Option<String>,
     /// This node's IPs (repeatable); the first of each family is that family's node IP
@@ -287,7 +287,13 @@ pub fn prepare(args: &Flags, text: &str, source: &str) -> anyhow::Result<Prepare
     for w in &loaded.warnings {
         eprintln!("warning: {w}");
     }
-    let node = loaded.node.clone().unwrap_or_default();
+    // The Node named --node-name when the file has it (a `kubectl get nodes -o yaml` of a
+    // whole cluster), else the file's Node.
+    let named = args
+        .node_name
+        .as_ref()
+        .and_then(|n| loaded.nodes.iter().find(|node| node.name == *n));
+    let node = named.or(loaded.node.as_ref()).cloned().unwrap_or_default();
     let node_name = args.node_name.clone().unwrap_or_else(|| node.name.clone());
     if node_ips.is_empty() {
         node_ips = node.addresses.clone();
