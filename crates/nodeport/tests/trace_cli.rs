@@ -48,6 +48,12 @@ const CASES: &[(&str, &str, &[&str])] = &[
     ("10.244.2.3", "10.96.0.10:80/tcp", &["--masquerade-all"]),
     // IPv6.
     ("2001:db8::99", "[2001:db8::11]:30569/tcp", &[]),
+    // externalTrafficPolicy Local with a local endpoint: the client's address is kept; from
+    // the node itself, every endpoint, masqueraded.
+    ("203.0.113.5", "192.0.2.11:30573/tcp", &[]),
+    ("192.0.2.11", "192.0.2.11:30573/tcp", &[]),
+    // internalTrafficPolicy Local without a local endpoint: dropped.
+    ("10.244.2.3", "10.96.0.15:80/tcp", &[]),
 ];
 
 /// The golden text of one mode: each command line, its output and exit code.
@@ -100,7 +106,9 @@ fn exit_codes(text: &str) -> Vec<&str> {
 }
 
 /// What every mode must agree on: reaches (0) or not (1), case by case.
-const EXPECTED_EXITS: &[&str] = &["0", "1", "1", "1", "0", "1", "1", "0", "0", "0", "0"];
+const EXPECTED_EXITS: &[&str] = &[
+    "0", "1", "1", "1", "0", "1", "1", "0", "0", "0", "0", "0", "0", "1",
+];
 
 #[test]
 fn the_flat_nftables_layout_traces_every_fate_as_its_golden_output() {

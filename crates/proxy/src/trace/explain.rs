@@ -480,8 +480,9 @@ fn masquerade_reason(
             return "hairpin: the endpoint is the client itself".into();
         }
         if frontend.is_external() && from_node {
-            return "traffic from the node itself to an external address is masqueraded \
-                    (kube-proxy's external chain)"
+            return "traffic from the node itself to an external address takes the Cluster \
+                    policy's endpoints and is masqueraded (kube-proxy's short-circuit of local \
+                    traffic)"
                 .into();
         }
         return "by a rule no Service setting explains".into();
