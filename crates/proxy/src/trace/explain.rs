@@ -373,9 +373,6 @@ fn why(
         );
     }
     let external = frontend.is_external();
-    // Traffic from the node to an external address takes the Cluster policy's endpoints
-    // (kube-proxy short-circuits it), except in the eBPF mode's sockets when the policy
-    // chain is the only one.
     let local_policy = if external {
         svc.external_policy_local()
     } else {
@@ -585,5 +582,106 @@ impl fmt::Display for Explanation {
             writeln!(f)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::desired::{self, NodeView, StateConfig};
+    use crate::nodeaddr::NodeFacts;
+    use crate::objects;
+
+    const WEB: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: default}
+spec: {type: NodePort, clusterIP: 10.96.0.10, ports: [{port: 80, targetPort: 8080, nodePort: 30080}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-1, namespace: default, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{port: 8080}]
+endpoints: [{addresses: [10.244.1.5], nodeName: node-a}]
+"#;
+
+    fn node() -> Vec<IpAddr> {
+        vec!["192.0.2.10".parse().unwrap()]
+    }
+
+    fn explained(fates: Vec<(Fate, f64)>, packet: Packet) -> Explanation {
+        let cluster = objects::load(WEB).expect("objects").cluster;
+        let facts = NodeFacts {
+            node_ips: node(),
+            local_ips: node(),
+            ..Default::default()
+        };
+        let state = desired::build(
+            &cluster,
+            NodeView::named("node-a"),
+            &facts,
+            &StateConfig::default(),
+        );
+        let addrs = node();
+        let ctx = Context {
+            dataplane: Dataplane::Nftables,
+            masquerade_all: false,
+            cluster_cidrs: &[],
+            nodeport_addresses: "primary".into(),
+            local_addrs: &addrs,
+            maglev: false,
+        };
+        explain(&state, &ctx, &Trace { packet, fates })
+    }
+
+    #[test]
+    fn a_verdict_no_service_setting_explains_is_reported_with_its_chain_not_guessed() {
+        // The Service has a local endpoint and no source ranges: nothing in its settings
+        // explains a drop, so the reason is `Other` and the chain is named.
+        let e = explained(
+            vec![(Fate::Dropped("filter-input".into()), 1.0)],
+            Packet::remote("203.0.113.5", "192.0.2.10", Protocol::Tcp, 30080),
+        );
+        assert_eq!(e.service.as_ref().unwrap().port, "default/web:80/TCP");
+        assert_eq!(e.outcomes[0].reason, Reason::Other);
+        assert_eq!(e.outcomes[0].message, "drop in filter-input");
+        assert!(!e.reaches_endpoint());
+    }
+
+    #[test]
+    fn a_packet_that_can_end_in_two_ways_reaches_an_endpoint_only_if_every_way_does() {
+        let to: SocketAddr = "10.244.1.5:8080".parse().unwrap();
+        let delivered = Fate::Delivered {
+            dnat: Some(to),
+            masqueraded: true,
+            affinity: vec![],
+        };
+        let e = explained(
+            vec![
+                (delivered.clone(), 0.75),
+                (Fate::Rejected("services".into()), 0.25),
+            ],
+            Packet::remote("203.0.113.5", "192.0.2.10", Protocol::Tcp, 30080),
+        );
+        assert!(!e.reaches_endpoint());
+        assert_eq!(e.outcomes[0].verdict, Verdict::Dnat);
+        assert_eq!(e.outcomes[0].probability, 0.75);
+        let text = e.to_string();
+        assert!(
+            text.contains("fate        DNAT to 10.244.1.5:8080 (75.00%)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("or          reject in services (25.00%)"),
+            "{text}"
+        );
+
+        let e = explained(
+            vec![(delivered, 1.0)],
+            Packet::remote("203.0.113.5", "192.0.2.10", Protocol::Tcp, 30080),
+        );
+        assert!(e.reaches_endpoint());
+        assert!(e.endpoints[0].local);
     }
 }
