@@ -342,3 +342,108 @@ fn node_name_picks_that_nodes_addresses_from_a_file_of_several_nodes() {
         assert!(stdout.contains(local), "{node}: {stdout}");
     }
 }
+
+#[test]
+fn service_lists_every_address_the_node_serves_it_on_with_its_fate_in_every_mode() {
+    for (mode, golden) in [
+        (
+            &["--proxy-mode", "nftables"][..],
+            "service-nftables-flat.txt",
+        ),
+        (
+            &[
+                "--proxy-mode",
+                "nftables",
+                "--nftables-layout",
+                "kube-proxy",
+            ][..],
+            "service-nftables-kube-proxy.txt",
+        ),
+        (&["--proxy-mode", "iptables"][..], "service-iptables.txt"),
+        (&["--proxy-mode", "ebpf"][..], "service-ebpf.txt"),
+    ] {
+        let mut text = String::new();
+        for (service, extra, want) in [
+            // Every address answers (the one --nodeport-addresses leaves out is shown, not
+            // counted).
+            ("default/web", &[][..], 0),
+            // The load-balancer IP drops this client: exit 1.
+            ("default/lb", &["--from", "198.51.100.7"][..], 1),
+            ("default/empty", &[][..], 1),
+        ] {
+            let mut args = vec!["-f", "objects.yaml"];
+            args.extend_from_slice(mode);
+            args.extend_from_slice(&[
+                "--cluster-cidr",
+                "10.244.0.0/16,fd00:244::/48",
+                "--nodeport-addresses",
+                "primary",
+                "--service",
+                service,
+            ]);
+            args.extend_from_slice(extra);
+            let (stdout, stderr, code) = trace(&args);
+            assert_eq!(code, want, "{args:?}: {stdout}{stderr}");
+            text.push_str(&format!(
+                "$ nodeport trace {}\n{stdout}exit {code}\n\n",
+                args.join(" ")
+            ));
+        }
+        check_golden(golden, &text);
+    }
+}
+
+#[test]
+fn service_json_holds_one_trace_per_address_and_an_unknown_service_exits_3() {
+    let (stdout, _, code) = trace(&[
+        "-f",
+        "objects.yaml",
+        "--service",
+        "default/web",
+        "-o",
+        "json",
+    ]);
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(v["service"], "default/web");
+    let traces = v["traces"].as_array().unwrap();
+    let to: Vec<&str> = traces
+        .iter()
+        .map(|t| t["packet"]["to"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        to,
+        [
+            "10.96.0.10:80",
+            "192.0.2.11:30569",
+            "198.51.100.11:30569",
+            "[fd00:96::10]:80",
+            "[2001:db8::11]:30569"
+        ]
+    );
+    assert_eq!(traces[2]["outcomes"][0]["reason"], "not_node_port_address");
+
+    let (_, stderr, code) = trace(&["-f", "objects.yaml", "--service", "default/nope"]);
+    assert_eq!(code, 3, "{stderr}");
+    assert!(stderr.contains("no Service default/nope"), "{stderr}");
+}
+
+#[test]
+fn missing_or_conflicting_arguments_exit_64() {
+    for args in [
+        vec!["-f", "objects.yaml", "--from", "203.0.113.5"],
+        vec![
+            "-f",
+            "objects.yaml",
+            "--service",
+            "default/web",
+            "--to",
+            "192.0.2.11:80",
+        ],
+        vec!["-f", "objects.yaml", "--service", "web"],
+        vec!["--from", "203.0.113.5", "--to", "192.0.2.11:80"],
+    ] {
+        let (_, stderr, code) = trace(&args);
+        assert_eq!(code, 64, "{args:?}: {stderr}");
+    }
+}

@@ -3,8 +3,10 @@
 //! probability, masquerade and why, and the fate (DNAT, reject, drop, or not a Service).
 //!
 //! Offline (`-f objects.yaml` with `render`'s flags) it traces what `render` would
-//! program, with no kernel and no server. Exit codes: 0 the packet reaches an endpoint, 1
-//! it is dropped, rejected or not for a Service, 3 it could not be traced, 64 bad usage.
+//! program, with no kernel and no server. `--service ns/name` traces every address and port
+//! the node serves a Service on, one line each. Exit codes: 0 the packet reaches an
+//! endpoint (every served address does, with `--service`), 1 it is dropped, rejected or not
+//! for a Service, 3 it could not be traced (or no such Service), 64 bad usage.
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -21,8 +23,13 @@ use super::{Exit, UsageError};
 
 /// Exit code: the packet is dropped or rejected, or is not for a Service.
 const EXIT_NOT_DELIVERED: u8 = 1;
-/// Exit code: the packet could not be traced (unreadable input, a mode without tracer).
+/// Exit code: the packet could not be traced (unreadable input, a mode without tracer, no
+/// such Service).
 const EXIT_UNTRACEABLE: u8 = 3;
+/// `--service`'s outside client when `--from` gives none of the family (TEST-NET-3, RFC 5737;
+/// the IPv6 documentation prefix, RFC 3849).
+const OUTSIDE_V4: &str = "203.0.113.1";
+const OUTSIDE_V6: &str = "2001:db8:ffff::1";
 
 /// Flags of `nodeport trace`.
 #[derive(Debug, clap::Args)]
@@ -33,13 +40,25 @@ pub struct Args {
     file: PathBuf,
     /// Source address of the packet. One of the node's own addresses (--node-ip,
     /// --interface) takes the output path, as a process on the node; any other arrives
-    /// from the network (input path).
-    #[arg(long, value_name = "ADDR")]
-    from: String,
+    /// from the network (input path). With --service: the outside client external
+    /// addresses are traced from [default: 203.0.113.1, or 2001:db8:ffff::1 for IPv6].
+    #[arg(long, value_name = "ADDR", required_unless_present = "service")]
+    from: Option<String>,
     /// Destination: ADDR:PORT/PROTO, e.g. 192.0.2.11:30569/tcp or [2001:db8::1]:80/tcp
     /// (the protocol defaults to tcp).
-    #[arg(long, value_name = "ADDR:PORT/PROTO")]
-    to: String,
+    #[arg(
+        long,
+        value_name = "ADDR:PORT/PROTO",
+        required_unless_present = "service",
+        conflicts_with = "service"
+    )]
+    to: Option<String>,
+    /// Every address and port this node serves the Service NAMESPACE/NAME on, and what
+    /// happens there: its ClusterIPs (from the node itself), its NodePorts on each of the
+    /// node's addresses (including those --nodeport-addresses leaves out), its external
+    /// and load-balancer IPs (from --from).
+    #[arg(long, value_name = "NAMESPACE/NAME")]
+    service: Option<String>,
     /// Output format: "human" (one line per step) or "json" (the schema is in
     /// docs/TRACE.md).
     #[arg(
@@ -94,21 +113,145 @@ struct Report<'a> {
     explanation: &'a Explanation,
 }
 
+/// What `-o json` prints with `--service`.
+#[derive(Serialize)]
+struct ServiceReport<'a> {
+    /// `offline`.
+    source: &'static str,
+    /// `--proxy-mode`.
+    mode: &'static str,
+    /// nftables mode: the layout traced.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    nftables_layout: Option<&'static str>,
+    /// `namespace/name`.
+    service: &'a str,
+    /// One trace per address and port, as `nodeport trace --to` prints it.
+    traces: &'a [Explanation],
+}
+
+/// The rules (or maps) a mode renders, ready to be traced.
+enum Rendered {
+    Nftables(nftables::ruleset::Ruleset),
+    Iptables(iptables::ruleset::Ruleset),
+    Ebpf(ebpf::render::Rendered),
+}
+
+impl Rendered {
+    /// Renders the objects as `render` does.
+    fn of(prepared: &Prepared) -> anyhow::Result<Self> {
+        let Prepared {
+            mode,
+            algorithm,
+            desired,
+            facts,
+            config,
+            ..
+        } = prepared;
+        Ok(match mode {
+            ProxyMode::Nftables => Rendered::Nftables(nftables::render(desired, config)),
+            ProxyMode::Iptables => Rendered::Iptables(iptables::render(desired, config)),
+            ProxyMode::Ebpf => {
+                let render_config = ebpf::render::RenderConfig {
+                    algorithm: *algorithm,
+                    local_ips: facts.local_ips.clone(),
+                    fib_forward: true,
+                };
+                Rendered::Ebpf(ebpf::render::render(desired, &render_config))
+            }
+            ProxyMode::Ipvs => {
+                return Err(untraceable(
+                    "the ipvs mode cannot be traced: nodeport does not evaluate IPVS (its \
+                     companion iptables rules only mark and masquerade)",
+                ));
+            }
+        })
+    }
+
+    fn dataplane(&self) -> Dataplane {
+        match self {
+            Rendered::Nftables(_) => Dataplane::Nftables,
+            Rendered::Iptables(_) => Dataplane::Iptables,
+            Rendered::Ebpf(_) => Dataplane::Ebpf,
+        }
+    }
+
+    /// The packet through the mode's tracer.
+    fn trace(&self, packet: &Packet, env: &Env) -> Trace {
+        match self {
+            Rendered::Nftables(ruleset) => nftables::tracer::trace(ruleset, packet, env),
+            Rendered::Iptables(ruleset) => match ruleset.family(IpFamily::of(packet.dst)) {
+                Some(family) => iptables::tracer::trace(&family.view(), packet, env),
+                // No rules of the family: nothing touches the packet.
+                None => {
+                    iptables::tracer::trace(&iptables::ruleset::TableView::empty(), packet, env)
+                }
+            },
+            Rendered::Ebpf(maps) => ebpf::tracer::trace(maps, packet, env),
+        }
+    }
+}
+
+/// Everything one run traces with.
+struct Tracing {
+    prepared: Prepared,
+    rendered: Rendered,
+    source: String,
+}
+
+impl Tracing {
+    fn packet(&self, from: IpAddr, to: SocketAddr, proto: Protocol) -> Packet {
+        let origin = if self.prepared.facts.local_ips.contains(&from) {
+            Origin::Local
+        } else {
+            Origin::Remote
+        };
+        Packet {
+            src: from,
+            dst: to.ip(),
+            proto,
+            dport: to.port(),
+            origin,
+        }
+    }
+
+    fn explain(&self, packet: &Packet) -> Explanation {
+        let p = &self.prepared;
+        let env = Env {
+            local_addrs: p.facts.local_ips.clone(),
+            affinity: Vec::new(),
+        };
+        let trace = self.rendered.trace(packet, &env);
+        let ctx = explain::Context {
+            dataplane: self.rendered.dataplane(),
+            masquerade_all: p.config.masquerade_all,
+            cluster_cidrs: &p.config.cluster_cidrs,
+            nodeport_addresses: p.nodeport_addresses.clone(),
+            local_addrs: &p.facts.local_ips,
+            maglev: p.mode == ProxyMode::Ebpf && p.algorithm == ebpf::render::Algorithm::Maglev,
+        };
+        explain::explain(&p.desired, &ctx, &trace)
+    }
+
+    fn layout(&self) -> Option<&'static str> {
+        (self.prepared.mode == ProxyMode::Nftables)
+            .then_some(self.prepared.config.nftables_layout.as_str())
+    }
+
+    /// The `rules` line.
+    fn rules_line(&self) -> String {
+        let mode = match self.layout() {
+            Some(l) => format!("{} ({l} layout)", self.prepared.mode.as_str()),
+            None => self.prepared.mode.as_str().to_string(),
+        };
+        format!(
+            "rules       {mode}, as `nodeport render` programs them for {}",
+            self.source
+        )
+    }
+}
+
 /// Runs `nodeport trace`.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let (to, proto) = parse_to(&args.to)?;
-    let from: IpAddr = args.from.parse().map_err(|_| {
-        usage(format!(
-            "invalid value {:?} for --from: not an IP address",
-            args.from
-        ))
-    })?;
-    if IpFamily::of(from) != IpFamily::of(to.ip()) {
-        return Err(usage(format!(
-            "--from {from} and --to {} are not of the same IP family",
-            to.ip()
-        )));
-    }
     let json = match args.output.as_str() {
         "human" => false,
         "json" => true,
@@ -118,6 +261,38 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             )));
         }
     };
+    let from = match &args.from {
+        Some(v) => Some(
+            v.parse::<IpAddr>()
+                .map_err(|_| usage(format!("invalid value {v:?} for --from: not an IP address")))?,
+        ),
+        None => None,
+    };
+    let service = match &args.service {
+        Some(v) => match v.split_once('/') {
+            Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
+                Some((ns.to_string(), name.to_string()))
+            }
+            _ => {
+                return Err(usage(format!(
+                    "invalid value {v:?} for --service: must be NAMESPACE/NAME"
+                )));
+            }
+        },
+        None => None,
+    };
+    let to = match &args.to {
+        Some(v) => Some(parse_to(v)?),
+        None => None,
+    };
+    if let (Some(from), Some((to, _))) = (from, to)
+        && IpFamily::of(from) != IpFamily::of(to.ip())
+    {
+        return Err(usage(format!(
+            "--from {from} and --to {} are not of the same IP family",
+            to.ip()
+        )));
+    }
     let text = render::read_file(&args.file).map_err(|e| untraceable(format!("{e:#}")))?;
     let source = args.file.display().to_string();
     let prepared = render::prepare(&args.render, &text, &source).map_err(|e| {
@@ -127,52 +302,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             untraceable(format!("{e:#}"))
         }
     })?;
-    let origin = if prepared.facts.local_ips.contains(&from) {
-        Origin::Local
-    } else {
-        Origin::Remote
+    let rendered = Rendered::of(&prepared)?;
+    let tracing = Tracing {
+        prepared,
+        rendered,
+        source,
     };
-    let packet = Packet {
-        src: from,
-        dst: to.ip(),
-        proto,
-        dport: to.port(),
-        origin,
+    let reached = match (service, from, to) {
+        (Some((ns, name)), _, _) => trace_service(&tracing, &ns, &name, from, json)?,
+        (None, Some(from), Some((to, proto))) => trace_packet(&tracing, from, to, proto, json)?,
+        // clap requires --from and --to without --service.
+        _ => return Err(usage("--from and --to are required without --service")),
     };
-    let env = Env {
-        local_addrs: prepared.facts.local_ips.clone(),
-        affinity: Vec::new(),
-    };
-    let (dataplane, trace) = trace_offline(&prepared, &packet, &env)?;
-    let ctx = explain::Context {
-        dataplane,
-        masquerade_all: prepared.config.masquerade_all,
-        cluster_cidrs: &prepared.config.cluster_cidrs,
-        nodeport_addresses: prepared.nodeport_addresses.clone(),
-        local_addrs: &prepared.facts.local_ips,
-        maglev: prepared.mode == ProxyMode::Ebpf
-            && prepared.algorithm == ebpf::render::Algorithm::Maglev,
-    };
-    let explanation = explain::explain(&prepared.desired, &ctx, &trace);
-    let layout =
-        (prepared.mode == ProxyMode::Nftables).then_some(prepared.config.nftables_layout.as_str());
-    if json {
-        let report = Report {
-            source: "offline",
-            mode: prepared.mode.as_str(),
-            nftables_layout: layout,
-            explanation: &explanation,
-        };
-        println!("{}", serde_json::to_string_pretty(&report)?);
-    } else {
-        let mode = match layout {
-            Some(l) => format!("{} ({l} layout)", prepared.mode.as_str()),
-            None => prepared.mode.as_str().to_string(),
-        };
-        println!("rules       {mode}, as `nodeport render` programs them for {source}");
-        print!("{explanation}");
-    }
-    if explanation.reaches_endpoint() {
+    if reached {
         Ok(())
     } else {
         Err(Exit {
@@ -183,52 +325,158 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
 }
 
-/// Renders the objects as `render` does and traces the packet through the result.
-fn trace_offline(
-    prepared: &Prepared,
-    packet: &Packet,
-    env: &Env,
-) -> anyhow::Result<(Dataplane, Trace)> {
-    let Prepared {
-        mode,
-        algorithm,
-        desired,
-        facts,
-        config,
-        ..
-    } = prepared;
-    Ok(match mode {
-        ProxyMode::Nftables => {
-            let ruleset = nftables::render(desired, config);
-            (
-                Dataplane::Nftables,
-                nftables::tracer::trace(&ruleset, packet, env),
-            )
+/// One packet: printed step by step. Whether it reaches an endpoint.
+fn trace_packet(
+    tracing: &Tracing,
+    from: IpAddr,
+    to: SocketAddr,
+    proto: Protocol,
+    json: bool,
+) -> anyhow::Result<bool> {
+    let explanation = tracing.explain(&tracing.packet(from, to, proto));
+    if json {
+        let report = Report {
+            source: "offline",
+            mode: tracing.prepared.mode.as_str(),
+            nftables_layout: tracing.layout(),
+            explanation: &explanation,
+        };
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!("{}", tracing.rules_line());
+        print!("{explanation}");
+    }
+    Ok(explanation.reaches_endpoint())
+}
+
+/// Every address and port the node serves `ns/name` on, one trace each: the ClusterIPs
+/// from the node itself, NodePorts on each of the node's addresses (loopback and IPv6
+/// link-local aside), external and load-balancer IPs from the outside client. Whether
+/// every address that serves the Service reaches an endpoint (a NodePort on an address
+/// `--nodeport-addresses` leaves out is shown, not counted).
+fn trace_service(
+    tracing: &Tracing,
+    ns: &str,
+    name: &str,
+    from: Option<IpAddr>,
+    json: bool,
+) -> anyhow::Result<bool> {
+    let p = &tracing.prepared;
+    let outside = |family: IpFamily| -> IpAddr {
+        match from {
+            Some(ip) if IpFamily::of(ip) == family => ip,
+            _ => match family {
+                IpFamily::V4 => OUTSIDE_V4.parse().expect("an IPv4 address"),
+                IpFamily::V6 => OUTSIDE_V6.parse().expect("an IPv6 address"),
+            },
         }
-        ProxyMode::Iptables => {
-            let ruleset = iptables::render(desired, config);
-            let Some(family) = ruleset.family(IpFamily::of(packet.dst)) else {
-                return Err(untraceable("no iptables rules for this IP family"));
-            };
-            (
-                Dataplane::Iptables,
-                iptables::tracer::trace(&family.view(), packet, env),
-            )
+    };
+    let mut packets = Vec::new();
+    for fam in &p.desired.families {
+        let node_ip = p
+            .facts
+            .node_ips
+            .iter()
+            .chain(&p.facts.local_ips)
+            .copied()
+            .find(|ip| IpFamily::of(*ip) == fam.family && !ip.is_loopback());
+        let node_addrs: Vec<IpAddr> = p
+            .facts
+            .local_ips
+            .iter()
+            .copied()
+            .filter(|ip| {
+                IpFamily::of(*ip) == fam.family
+                    && !ip.is_loopback()
+                    && !matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local())
+            })
+            .collect();
+        for svc in fam.services.values() {
+            let port = &svc.port;
+            if &*port.name.namespace != ns || &*port.name.name != name {
+                continue;
+            }
+            let proto = port.name.protocol;
+            let client = outside(fam.family);
+            if let Some(node_ip) = node_ip {
+                packets.push((node_ip, SocketAddr::new(svc.cluster_ip, port.port), proto));
+            }
+            if let Some(node_port) = port.node_port {
+                for ip in &node_addrs {
+                    packets.push((client, SocketAddr::new(*ip, node_port), proto));
+                }
+            }
+            for ip in svc.external_ips.iter().chain(&svc.load_balancer_ips) {
+                packets.push((client, SocketAddr::new(*ip, port.port), proto));
+            }
         }
-        ProxyMode::Ebpf => {
-            let render_config = ebpf::render::RenderConfig {
-                algorithm: *algorithm,
-                local_ips: facts.local_ips.clone(),
-                fib_forward: true,
-            };
-            let rendered = ebpf::render::render(desired, &render_config);
-            (Dataplane::Ebpf, ebpf::tracer::trace(&rendered, packet, env))
-        }
-        ProxyMode::Ipvs => {
-            return Err(untraceable(
-                "the ipvs mode cannot be traced: nodeport does not evaluate IPVS (its \
-                 companion iptables rules only mark and masquerade)",
-            ));
-        }
-    })
+    }
+    if packets.is_empty() {
+        return Err(untraceable(format!(
+            "no Service {ns}/{name} in {} (or it has no ClusterIP)",
+            tracing.source
+        )));
+    }
+    let traces: Vec<Explanation> = packets
+        .iter()
+        .map(|(from, to, proto)| tracing.explain(&tracing.packet(*from, *to, *proto)))
+        .collect();
+    let served = |e: &&Explanation| {
+        !e.outcomes
+            .iter()
+            .any(|o| o.reason == explain::Reason::NotNodePortAddress)
+    };
+    let reached = traces
+        .iter()
+        .filter(served)
+        .all(Explanation::reaches_endpoint);
+    let label = format!("{ns}/{name}");
+    if json {
+        let report = ServiceReport {
+            source: "offline",
+            mode: tracing.prepared.mode.as_str(),
+            nftables_layout: tracing.layout(),
+            service: &label,
+            traces: &traces,
+        };
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(reached);
+    }
+    println!("{}", tracing.rules_line());
+    println!("service     {label}: every address this node serves it on");
+    let width = traces
+        .iter()
+        .map(|e| format!("{}/{}", e.packet.to, e.packet.protocol).len())
+        .max()
+        .unwrap_or(0);
+    let from_width = traces
+        .iter()
+        .map(|e| e.packet.from.to_string().len())
+        .max()
+        .unwrap_or(0);
+    for e in &traces {
+        let to = format!("{}/{}", e.packet.to, e.packet.protocol);
+        let kind = match e.service.as_ref().map(|s| s.frontend) {
+            Some(explain::Frontend::ClusterIP) => "ClusterIP",
+            Some(explain::Frontend::NodePort) => "NodePort",
+            Some(explain::Frontend::ExternalIP) => "external IP",
+            Some(explain::Frontend::LoadBalancerIP) => "load-balancer IP",
+            None => "-",
+        };
+        let fate = e.outcomes.first().map(|o| o.message.as_str()).unwrap_or("");
+        let masq = match (
+            e.endpoints.iter().all(|c| c.masquerade),
+            e.endpoints.iter().any(|c| c.masquerade),
+        ) {
+            _ if e.endpoints.is_empty() => "",
+            (true, _) => ", masqueraded",
+            (false, true) => ", masqueraded to some",
+            (false, false) => ", not masqueraded",
+        };
+        println!(
+            "{to:<width$}  {kind:<16}  from {:<from_width$}  {fate}{masq}",
+            e.packet.from.to_string()
+        );
+    }
+    Ok(reached)
 }
