@@ -1,4 +1,4 @@
-//! `nodeport trace` offline (`-f`): every fate in every traced mode (nftables flat and
+//! `nodeport trace -f`: every fate in every traced mode (nftables flat and
 //! kube-proxy layouts, iptables, ebpf) against golden outputs in `testdata/trace/`, the JSON
 //! form, exit codes (0 reaches an endpoint, 1 does not, 3 cannot trace, 64 bad usage).
 //!
@@ -54,6 +54,8 @@ const CASES: &[(&str, &str, &[&str])] = &[
     ("192.0.2.11", "192.0.2.11:30573/tcp", &[]),
     // internalTrafficPolicy Local without a local endpoint: dropped.
     ("10.244.2.3", "10.96.0.15:80/tcp", &[]),
+    // Three endpoints, one in three each.
+    ("203.0.113.5", "192.0.2.11:30574/tcp", &[]),
 ];
 
 /// The golden text of one mode: each command line, its output and exit code.
@@ -107,7 +109,7 @@ fn exit_codes(text: &str) -> Vec<&str> {
 
 /// What every mode must agree on: reaches (0) or not (1), case by case.
 const EXPECTED_EXITS: &[&str] = &[
-    "0", "1", "1", "1", "0", "1", "1", "0", "0", "0", "0", "0", "0", "1",
+    "0", "1", "1", "1", "0", "1", "1", "0", "0", "0", "0", "0", "0", "1", "0",
 ];
 
 #[test]
@@ -161,7 +163,9 @@ fn every_mode_names_the_same_service_endpoints_and_fate_for_the_same_packet() {
     let summary = |mode: &[&str]| -> Vec<String> {
         run_mode(mode, &[])
             .lines()
-            .filter(|l| l.starts_with("service") || l.starts_with("endpoint"))
+            .filter(|l| {
+                l.starts_with("service") || l.starts_with("endpoint") || l.starts_with("fate")
+            })
             .map(str::to_string)
             .collect()
     };
@@ -198,7 +202,7 @@ fn json_output_follows_the_documented_schema() {
     assert_eq!(code, 0);
     check_golden("nodeport.json", &stdout);
     let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
-    assert_eq!(v["source"], "offline");
+    assert_eq!(v["source"], "file");
     assert_eq!(v["mode"], "nftables");
     assert_eq!(v["nftables_layout"], "flat");
     assert_eq!(v["packet"]["to"], "192.0.2.11:30569");

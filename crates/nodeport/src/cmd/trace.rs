@@ -2,8 +2,8 @@
 //! Service's words, where it goes: the Service port, the candidate endpoints with their
 //! probability, masquerade and why, and the fate (DNAT, reject, drop, or not a Service).
 //!
-//! Offline (`-f objects.yaml` with `render`'s flags) it traces what `render` would
-//! program, with no kernel and no server. `--service ns/name` traces every address and port
+//! It traces what `render` would program (with `render`'s flags) for the objects of a file
+//! (`-f`) or of the API server (`--kubeconfig`/`--master`), with no kernel. `--service ns/name` traces every address and port
 //! the node serves a Service on, one line each. Exit codes: 0 the packet reaches an
 //! endpoint (every served address does, with `--service`), 1 it is dropped, rejected or not
 //! for a Service, 3 it could not be traced (or no such Service), 64 bad usage.
@@ -34,10 +34,23 @@ const OUTSIDE_V6: &str = "2001:db8:ffff::1";
 /// Flags of `nodeport trace`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Multi-document YAML of Services, EndpointSlices, ServiceCIDRs and optionally a Node
+    /// Multi-document YAML of Services, EndpointSlices, ServiceCIDRs and optionally Nodes
     /// ("-" reads standard input): trace what `nodeport render` would program for them.
-    #[arg(short = 'f', long = "filename")]
-    file: PathBuf,
+    #[arg(
+        short = 'f',
+        long = "filename",
+        required_unless_present_any = ["kubeconfig", "master"],
+        conflicts_with_all = ["kubeconfig", "master"]
+    )]
+    file: Option<PathBuf>,
+    /// Read the Services, EndpointSlices, ServiceCIDRs and Nodes from the API server this
+    /// kubeconfig names (as `nodeport proxy --kubeconfig`), instead of -f.
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+    /// Address of the API server to read the objects from (overrides the kubeconfig's),
+    /// instead of -f.
+    #[arg(long)]
+    master: Option<String>,
     /// Source address of the packet. One of the node's own addresses (--node-ip,
     /// --interface) takes the output path, as a process on the node; any other arrives
     /// from the network (input path). With --service: the outside client external
@@ -102,7 +115,7 @@ fn parse_to(value: &str) -> anyhow::Result<(SocketAddr, Protocol)> {
 /// What `-o json` prints: the explanation and what was traced.
 #[derive(Serialize)]
 struct Report<'a> {
-    /// `offline`: traced on what `render` would program.
+    /// Where the objects came from: `file` (-f) or `apiserver`.
     source: &'static str,
     /// `--proxy-mode`.
     mode: &'static str,
@@ -116,7 +129,7 @@ struct Report<'a> {
 /// What `-o json` prints with `--service`.
 #[derive(Serialize)]
 struct ServiceReport<'a> {
-    /// `offline`.
+    /// Where the objects came from: `file` (-f) or `apiserver`.
     source: &'static str,
     /// `--proxy-mode`.
     mode: &'static str,
@@ -195,7 +208,10 @@ impl Rendered {
 struct Tracing {
     prepared: Prepared,
     rendered: Rendered,
+    /// What the objects came from, for people.
     source: String,
+    /// `file` or `apiserver`, for `-o json`.
+    origin: &'static str,
 }
 
 impl Tracing {
@@ -293,8 +309,22 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             to.ip()
         )));
     }
-    let text = render::read_file(&args.file).map_err(|e| untraceable(format!("{e:#}")))?;
-    let source = args.file.display().to_string();
+    let (text, source, origin) = match &args.file {
+        Some(file) => (
+            render::read_file(file).map_err(|e| untraceable(format!("{e:#}")))?,
+            file.display().to_string(),
+            "file",
+        ),
+        None => {
+            let text = objects_from_api(args.kubeconfig.clone(), args.master.as_deref())?;
+            let server = match (&args.master, &args.kubeconfig) {
+                (Some(url), _) => url.clone(),
+                (None, Some(path)) => format!("kubeconfig {}", path.display()),
+                (None, None) => unreachable!("clap requires -f, --kubeconfig or --master"),
+            };
+            (text, format!("the objects of {server}"), "apiserver")
+        }
+    };
     let prepared = render::prepare(&args.render, &text, &source).map_err(|e| {
         if e.is::<UsageError>() {
             e
@@ -307,6 +337,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         prepared,
         rendered,
         source,
+        origin,
     };
     let reached = match (service, from, to) {
         (Some((ns, name)), _, _) => trace_service(&tracing, &ns, &name, from, json)?,
@@ -336,7 +367,7 @@ fn trace_packet(
     let explanation = tracing.explain(&tracing.packet(from, to, proto));
     if json {
         let report = Report {
-            source: "offline",
+            source: tracing.origin,
             mode: tracing.prepared.mode.as_str(),
             nftables_layout: tracing.layout(),
             explanation: &explanation,
@@ -433,7 +464,7 @@ fn trace_service(
     let label = format!("{ns}/{name}");
     if json {
         let report = ServiceReport {
-            source: "offline",
+            source: tracing.origin,
             mode: tracing.prepared.mode.as_str(),
             nftables_layout: tracing.layout(),
             service: &label,
@@ -479,4 +510,66 @@ fn trace_service(
         );
     }
     Ok(reached)
+}
+
+/// The Services, EndpointSlices, ServiceCIDRs and Nodes the API server holds, as the text of
+/// a `List` that `objects::load` reads like a file (JSON is YAML).
+fn objects_from_api(kubeconfig: Option<PathBuf>, master: Option<&str>) -> anyhow::Result<String> {
+    use k8s_openapi::api::core::v1 as core;
+    use k8s_openapi::api::discovery::v1 as discovery;
+    use k8s_openapi::api::networking::v1 as networking;
+
+    let runtime = tokio::runtime::Runtime::new()
+        .map_err(|e| untraceable(format!("starting the async runtime: {e}")))?;
+    runtime.block_on(async move {
+        let client = super::proxy::client(kubeconfig, master)
+            .await
+            .map_err(|e| {
+                if e.is::<UsageError>() {
+                    e
+                } else {
+                    untraceable(format!("{e:#}"))
+                }
+            })?;
+        let lp = kube::api::ListParams::default();
+        let failed = |what: &str, e: kube::Error| untraceable(format!("listing {what}: {e}"));
+        let mut items: Vec<serde_json::Value> = Vec::new();
+        let services = kube::Api::<core::Service>::all(client.clone())
+            .list(&lp)
+            .await
+            .map_err(|e| failed("Services", e))?;
+        let slices = kube::Api::<discovery::EndpointSlice>::all(client.clone())
+            .list(&lp)
+            .await
+            .map_err(|e| failed("EndpointSlices", e))?;
+        let nodes = kube::Api::<core::Node>::all(client.clone())
+            .list(&lp)
+            .await
+            .map_err(|e| failed("Nodes", e))?;
+        for s in services.items {
+            items.push(serde_json::to_value(s)?);
+        }
+        for s in slices.items {
+            items.push(serde_json::to_value(s)?);
+        }
+        for n in nodes.items {
+            items.push(serde_json::to_value(n)?);
+        }
+        // ServiceCIDRs are optional, as for the proxy: a server without them (404) leaves
+        // the unallocated-ClusterIP rule out, as kube-proxy does.
+        match kube::Api::<networking::ServiceCIDR>::all(client)
+            .list(&lp)
+            .await
+        {
+            Ok(cidrs) => {
+                for c in cidrs.items {
+                    items.push(serde_json::to_value(c)?);
+                }
+            }
+            Err(kube::Error::Api(status)) if status.code == 404 => {}
+            Err(e) => return Err(failed("ServiceCIDRs", e)),
+        }
+        let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items});
+        Ok(serde_json::to_string(&list)?)
+    })
 }

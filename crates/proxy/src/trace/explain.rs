@@ -293,6 +293,14 @@ pub fn explain(desired: &DesiredState, ctx: &Context<'_>, trace: &Trace) -> Expl
             probability: *p,
         });
     }
+    // Most likely first; equal shares (up to rounding: 1/3 reached through 2/3 · 1/2 is not
+    // bit for bit 1/3) by address, so that every mode lists them alike.
+    let share = |c: &Candidate| (c.probability * 1e9).round() as i64;
+    endpoints.sort_by(|a, b| {
+        share(b)
+            .cmp(&share(a))
+            .then_with(|| a.endpoint.cmp(&b.endpoint))
+    });
     if !endpoints.is_empty() {
         let total: f64 = endpoints.iter().map(|c| c.probability).sum();
         let list: Vec<String> = endpoints.iter().map(|c| c.endpoint.to_string()).collect();
