@@ -81,6 +81,11 @@ pub struct Args {
         value_name = "human|json"
     )]
     output: String,
+    /// Which rules to trace: "render" (what the proxy would program for the objects) or
+    /// "kernel" (what this node's kernel holds now, named with the objects; iptables mode
+    /// only so far: read with iptables-save, the variant detected as the proxy does).
+    #[arg(long, default_value = "render", value_name = "render|kernel")]
+    rules: String,
     #[command(flatten)]
     render: render::Flags,
 }
@@ -117,6 +122,8 @@ fn parse_to(value: &str) -> anyhow::Result<(SocketAddr, Protocol)> {
 struct Report<'a> {
     /// Where the objects came from: `file` (-f) or `apiserver`.
     source: &'static str,
+    /// `render` (what the proxy would program) or `kernel` (what the kernel holds).
+    rules: &'static str,
     /// `--proxy-mode`.
     mode: &'static str,
     /// nftables mode: the layout traced.
@@ -131,6 +138,8 @@ struct Report<'a> {
 struct ServiceReport<'a> {
     /// Where the objects came from: `file` (-f) or `apiserver`.
     source: &'static str,
+    /// `render` or `kernel`.
+    rules: &'static str,
     /// `--proxy-mode`.
     mode: &'static str,
     /// nftables mode: the layout traced.
@@ -212,6 +221,77 @@ struct Tracing {
     source: String,
     /// `file` or `apiserver`, for `-o json`.
     origin: &'static str,
+    /// `--rules kernel`: what the kernel holds, traced instead of `rendered`.
+    kernel: Option<KernelRules>,
+}
+
+/// `--rules kernel`: the iptables rules of this network namespace, per family.
+struct KernelRules {
+    /// The `iptables-save` tools read, for people.
+    tools: String,
+    /// IPv4, IPv6.
+    saved: [iptables::save::Saved; 2],
+}
+
+impl KernelRules {
+    /// Reads both families' tables with the tools of the variant the proxy would pick.
+    fn read() -> anyhow::Result<Self> {
+        use iptables::apply::{IptablesCommand, detect_variant};
+        let detected = detect_variant(&[]);
+        let tools = IptablesCommand {
+            prefix: Vec::new(),
+            variant: detected.variant,
+        };
+        let read = |family: IpFamily| -> anyhow::Result<(String, iptables::save::Saved)> {
+            let program = tools.tool(family, "save");
+            let out = std::process::Command::new(&program)
+                .output()
+                .map_err(|e| untraceable(format!("running {program}: {e}")))?;
+            if !out.status.success() {
+                return Err(untraceable(format!(
+                    "{program} failed: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                )));
+            }
+            Ok((
+                program,
+                iptables::save::parse(&String::from_utf8_lossy(&out.stdout)),
+            ))
+        };
+        let (v4_tool, v4) = read(IpFamily::V4)?;
+        let (v6_tool, v6) = read(IpFamily::V6)?;
+        Ok(KernelRules {
+            tools: format!("{v4_tool}, {v6_tool}: {}", detected.reason),
+            saved: [v4, v6],
+        })
+    }
+
+    fn saved(&self, family: IpFamily) -> &iptables::save::Saved {
+        match family {
+            IpFamily::V4 => &self.saved[0],
+            IpFamily::V6 => &self.saved[1],
+        }
+    }
+}
+
+/// This network namespace's addresses (the node's, when run on the node).
+fn local_addresses() -> anyhow::Result<Vec<IpAddr>> {
+    let runtime = tokio::runtime::Runtime::new()
+        .map_err(|e| untraceable(format!("starting the async runtime: {e}")))?;
+    runtime
+        .block_on(nodeport_proxy::addrs::local_addresses())
+        .map_err(|e| untraceable(format!("reading this node's addresses: {e}")))
+}
+
+/// A trace's fates in a form two traces can be compared by (probabilities rounded).
+fn fates_key(trace: &Trace) -> Vec<(String, i64)> {
+    let mut key: Vec<(String, i64)> = trace
+        .fates
+        .iter()
+        .map(|(f, p)| (format!("{f:?}"), (p * 1e9).round() as i64))
+        .collect();
+    key.sort();
+    key
 }
 
 impl Tracing {
@@ -236,7 +316,13 @@ impl Tracing {
             local_addrs: p.facts.local_ips.clone(),
             affinity: Vec::new(),
         };
-        let trace = self.rendered.trace(packet, &env);
+        let rendered = self.rendered.trace(packet, &env);
+        let trace = match &self.kernel {
+            Some(k) => {
+                iptables::tracer::trace(&k.saved(IpFamily::of(packet.dst)).view, packet, &env)
+            }
+            None => rendered.clone(),
+        };
         let ctx = explain::Context {
             dataplane: self.rendered.dataplane(),
             masquerade_all: p.config.masquerade_all,
@@ -245,7 +331,31 @@ impl Tracing {
             local_addrs: &p.facts.local_ips,
             maglev: p.mode == ProxyMode::Ebpf && p.algorithm == ebpf::render::Algorithm::Maglev,
         };
-        explain::explain(&p.desired, &ctx, &trace)
+        let mut explanation = explain::explain(&p.desired, &ctx, &trace);
+        if let Some(k) = &self.kernel {
+            let skipped = &k.saved(IpFamily::of(packet.dst)).skipped;
+            if !skipped.is_empty() {
+                explanation.notes.push(format!(
+                    "{} rule(s) of the kernel were not evaluated (matches or targets the tracer \
+                     does not model), e.g. {}",
+                    skipped.len(),
+                    skipped[0]
+                ));
+            }
+            if fates_key(&rendered) != fates_key(&trace) {
+                let would = explain::explain(&p.desired, &ctx, &rendered);
+                let fate = would
+                    .outcomes
+                    .first()
+                    .map(|o| o.message.clone())
+                    .unwrap_or_default();
+                explanation.notes.push(format!(
+                    "the kernel differs from what the proxy would program for these objects, \
+                     which is: {fate} (a sync not yet done or failed, or rules of another tool)"
+                ));
+            }
+        }
+        explanation
     }
 
     fn layout(&self) -> Option<&'static str> {
@@ -259,10 +369,25 @@ impl Tracing {
             Some(l) => format!("{} ({l} layout)", self.prepared.mode.as_str()),
             None => self.prepared.mode.as_str().to_string(),
         };
-        format!(
-            "rules       {mode}, as `nodeport render` programs them for {}",
-            self.source
-        )
+        match &self.kernel {
+            Some(k) => format!(
+                "rules       {mode}, as this node's kernel holds them ({}); names from {}",
+                k.tools, self.source
+            ),
+            None => format!(
+                "rules       {mode}, as `nodeport render` programs them for {}",
+                self.source
+            ),
+        }
+    }
+
+    /// `render` or `kernel`, for `-o json`.
+    fn rules(&self) -> &'static str {
+        if self.kernel.is_some() {
+            "kernel"
+        } else {
+            "render"
+        }
     }
 }
 
@@ -332,12 +457,35 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             untraceable(format!("{e:#}"))
         }
     })?;
+    let mut prepared = prepared;
+    let kernel = match args.rules.as_str() {
+        "render" => None,
+        "kernel" if prepared.mode == ProxyMode::Iptables => {
+            // The node as it is: its own addresses decide the path and `addrtype LOCAL`.
+            prepared.facts.local_ips = local_addresses()?;
+            Some(KernelRules::read()?)
+        }
+        "kernel" => {
+            return Err(untraceable(format!(
+                "--rules kernel reads the iptables mode's rules only (iptables-save); the {} \
+                 mode's kernel state cannot be read yet: --rules render traces what the proxy \
+                 would program",
+                prepared.mode.as_str()
+            )));
+        }
+        other => {
+            return Err(usage(format!(
+                "invalid value {other:?} for --rules: must be render or kernel"
+            )));
+        }
+    };
     let rendered = Rendered::of(&prepared)?;
     let tracing = Tracing {
         prepared,
         rendered,
         source,
         origin,
+        kernel,
     };
     let reached = match (service, from, to) {
         (Some((ns, name)), _, _) => trace_service(&tracing, &ns, &name, from, json)?,
@@ -368,6 +516,7 @@ fn trace_packet(
     if json {
         let report = Report {
             source: tracing.origin,
+            rules: tracing.rules(),
             mode: tracing.prepared.mode.as_str(),
             nftables_layout: tracing.layout(),
             explanation: &explanation,
@@ -465,6 +614,7 @@ fn trace_service(
     if json {
         let report = ServiceReport {
             source: tracing.origin,
+            rules: tracing.rules(),
             mode: tracing.prepared.mode.as_str(),
             nftables_layout: tracing.layout(),
             service: &label,

@@ -183,6 +183,10 @@ pub struct Explanation {
     pub endpoints: Vec<Candidate>,
     /// Every way it ends, most likely first; the first is the fate printed.
     pub outcomes: Vec<Outcome>,
+    /// What the caller adds: rules that were not evaluated, a disagreement between the
+    /// kernel and what the proxy would program.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
 }
 
 impl Explanation {
@@ -332,6 +336,7 @@ pub fn explain(desired: &DesiredState, ctx: &Context<'_>, trace: &Trace) -> Expl
         service,
         endpoints,
         outcomes,
+        notes: Vec::new(),
     }
 }
 
@@ -588,6 +593,9 @@ impl fmt::Display for Explanation {
                 write!(f, " ({:.2}%)", o.probability * 100.0)?;
             }
             writeln!(f)?;
+        }
+        for note in &self.notes {
+            writeln!(f, "note        {note}")?;
         }
         Ok(())
     }
