@@ -114,8 +114,10 @@ fn assert_nothing_left(id: &str, veths: &[String]) {
     }
 }
 
-fn lab_answers_on_every_node_ip_and_leaves_nothing_behind(mode: &str) {
-    let out = lab(&["--proxy-mode", mode]);
+fn lab_answers_on_every_node_ip_and_leaves_nothing_behind(mode: &str, layout: Option<&str>) {
+    let mut args = vec!["--proxy-mode", mode];
+    args.extend(layout.iter().flat_map(|l| ["--nftables-layout", l]));
+    let out = lab(&args);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -150,6 +152,19 @@ fn lab_answers_on_every_node_ip_and_leaves_nothing_behind(mode: &str) {
         "{stdout}"
     );
     if mode == "nftables" {
+        // The layout the proxies were given, and its tables: the flat layout has no chain per
+        // Service or endpoint, kube-proxy's has both.
+        let layout = layout.unwrap_or("flat");
+        assert!(
+            stdout
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .contains(&format!("proxy mode nftables ({layout} layout)")),
+            "{stdout}"
+        );
+        let per_endpoint_chains = stdout.contains("\tchain endpoint-");
+        assert_eq!(per_endpoint_chains, layout == "kube-proxy", "{stdout}");
         // Our API server serves the default ServiceCIDR `kubernetes` (kube-apiserver >= 1.33),
         // and the proxy turns it into kube-proxy's drop rule for unallocated ClusterIPs: the
         // whole chain API server -> ServiceCIDR watch -> rule, with our own parts.
@@ -174,8 +189,9 @@ fn lab_in_every_proxy_mode_answers_on_every_node_ip_and_leaves_nothing_behind() 
         return;
     }
     for mode in MODES {
-        lab_answers_on_every_node_ip_and_leaves_nothing_behind(mode);
+        lab_answers_on_every_node_ip_and_leaves_nothing_behind(mode, None);
     }
+    lab_answers_on_every_node_ip_and_leaves_nothing_behind("nftables", Some("kube-proxy"));
 }
 
 /// `nodeport lab --ip-family dual`: the verdict names both addresses of every node, each

@@ -33,7 +33,9 @@
 //! Run (root): `cargo bench -p nodeport-proxy --bench dataplane_compare` (sizes as arguments,
 //! default `1 1000 10000 30000`). `NODEPORT_BENCH_CONNECTIONS` (default 20000),
 //! `NODEPORT_BENCH_ENDPOINTS` (default 3), `NODEPORT_BENCH_IPTABLES_NFT_MAX` (default 1000),
-//! `NODEPORT_BENCH_CSV` (another output file). Writes `docs/nft-vs-iptables.csv`, which
+//! `NODEPORT_BENCH_CSV` (another output file), `NODEPORT_BENCH_MODES` (a comma-separated subset of
+//! `nftables` (flat layout), `nftables-kube-proxy`, `iptables-legacy`, `iptables-nft`),
+//! `NODEPORT_BENCH_KUBE_PROXY_MAX` (default 10,000: kube-proxy's layout above it is skipped). Writes `docs/nft-vs-iptables.csv`, which
 //! `docs/plots/nft_vs_iptables.py` turns into `docs/nft-vs-iptables.png`.
 
 mod support;
@@ -45,7 +47,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use nodeport_proxy::backend::Backend;
-use nodeport_proxy::config::NodeConfig;
+use nodeport_proxy::config::{NftablesLayout, NodeConfig};
 use nodeport_proxy::desired::{self, DesiredState, NodeView, StateConfig};
 use nodeport_proxy::iptables::apply::{IptablesCommand, Variant};
 use nodeport_proxy::model::{EndpointSlice, IpFamily, Service, ServiceName};
@@ -126,7 +128,10 @@ fn facts() -> NodeFacts {
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Mode {
+    /// nftables mode, flat layout (the default).
     Nftables,
+    /// nftables mode, kube-proxy's layout (a chain per Service port and endpoint).
+    NftablesKubeProxy,
     /// iptables mode through `iptables-legacy-restore` (x_tables: one blob per table).
     IptablesLegacy,
     /// iptables mode through `iptables-nft-restore` (the machine's default `iptables`).
@@ -137,6 +142,7 @@ impl Mode {
     fn as_str(self) -> &'static str {
         match self {
             Mode::Nftables => "nftables",
+            Mode::NftablesKubeProxy => "nftables-kube-proxy",
             Mode::IptablesLegacy => "iptables-legacy",
             Mode::IptablesNft => "iptables-nft",
         }
@@ -207,7 +213,7 @@ fn serve(pod: &Netns, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
 
 fn backend(mode: Mode, node: &Netns) -> Box<dyn Backend> {
     match mode {
-        Mode::Nftables => {
+        Mode::Nftables | Mode::NftablesKubeProxy => {
             let nft = NftCommand::in_netns(node.name());
             let kernel = NetlinkKernel::in_namespace(
                 &std::path::Path::new("/run/netns").join(node.name()),
@@ -238,7 +244,7 @@ fn setup(mode: Mode, n: usize, endpoints: usize) -> Setup {
         // Each mode's default: the Node's IP (a set lookup) for nftables, every local
         // address (`-m addrtype --dst-type LOCAL`) for iptables.
         nodeport_addresses: match mode {
-            Mode::Nftables => "primary".parse().unwrap(),
+            Mode::Nftables | Mode::NftablesKubeProxy => "primary".parse().unwrap(),
             Mode::IptablesLegacy | Mode::IptablesNft => "0.0.0.0/0".parse().unwrap(),
         },
     };
@@ -246,6 +252,11 @@ fn setup(mode: Mode, n: usize, endpoints: usize) -> Setup {
     let mut d: DesiredState = desired::build(&c, view, &facts(), &state);
     let config = NodeConfig {
         cluster_cidrs: vec!["10.244.0.0/16".parse().unwrap()],
+        nftables_layout: if mode == Mode::NftablesKubeProxy {
+            NftablesLayout::KubeProxy
+        } else {
+            NftablesLayout::Flat
+        },
         ..Default::default()
     };
     let mut b = backend(mode, &node);
@@ -354,6 +365,13 @@ fn main() {
     // iptables-nft-restore is superlinear in the number of chains: 3 s at 1,000 Services, a
     // 10,000-Service restore was stopped after 13 minutes. Larger sizes only with this raised.
     let nft_backend_max = env_usize("NODEPORT_BENCH_IPTABLES_NFT_MAX", 1000);
+    // kube-proxy's nftables layout: a full sync at 30,000 Services takes minutes.
+    let kube_proxy_max = env_usize("NODEPORT_BENCH_KUBE_PROXY_MAX", 10_000);
+    let modes: Vec<String> = std::env::var("NODEPORT_BENCH_MODES")
+        .unwrap_or_else(|_| "nftables,nftables-kube-proxy,iptables-legacy,iptables-nft".into())
+        .split(',')
+        .map(str::to_owned)
+        .collect();
     let started = Instant::now();
     println!(
         "nftables vs iptables: {sizes:?} Services x {endpoints} endpoints, {connections} connections each"
@@ -361,7 +379,22 @@ fn main() {
     println!("programming (each setup in its own namespaces):");
     let mut setups = Vec::new();
     for &n in &sizes {
-        for mode in [Mode::Nftables, Mode::IptablesLegacy, Mode::IptablesNft] {
+        for mode in [
+            Mode::Nftables,
+            Mode::NftablesKubeProxy,
+            Mode::IptablesLegacy,
+            Mode::IptablesNft,
+        ] {
+            if !modes.iter().any(|m| m == mode.as_str()) {
+                continue;
+            }
+            if mode == Mode::NftablesKubeProxy && n > kube_proxy_max {
+                println!(
+                    "  {:<15} {n:>6} Services: skipped (above NODEPORT_BENCH_KUBE_PROXY_MAX={kube_proxy_max})",
+                    mode.as_str()
+                );
+                continue;
+            }
             if mode == Mode::IptablesNft && n > nft_backend_max {
                 println!(
                     "  {:<15} {n:>6} Services: skipped (above NODEPORT_BENCH_IPTABLES_NFT_MAX={nft_backend_max})",

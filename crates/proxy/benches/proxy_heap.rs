@@ -9,7 +9,7 @@
 //! (`--bench proxy_rss`) is the allocator's retention and the binary itself.
 //!
 //! Run (root): `cargo bench -p nodeport-proxy --bench proxy_heap -- [services]` (default
-//! 10,000).
+//! 10,000); the flat layout, or kube-proxy's with `NODEPORT_BENCH_LAYOUT=kube-proxy`.
 
 mod support;
 
@@ -18,7 +18,9 @@ use nodeport_proxy::desired::{self, NodeView};
 use nodeport_proxy::nftables::apply::Applier;
 use nodeport_testbed::Netns;
 use peak_alloc::PeakAlloc;
-use support::{ENDPOINTS, cluster, facts, netlink_in, node_config, service, state_config};
+use support::{
+    ENDPOINTS, cluster, facts, flat_config, netlink_in, node_config, service, state_config,
+};
 
 #[global_allocator]
 static HEAP: PeakAlloc = PeakAlloc;
@@ -44,7 +46,11 @@ fn main() {
     let mut d = desired::build(&c, NodeView::named("node-0"), &facts(), &state_config());
     let state = HEAP.current_usage();
 
-    let config = node_config(EndpointChoice::Cascade);
+    // The flat layout (the default) unless NODEPORT_BENCH_LAYOUT=kube-proxy.
+    let config = match std::env::var("NODEPORT_BENCH_LAYOUT").as_deref() {
+        Ok("kube-proxy") => node_config(EndpointChoice::Cascade),
+        _ => flat_config(),
+    };
     HEAP.reset_peak_usage();
     assert!(applier.sync(&d, &config, None).expect("full sync").full);
     let peak = HEAP.peak_usage();

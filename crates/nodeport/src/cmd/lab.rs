@@ -4,7 +4,14 @@
 
 use std::net::IpAddr;
 
+use nodeport_proxy::config::NftablesLayout;
+
 use crate::lab::{self, Config, ProxyMode, interrupt::Interrupt};
+
+/// `--nftables-layout`'s value, with the proxy's own message for a wrong one.
+fn parse_layout(s: &str) -> Result<NftablesLayout, String> {
+    NftablesLayout::parse(s).ok_or_else(|| "must be flat or kube-proxy".to_owned())
+}
 
 /// Flags of `nodeport lab`.
 #[derive(Debug, clap::Args)]
@@ -18,6 +25,10 @@ pub struct Args {
     /// Dataplane of every node's proxy, passed to `nodeport proxy --proxy-mode`.
     #[arg(long, value_enum, default_value_t = ProxyMode::Nftables)]
     proxy_mode: ProxyMode,
+    /// nftables mode: the table layout of every node's proxy, "flat" (default) or
+    /// "kube-proxy", passed to `nodeport proxy --nftables-layout`.
+    #[arg(long, default_value = "flat", value_name = "flat|kube-proxy", value_parser = parse_layout)]
+    nftables_layout: NftablesLayout,
     /// Leave the lab running at the end and print how to enter it, point kubectl at it and
     /// remove it. Kept also when the verdict fails; never after a setup error or a signal.
     #[arg(long)]
@@ -47,6 +58,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     })?;
     let config = Config {
         proxy_mode: args.proxy_mode,
+        nftables_layout: args.nftables_layout,
         keep: args.keep,
         ip_family: args.ip_family,
         ..Config::default()

@@ -31,6 +31,7 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
+use nodeport_proxy::config::NftablesLayout;
 use nodeport_testbed::{Lan, Netns, probe};
 
 use interrupt::Interrupt;
@@ -80,6 +81,8 @@ impl ProxyMode {
 pub struct Config {
     /// The proxies' dataplane.
     pub proxy_mode: ProxyMode,
+    /// nftables mode: the proxies' table layout.
+    pub nftables_layout: NftablesLayout,
     /// Leave the lab running at the end (also after a failed verdict, to look into it; never
     /// after a setup error or a signal).
     pub keep: bool,
@@ -93,6 +96,7 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             proxy_mode: ProxyMode::Nftables,
+            nftables_layout: NftablesLayout::Flat,
             keep: false,
             replicas: 3,
             ip_family: dual_stack::IpFamily::Ipv4,
@@ -184,6 +188,7 @@ struct Lab {
     kept: bool,
     step: usize,
     ip_family: dual_stack::IpFamily,
+    nftables_layout: NftablesLayout,
 }
 
 impl Lab {
@@ -232,10 +237,15 @@ impl Lab {
             kept: false,
             step: 0,
             ip_family: config.ip_family,
+            nftables_layout: config.nftables_layout,
         };
         lab.dir.save(&lab.state).context("write the lab state")?;
+        let layout = match config.proxy_mode {
+            ProxyMode::Nftables => format!(" ({} layout)", config.nftables_layout.as_str()),
+            _ => String::new(),
+        };
         println!(
-            "nodeport lab {id}: proxy mode {}, files in {}",
+            "nodeport lab {id}: proxy mode {}{layout}, files in {}",
             config.proxy_mode.as_str(),
             lab.dir.path().display()
         );
@@ -519,6 +529,12 @@ impl Lab {
                 "--cluster-cidr",
                 &dual_stack::cluster_cidrs(self.ip_family),
             ]));
+            if mode == ProxyMode::Nftables {
+                args.extend(os_args(&[
+                    "--nftables-layout",
+                    self.nftables_layout.as_str(),
+                ]));
+            }
             if mode == ProxyMode::Ebpf {
                 let flags = ebpf::prepare_node(self.dir.path(), &self.plan.id, &node)?;
                 args.extend(flags.into_iter().map(OsString::from));

@@ -194,57 +194,131 @@ pub fn set_size(bound: usize, max: u32) -> u32 {
     (want.next_power_of_two().min(1 << 31) as u32).min(max)
 }
 
-/// Upper bounds of what the Service ports of `state` put into each flat set, counted without
-/// rendering them (a partial sync renders only the changed ports).
-fn set_bounds(state: &FamilyState) -> std::collections::HashMap<&'static str, usize> {
-    let slots = |n: usize| if n == 0 { 0 } else { dispatch(n).0 as usize };
-    let (mut dsts, mut nodeports, mut ep_dsts, mut ep_nodeports) = (0, 0, 0, 0);
-    let (mut cluster_dsts, mut cluster_nodeports, mut hairpin, mut allow) = (0, 0, 0, 0);
-    for svc in state.services.values() {
+/// Upper bounds of what Service ports put into the flat sets, counted without rendering them
+/// (a partial sync renders only the changed ports). One Service port's bounds
+/// ([`SetBounds::of_port`]) add up to a table's ([`SetBounds::of_state`]); the applier keeps
+/// the sum and moves it by the changed ports only, so that sizing the sets does not walk every
+/// Service port on every change.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SetBounds {
+    /// Destinations (ClusterIP, external and load-balancer IPs).
+    dsts: u32,
+    /// NodePorts.
+    nodeports: u32,
+    /// Slots of `service-endpoints`.
+    ep_dsts: u32,
+    /// Slots of `nodeport-endpoints`.
+    ep_nodeports: u32,
+    /// Slots of `service-cluster-endpoints`.
+    cluster_dsts: u32,
+    /// Slots of `nodeport-cluster-endpoints`.
+    cluster_nodeports: u32,
+    /// Hairpin pairs.
+    hairpin: u32,
+    /// `firewall-allow` entries.
+    allow: u32,
+}
+
+impl SetBounds {
+    /// What one Service port may put into each set.
+    pub fn of_port(svc: &ServicePortState) -> Self {
+        let slots = |n: usize| if n == 0 { 0 } else { dispatch(n).0 as usize };
         let external = svc.external_ips.len() + svc.load_balancer_ips.len();
         let np = usize::from(svc.port.node_port.is_some());
         let (c, l) = (
             slots(svc.cluster_endpoints.len()),
             slots(svc.local_endpoints.len()),
         );
-        dsts += 1 + external;
-        nodeports += np;
-        ep_dsts += (1 + external) * c.max(l);
-        ep_nodeports += np * c.max(l);
-        cluster_dsts += external * c;
-        cluster_nodeports += np * c;
-        hairpin += svc.cluster_endpoints.len() + svc.local_endpoints.len();
-        allow +=
-            svc.load_balancer_ips.len() * (svc.source_ranges.len() + svc.load_balancer_ips.len());
+        let n = |v: usize| u32::try_from(v).unwrap_or(u32::MAX);
+        SetBounds {
+            dsts: n(1 + external),
+            nodeports: n(np),
+            ep_dsts: n((1 + external) * c.max(l)),
+            ep_nodeports: n(np * c.max(l)),
+            cluster_dsts: n(external * c),
+            cluster_nodeports: n(np * c),
+            hairpin: n(svc.cluster_endpoints.len() + svc.local_endpoints.len()),
+            allow: n(svc.load_balancer_ips.len()
+                * (svc.source_ranges.len() + svc.load_balancer_ips.len())),
+        }
     }
-    let mut out = std::collections::HashMap::new();
-    for (set, n) in [
-        (CLUSTER_IPS, dsts),
-        (SERVICE_IPS, dsts),
-        (SERVICE_NODEPORTS, nodeports),
-        (NO_ENDPOINT_SERVICES, dsts),
-        (NO_ENDPOINT_NODEPORTS, nodeports),
-        (NO_LOCAL_ENDPOINT_SERVICES, dsts),
-        (NO_LOCAL_ENDPOINT_NODEPORTS, nodeports),
-        (FIREWALL_IPS, dsts),
-        (FIREWALL_ALLOW, allow),
-        (MASQUERADE_IPS, dsts),
-        (MASQUERADE_NODEPORTS, nodeports),
-        (LOCAL_POLICY_IPS, dsts),
-        (LOCAL_POLICY_NODEPORTS, nodeports),
-        (HAIRPIN_IPS, hairpin),
-        (SERVICE_ENDPOINTS, ep_dsts),
-        (NODEPORT_ENDPOINTS, ep_nodeports),
-        (SERVICE_CLUSTER_ENDPOINTS, cluster_dsts),
-        (NODEPORT_CLUSTER_ENDPOINTS, cluster_nodeports),
-    ] {
-        out.insert(set, n);
+
+    /// What every Service port of `state` may put into each set.
+    pub fn of_state(state: &FamilyState) -> Self {
+        let mut total = SetBounds::default();
+        for svc in state.services.values() {
+            total.add(&SetBounds::of_port(svc));
+        }
+        total
     }
-    out
+
+    fn fields(&mut self) -> [&mut u32; 8] {
+        [
+            &mut self.dsts,
+            &mut self.nodeports,
+            &mut self.ep_dsts,
+            &mut self.ep_nodeports,
+            &mut self.cluster_dsts,
+            &mut self.cluster_nodeports,
+            &mut self.hairpin,
+            &mut self.allow,
+        ]
+    }
+
+    /// Adds a port's bounds.
+    pub fn add(&mut self, other: &SetBounds) {
+        let mut other = *other;
+        for (a, b) in self.fields().into_iter().zip(other.fields()) {
+            *a = a.saturating_add(*b);
+        }
+    }
+
+    /// Removes a port's bounds (added before).
+    pub fn remove(&mut self, other: &SetBounds) {
+        let mut other = *other;
+        for (a, b) in self.fields().into_iter().zip(other.fields()) {
+            *a = a.saturating_sub(*b);
+        }
+    }
+
+    /// The bound of flat set `set`, if Service ports fill it.
+    fn of_set(&self, set: &str) -> Option<usize> {
+        let n = match set {
+            CLUSTER_IPS
+            | SERVICE_IPS
+            | NO_ENDPOINT_SERVICES
+            | NO_LOCAL_ENDPOINT_SERVICES
+            | FIREWALL_IPS
+            | MASQUERADE_IPS
+            | LOCAL_POLICY_IPS => self.dsts,
+            SERVICE_NODEPORTS
+            | NO_ENDPOINT_NODEPORTS
+            | NO_LOCAL_ENDPOINT_NODEPORTS
+            | MASQUERADE_NODEPORTS
+            | LOCAL_POLICY_NODEPORTS => self.nodeports,
+            FIREWALL_ALLOW => self.allow,
+            HAIRPIN_IPS => self.hairpin,
+            SERVICE_ENDPOINTS => self.ep_dsts,
+            NODEPORT_ENDPOINTS => self.ep_nodeports,
+            SERVICE_CLUSTER_ENDPOINTS => self.cluster_dsts,
+            NODEPORT_CLUSTER_ENDPOINTS => self.cluster_nodeports,
+            _ => return None,
+        };
+        Some(n as usize)
+    }
 }
 
 /// The fixed objects of a flat table: everything but the elements of Service ports.
 pub fn render_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
+    render_base_sized(state, config, &SetBounds::of_state(state))
+}
+
+/// [`render_base`] with the sets sized for `bounds` (the applier's running sum).
+pub fn render_base_sized(
+    state: &FamilyState,
+    config: &NodeConfig,
+    bounds: &SetBounds,
+) -> BaseObjects {
     let family = state.family;
     let mark = config.masquerade_mark();
     let new_jump = |to: &str| Rule::new(vec![Expr::CtStateNew, jump(to)]);
@@ -575,10 +649,9 @@ pub fn render_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
         chains.push(localnet_check());
     }
     // Sizes with headroom (`nodeport-ips` holds the node's addresses, no Service's).
-    let bounds = set_bounds(state);
     for s in &mut sets {
-        if let Some(bound) = bounds.get(s.name.as_str()) {
-            s.size = Some(set_size(*bound, config.flat_max_set_size));
+        if let Some(bound) = bounds.of_set(&s.name) {
+            s.size = Some(set_size(bound, config.flat_max_set_size));
         }
     }
 
@@ -610,7 +683,9 @@ pub fn render_service(
 ) -> ServiceObjects {
     let port = &svc.port;
     let proto = port.name.protocol;
-    let comment = config.flat_comments.then(|| element_comment(&port.name));
+    let comment: Option<std::sync::Arc<str>> = config
+        .flat_comments
+        .then(|| element_comment(&port.name).into());
     let mut out = ServiceObjects::default();
     let affinity = port.session_affinity_seconds.is_some();
     if affinity {

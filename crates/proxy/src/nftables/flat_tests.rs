@@ -565,6 +565,42 @@ fn switching_layouts_on_restart_takes_over_in_one_transaction_both_ways() {
 }
 
 #[test]
+fn partial_syncs_size_the_sets_as_a_full_render_of_the_same_state_would() {
+    // The applier keeps the sets' bounds as a running sum over the changed ports; after any
+    // sequence of changes it must size every set as counting all ports afresh does.
+    let mut w = World::flat(&web("", THREE_ENDPOINTS));
+    let (mut a, mut d) = applier_with(&w);
+    let check = |a: &Applier<FakeKernel>, d: &crate::desired::DesiredState, w: &World| {
+        let state = d.family(IpFamily::V4).unwrap();
+        for set in super::render::render_base(state, &w.config).sets {
+            let have = &a.kernel().tables[&IpFamily::V4].sets[&set.name].0;
+            assert_eq!(have.size, set.size, "{}", set.name);
+        }
+    };
+    // 100 endpoints take 12,800 slots per destination: the endpoint maps grow past 4,096.
+    let many: String = (0..100)
+        .map(|i| format!("- {{addresses: [10.244.7.{}]}}\n", i + 1))
+        .collect();
+    for eps in [
+        many.as_str(),
+        THREE_ENDPOINTS,
+        "- {addresses: [10.244.1.1]}",
+        &many,
+    ] {
+        let touched = change_endpoints(&mut w, &mut d, eps);
+        a.sync(&d, &w.config, Some(&touched)).unwrap();
+        check(&a, &d, &w);
+    }
+    // A Service deleted: its bounds leave the sum.
+    w.cluster
+        .update_service(ServiceName::new("default", "web"), None);
+    let changes = w.cluster.take_changes();
+    let touched = d.refresh_services(&w.cluster, NodeView::named(NODE), &changes.services);
+    a.sync(&d, &w.config, Some(&touched)).unwrap();
+    check(&a, &d, &w);
+}
+
+#[test]
 fn a_set_that_must_grow_is_recreated_larger_by_a_full_sync_and_stays_filled() {
     let mut w = World::flat(&web("", THREE_ENDPOINTS));
     let (mut a, mut d) = applier_with(&w);

@@ -252,6 +252,19 @@ pub fn render_base(state: &FamilyState, config: &NodeConfig) -> BaseObjects {
     }
 }
 
+/// [`render_base`] given the flat sets' bounds (kept by the applier, see
+/// [`super::flat::SetBounds`]) instead of counting them over every Service port.
+pub fn render_base_sized(
+    state: &FamilyState,
+    config: &NodeConfig,
+    bounds: &super::flat::SetBounds,
+) -> BaseObjects {
+    match config.nftables_layout {
+        NftablesLayout::Flat => super::flat::render_base_sized(state, config, bounds),
+        NftablesLayout::KubeProxy => kube_proxy_base(state, config),
+    }
+}
+
 /// The objects of one service port, in the configured layout.
 pub fn render_service(
     svc: &ServicePortState,
@@ -450,7 +463,7 @@ pub fn kube_proxy_service(
     let port = &svc.port;
     let proto = port.name.protocol;
     let names = ServiceChainNames::new(&port.name);
-    let comment = port.name.to_string();
+    let comment: std::sync::Arc<str> = port.name.to_string().into();
     let mut out = ServiceObjects::default();
 
     let has_internal = svc.has_internal_endpoints();

@@ -683,8 +683,9 @@ pub struct Element {
     pub value: Option<Verdict>,
     /// `addr . port`, for the flat layout's endpoint maps.
     pub data: Option<SocketAddr>,
-    /// `comment` (kube-proxy names the service port on no-endpoint elements).
-    pub comment: Option<String>,
+    /// `comment` (kube-proxy names the service port on no-endpoint elements). Shared: the
+    /// flat layout puts one Service port's comment on each of its elements.
+    pub comment: Option<std::sync::Arc<str>>,
 }
 
 impl Element {
