@@ -82,8 +82,9 @@ pub struct Args {
     )]
     output: String,
     /// Which rules to trace: "render" (what the proxy would program for the objects) or
-    /// "kernel" (what this node's kernel holds now, named with the objects; iptables mode
-    /// only so far: read with iptables-save, the variant detected as the proxy does).
+    /// "kernel" (what this node's kernel holds now, named with the objects: the nftables
+    /// mode's table read with `nft -j`, the iptables mode's with iptables-save, the variant
+    /// detected as the proxy does; not the ebpf mode's maps yet).
     #[arg(long, default_value = "render", value_name = "render|kernel")]
     rules: String,
     #[command(flatten)]
@@ -225,17 +226,67 @@ struct Tracing {
     kernel: Option<KernelRules>,
 }
 
-/// `--rules kernel`: the iptables rules of this network namespace, per family.
-struct KernelRules {
-    /// The `iptables-save` tools read, for people.
-    tools: String,
-    /// IPv4, IPv6.
-    saved: [iptables::save::Saved; 2],
+/// `--rules kernel`: what this network namespace's kernel holds, per family.
+enum KernelRules {
+    /// The iptables tables, read with `iptables-save`.
+    Iptables {
+        /// The tools read, and why that variant.
+        tools: String,
+        /// IPv4, IPv6.
+        saved: [iptables::save::Saved; 2],
+    },
+    /// The `kube-proxy` tables, read with `nft -j list table`.
+    Nftables {
+        /// IPv4, IPv6 (`None`: no such table).
+        listed: [Option<nftables::listing::Listed>; 2],
+    },
 }
 
 impl KernelRules {
-    /// Reads both families' tables with the tools of the variant the proxy would pick.
-    fn read() -> anyhow::Result<Self> {
+    /// Reads both families' rules of `mode`.
+    fn read(mode: ProxyMode) -> anyhow::Result<Self> {
+        match mode {
+            ProxyMode::Iptables => Self::read_iptables(),
+            ProxyMode::Nftables => Ok(KernelRules::Nftables {
+                listed: [Self::read_nft(IpFamily::V4)?, Self::read_nft(IpFamily::V6)?],
+            }),
+            other => Err(untraceable(format!(
+                "--rules kernel reads the nftables and iptables modes' rules; the {} mode's \
+                 kernel state (its BPF maps) cannot be read yet: --rules render traces what \
+                 the proxy would program",
+                other.as_str()
+            ))),
+        }
+    }
+
+    /// One family's `kube-proxy` table, as `nft -j` lists it.
+    fn read_nft(family: IpFamily) -> anyhow::Result<Option<nftables::listing::Listed>> {
+        let fam = match family {
+            IpFamily::V4 => "ip",
+            IpFamily::V6 => "ip6",
+        };
+        let out = std::process::Command::new("nft")
+            .args(["-j", "list", "table", fam, "kube-proxy"])
+            .output()
+            .map_err(|e| untraceable(format!("running nft: {e}")))?;
+        if !out.status.success() {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            // No table of this family: nothing of the proxy's to meet the packet.
+            if stderr.contains("No such file or directory") {
+                return Ok(None);
+            }
+            return Err(untraceable(format!(
+                "nft -j list table {fam} kube-proxy failed: {}",
+                stderr.trim()
+            )));
+        }
+        nftables::listing::parse(&String::from_utf8_lossy(&out.stdout), family)
+            .map(Some)
+            .map_err(|e| untraceable(format!("reading table {fam} kube-proxy: {e}")))
+    }
+
+    /// Both families' tables with the iptables tools of the variant the proxy would pick.
+    fn read_iptables() -> anyhow::Result<Self> {
         use iptables::apply::{IptablesCommand, detect_variant};
         let detected = detect_variant(&[]);
         let tools = IptablesCommand {
@@ -260,16 +311,44 @@ impl KernelRules {
         };
         let (v4_tool, v4) = read(IpFamily::V4)?;
         let (v6_tool, v6) = read(IpFamily::V6)?;
-        Ok(KernelRules {
+        Ok(KernelRules::Iptables {
             tools: format!("{v4_tool}, {v6_tool}: {}", detected.reason),
             saved: [v4, v6],
         })
     }
 
-    fn saved(&self, family: IpFamily) -> &iptables::save::Saved {
-        match family {
-            IpFamily::V4 => &self.saved[0],
-            IpFamily::V6 => &self.saved[1],
+    /// How the rules were read, for the `rules` line.
+    fn describe(&self) -> String {
+        match self {
+            KernelRules::Iptables { tools, .. } => tools.clone(),
+            KernelRules::Nftables { .. } => "nft -j list table ip/ip6 kube-proxy".to_string(),
+        }
+    }
+
+    /// The packet through the kernel's rules.
+    fn trace(&self, packet: &Packet, env: &Env) -> Trace {
+        let i = usize::from(IpFamily::of(packet.dst) == IpFamily::V6);
+        match self {
+            KernelRules::Iptables { saved, .. } => {
+                iptables::tracer::trace(&saved[i].view, packet, env)
+            }
+            KernelRules::Nftables { listed } => {
+                let ruleset = nftables::ruleset::Ruleset {
+                    tables: listed[i].iter().map(|l| l.table.clone()).collect(),
+                };
+                nftables::tracer::trace(&ruleset, packet, env)
+            }
+        }
+    }
+
+    /// Rules of the packet's family that were left out.
+    fn skipped(&self, family: IpFamily) -> &[String] {
+        let i = usize::from(family == IpFamily::V6);
+        match self {
+            KernelRules::Iptables { saved, .. } => &saved[i].skipped,
+            KernelRules::Nftables { listed } => {
+                listed[i].as_ref().map_or(&[][..], |l| &l.skipped[..])
+            }
         }
     }
 }
@@ -288,7 +367,15 @@ fn fates_key(trace: &Trace) -> Vec<(String, i64)> {
     let mut key: Vec<(String, i64)> = trace
         .fates
         .iter()
-        .map(|(f, p)| (format!("{f:?}"), (p * 1e9).round() as i64))
+        .map(|(f, p)| {
+            // Chain names aside: the kernel may hold the other nftables layout.
+            let kind = match f {
+                nodeport_proxy::trace::Fate::Dropped(_) => "dropped".to_string(),
+                nodeport_proxy::trace::Fate::Rejected(_) => "rejected".to_string(),
+                delivered => format!("{delivered:?}"),
+            };
+            (kind, (p * 1e9).round() as i64)
+        })
         .collect();
     key.sort();
     key
@@ -318,9 +405,7 @@ impl Tracing {
         };
         let rendered = self.rendered.trace(packet, &env);
         let trace = match &self.kernel {
-            Some(k) => {
-                iptables::tracer::trace(&k.saved(IpFamily::of(packet.dst)).view, packet, &env)
-            }
+            Some(k) => k.trace(packet, &env),
             None => rendered.clone(),
         };
         let ctx = explain::Context {
@@ -333,7 +418,7 @@ impl Tracing {
         };
         let mut explanation = explain::explain(&p.desired, &ctx, &trace);
         if let Some(k) = &self.kernel {
-            let skipped = &k.saved(IpFamily::of(packet.dst)).skipped;
+            let skipped = k.skipped(IpFamily::of(packet.dst));
             if !skipped.is_empty() {
                 explanation.notes.push(format!(
                     "{} rule(s) of the kernel were not evaluated (matches or targets the tracer \
@@ -372,7 +457,8 @@ impl Tracing {
         match &self.kernel {
             Some(k) => format!(
                 "rules       {mode}, as this node's kernel holds them ({}); names from {}",
-                k.tools, self.source
+                k.describe(),
+                self.source
             ),
             None => format!(
                 "rules       {mode}, as `nodeport render` programs them for {}",
@@ -460,18 +546,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let mut prepared = prepared;
     let kernel = match args.rules.as_str() {
         "render" => None,
-        "kernel" if prepared.mode == ProxyMode::Iptables => {
-            // The node as it is: its own addresses decide the path and `addrtype LOCAL`.
-            prepared.facts.local_ips = local_addresses()?;
-            Some(KernelRules::read()?)
-        }
         "kernel" => {
-            return Err(untraceable(format!(
-                "--rules kernel reads the iptables mode's rules only (iptables-save); the {} \
-                 mode's kernel state cannot be read yet: --rules render traces what the proxy \
-                 would program",
-                prepared.mode.as_str()
-            )));
+            let rules = KernelRules::read(prepared.mode)?;
+            // The node as it is: its own addresses decide the path and `fib … type local`.
+            prepared.facts.local_ips = local_addresses()?;
+            Some(rules)
         }
         other => {
             return Err(usage(format!(
@@ -658,6 +737,9 @@ fn trace_service(
             "{to:<width$}  {kind:<16}  from {:<from_width$}  {fate}{masq}",
             e.packet.from.to_string()
         );
+        for note in &e.notes {
+            println!("{:width$}  note: {note}", "");
+        }
     }
     Ok(reached)
 }
