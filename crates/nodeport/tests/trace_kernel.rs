@@ -12,11 +12,14 @@ use proxy_support::*;
 /// `nodeport trace` inside the node, objects from its API server: (stdout without the
 /// `rules` line, exit code).
 fn trace(c: &Cluster, mode: Mode, rules: &str, args: &[&str]) -> (String, i32) {
-    let out = c
-        .node
-        .command(env!("CARGO_BIN_EXE_nodeport"))
-        .args(["trace", "--rules", rules, "--proxy-mode", mode.as_str()])
-        .args(mode.extra_args())
+    let mut cmd = c.node.command(env!("CARGO_BIN_EXE_nodeport"));
+    cmd.args(["trace", "--rules", rules]);
+    // The kernel's trace finds the mode (and the nftables layout) on the node by itself.
+    if rules == "render" {
+        cmd.args(["--proxy-mode", mode.as_str()])
+            .args(mode.extra_args());
+    }
+    let out = cmd
         .args([
             "--master",
             "http://127.0.0.1:6443",
@@ -36,10 +39,17 @@ fn trace(c: &Cluster, mode: Mode, rules: &str, args: &[&str]) -> (String, i32) {
     let rules_line = stdout.lines().next().unwrap_or_default();
     assert!(rules_line.starts_with("rules "), "{stdout}");
     if rules == "kernel" {
-        assert!(
-            rules_line.contains("as this node's kernel holds them"),
-            "{stdout}"
-        );
+        let held = match mode {
+            Mode::Nftables => {
+                "nftables, as this node's kernel holds them (nft -j list table ip/ip6 kube-proxy, the flat layout)"
+            }
+            Mode::NftablesKubeProxy => {
+                "nftables, as this node's kernel holds them (nft -j list table ip/ip6 kube-proxy, the kube-proxy layout)"
+            }
+            Mode::Iptables => "iptables, as this node's kernel holds them (iptables-",
+            Mode::Ebpf => unreachable!("not read"),
+        };
+        assert!(rules_line.contains(held), "{stdout}");
     }
     let body: Vec<&str> = stdout.lines().skip(1).collect();
     (body.join("\n"), out.status.code().expect("exited"))

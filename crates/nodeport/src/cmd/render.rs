@@ -33,9 +33,10 @@ pub struct Args {
 pub struct Flags {
     /// Dataplane to render for: nftables (`nft -f` input), iptables (`iptables-restore`
     /// input), ipvs (`ipvsadm -S` lines, ipsets and the companion iptables rules) or ebpf
-    /// (the BPF maps' frontends and backends, one line each).
-    #[arg(long, default_value = "nftables")]
-    proxy_mode: String,
+    /// (the BPF maps' frontends and backends, one line each) [default: nftables; `trace
+    /// --rules kernel`: the mode whose rules the node holds].
+    #[arg(long, value_name = "MODE")]
+    pub proxy_mode: Option<String>,
     /// nftables mode: "flat" (default, what `nodeport proxy` programs by default) or
     /// "kube-proxy" (kube-proxy 1.33's chains and names, to compare with a kube-proxy node).
     #[arg(long, default_value = "flat", value_name = "flat|kube-proxy")]
@@ -240,10 +241,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 /// Everything but the rendering itself: the flags checked, the objects (`text`, read from
 /// `source`) turned into this node's desired state.
 pub fn prepare(args: &Flags, text: &str, source: &str) -> anyhow::Result<Prepared> {
-    let mode = ProxyMode::parse(&args.proxy_mode).ok_or_else(|| {
+    let given = args.proxy_mode.as_deref().unwrap_or("nftables");
+    let mode = ProxyMode::parse(given).ok_or_else(|| {
         usage(format!(
-            "invalid value {:?} for --proxy-mode: must be nftables, iptables, ipvs or ebpf",
-            args.proxy_mode
+            "invalid value {given:?} for --proxy-mode: must be nftables, iptables, ipvs or ebpf"
         ))
     })?;
     let algorithm = ebpf::render::Algorithm::parse(&args.ebpf_lb_algorithm).ok_or_else(|| {

@@ -321,8 +321,25 @@ impl KernelRules {
     fn describe(&self) -> String {
         match self {
             KernelRules::Iptables { tools, .. } => tools.clone(),
-            KernelRules::Nftables { .. } => "nft -j list table ip/ip6 kube-proxy".to_string(),
+            KernelRules::Nftables { .. } => format!(
+                "nft -j list table ip/ip6 kube-proxy, the {} layout",
+                self.layout().unwrap_or("flat")
+            ),
         }
+    }
+
+    /// The nftables layout the kernel's table has.
+    fn layout(&self) -> Option<&'static str> {
+        let KernelRules::Nftables { listed } = self else {
+            return None;
+        };
+        // The flat layout keeps endpoints in maps; kube-proxy's in chains.
+        let flat = listed.iter().flatten().any(|l| {
+            l.table
+                .sets()
+                .any(|s| s.name == nftables::names::SERVICE_ENDPOINTS)
+        });
+        Some(if flat { "flat" } else { "kube-proxy" })
     }
 
     /// The packet through the kernel's rules.
@@ -351,6 +368,39 @@ impl KernelRules {
             }
         }
     }
+}
+
+/// The dataplane whose rules this network namespace holds, for `--rules kernel` without
+/// `--proxy-mode`: a `kube-proxy` nftables table, else iptables `KUBE-SERVICES` chains (either
+/// variant), else none we can read.
+fn detect_mode() -> anyhow::Result<ProxyMode> {
+    let holds = |program: &str, args: &[&str], needle: &str| {
+        std::process::Command::new(program)
+            .args(args)
+            .output()
+            .is_ok_and(|o| {
+                o.status.success() && String::from_utf8_lossy(&o.stdout).contains(needle)
+            })
+    };
+    for family in ["ip", "ip6"] {
+        if holds("nft", &["list", "table", family, "kube-proxy"], "table") {
+            return Ok(ProxyMode::Nftables);
+        }
+    }
+    for save in [
+        "iptables-nft-save",
+        "iptables-legacy-save",
+        "ip6tables-nft-save",
+        "ip6tables-legacy-save",
+    ] {
+        if holds(save, &["-t", "nat"], ":KUBE-SERVICES") {
+            return Ok(ProxyMode::Iptables);
+        }
+    }
+    Err(untraceable(
+        "--rules kernel: this node holds no nftables table kube-proxy and no iptables \
+         KUBE-SERVICES chain (the ebpf mode's maps cannot be read yet); give --proxy-mode",
+    ))
 }
 
 /// This network namespace's addresses (the node's, when run on the node).
@@ -444,6 +494,9 @@ impl Tracing {
     }
 
     fn layout(&self) -> Option<&'static str> {
+        if let Some(k) = &self.kernel {
+            return k.layout();
+        }
         (self.prepared.mode == ProxyMode::Nftables)
             .then_some(self.prepared.config.nftables_layout.as_str())
     }
@@ -456,7 +509,8 @@ impl Tracing {
         };
         match &self.kernel {
             Some(k) => format!(
-                "rules       {mode}, as this node's kernel holds them ({}); names from {}",
+                "rules       {}, as this node's kernel holds them ({}); names from {}",
+                self.prepared.mode.as_str(),
                 k.describe(),
                 self.source
             ),
@@ -519,6 +573,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "--from {from} and --to {} are not of the same IP family",
             to.ip()
         )));
+    }
+    let mut args = args;
+    if args.rules == "kernel" && args.render.proxy_mode.is_none() {
+        args.render.proxy_mode = Some(detect_mode()?.as_str().to_string());
     }
     let (text, source, origin) = match &args.file {
         Some(file) => (
