@@ -169,6 +169,29 @@ fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mod
     if mode != Mode::Iptables {
         return;
     }
+    // What else on the node decides: forwarding off, an endpoint without a route.
+    c.node.sysctl("net.ipv4.ip_forward", "0").unwrap();
+    c.node
+        .run(&["ip", "route", "add", "unreachable", "10.244.2.2/32"])
+        .unwrap();
+    let (out, _) = trace(&c, mode, "kernel", &["--from", CLIENT_IP, "--to", &web_to]);
+    c.node.sysctl("net.ipv4.ip_forward", "1").unwrap();
+    c.node
+        .run(&["ip", "route", "del", "unreachable", "10.244.2.2/32"])
+        .unwrap();
+    assert!(
+        out.contains("note        net.ipv4.ip_forward is 0: this node does not forward"),
+        "{out}"
+    );
+    assert!(
+        out.contains("note        no route to the endpoint 10.244.2.2"),
+        "{out}"
+    );
+    // Only the endpoint without a route is named.
+    assert!(
+        !out.contains("no route to the endpoint 10.244.1.2"),
+        "{out}"
+    );
     c.break_service_dispatch_by_hand();
     let (out, code) = trace(&c, mode, "kernel", &["--from", CLIENT_IP, "--to", &web_to]);
     assert_eq!(code, 1, "{out}");

@@ -403,6 +403,46 @@ fn detect_mode() -> anyhow::Result<ProxyMode> {
     ))
 }
 
+/// What besides the proxy's rules decides the fate on this node, for `--rules kernel`: a
+/// packet from the network DNATed to an endpoint elsewhere must be forwarded
+/// (`net.ipv4.ip_forward`, `net.ipv6.conf.all.forwarding`), and every endpoint needs a route.
+fn node_notes(packet: &Packet, e: &Explanation, local: &[IpAddr]) -> Vec<String> {
+    let mut notes = Vec::new();
+    let away: Vec<IpAddr> = e
+        .endpoints
+        .iter()
+        .map(|c| c.endpoint.ip())
+        .filter(|ip| !local.contains(ip))
+        .collect();
+    if packet.origin == Origin::Remote && !away.is_empty() {
+        let (key, path) = match IpFamily::of(packet.dst) {
+            IpFamily::V4 => ("net.ipv4.ip_forward", "/proc/sys/net/ipv4/ip_forward"),
+            IpFamily::V6 => (
+                "net.ipv6.conf.all.forwarding",
+                "/proc/sys/net/ipv6/conf/all/forwarding",
+            ),
+        };
+        if std::fs::read_to_string(path).is_ok_and(|v| v.trim() == "0") {
+            notes.push(format!(
+                "{key} is 0: this node does not forward, so the DNATed packet is dropped \
+                 before it reaches an endpoint"
+            ));
+        }
+    }
+    for ip in away {
+        let routed = std::process::Command::new("ip")
+            .args(["route", "get", &ip.to_string()])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !routed {
+            notes.push(format!(
+                "no route to the endpoint {ip}: a packet DNATed to it goes nowhere"
+            ));
+        }
+    }
+    notes
+}
+
 /// This network namespace's addresses (the node's, when run on the node).
 fn local_addresses() -> anyhow::Result<Vec<IpAddr>> {
     let runtime = tokio::runtime::Runtime::new()
@@ -467,6 +507,10 @@ impl Tracing {
             maglev: p.mode == ProxyMode::Ebpf && p.algorithm == ebpf::render::Algorithm::Maglev,
         };
         let mut explanation = explain::explain(&p.desired, &ctx, &trace);
+        if self.kernel.is_some() {
+            let notes = node_notes(packet, &explanation, &p.facts.local_ips);
+            explanation.notes.extend(notes);
+        }
         if let Some(k) = &self.kernel {
             let skipped = k.skipped(IpFamily::of(packet.dst));
             if !skipped.is_empty() {
