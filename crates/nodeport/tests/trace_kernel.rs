@@ -101,6 +101,15 @@ fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mod
     ] {
         let (kernel, kernel_code) = trace(&c, mode, "kernel", &args);
         let (render, render_code) = trace(&c, mode, "render", &args);
+        // The kernel's trace also names the input interface (the route back to the source).
+        let kernel = kernel
+            .lines()
+            .map(|l| match l.split_once(", on ") {
+                Some((head, _)) if l.starts_with("packet ") => head,
+                _ => l,
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
         assert_eq!(kernel, render, "{mode:?} {args:?}");
         assert_eq!(kernel_code, render_code, "{mode:?} {args:?}");
         assert!(!kernel.contains("note"), "{mode:?} {args:?}: {kernel}");
@@ -161,6 +170,11 @@ fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mod
         &["--from", NODE_IP, "--to", &cluster_ip],
     );
     assert!(out.contains("from this node (output path)"), "{out}");
+    let (out, _) = trace(&c, mode, "kernel", &["--from", CLIENT_IP, "--to", &web_to]);
+    assert!(
+        out.contains("(input path), on eth0 (the route back to 192.0.2.100)"),
+        "{out}"
+    );
 
     // Rules removed by hand behind the proxy's back: the kernel's trace says what it holds
     // and that the proxy would program something else. (The nftables mode notices a changed
@@ -169,7 +183,28 @@ fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mod
     if mode != Mode::Iptables {
         return;
     }
-    // What else on the node decides: forwarding off, an endpoint without a route.
+    // What else on the node decides: strict reverse-path filtering on an interface the route
+    // back does not leave through, forwarding off, an endpoint without a route.
+    c.node.sysctl("net.ipv4.conf.all.rp_filter", "1").unwrap();
+    let (out, _) = trace(
+        &c,
+        mode,
+        "kernel",
+        &[
+            "--from",
+            CLIENT_IP,
+            "--to",
+            &web_to,
+            "--in-interface",
+            "eth1",
+        ],
+    );
+    c.node.sysctl("net.ipv4.conf.all.rp_filter", "0").unwrap();
+    assert!(out.contains("(input path), on eth1"), "{out}");
+    assert!(
+        out.contains("note        strict rp_filter on eth1 drops it before any rule: the route back to 192.0.2.100 leaves through eth0"),
+        "{out}"
+    );
     c.node.sysctl("net.ipv4.ip_forward", "0").unwrap();
     c.node
         .run(&["ip", "route", "add", "unreachable", "10.244.2.2/32"])

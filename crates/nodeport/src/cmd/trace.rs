@@ -81,6 +81,11 @@ pub struct Args {
         value_name = "human|json"
     )]
     output: String,
+    /// Input path: the interface the packet arrives on [default, with --rules kernel: the
+    /// one holding the route back to --from]. No rule the proxy writes matches on it; with
+    /// --rules kernel a strict rp_filter on it is checked.
+    #[arg(long, value_name = "NAME")]
+    in_interface: Option<String>,
     /// Which rules to trace: "render" (what the proxy would program for the objects) or
     /// "kernel" (what this node's kernel holds now, named with the objects: the nftables
     /// mode's table read with `nft -j`, the iptables mode's with iptables-save, the variant
@@ -224,6 +229,8 @@ struct Tracing {
     origin: &'static str,
     /// `--rules kernel`: what the kernel holds, traced instead of `rendered`.
     kernel: Option<KernelRules>,
+    /// `--in-interface`.
+    in_interface: Option<String>,
 }
 
 /// `--rules kernel`: what this network namespace's kernel holds, per family.
@@ -443,6 +450,31 @@ fn node_notes(packet: &Packet, e: &Explanation, local: &[IpAddr]) -> Vec<String>
     notes
 }
 
+/// The interface holding the route to `ip` in this network namespace (`ip route get`).
+fn route_interface(ip: IpAddr) -> Option<String> {
+    let out = std::process::Command::new("ip")
+        .args(["-j", "route", "get", &ip.to_string()])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let routes: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+    routes[0]["dev"].as_str().map(str::to_string)
+}
+
+/// Strict reverse-path filtering on `iface`: the kernel uses the larger of `all` and the
+/// interface's `rp_filter` (1 strict, 2 loose).
+fn strict_rp_filter(iface: &str) -> bool {
+    let read = |name: &str| {
+        std::fs::read_to_string(format!("/proc/sys/net/ipv4/conf/{name}/rp_filter"))
+            .ok()
+            .and_then(|v| v.trim().parse::<u8>().ok())
+            .unwrap_or(0)
+    };
+    read("all").max(read(iface)) == 1
+}
+
 /// This network namespace's addresses (the node's, when run on the node).
 fn local_addresses() -> anyhow::Result<Vec<IpAddr>> {
     let runtime = tokio::runtime::Runtime::new()
@@ -507,7 +539,28 @@ impl Tracing {
             maglev: p.mode == ProxyMode::Ebpf && p.algorithm == ebpf::render::Algorithm::Maglev,
         };
         let mut explanation = explain::explain(&p.desired, &ctx, &trace);
+        if packet.origin == Origin::Remote {
+            explanation.packet.interface = self.in_interface.clone();
+        }
         if self.kernel.is_some() {
+            if packet.origin == Origin::Remote {
+                let back = route_interface(packet.src);
+                if explanation.packet.interface.is_none() {
+                    explanation.packet.interface = back
+                        .as_ref()
+                        .map(|i| format!("{i} (the route back to {})", packet.src));
+                }
+                if let (Some(iif), Some(back)) = (&self.in_interface, &back)
+                    && iif != back
+                    && strict_rp_filter(iif)
+                {
+                    explanation.notes.push(format!(
+                        "strict rp_filter on {iif} drops it before any rule: the route back \
+                         to {} leaves through {back}",
+                        packet.src
+                    ));
+                }
+            }
             let notes = node_notes(packet, &explanation, &p.facts.local_ips);
             explanation.notes.extend(notes);
         }
@@ -667,6 +720,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         source,
         origin,
         kernel,
+        in_interface: args.in_interface.clone(),
     };
     let reached = match (service, from, to) {
         (Some((ns, name)), _, _) => trace_service(&tracing, &ns, &name, from, json)?,

@@ -164,6 +164,10 @@ pub struct PacketView {
     pub protocol: &'static str,
     /// `input` (from the network) or `output` (from the node itself).
     pub path: &'static str,
+    /// Input path: the interface it arrives on, when known (`--in-interface`, or the one
+    /// holding the route back to the source). No rule the proxy writes matches on it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub interface: Option<String>,
 }
 
 /// A trace explained: what `nodeport trace` prints (`-o json`: this, serialized).
@@ -330,6 +334,7 @@ pub fn explain(desired: &DesiredState, ctx: &Context<'_>, trace: &Trace) -> Expl
                 Origin::Remote => "input",
                 Origin::Local => "output",
             },
+            interface: None,
         },
         dataplane: ctx.dataplane,
         endpoint_choice: if ctx.maglev { "maglev" } else { "random" },
@@ -524,11 +529,15 @@ impl fmt::Display for Explanation {
             "input" => "from the network (input path)",
             _ => "from this node (output path)",
         };
-        writeln!(
+        write!(
             f,
             "packet      {} → {}/{}, {path}",
             p.from, p.to, p.protocol
         )?;
+        if let Some(i) = &p.interface {
+            write!(f, ", on {i}")?;
+        }
+        writeln!(f)?;
         match &self.service {
             Some(s) => {
                 let kind = match s.frontend {
