@@ -701,7 +701,10 @@ fn chain_names(table: &AppliedTable) -> impl Iterator<Item = String> + '_ {
 /// `Vec` rather than a `BTreeMap`: nearly every key has exactly one owner, and a `BTreeMap`
 /// allocates a node with room for eleven, about 1.3 KiB per element, which at 10,000 Services
 /// was half of the proxy's live heap.
-type Contributors = Vec<(Owner, ElemValue)>;
+///
+/// Inline (a `SmallVec` of one): the one owner of nearly every key is kept in the map's entry,
+/// which saves an allocation and a free per element (two million at 100,000 Services).
+type Contributors = smallvec::SmallVec<[(Owner, ElemValue); 1]>;
 
 /// An applied full sync: its number of operations, the applied state of each table and the
 /// chains it left stale.
