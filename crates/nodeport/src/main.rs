@@ -37,7 +37,16 @@ pub(crate) fn cli() -> clap::Command {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // clap's own usage errors (a missing or unknown argument) exit 64 like ours, not clap's
+    // 2: one exit code for every usage error. `--help` still exits 0.
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(err) => {
+            let code = if err.use_stderr() { EXIT_USAGE } else { 0 };
+            let _ = err.print();
+            return ExitCode::from(code);
+        }
+    };
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         // Colour only for a terminal: logs redirected to a file or a journal stay plain text.
@@ -63,6 +72,12 @@ fn main() -> ExitCode {
             if let Some(usage) = err.downcast_ref::<cmd::UsageError>() {
                 eprintln!("nodeport: {usage}");
                 return ExitCode::from(EXIT_USAGE);
+            }
+            if let Some(exit) = err.downcast_ref::<cmd::Exit>() {
+                if let Some(message) = &exit.message {
+                    eprintln!("nodeport: {message}");
+                }
+                return ExitCode::from(exit.code);
             }
             eprintln!("nodeport: {err:#}");
             ExitCode::FAILURE

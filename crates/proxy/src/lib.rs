@@ -12,7 +12,8 @@
 //!    [`nftables`] (the default), [`iptables`], or [`ipvs`] (rendered only: deprecated
 //!    upstream), one folder per backend with the same files (`names`, `render`, `ruleset`,
 //!    `apply`, `tracer`); [`backend`] is what the agent sees of them. Hashed names shared by
-//!    every backend live in [`names`].
+//!    every backend live in [`names`]; the tracers' shared vocabulary (packet, fate,
+//!    the explanation `nodeport trace` prints) in [`trace`].
 //! 5. [`agent`] rate-limits syncs, retries failures and runs periodic resyncs;
 //!    [`health`] and [`metrics`] report on it; [`conntrack`] cleans UDP flows whose endpoint
 //!    went away.
@@ -37,6 +38,7 @@ pub mod nftables;
 pub mod nodeaddr;
 pub mod objects;
 pub mod tool;
+pub mod trace;
 pub mod tracker;
 pub mod watch;
 

@@ -175,8 +175,10 @@ pub enum Error {
 pub struct Loaded {
     /// Services, EndpointSlices and ServiceCIDRs.
     pub cluster: Cluster,
-    /// The Node, if the file has one.
+    /// The Node, if the file has one (the last, if it has several).
     pub node: Option<Node>,
+    /// Every Node of the file, in order (`kubectl get nodes -o yaml` lists them all).
+    pub nodes: Vec<Node>,
     /// One line per skipped document.
     pub warnings: Vec<String>,
 }
@@ -269,7 +271,9 @@ fn add_object(loaded: &mut Loaded, index: usize, value: serde_json::Value) -> Re
         }
         ("Node", "v1") => {
             let node: core::Node = serde_json::from_value(value).map_err(decode_err("Node"))?;
-            loaded.node = Some(convert::node(&node));
+            let node = convert::node(&node);
+            loaded.nodes.push(node.clone());
+            loaded.node = Some(node);
         }
         (kind, api) => loaded.warnings.push(format!(
             "document {index}: skipping {} (not a Service, EndpointSlice, ServiceCIDR or Node)",

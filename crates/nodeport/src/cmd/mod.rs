@@ -6,6 +6,7 @@ pub mod ebpf;
 pub mod lab;
 pub mod proxy;
 pub mod render;
+pub mod trace;
 pub mod up;
 pub mod version;
 
@@ -23,6 +24,28 @@ impl std::fmt::Display for UsageError {
 
 impl std::error::Error for UsageError {}
 
+/// A command that ends with an exit code of its own: `message` (if any) printed as one
+/// line first. `nodeport trace` ends so: 1 when the packet is dropped or rejected, 3 when
+/// it cannot be traced.
+#[derive(Debug)]
+pub struct Exit {
+    /// The process's exit code.
+    pub code: u8,
+    /// What to print on standard error, if anything.
+    pub message: Option<String>,
+}
+
+impl std::fmt::Display for Exit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.message {
+            Some(m) => f.write_str(m),
+            None => write!(f, "exit code {}", self.code),
+        }
+    }
+}
+
+impl std::error::Error for Exit {}
+
 /// The subcommands of `nodeport`.
 #[derive(Debug, Subcommand)]
 pub enum Command {
@@ -32,6 +55,9 @@ pub enum Command {
     Proxy(proxy::Args),
     /// Print the ruleset the proxy would program for a file of objects.
     Render(render::Args),
+    /// Follow a packet through what the proxy programs: the Service port, endpoints,
+    /// masquerade and fate.
+    Trace(trace::Args),
     /// Reproduce the NodePort lab in network namespaces on this machine.
     Lab(lab::Args),
     /// Single node: API server and proxy in one process.
@@ -54,6 +80,7 @@ pub fn run(command: Command) -> anyhow::Result<()> {
         Command::Apiserver(args) => apiserver::run(args),
         Command::Proxy(args) => proxy::run(args),
         Command::Render(args) => render::run(args),
+        Command::Trace(args) => trace::run(args),
         Command::Lab(args) => lab::run(args),
         Command::Up(args) => up::run(args),
         Command::PodServer(args) => lab::run_pod_server(args),

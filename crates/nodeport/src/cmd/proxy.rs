@@ -282,7 +282,12 @@ fn source_text(e: &dyn std::error::Error) -> String {
     e.source().map(|s| s.to_string()).unwrap_or_default()
 }
 
-async fn client(kubeconfig: Option<PathBuf>, master: Option<&str>) -> anyhow::Result<kube::Client> {
+/// The API client for `--kubeconfig`/`--master` (else found as kubectl finds it); shared
+/// with `nodeport trace`.
+pub(crate) async fn client(
+    kubeconfig: Option<PathBuf>,
+    master: Option<&str>,
+) -> anyhow::Result<kube::Client> {
     let mut config = match (&kubeconfig, master) {
         (Some(path), _) => {
             let kc = kube::config::Kubeconfig::read_from(path)

@@ -19,21 +19,30 @@ use super::UsageError;
 /// Flags of `nodeport render`.
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Dataplane to render for: nftables (`nft -f` input), iptables (`iptables-restore`
-    /// input), ipvs (`ipvsadm -S` lines, ipsets and the companion iptables rules) or ebpf
-    /// (the BPF maps' frontends and backends, one line each).
-    #[arg(long, default_value = "nftables")]
-    proxy_mode: String,
-    /// nftables mode: "flat" (default, what `nodeport proxy` programs by default) or
-    /// "kube-proxy" (kube-proxy 1.33's chains and names, to compare with a kube-proxy node).
-    #[arg(long, default_value = "flat", value_name = "flat|kube-proxy")]
-    nftables_layout: String,
     /// Multi-document YAML of Services, EndpointSlices, ServiceCIDRs and optionally a Node
     /// ("-" reads standard input).
     #[arg(short = 'f', long = "filename")]
     file: PathBuf,
-    /// This node's name: endpoints with this nodeName are local (default: the Node in the
-    /// file, if any).
+    #[command(flatten)]
+    flags: Flags,
+}
+
+/// The flags that say what node to render for: shared by `nodeport render` and
+/// `nodeport trace`, which traces what `render` would program.
+#[derive(Debug, clap::Args)]
+pub struct Flags {
+    /// Dataplane to render for: nftables (`nft -f` input), iptables (`iptables-restore`
+    /// input), ipvs (`ipvsadm -S` lines, ipsets and the companion iptables rules) or ebpf
+    /// (the BPF maps' frontends and backends, one line each) [default: nftables; `trace
+    /// --rules kernel`: the mode whose rules the node holds].
+    #[arg(long, value_name = "MODE")]
+    pub proxy_mode: Option<String>,
+    /// nftables mode: "flat" (default, what `nodeport proxy` programs by default) or
+    /// "kube-proxy" (kube-proxy 1.33's chains and names, to compare with a kube-proxy node).
+    #[arg(long, default_value = "flat", value_name = "flat|kube-proxy")]
+    nftables_layout: String,
+    /// This node's name: endpoints with this nodeName are local; the file's Node of this
+    /// name gives the node's addresses (default: the Node in the file, if any).
     #[arg(long)]
     node_name: Option<String>,
     /// This node's IPs (repeatable); the first of each family is that family's node IP
@@ -153,12 +162,89 @@ pub fn parse_cluster_cidrs(value: &str) -> anyhow::Result<Vec<IpNet>> {
         .collect()
 }
 
+/// What `render` (and `trace`) work on: the desired state of the node the flags describe,
+/// with the configuration each backend renders with.
+pub struct Prepared {
+    /// `--proxy-mode`.
+    pub mode: ProxyMode,
+    /// `--ebpf-lb-algorithm`.
+    pub algorithm: ebpf::render::Algorithm,
+    /// The desired state of the file's objects on this node.
+    pub desired: desired::DesiredState,
+    /// The node's addresses.
+    pub facts: NodeFacts,
+    /// What the nftables, iptables and IPVS renders take.
+    pub config: NodeConfig,
+    /// `--nodeport-addresses` as it applies (given or the mode's default).
+    pub nodeport_addresses: String,
+}
+
+/// Reads the objects file (`-` for standard input).
+pub fn read_file(file: &std::path::Path) -> anyhow::Result<String> {
+    if file.as_os_str() == "-" {
+        let mut s = String::new();
+        std::io::stdin()
+            .read_to_string(&mut s)
+            .context("reading standard input")?;
+        Ok(s)
+    } else {
+        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))
+    }
+}
+
 /// Runs `nodeport render`.
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let mode = ProxyMode::parse(&args.proxy_mode).ok_or_else(|| {
+    let text = read_file(&args.file)?;
+    let prepared = prepare(&args.flags, &text, &args.file.display().to_string())?;
+    let Prepared {
+        mode,
+        algorithm,
+        desired,
+        facts,
+        config,
+        ..
+    } = prepared;
+    let local_ips = facts.local_ips;
+    match mode {
+        ProxyMode::Nftables => {
+            let ruleset = nftables::render(&desired, &config);
+            print!("{}", nftables::ruleset::create_all(&ruleset).to_nft());
+        }
+        ProxyMode::Iptables => {
+            // One `iptables-restore --noflush` input per family, as a first sync sends it.
+            let ruleset = iptables::render(&desired, &config);
+            for family in &ruleset.families {
+                println!(
+                    "# {} --noflush ({})",
+                    iptables::ruleset::restore_program(family.family),
+                    family.family.as_str()
+                );
+                print!("{}", iptables::ruleset::create_all(family, true).text());
+            }
+        }
+        ProxyMode::Ipvs => print!("{}", ipvs::render(&desired, &config).text()),
+        ProxyMode::Ebpf => {
+            // What the maps would hold: one line per frontend.
+            let render_config = ebpf::render::RenderConfig {
+                algorithm,
+                local_ips,
+                fib_forward: true,
+            };
+            for line in ebpf::render::render(&desired, &render_config).lines(algorithm) {
+                println!("{line}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Everything but the rendering itself: the flags checked, the objects (`text`, read from
+/// `source`) turned into this node's desired state.
+pub fn prepare(args: &Flags, text: &str, source: &str) -> anyhow::Result<Prepared> {
+    let given = args.proxy_mode.as_deref().unwrap_or("nftables");
+    let mode = ProxyMode::parse(given).ok_or_else(|| {
         usage(format!(
-            "invalid value {:?} for --proxy-mode: must be nftables, iptables, ipvs or ebpf",
-            args.proxy_mode
+            "invalid value {given:?} for --proxy-mode: must be nftables, iptables, ipvs or ebpf"
         ))
     })?;
     let algorithm = ebpf::render::Algorithm::parse(&args.ebpf_lb_algorithm).ok_or_else(|| {
@@ -198,29 +284,24 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         node_ips.push(ip);
     }
 
-    let text = if args.file.as_os_str() == "-" {
-        let mut s = String::new();
-        std::io::stdin()
-            .read_to_string(&mut s)
-            .context("reading standard input")?;
-        s
-    } else {
-        std::fs::read_to_string(&args.file)
-            .with_context(|| format!("reading {}", args.file.display()))?
-    };
-    let loaded =
-        objects::load(&text).with_context(|| format!("parsing {}", args.file.display()))?;
+    let loaded = objects::load(text).with_context(|| format!("parsing {source}"))?;
     for w in &loaded.warnings {
         eprintln!("warning: {w}");
     }
-    let node = loaded.node.clone().unwrap_or_default();
+    // The Node named --node-name when the file has it (a `kubectl get nodes -o yaml` of a
+    // whole cluster), else the file's Node.
+    let named = args
+        .node_name
+        .as_ref()
+        .and_then(|n| loaded.nodes.iter().find(|node| node.name == *n));
+    let node = named.or(loaded.node.as_ref()).cloned().unwrap_or_default();
     let node_name = args.node_name.clone().unwrap_or_else(|| node.name.clone());
     if node_ips.is_empty() {
         node_ips = node.addresses.clone();
     }
     // Interfaces from the flags, else from the file's Node annotations, else the node's IPs
     // on one interface. Every node has loopback.
-    let (annotated, annotated_default) = node_annotations(&text, &node.name);
+    let (annotated, annotated_default) = node_annotations(text, &node.name);
     let mut interfaces = if args.interfaces.is_empty() {
         parse_interfaces(&annotated, &format!("annotation {INTERFACES_ANNOTATION}"))?
     } else {
@@ -273,6 +354,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     for cidr in nodeport_addresses.unmatched_cidrs(&facts) {
         eprintln!("warning: --nodeport-addresses {cidr} matches none of the node's addresses");
     }
+    let nodeport_addresses_text = nodeport_addresses.to_string();
     let state_config = StateConfig {
         families: IpFamily::ALL.to_vec(),
         nodeport_addresses,
@@ -288,7 +370,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             args.nftables_layout
         ))
     })?;
-    let local_ips = facts.local_ips.clone();
     let config = NodeConfig {
         nftables_layout,
         masquerade_bit: args.masquerade_bit,
@@ -297,35 +378,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         localhost_nodeports: args.iptables_localhost_nodeports.unwrap_or(true),
         ..NodeConfig::default()
     };
-    match mode {
-        ProxyMode::Nftables => {
-            let ruleset = nftables::render(&desired, &config);
-            print!("{}", nftables::ruleset::create_all(&ruleset).to_nft());
-        }
-        ProxyMode::Iptables => {
-            // One `iptables-restore --noflush` input per family, as a first sync sends it.
-            let ruleset = iptables::render(&desired, &config);
-            for family in &ruleset.families {
-                println!(
-                    "# {} --noflush ({})",
-                    iptables::ruleset::restore_program(family.family),
-                    family.family.as_str()
-                );
-                print!("{}", iptables::ruleset::create_all(family, true).text());
-            }
-        }
-        ProxyMode::Ipvs => print!("{}", ipvs::render(&desired, &config).text()),
-        ProxyMode::Ebpf => {
-            // What the maps would hold: one line per frontend.
-            let render_config = ebpf::render::RenderConfig {
-                algorithm,
-                local_ips,
-                fib_forward: true,
-            };
-            for line in ebpf::render::render(&desired, &render_config).lines(algorithm) {
-                println!("{line}");
-            }
-        }
-    }
-    Ok(())
+    Ok(Prepared {
+        mode,
+        algorithm,
+        desired,
+        facts,
+        config,
+        nodeport_addresses: nodeport_addresses_text,
+    })
 }

@@ -26,7 +26,8 @@
 //! frontends and backend sets, pure), [`apply`] (the applier: ordered map writes, sweep,
 //! conntrack collector), [`dataplane`] (one node's dataplane: loading, pins, cgroup and
 //! tc attachment following the NodePort addresses, fill levels), [`sockets`] (closing UDP
-//! sockets connected to removed backends).
+//! sockets connected to removed backends), [`tracer`] (what the programs do with a new
+//! connection, evaluated over the rendered maps).
 //!
 //! # Not handled by the programs
 //!
@@ -45,6 +46,7 @@ pub mod maps;
 pub mod programs;
 pub mod render;
 pub mod sockets;
+pub mod tracer;
 
 #[cfg(test)]
 mod tests;

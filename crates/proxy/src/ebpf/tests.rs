@@ -1,9 +1,12 @@
-//! Rendering tests: Services and EndpointSlices → the eBPF maps' frontends and backend sets.
+//! Rendering tests: Services and EndpointSlices → the eBPF maps' frontends and backend sets,
+//! and what the tracer finds the programs do with a packet over them.
 
 use super::render::{Algorithm, RenderConfig, render};
 use crate::desired::{self, DesiredState, NodeView, StateConfig};
+use crate::model::Protocol;
 use crate::nodeaddr::NodeFacts;
 use crate::objects;
+use crate::trace::{Env, Fate, Packet, Trace};
 
 /// The desired state of `yaml` on node-a (192.0.2.10, 2001:db8::10).
 pub(crate) fn desired_of(yaml: &str) -> DesiredState {
@@ -165,4 +168,117 @@ fn sctp_ports_are_not_rendered() {
         &["10.244.1.5@node-a"],
     );
     assert!(lines(&yaml, Algorithm::Random).is_empty());
+}
+
+fn traced(yaml: &str, algorithm: Algorithm, packet: Packet) -> Trace {
+    let config = RenderConfig {
+        algorithm,
+        ..Default::default()
+    };
+    super::tracer::trace(
+        &render(&desired_of(yaml), &config),
+        &packet,
+        &Env::default(),
+    )
+}
+
+#[test]
+fn the_tracer_sends_a_cluster_nodeport_to_every_endpoint_snated_to_the_node() {
+    let yaml = service_yaml(
+        "  type: NodePort\n  ports: [{name: http, port: 80, nodePort: 30080}]",
+        &["10.244.1.5@node-a", "10.244.2.7@node-b"],
+    );
+    let t = traced(
+        &yaml,
+        Algorithm::Random,
+        Packet::remote("203.0.113.5", "192.0.2.10", Protocol::Tcp, 30080),
+    );
+    assert_eq!(t.probability_of("10.244.1.5:8080"), 0.5);
+    assert_eq!(t.probability_of("10.244.2.7:8080"), 0.5);
+    assert!(t.all_masqueraded(true), "{t}");
+}
+
+#[test]
+fn the_tracer_gives_maglev_backends_their_share_of_the_table() {
+    let yaml = service_yaml(
+        "  type: NodePort\n  externalTrafficPolicy: Local\n  ports: [{name: http, port: 80, nodePort: 30080}]",
+        &[
+            "10.244.1.5@node-a",
+            "10.244.1.6@node-a",
+            "10.244.1.7@node-a",
+        ],
+    );
+    let t = traced(
+        &yaml,
+        Algorithm::Maglev,
+        Packet::remote("203.0.113.5", "192.0.2.10", Protocol::Tcp, 30080),
+    );
+    let total: f64 = t.fates.iter().map(|(_, p)| p).sum();
+    assert!((total - 1.0).abs() < 1e-9, "{t}");
+    for ep in ["10.244.1.5:8080", "10.244.1.6:8080", "10.244.1.7:8080"] {
+        let p = t.probability_of(ep);
+        // 16381 slots over three backends: 5460 or 5461 each.
+        assert!((p - 1.0 / 3.0).abs() < 1e-4, "{ep}: {p}");
+    }
+    // Local backends under the Local policy keep the client's address.
+    assert!(t.all_masqueraded(false), "{t}");
+}
+
+#[test]
+fn the_tracer_rejects_without_endpoints_and_drops_a_local_policy_without_local_ones() {
+    let none = service_yaml(
+        "  type: NodePort\n  ports: [{name: http, port: 80, nodePort: 30080}]",
+        &[],
+    );
+    let p = Packet::remote("203.0.113.5", "192.0.2.10", Protocol::Tcp, 30080);
+    assert_eq!(
+        *traced(&none, Algorithm::Random, p.clone()).only(),
+        Fate::Rejected("np_tc_ingress".into())
+    );
+    let remote_only = service_yaml(
+        "  type: NodePort\n  externalTrafficPolicy: Local\n  ports: [{name: http, port: 80, nodePort: 30080}]",
+        &["10.244.2.7@node-b"],
+    );
+    assert_eq!(
+        *traced(&remote_only, Algorithm::Random, p).only(),
+        Fate::Dropped("np_tc_ingress".into())
+    );
+    // From a socket of the node the NodePort is short-circuited to every endpoint, as
+    // kube-proxy does, and not SNATed.
+    let local = Packet::local("192.0.2.10", "192.0.2.10", Protocol::Tcp, 30080);
+    assert!(matches!(
+        traced(&remote_only, Algorithm::Random, local).only(),
+        Fate::Delivered {
+            dnat: Some(_),
+            masqueraded: false,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn the_tracer_drops_sources_outside_load_balancer_source_ranges_and_passes_unknown_ports() {
+    let yaml = service_yaml(
+        "  type: LoadBalancer\n  loadBalancerSourceRanges: [203.0.113.0/24]\n  ports: [{name: http, port: 80, nodePort: 30080}]\nstatus: {loadBalancer: {ingress: [{ip: 198.51.100.200}]}}",
+        &["10.244.1.5@node-a"],
+    );
+    let outside = Packet::remote("198.51.100.7", "198.51.100.200", Protocol::Tcp, 80);
+    assert_eq!(
+        *traced(&yaml, Algorithm::Random, outside).only(),
+        Fate::Dropped("np_tc_ingress".into())
+    );
+    let inside = Packet::remote("203.0.113.5", "198.51.100.200", Protocol::Tcp, 80);
+    assert_eq!(
+        traced(&yaml, Algorithm::Random, inside).probability_of("10.244.1.5:8080"),
+        1.0
+    );
+    let elsewhere = Packet::remote("203.0.113.5", "192.0.2.10", Protocol::Tcp, 22);
+    assert_eq!(
+        *traced(&yaml, Algorithm::Random, elsewhere).only(),
+        Fate::Delivered {
+            dnat: None,
+            masqueraded: false,
+            affinity: vec![]
+        }
+    );
 }

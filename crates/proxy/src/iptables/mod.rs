@@ -77,12 +77,13 @@
 //! [`names`] (chain names), [`mod@render`] (desired state → [`ruleset::Ruleset`], pure),
 //! [`ruleset`] (rules, restores and their text), [`apply`] (the [`apply::Kernel`] trait,
 //! the `iptables` tools runner, a fake, and the applier), [`tracer`] (evaluates the chains for
-//! a packet).
+//! a packet), [`save`] (`iptables-save` output read back for the tracer).
 
 pub mod apply;
 pub mod names;
 pub mod render;
 pub mod ruleset;
+pub mod save;
 pub mod tracer;
 
 #[cfg(test)]

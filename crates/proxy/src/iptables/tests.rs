@@ -10,12 +10,13 @@ use super::apply::{Applier, FakeKernel};
 use super::names::{KUBE_FIREWALL, KUBE_PROXY_CANARY, ServiceChainNames, endpoint_chain};
 use super::render::render;
 use super::ruleset::{Line, Ruleset, Table, create_all};
-use super::tracer::{Env, Fate, Packet, Trace, trace};
+use super::tracer::trace;
 use crate::config::NodeConfig;
 use crate::desired::{self, DesiredState, NodeView, StateConfig};
 use crate::model::{IpFamily, Protocol, ServiceName, ServicePortName};
 use crate::nodeaddr::{NodeFacts, NodePortAddresses};
 use crate::objects::{self, Cluster};
+use crate::trace::{Env, Fate, Packet, Trace};
 
 const NODE: &str = "node-a";
 const NODE_IP: &str = "192.0.2.10";

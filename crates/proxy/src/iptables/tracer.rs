@@ -5,13 +5,13 @@
 //! (`nat PREROUTING` → routing → `filter INPUT` or `filter FORWARD` → `nat POSTROUTING`, or
 //! `nat OUTPUT` → `filter OUTPUT` → `nat POSTROUTING`), evaluating the same [`Rule`] values
 //! that are sent to the kernel. `statistic` branches are all followed and weighted. The
-//! packet, environment and outcome types are the nftables tracer's, so that a behaviour test
-//! reads the same in both modes:
+//! packet, environment and outcome types are shared by every backend's tracer
+//! ([`crate::trace`]), so that a behaviour test reads the same in every mode:
 //! `from 203.0.113.5 to 192.0.2.10:30080/tcp → DNAT 10.244.1.1:8080, masqueraded`.
 
 use std::net::IpAddr;
 
-pub use crate::nftables::tracer::{Env, Fate, Origin, Packet, Trace};
+use crate::trace::{Env, Fate, Origin, Packet, Trace};
 
 use super::ruleset::{Match, Rule, Table, TableView, Target};
 

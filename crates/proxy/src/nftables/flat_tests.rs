@@ -9,12 +9,13 @@ use super::apply::{Applier, FakeKernel};
 use super::names::*;
 use super::ruleset::{Op, create_all};
 use super::tests::*;
-use super::tracer::{Fate, Packet, trace};
+use super::tracer::trace;
 use crate::config::NftablesLayout;
 use crate::desired::NodeView;
 use crate::model::{IpFamily, Protocol, ServiceName};
 use crate::nodeaddr::NodePortAddresses;
 use crate::objects;
+use crate::trace::{Fate, Packet};
 
 fn delivered(to: &str, masqueraded: bool) -> Fate {
     Fate::Delivered {

@@ -100,10 +100,11 @@
 //! [`ruleset`] (the structured ruleset, transactions and their `nft -f` text), [`apply`]
 //! (the [`apply::Kernel`] trait, `nft` runner, fake, and the applier that computes partial
 //! and full transactions), [`netlink`] (the netlink kernel), [`tracer`] (evaluates a ruleset
-//! for a packet).
+//! for a packet), [`listing`] (`nft -j list table` read back for the tracer).
 
 pub mod apply;
 pub mod flat;
+pub mod listing;
 pub mod names;
 pub mod netlink;
 pub mod render;

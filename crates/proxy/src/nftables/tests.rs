@@ -11,12 +11,13 @@ use std::collections::BTreeSet;
 use super::apply::{Applier, FakeKernel};
 use super::render::render;
 use super::ruleset::{Op, Ruleset, create_all};
-use super::tracer::{Env, Fate, Packet, trace};
+use super::tracer::trace;
 use crate::config::{EndpointChoice, NftablesLayout, NodeConfig};
 use crate::desired::{self, DesiredState, NodeView, StateConfig};
 use crate::model::{IpFamily, Protocol};
 use crate::nodeaddr::{NodeFacts, NodePortAddresses};
 use crate::objects::{self, Cluster};
+use crate::trace::{Env, Fate, Packet};
 
 pub(super) const NODE: &str = "node-a";
 pub(super) const NODE_IP: &str = "192.0.2.10";
@@ -81,7 +82,7 @@ impl World {
         }
     }
 
-    pub(super) fn trace(&self, packet: Packet) -> super::tracer::Trace {
+    pub(super) fn trace(&self, packet: Packet) -> crate::trace::Trace {
         trace(&self.ruleset(), &packet, &self.env())
     }
 }
@@ -635,7 +636,7 @@ pub(super) fn applier_with(w: &World) -> (Applier<FakeKernel>, DesiredState) {
     (a, d)
 }
 
-pub(super) fn kernel_trace(a: &Applier<FakeKernel>, w: &World, p: Packet) -> super::tracer::Trace {
+pub(super) fn kernel_trace(a: &Applier<FakeKernel>, w: &World, p: Packet) -> crate::trace::Trace {
     trace(&a.kernel().ruleset(), &p, &w.env())
 }
 

@@ -1,0 +1,963 @@
+//! `nodeport trace`: follows one packet through what the proxy programs and says, in the
+//! Service's words, where it goes: the Service port, the candidate endpoints with their
+//! probability, masquerade and why, and the fate (DNAT, reject, drop, or not a Service).
+//!
+//! It traces what `render` would program (with `render`'s flags) for the objects of a file
+//! (`-f`) or of the API server (`--kubeconfig`/`--master`), with no kernel. `--service ns/name` traces every address and port
+//! the node serves a Service on, one line each. Exit codes: 0 the packet reaches an
+//! endpoint (every served address does, with `--service`), 1 it is dropped, rejected or not
+//! for a Service, 3 it could not be traced (or no such Service), 64 bad usage.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+
+use nodeport_proxy::config::ProxyMode;
+use nodeport_proxy::model::{IpFamily, Protocol};
+use nodeport_proxy::trace::explain::{self, Dataplane, Explanation};
+use nodeport_proxy::trace::{Env, Origin, Packet, Trace};
+use nodeport_proxy::{ebpf, iptables, nftables};
+use serde::Serialize;
+
+use super::render::{self, Prepared};
+use super::{Exit, UsageError};
+
+/// Exit code: the packet is dropped or rejected, or is not for a Service.
+const EXIT_NOT_DELIVERED: u8 = 1;
+/// Exit code: the packet could not be traced (unreadable input, a mode without tracer, no
+/// such Service).
+const EXIT_UNTRACEABLE: u8 = 3;
+/// `--service`'s outside client when `--from` gives none of the family (TEST-NET-3, RFC 5737;
+/// the IPv6 documentation prefix, RFC 3849).
+const OUTSIDE_V4: &str = "203.0.113.1";
+const OUTSIDE_V6: &str = "2001:db8:ffff::1";
+
+/// Flags of `nodeport trace`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Multi-document YAML of Services, EndpointSlices, ServiceCIDRs and optionally Nodes
+    /// ("-" reads standard input): trace what `nodeport render` would program for them.
+    #[arg(
+        short = 'f',
+        long = "filename",
+        required_unless_present_any = ["kubeconfig", "master"],
+        conflicts_with_all = ["kubeconfig", "master"]
+    )]
+    file: Option<PathBuf>,
+    /// Read the Services, EndpointSlices, ServiceCIDRs and Nodes from the API server this
+    /// kubeconfig names (as `nodeport proxy --kubeconfig`), instead of -f.
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+    /// Address of the API server to read the objects from (overrides the kubeconfig's),
+    /// instead of -f.
+    #[arg(long)]
+    master: Option<String>,
+    /// Source address of the packet. One of the node's own addresses (--node-ip,
+    /// --interface) takes the output path, as a process on the node; any other arrives
+    /// from the network (input path). With --service: the outside client external
+    /// addresses are traced from [default: 203.0.113.1, or 2001:db8:ffff::1 for IPv6].
+    #[arg(long, value_name = "ADDR", required_unless_present = "service")]
+    from: Option<String>,
+    /// Destination: ADDR:PORT/PROTO, e.g. 192.0.2.11:30569/tcp or [2001:db8::1]:80/tcp
+    /// (the protocol defaults to tcp).
+    #[arg(
+        long,
+        value_name = "ADDR:PORT/PROTO",
+        required_unless_present = "service",
+        conflicts_with = "service"
+    )]
+    to: Option<String>,
+    /// Every address and port this node serves the Service NAMESPACE/NAME on, and what
+    /// happens there: its ClusterIPs (from the node itself), its NodePorts on each of the
+    /// node's addresses (including those --nodeport-addresses leaves out), its external
+    /// and load-balancer IPs (from --from).
+    #[arg(long, value_name = "NAMESPACE/NAME")]
+    service: Option<String>,
+    /// Output format: "human" (one line per step) or "json" (the schema is in
+    /// docs/TRACE.md).
+    #[arg(
+        short = 'o',
+        long = "output",
+        default_value = "human",
+        value_name = "human|json"
+    )]
+    output: String,
+    /// Input path: the interface the packet arrives on [default, with --rules kernel: the
+    /// one holding the route back to --from]. No rule the proxy writes matches on it; with
+    /// --rules kernel a strict rp_filter on it is checked.
+    #[arg(long, value_name = "NAME")]
+    in_interface: Option<String>,
+    /// Which rules to trace: "render" (what the proxy would program for the objects) or
+    /// "kernel" (what this node's kernel holds now, named with the objects: the nftables
+    /// mode's table read with `nft -j`, the iptables mode's with iptables-save, the variant
+    /// detected as the proxy does; not the ebpf mode's maps yet).
+    #[arg(long, default_value = "render", value_name = "render|kernel")]
+    rules: String,
+    #[command(flatten)]
+    render: render::Flags,
+}
+
+fn usage(message: impl Into<String>) -> anyhow::Error {
+    UsageError(message.into()).into()
+}
+
+fn untraceable(message: impl Into<String>) -> anyhow::Error {
+    Exit {
+        code: EXIT_UNTRACEABLE,
+        message: Some(message.into()),
+    }
+    .into()
+}
+
+/// Parses `--to`: `ADDR:PORT[/PROTO]`, IPv6 in brackets.
+fn parse_to(value: &str) -> anyhow::Result<(SocketAddr, Protocol)> {
+    let bad = |why: &str| usage(format!("invalid value {value:?} for --to: {why}"));
+    let (addr, proto) = match value.rsplit_once('/') {
+        Some((addr, proto)) => (addr, proto),
+        None => (value, "tcp"),
+    };
+    let proto = Protocol::parse(&proto.to_ascii_uppercase())
+        .ok_or_else(|| bad("the protocol must be tcp, udp or sctp"))?;
+    let addr: SocketAddr = addr
+        .parse()
+        .map_err(|_| bad("must be ADDR:PORT/PROTO ([ADDR]:PORT/PROTO for IPv6)"))?;
+    Ok((addr, proto))
+}
+
+/// What `-o json` prints: the explanation and what was traced.
+#[derive(Serialize)]
+struct Report<'a> {
+    /// Where the objects came from: `file` (-f) or `apiserver`.
+    source: &'static str,
+    /// `render` (what the proxy would program) or `kernel` (what the kernel holds).
+    rules: &'static str,
+    /// `--proxy-mode`.
+    mode: &'static str,
+    /// nftables mode: the layout traced.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    nftables_layout: Option<&'static str>,
+    #[serde(flatten)]
+    explanation: &'a Explanation,
+}
+
+/// What `-o json` prints with `--service`.
+#[derive(Serialize)]
+struct ServiceReport<'a> {
+    /// Where the objects came from: `file` (-f) or `apiserver`.
+    source: &'static str,
+    /// `render` or `kernel`.
+    rules: &'static str,
+    /// `--proxy-mode`.
+    mode: &'static str,
+    /// nftables mode: the layout traced.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    nftables_layout: Option<&'static str>,
+    /// `namespace/name`.
+    service: &'a str,
+    /// One trace per address and port, as `nodeport trace --to` prints it.
+    traces: &'a [Explanation],
+}
+
+/// The rules (or maps) a mode renders, ready to be traced.
+enum Rendered {
+    Nftables(nftables::ruleset::Ruleset),
+    Iptables(iptables::ruleset::Ruleset),
+    Ebpf(ebpf::render::Rendered),
+}
+
+impl Rendered {
+    /// Renders the objects as `render` does.
+    fn of(prepared: &Prepared) -> anyhow::Result<Self> {
+        let Prepared {
+            mode,
+            algorithm,
+            desired,
+            facts,
+            config,
+            ..
+        } = prepared;
+        Ok(match mode {
+            ProxyMode::Nftables => Rendered::Nftables(nftables::render(desired, config)),
+            ProxyMode::Iptables => Rendered::Iptables(iptables::render(desired, config)),
+            ProxyMode::Ebpf => {
+                let render_config = ebpf::render::RenderConfig {
+                    algorithm: *algorithm,
+                    local_ips: facts.local_ips.clone(),
+                    fib_forward: true,
+                };
+                Rendered::Ebpf(ebpf::render::render(desired, &render_config))
+            }
+            ProxyMode::Ipvs => {
+                return Err(untraceable(
+                    "the ipvs mode cannot be traced: nodeport does not evaluate IPVS (its \
+                     companion iptables rules only mark and masquerade)",
+                ));
+            }
+        })
+    }
+
+    fn dataplane(&self) -> Dataplane {
+        match self {
+            Rendered::Nftables(_) => Dataplane::Nftables,
+            Rendered::Iptables(_) => Dataplane::Iptables,
+            Rendered::Ebpf(_) => Dataplane::Ebpf,
+        }
+    }
+
+    /// The packet through the mode's tracer.
+    fn trace(&self, packet: &Packet, env: &Env) -> Trace {
+        match self {
+            Rendered::Nftables(ruleset) => nftables::tracer::trace(ruleset, packet, env),
+            Rendered::Iptables(ruleset) => match ruleset.family(IpFamily::of(packet.dst)) {
+                Some(family) => iptables::tracer::trace(&family.view(), packet, env),
+                // No rules of the family: nothing touches the packet.
+                None => {
+                    iptables::tracer::trace(&iptables::ruleset::TableView::empty(), packet, env)
+                }
+            },
+            Rendered::Ebpf(maps) => ebpf::tracer::trace(maps, packet, env),
+        }
+    }
+}
+
+/// Everything one run traces with.
+struct Tracing {
+    prepared: Prepared,
+    rendered: Rendered,
+    /// What the objects came from, for people.
+    source: String,
+    /// `file` or `apiserver`, for `-o json`.
+    origin: &'static str,
+    /// `--rules kernel`: what the kernel holds, traced instead of `rendered`.
+    kernel: Option<KernelRules>,
+    /// `--in-interface`.
+    in_interface: Option<String>,
+}
+
+/// `--rules kernel`: what this network namespace's kernel holds, per family.
+enum KernelRules {
+    /// The iptables tables, read with `iptables-save`.
+    Iptables {
+        /// The tools read, and why that variant.
+        tools: String,
+        /// IPv4, IPv6.
+        saved: [iptables::save::Saved; 2],
+    },
+    /// The `kube-proxy` tables, read with `nft -j list table`.
+    Nftables {
+        /// IPv4, IPv6 (`None`: no such table).
+        listed: [Option<nftables::listing::Listed>; 2],
+    },
+}
+
+impl KernelRules {
+    /// Reads both families' rules of `mode`.
+    fn read(mode: ProxyMode) -> anyhow::Result<Self> {
+        match mode {
+            ProxyMode::Iptables => Self::read_iptables(),
+            ProxyMode::Nftables => Ok(KernelRules::Nftables {
+                listed: [Self::read_nft(IpFamily::V4)?, Self::read_nft(IpFamily::V6)?],
+            }),
+            other => Err(untraceable(format!(
+                "--rules kernel reads the nftables and iptables modes' rules; the {} mode's \
+                 kernel state (its BPF maps) cannot be read yet: --rules render traces what \
+                 the proxy would program",
+                other.as_str()
+            ))),
+        }
+    }
+
+    /// One family's `kube-proxy` table, as `nft -j` lists it.
+    fn read_nft(family: IpFamily) -> anyhow::Result<Option<nftables::listing::Listed>> {
+        let fam = match family {
+            IpFamily::V4 => "ip",
+            IpFamily::V6 => "ip6",
+        };
+        let out = std::process::Command::new("nft")
+            .args(["-j", "list", "table", fam, "kube-proxy"])
+            .output()
+            .map_err(|e| untraceable(format!("running nft: {e}")))?;
+        if !out.status.success() {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            // No table of this family: nothing of the proxy's to meet the packet.
+            if stderr.contains("No such file or directory") {
+                return Ok(None);
+            }
+            return Err(untraceable(format!(
+                "nft -j list table {fam} kube-proxy failed: {}",
+                stderr.trim()
+            )));
+        }
+        nftables::listing::parse(&String::from_utf8_lossy(&out.stdout), family)
+            .map(Some)
+            .map_err(|e| untraceable(format!("reading table {fam} kube-proxy: {e}")))
+    }
+
+    /// Both families' tables with the iptables tools of the variant the proxy would pick.
+    fn read_iptables() -> anyhow::Result<Self> {
+        use iptables::apply::{IptablesCommand, detect_variant};
+        let detected = detect_variant(&[]);
+        let tools = IptablesCommand {
+            prefix: Vec::new(),
+            variant: detected.variant,
+        };
+        let read = |family: IpFamily| -> anyhow::Result<(String, iptables::save::Saved)> {
+            let program = tools.tool(family, "save");
+            let out = std::process::Command::new(&program)
+                .output()
+                .map_err(|e| untraceable(format!("running {program}: {e}")))?;
+            if !out.status.success() {
+                return Err(untraceable(format!(
+                    "{program} failed: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                )));
+            }
+            Ok((
+                program,
+                iptables::save::parse(&String::from_utf8_lossy(&out.stdout)),
+            ))
+        };
+        let (v4_tool, v4) = read(IpFamily::V4)?;
+        let (v6_tool, v6) = read(IpFamily::V6)?;
+        Ok(KernelRules::Iptables {
+            tools: format!("{v4_tool}, {v6_tool}: {}", detected.reason),
+            saved: [v4, v6],
+        })
+    }
+
+    /// How the rules were read, for the `rules` line.
+    fn describe(&self) -> String {
+        match self {
+            KernelRules::Iptables { tools, .. } => tools.clone(),
+            KernelRules::Nftables { .. } => format!(
+                "nft -j list table ip/ip6 kube-proxy, the {} layout",
+                self.layout().unwrap_or("flat")
+            ),
+        }
+    }
+
+    /// The nftables layout the kernel's table has.
+    fn layout(&self) -> Option<&'static str> {
+        let KernelRules::Nftables { listed } = self else {
+            return None;
+        };
+        // The flat layout keeps endpoints in maps; kube-proxy's in chains.
+        let flat = listed.iter().flatten().any(|l| {
+            l.table
+                .sets()
+                .any(|s| s.name == nftables::names::SERVICE_ENDPOINTS)
+        });
+        Some(if flat { "flat" } else { "kube-proxy" })
+    }
+
+    /// The packet through the kernel's rules.
+    fn trace(&self, packet: &Packet, env: &Env) -> Trace {
+        let i = usize::from(IpFamily::of(packet.dst) == IpFamily::V6);
+        match self {
+            KernelRules::Iptables { saved, .. } => {
+                iptables::tracer::trace(&saved[i].view, packet, env)
+            }
+            KernelRules::Nftables { listed } => {
+                let ruleset = nftables::ruleset::Ruleset {
+                    tables: listed[i].iter().map(|l| l.table.clone()).collect(),
+                };
+                nftables::tracer::trace(&ruleset, packet, env)
+            }
+        }
+    }
+
+    /// Rules of the packet's family that were left out.
+    fn skipped(&self, family: IpFamily) -> &[String] {
+        let i = usize::from(family == IpFamily::V6);
+        match self {
+            KernelRules::Iptables { saved, .. } => &saved[i].skipped,
+            KernelRules::Nftables { listed } => {
+                listed[i].as_ref().map_or(&[][..], |l| &l.skipped[..])
+            }
+        }
+    }
+}
+
+/// The dataplane whose rules this network namespace holds, for `--rules kernel` without
+/// `--proxy-mode`: a `kube-proxy` nftables table, else iptables `KUBE-SERVICES` chains (either
+/// variant), else none we can read.
+fn detect_mode() -> anyhow::Result<ProxyMode> {
+    let holds = |program: &str, args: &[&str], needle: &str| {
+        std::process::Command::new(program)
+            .args(args)
+            .output()
+            .is_ok_and(|o| {
+                o.status.success() && String::from_utf8_lossy(&o.stdout).contains(needle)
+            })
+    };
+    for family in ["ip", "ip6"] {
+        if holds("nft", &["list", "table", family, "kube-proxy"], "table") {
+            return Ok(ProxyMode::Nftables);
+        }
+    }
+    for save in [
+        "iptables-nft-save",
+        "iptables-legacy-save",
+        "ip6tables-nft-save",
+        "ip6tables-legacy-save",
+    ] {
+        if holds(save, &["-t", "nat"], ":KUBE-SERVICES") {
+            return Ok(ProxyMode::Iptables);
+        }
+    }
+    Err(untraceable(
+        "--rules kernel: this node holds no nftables table kube-proxy and no iptables \
+         KUBE-SERVICES chain (the ebpf mode's maps cannot be read yet); give --proxy-mode",
+    ))
+}
+
+/// What besides the proxy's rules decides the fate on this node, for `--rules kernel`: a
+/// packet from the network DNATed to an endpoint elsewhere must be forwarded
+/// (`net.ipv4.ip_forward`, `net.ipv6.conf.all.forwarding`), and every endpoint needs a route.
+fn node_notes(packet: &Packet, e: &Explanation, local: &[IpAddr]) -> Vec<String> {
+    let mut notes = Vec::new();
+    let away: Vec<IpAddr> = e
+        .endpoints
+        .iter()
+        .map(|c| c.endpoint.ip())
+        .filter(|ip| !local.contains(ip))
+        .collect();
+    if packet.origin == Origin::Remote && !away.is_empty() {
+        let (key, path) = match IpFamily::of(packet.dst) {
+            IpFamily::V4 => ("net.ipv4.ip_forward", "/proc/sys/net/ipv4/ip_forward"),
+            IpFamily::V6 => (
+                "net.ipv6.conf.all.forwarding",
+                "/proc/sys/net/ipv6/conf/all/forwarding",
+            ),
+        };
+        if std::fs::read_to_string(path).is_ok_and(|v| v.trim() == "0") {
+            notes.push(format!(
+                "{key} is 0: this node does not forward, so the DNATed packet is dropped \
+                 before it reaches an endpoint"
+            ));
+        }
+    }
+    for ip in away {
+        let routed = std::process::Command::new("ip")
+            .args(["route", "get", &ip.to_string()])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !routed {
+            notes.push(format!(
+                "no route to the endpoint {ip}: a packet DNATed to it goes nowhere"
+            ));
+        }
+    }
+    notes
+}
+
+/// The interface holding the route to `ip` in this network namespace (`ip route get`).
+fn route_interface(ip: IpAddr) -> Option<String> {
+    let out = std::process::Command::new("ip")
+        .args(["-j", "route", "get", &ip.to_string()])
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let routes: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+    routes[0]["dev"].as_str().map(str::to_string)
+}
+
+/// Strict reverse-path filtering on `iface`: the kernel uses the larger of `all` and the
+/// interface's `rp_filter` (1 strict, 2 loose).
+fn strict_rp_filter(iface: &str) -> bool {
+    let read = |name: &str| {
+        std::fs::read_to_string(format!("/proc/sys/net/ipv4/conf/{name}/rp_filter"))
+            .ok()
+            .and_then(|v| v.trim().parse::<u8>().ok())
+            .unwrap_or(0)
+    };
+    read("all").max(read(iface)) == 1
+}
+
+/// This network namespace's addresses (the node's, when run on the node).
+fn local_addresses() -> anyhow::Result<Vec<IpAddr>> {
+    let runtime = tokio::runtime::Runtime::new()
+        .map_err(|e| untraceable(format!("starting the async runtime: {e}")))?;
+    runtime
+        .block_on(nodeport_proxy::addrs::local_addresses())
+        .map_err(|e| untraceable(format!("reading this node's addresses: {e}")))
+}
+
+/// A trace's fates in a form two traces can be compared by (probabilities rounded).
+fn fates_key(trace: &Trace) -> Vec<(String, i64)> {
+    let mut key: Vec<(String, i64)> = trace
+        .fates
+        .iter()
+        .map(|(f, p)| {
+            // Chain names aside: the kernel may hold the other nftables layout.
+            let kind = match f {
+                nodeport_proxy::trace::Fate::Dropped(_) => "dropped".to_string(),
+                nodeport_proxy::trace::Fate::Rejected(_) => "rejected".to_string(),
+                delivered => format!("{delivered:?}"),
+            };
+            (kind, (p * 1e9).round() as i64)
+        })
+        .collect();
+    key.sort();
+    key
+}
+
+impl Tracing {
+    fn packet(&self, from: IpAddr, to: SocketAddr, proto: Protocol) -> Packet {
+        let origin = if self.prepared.facts.local_ips.contains(&from) {
+            Origin::Local
+        } else {
+            Origin::Remote
+        };
+        Packet {
+            src: from,
+            dst: to.ip(),
+            proto,
+            dport: to.port(),
+            origin,
+        }
+    }
+
+    fn explain(&self, packet: &Packet) -> Explanation {
+        let p = &self.prepared;
+        let env = Env {
+            local_addrs: p.facts.local_ips.clone(),
+            affinity: Vec::new(),
+        };
+        let rendered = self.rendered.trace(packet, &env);
+        let trace = match &self.kernel {
+            Some(k) => k.trace(packet, &env),
+            None => rendered.clone(),
+        };
+        let ctx = explain::Context {
+            dataplane: self.rendered.dataplane(),
+            masquerade_all: p.config.masquerade_all,
+            cluster_cidrs: &p.config.cluster_cidrs,
+            nodeport_addresses: p.nodeport_addresses.clone(),
+            local_addrs: &p.facts.local_ips,
+            maglev: p.mode == ProxyMode::Ebpf && p.algorithm == ebpf::render::Algorithm::Maglev,
+        };
+        let mut explanation = explain::explain(&p.desired, &ctx, &trace);
+        if packet.origin == Origin::Remote {
+            explanation.packet.interface = self.in_interface.clone();
+        }
+        if self.kernel.is_some() {
+            if packet.origin == Origin::Remote {
+                let back = route_interface(packet.src);
+                if explanation.packet.interface.is_none() {
+                    explanation.packet.interface = back
+                        .as_ref()
+                        .map(|i| format!("{i} (the route back to {})", packet.src));
+                }
+                if let (Some(iif), Some(back)) = (&self.in_interface, &back)
+                    && iif != back
+                    && strict_rp_filter(iif)
+                {
+                    explanation.notes.push(format!(
+                        "strict rp_filter on {iif} drops it before any rule: the route back \
+                         to {} leaves through {back}",
+                        packet.src
+                    ));
+                }
+            }
+            let notes = node_notes(packet, &explanation, &p.facts.local_ips);
+            explanation.notes.extend(notes);
+        }
+        if let Some(k) = &self.kernel {
+            let skipped = k.skipped(IpFamily::of(packet.dst));
+            if !skipped.is_empty() {
+                explanation.notes.push(format!(
+                    "{} rule(s) of the kernel were not evaluated (matches or targets the tracer \
+                     does not model), e.g. {}",
+                    skipped.len(),
+                    skipped[0]
+                ));
+            }
+            if fates_key(&rendered) != fates_key(&trace) {
+                let would = explain::explain(&p.desired, &ctx, &rendered);
+                let fate = would
+                    .outcomes
+                    .first()
+                    .map(|o| o.message.clone())
+                    .unwrap_or_default();
+                explanation.notes.push(format!(
+                    "the kernel differs from what the proxy would program for these objects, \
+                     which is: {fate} (a sync not yet done or failed, or rules of another tool)"
+                ));
+            }
+        }
+        explanation
+    }
+
+    fn layout(&self) -> Option<&'static str> {
+        if let Some(k) = &self.kernel {
+            return k.layout();
+        }
+        (self.prepared.mode == ProxyMode::Nftables)
+            .then_some(self.prepared.config.nftables_layout.as_str())
+    }
+
+    /// The `rules` line.
+    fn rules_line(&self) -> String {
+        let mode = match self.layout() {
+            Some(l) => format!("{} ({l} layout)", self.prepared.mode.as_str()),
+            None => self.prepared.mode.as_str().to_string(),
+        };
+        match &self.kernel {
+            Some(k) => format!(
+                "rules       {}, as this node's kernel holds them ({}); names from {}",
+                self.prepared.mode.as_str(),
+                k.describe(),
+                self.source
+            ),
+            None => format!(
+                "rules       {mode}, as `nodeport render` programs them for {}",
+                self.source
+            ),
+        }
+    }
+
+    /// `render` or `kernel`, for `-o json`.
+    fn rules(&self) -> &'static str {
+        if self.kernel.is_some() {
+            "kernel"
+        } else {
+            "render"
+        }
+    }
+}
+
+/// Runs `nodeport trace`.
+pub fn run(args: Args) -> anyhow::Result<()> {
+    let json = match args.output.as_str() {
+        "human" => false,
+        "json" => true,
+        other => {
+            return Err(usage(format!(
+                "invalid value {other:?} for --output: must be human or json"
+            )));
+        }
+    };
+    let from = match &args.from {
+        Some(v) => Some(
+            v.parse::<IpAddr>()
+                .map_err(|_| usage(format!("invalid value {v:?} for --from: not an IP address")))?,
+        ),
+        None => None,
+    };
+    let service = match &args.service {
+        Some(v) => match v.split_once('/') {
+            Some((ns, name)) if !ns.is_empty() && !name.is_empty() && !name.contains('/') => {
+                Some((ns.to_string(), name.to_string()))
+            }
+            _ => {
+                return Err(usage(format!(
+                    "invalid value {v:?} for --service: must be NAMESPACE/NAME"
+                )));
+            }
+        },
+        None => None,
+    };
+    let to = match &args.to {
+        Some(v) => Some(parse_to(v)?),
+        None => None,
+    };
+    if let (Some(from), Some((to, _))) = (from, to)
+        && IpFamily::of(from) != IpFamily::of(to.ip())
+    {
+        return Err(usage(format!(
+            "--from {from} and --to {} are not of the same IP family",
+            to.ip()
+        )));
+    }
+    let mut args = args;
+    if args.rules == "kernel" && args.render.proxy_mode.is_none() {
+        args.render.proxy_mode = Some(detect_mode()?.as_str().to_string());
+    }
+    let (text, source, origin) = match &args.file {
+        Some(file) => (
+            render::read_file(file).map_err(|e| untraceable(format!("{e:#}")))?,
+            file.display().to_string(),
+            "file",
+        ),
+        None => {
+            let text = objects_from_api(args.kubeconfig.clone(), args.master.as_deref())?;
+            let server = match (&args.master, &args.kubeconfig) {
+                (Some(url), _) => url.clone(),
+                (None, Some(path)) => format!("kubeconfig {}", path.display()),
+                (None, None) => unreachable!("clap requires -f, --kubeconfig or --master"),
+            };
+            (text, format!("the objects of {server}"), "apiserver")
+        }
+    };
+    let prepared = render::prepare(&args.render, &text, &source).map_err(|e| {
+        if e.is::<UsageError>() {
+            e
+        } else {
+            untraceable(format!("{e:#}"))
+        }
+    })?;
+    let mut prepared = prepared;
+    let kernel = match args.rules.as_str() {
+        "render" => None,
+        "kernel" => {
+            let rules = KernelRules::read(prepared.mode)?;
+            // The node as it is: its own addresses decide the path and `fib … type local`.
+            prepared.facts.local_ips = local_addresses()?;
+            Some(rules)
+        }
+        other => {
+            return Err(usage(format!(
+                "invalid value {other:?} for --rules: must be render or kernel"
+            )));
+        }
+    };
+    let rendered = Rendered::of(&prepared)?;
+    let tracing = Tracing {
+        prepared,
+        rendered,
+        source,
+        origin,
+        kernel,
+        in_interface: args.in_interface.clone(),
+    };
+    let reached = match (service, from, to) {
+        (Some((ns, name)), _, _) => trace_service(&tracing, &ns, &name, from, json)?,
+        (None, Some(from), Some((to, proto))) => trace_packet(&tracing, from, to, proto, json)?,
+        // clap requires --from and --to without --service.
+        _ => return Err(usage("--from and --to are required without --service")),
+    };
+    if reached {
+        Ok(())
+    } else {
+        Err(Exit {
+            code: EXIT_NOT_DELIVERED,
+            message: None,
+        }
+        .into())
+    }
+}
+
+/// One packet: printed step by step. Whether it reaches an endpoint.
+fn trace_packet(
+    tracing: &Tracing,
+    from: IpAddr,
+    to: SocketAddr,
+    proto: Protocol,
+    json: bool,
+) -> anyhow::Result<bool> {
+    let explanation = tracing.explain(&tracing.packet(from, to, proto));
+    if json {
+        let report = Report {
+            source: tracing.origin,
+            rules: tracing.rules(),
+            mode: tracing.prepared.mode.as_str(),
+            nftables_layout: tracing.layout(),
+            explanation: &explanation,
+        };
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!("{}", tracing.rules_line());
+        print!("{explanation}");
+    }
+    Ok(explanation.reaches_endpoint())
+}
+
+/// Every address and port the node serves `ns/name` on, one trace each: the ClusterIPs
+/// from the node itself, NodePorts on each of the node's addresses (loopback and IPv6
+/// link-local aside), external and load-balancer IPs from the outside client. Whether
+/// every address that serves the Service reaches an endpoint (a NodePort on an address
+/// `--nodeport-addresses` leaves out is shown, not counted).
+fn trace_service(
+    tracing: &Tracing,
+    ns: &str,
+    name: &str,
+    from: Option<IpAddr>,
+    json: bool,
+) -> anyhow::Result<bool> {
+    let p = &tracing.prepared;
+    let outside = |family: IpFamily| -> IpAddr {
+        match from {
+            Some(ip) if IpFamily::of(ip) == family => ip,
+            _ => match family {
+                IpFamily::V4 => OUTSIDE_V4.parse().expect("an IPv4 address"),
+                IpFamily::V6 => OUTSIDE_V6.parse().expect("an IPv6 address"),
+            },
+        }
+    };
+    let mut packets = Vec::new();
+    for fam in &p.desired.families {
+        let node_ip = p
+            .facts
+            .node_ips
+            .iter()
+            .chain(&p.facts.local_ips)
+            .copied()
+            .find(|ip| IpFamily::of(*ip) == fam.family && !ip.is_loopback());
+        let node_addrs: Vec<IpAddr> = p
+            .facts
+            .local_ips
+            .iter()
+            .copied()
+            .filter(|ip| {
+                IpFamily::of(*ip) == fam.family
+                    && !ip.is_loopback()
+                    && !matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local())
+            })
+            .collect();
+        for svc in fam.services.values() {
+            let port = &svc.port;
+            if &*port.name.namespace != ns || &*port.name.name != name {
+                continue;
+            }
+            let proto = port.name.protocol;
+            let client = outside(fam.family);
+            if let Some(node_ip) = node_ip {
+                packets.push((node_ip, SocketAddr::new(svc.cluster_ip, port.port), proto));
+            }
+            if let Some(node_port) = port.node_port {
+                for ip in &node_addrs {
+                    packets.push((client, SocketAddr::new(*ip, node_port), proto));
+                }
+            }
+            for ip in svc.external_ips.iter().chain(&svc.load_balancer_ips) {
+                packets.push((client, SocketAddr::new(*ip, port.port), proto));
+            }
+        }
+    }
+    if packets.is_empty() {
+        return Err(untraceable(format!(
+            "no Service {ns}/{name} in {} (or it has no ClusterIP)",
+            tracing.source
+        )));
+    }
+    let traces: Vec<Explanation> = packets
+        .iter()
+        .map(|(from, to, proto)| tracing.explain(&tracing.packet(*from, *to, *proto)))
+        .collect();
+    let served = |e: &&Explanation| {
+        !e.outcomes
+            .iter()
+            .any(|o| o.reason == explain::Reason::NotNodePortAddress)
+    };
+    let reached = traces
+        .iter()
+        .filter(served)
+        .all(Explanation::reaches_endpoint);
+    let label = format!("{ns}/{name}");
+    if json {
+        let report = ServiceReport {
+            source: tracing.origin,
+            rules: tracing.rules(),
+            mode: tracing.prepared.mode.as_str(),
+            nftables_layout: tracing.layout(),
+            service: &label,
+            traces: &traces,
+        };
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(reached);
+    }
+    println!("{}", tracing.rules_line());
+    println!("service     {label}: every address this node serves it on");
+    let width = traces
+        .iter()
+        .map(|e| format!("{}/{}", e.packet.to, e.packet.protocol).len())
+        .max()
+        .unwrap_or(0);
+    let from_width = traces
+        .iter()
+        .map(|e| e.packet.from.to_string().len())
+        .max()
+        .unwrap_or(0);
+    for e in &traces {
+        let to = format!("{}/{}", e.packet.to, e.packet.protocol);
+        let kind = match e.service.as_ref().map(|s| s.frontend) {
+            Some(explain::Frontend::ClusterIP) => "ClusterIP",
+            Some(explain::Frontend::NodePort) => "NodePort",
+            Some(explain::Frontend::ExternalIP) => "external IP",
+            Some(explain::Frontend::LoadBalancerIP) => "load-balancer IP",
+            None => "-",
+        };
+        let fate = e.outcomes.first().map(|o| o.message.as_str()).unwrap_or("");
+        let masq = match (
+            e.endpoints.iter().all(|c| c.masquerade),
+            e.endpoints.iter().any(|c| c.masquerade),
+        ) {
+            _ if e.endpoints.is_empty() => "",
+            (true, _) => ", masqueraded",
+            (false, true) => ", masqueraded to some",
+            (false, false) => ", not masqueraded",
+        };
+        println!(
+            "{to:<width$}  {kind:<16}  from {:<from_width$}  {fate}{masq}",
+            e.packet.from.to_string()
+        );
+        for note in &e.notes {
+            println!("{:width$}  note: {note}", "");
+        }
+    }
+    Ok(reached)
+}
+
+/// The Services, EndpointSlices, ServiceCIDRs and Nodes the API server holds, as the text of
+/// a `List` that `objects::load` reads like a file (JSON is YAML).
+fn objects_from_api(kubeconfig: Option<PathBuf>, master: Option<&str>) -> anyhow::Result<String> {
+    use k8s_openapi::api::core::v1 as core;
+    use k8s_openapi::api::discovery::v1 as discovery;
+    use k8s_openapi::api::networking::v1 as networking;
+
+    let runtime = tokio::runtime::Runtime::new()
+        .map_err(|e| untraceable(format!("starting the async runtime: {e}")))?;
+    runtime.block_on(async move {
+        let client = super::proxy::client(kubeconfig, master)
+            .await
+            .map_err(|e| {
+                if e.is::<UsageError>() {
+                    e
+                } else {
+                    untraceable(format!("{e:#}"))
+                }
+            })?;
+        let lp = kube::api::ListParams::default();
+        let failed = |what: &str, e: kube::Error| untraceable(format!("listing {what}: {e}"));
+        let mut items: Vec<serde_json::Value> = Vec::new();
+        let services = kube::Api::<core::Service>::all(client.clone())
+            .list(&lp)
+            .await
+            .map_err(|e| failed("Services", e))?;
+        let slices = kube::Api::<discovery::EndpointSlice>::all(client.clone())
+            .list(&lp)
+            .await
+            .map_err(|e| failed("EndpointSlices", e))?;
+        let nodes = kube::Api::<core::Node>::all(client.clone())
+            .list(&lp)
+            .await
+            .map_err(|e| failed("Nodes", e))?;
+        for s in services.items {
+            items.push(serde_json::to_value(s)?);
+        }
+        for s in slices.items {
+            items.push(serde_json::to_value(s)?);
+        }
+        for n in nodes.items {
+            items.push(serde_json::to_value(n)?);
+        }
+        // ServiceCIDRs are optional, as for the proxy: a server without them (404) leaves
+        // the unallocated-ClusterIP rule out, as kube-proxy does.
+        match kube::Api::<networking::ServiceCIDR>::all(client)
+            .list(&lp)
+            .await
+        {
+            Ok(cidrs) => {
+                for c in cidrs.items {
+                    items.push(serde_json::to_value(c)?);
+                }
+            }
+            Err(kube::Error::Api(status)) if status.code == 404 => {}
+            Err(e) => return Err(failed("ServiceCIDRs", e)),
+        }
+        let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items});
+        Ok(serde_json::to_string(&list)?)
+    })
+}

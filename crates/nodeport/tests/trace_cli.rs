@@ -1,0 +1,453 @@
+//! `nodeport trace -f`: every fate in every traced mode (nftables flat and
+//! kube-proxy layouts, iptables, ebpf) against golden outputs in `testdata/trace/`, the JSON
+//! form, exit codes (0 reaches an endpoint, 1 does not, 3 cannot trace, 64 bad usage).
+//!
+//! The goldens are the command lines and their full output; `NODEPORT_BLESS=1` rewrites them
+//! from the current binary (review the diff before committing).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn testdata() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/testdata/trace")
+}
+
+/// Runs `nodeport trace` in the testdata folder: (stdout, stderr, exit code).
+fn trace(args: &[&str]) -> (String, String, i32) {
+    let out = Command::new(env!("CARGO_BIN_EXE_nodeport"))
+        .arg("trace")
+        .args(args)
+        .current_dir(testdata())
+        .output()
+        .unwrap();
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+        out.status.code().expect("exited"),
+    )
+}
+
+/// Every fate the fixture's Services give, as `--from`, `--to` and extra flags.
+const CASES: &[(&str, &str, &[&str])] = &[
+    // NodePort, externalTrafficPolicy Cluster: DNAT to one of two endpoints, masqueraded.
+    ("203.0.113.5", "192.0.2.11:30569/tcp", &[]),
+    // No endpoints: rejected.
+    ("203.0.113.5", "192.0.2.11:30570/tcp", &[]),
+    // externalTrafficPolicy Local without a local endpoint: dropped.
+    ("203.0.113.5", "192.0.2.11:30571/tcp", &[]),
+    // loadBalancerSourceRanges: outside dropped, inside translated.
+    ("198.51.100.7", "198.51.100.200:443/tcp", &[]),
+    ("203.0.113.5", "198.51.100.200:443/tcp", &[]),
+    // A NodePort on an address --nodeport-addresses primary leaves out.
+    ("203.0.113.5", "198.51.100.11:30569/tcp", &[]),
+    // Not a Service at all.
+    ("203.0.113.5", "192.0.2.11:22/tcp", &[]),
+    // ClusterIP from a pod, from the node itself (output path), and under --masquerade-all.
+    ("10.244.2.3", "10.96.0.10:80/tcp", &[]),
+    ("192.0.2.11", "10.96.0.10:80/tcp", &[]),
+    ("10.244.2.3", "10.96.0.10:80/tcp", &["--masquerade-all"]),
+    // IPv6.
+    ("2001:db8::99", "[2001:db8::11]:30569/tcp", &[]),
+    // externalTrafficPolicy Local with a local endpoint: the client's address is kept; from
+    // the node itself, every endpoint, masqueraded.
+    ("203.0.113.5", "192.0.2.11:30573/tcp", &[]),
+    ("192.0.2.11", "192.0.2.11:30573/tcp", &[]),
+    // internalTrafficPolicy Local without a local endpoint: dropped.
+    ("10.244.2.3", "10.96.0.15:80/tcp", &[]),
+    // Three endpoints, one in three each.
+    ("203.0.113.5", "192.0.2.11:30574/tcp", &[]),
+];
+
+/// The golden text of one mode: each command line, its output and exit code.
+fn run_mode(mode: &[&str], extra_cases: &[(&str, &str, &[&str])]) -> String {
+    let mut text = String::new();
+    for (from, to, extra) in CASES.iter().chain(extra_cases) {
+        let mut args = vec!["-f", "objects.yaml"];
+        args.extend_from_slice(mode);
+        args.extend_from_slice(&[
+            "--cluster-cidr",
+            "10.244.0.0/16,fd00:244::/48",
+            "--nodeport-addresses",
+            "primary",
+        ]);
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--from", from, "--to", to]);
+        let (stdout, stderr, code) = trace(&args);
+        assert!(
+            stderr.is_empty(),
+            "{args:?}: nothing on standard error, got {stderr}"
+        );
+        text.push_str(&format!(
+            "$ nodeport trace {}\n{stdout}exit {code}\n\n",
+            args.join(" ")
+        ));
+    }
+    text
+}
+
+fn check_golden(name: &str, got: &str) {
+    let path = testdata().join(name);
+    if std::env::var_os("NODEPORT_BLESS").is_some() {
+        std::fs::write(&path, got).unwrap();
+    }
+    let want = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (NODEPORT_BLESS=1 writes it)", path.display()));
+    assert_eq!(
+        got,
+        want,
+        "{} differs from the output; got:\n{got}",
+        path.display()
+    );
+}
+
+/// The exit codes a golden text records, in order.
+fn exit_codes(text: &str) -> Vec<&str> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("exit "))
+        .collect()
+}
+
+/// What every mode must agree on: reaches (0) or not (1), case by case.
+const EXPECTED_EXITS: &[&str] = &[
+    "0", "1", "1", "1", "0", "1", "1", "0", "0", "0", "0", "0", "0", "1", "0",
+];
+
+#[test]
+fn the_flat_nftables_layout_traces_every_fate_as_its_golden_output() {
+    let text = run_mode(&["--proxy-mode", "nftables"], &[]);
+    assert_eq!(exit_codes(&text), EXPECTED_EXITS);
+    check_golden("nftables-flat.txt", &text);
+}
+
+#[test]
+fn the_kube_proxy_nftables_layout_traces_every_fate_as_its_golden_output() {
+    let text = run_mode(
+        &[
+            "--proxy-mode",
+            "nftables",
+            "--nftables-layout",
+            "kube-proxy",
+        ],
+        &[],
+    );
+    assert_eq!(exit_codes(&text), EXPECTED_EXITS);
+    check_golden("nftables-kube-proxy.txt", &text);
+}
+
+#[test]
+fn the_iptables_mode_traces_every_fate_as_its_golden_output() {
+    let text = run_mode(&["--proxy-mode", "iptables"], &[]);
+    assert_eq!(exit_codes(&text), EXPECTED_EXITS);
+    check_golden("iptables.txt", &text);
+}
+
+#[test]
+fn the_ebpf_mode_traces_every_fate_as_its_golden_output_with_maglev_shares() {
+    let maglev: &[(&str, &str, &[&str])] = &[(
+        "203.0.113.5",
+        "192.0.2.11:30569/tcp",
+        &["--ebpf-lb-algorithm", "maglev"],
+    )];
+    let text = run_mode(&["--proxy-mode", "ebpf"], maglev);
+    let mut want = EXPECTED_EXITS.to_vec();
+    want.push("0");
+    assert_eq!(exit_codes(&text), want);
+    assert!(text.contains("of the Maglev table"), "{text}");
+    check_golden("ebpf.txt", &text);
+}
+
+#[test]
+fn every_mode_names_the_same_service_endpoints_and_fate_for_the_same_packet() {
+    // The lines that do not depend on the dataplane's words: the Service, each endpoint and
+    // its probability, and the fate's first words.
+    let summary = |mode: &[&str]| -> Vec<String> {
+        run_mode(mode, &[])
+            .lines()
+            .filter(|l| {
+                l.starts_with("service") || l.starts_with("endpoint") || l.starts_with("fate")
+            })
+            .map(str::to_string)
+            .collect()
+    };
+    let flat = summary(&["--proxy-mode", "nftables"]);
+    assert!(!flat.is_empty());
+    for mode in [
+        &[
+            "--proxy-mode",
+            "nftables",
+            "--nftables-layout",
+            "kube-proxy",
+        ][..],
+        &["--proxy-mode", "iptables"][..],
+        &["--proxy-mode", "ebpf"][..],
+    ] {
+        assert_eq!(summary(mode), flat, "{mode:?}");
+    }
+}
+
+#[test]
+fn json_output_follows_the_documented_schema() {
+    let (stdout, _, code) = trace(&[
+        "-f",
+        "objects.yaml",
+        "--cluster-cidr",
+        "10.244.0.0/16",
+        "--from",
+        "203.0.113.5",
+        "--to",
+        "192.0.2.11:30569/tcp",
+        "-o",
+        "json",
+    ]);
+    assert_eq!(code, 0);
+    check_golden("nodeport.json", &stdout);
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(v["source"], "file");
+    assert_eq!(v["mode"], "nftables");
+    assert_eq!(v["nftables_layout"], "flat");
+    assert_eq!(v["packet"]["to"], "192.0.2.11:30569");
+    assert_eq!(v["packet"]["path"], "input");
+    assert_eq!(v["service"]["port"], "default/web:80/TCP");
+    assert_eq!(v["service"]["frontend"], "NodePort");
+    assert_eq!(v["endpoints"].as_array().unwrap().len(), 2);
+    assert_eq!(v["outcomes"][0]["verdict"], "dnat");
+    assert_eq!(v["outcomes"][0]["reason"], "endpoint");
+
+    let (stdout, _, code) = trace(&[
+        "-f",
+        "objects.yaml",
+        "--from",
+        "203.0.113.5",
+        "--to",
+        "192.0.2.11:30570/tcp",
+        "-o",
+        "json",
+    ]);
+    assert_eq!(code, 1);
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(v["outcomes"][0]["verdict"], "reject");
+    assert_eq!(v["outcomes"][0]["reason"], "no_endpoints");
+    assert_eq!(v["outcomes"][0]["at"], "nodeport-endpoints-check");
+}
+
+#[test]
+fn bad_usage_exits_64_naming_the_flag_and_an_untraceable_packet_exits_3() {
+    for (args, flag) in [
+        (vec!["--from", "203.0.113.5", "--to", "192.0.2.11"], "--to"),
+        (
+            vec!["--from", "203.0.113.5", "--to", "192.0.2.11:80/icmp"],
+            "--to",
+        ),
+        (
+            vec!["--from", "2001:db8::1", "--to", "192.0.2.11:80/tcp"],
+            "--from",
+        ),
+        (vec!["--from", "x", "--to", "192.0.2.11:80/tcp"], "--from"),
+        (
+            vec![
+                "--from",
+                "203.0.113.5",
+                "--to",
+                "192.0.2.11:80",
+                "-o",
+                "yaml",
+            ],
+            "--output",
+        ),
+        (
+            vec![
+                "--from",
+                "203.0.113.5",
+                "--to",
+                "192.0.2.11:80",
+                "--proxy-mode",
+                "userspace",
+            ],
+            "--proxy-mode",
+        ),
+    ] {
+        let mut all = vec!["-f", "objects.yaml"];
+        all.extend(args);
+        let (_, stderr, code) = trace(&all);
+        assert_eq!(code, 64, "{all:?}: {stderr}");
+        assert!(stderr.contains(flag), "{all:?}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+    }
+    for (args, why) in [
+        (
+            vec![
+                "-f",
+                "missing.yaml",
+                "--from",
+                "203.0.113.5",
+                "--to",
+                "192.0.2.11:80",
+            ],
+            "missing.yaml",
+        ),
+        (
+            vec![
+                "-f",
+                "objects.yaml",
+                "--proxy-mode",
+                "ipvs",
+                "--from",
+                "203.0.113.5",
+                "--to",
+                "192.0.2.11:80",
+            ],
+            "ipvs",
+        ),
+    ] {
+        let (_, stderr, code) = trace(&args);
+        assert_eq!(code, 3, "{args:?}: {stderr}");
+        assert!(stderr.contains(why), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
+fn node_name_picks_that_nodes_addresses_from_a_file_of_several_nodes() {
+    // What `kubectl get svc,endpointslices,nodes -o yaml` of a cluster gives: every Node.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("cluster.yaml");
+    let objects = std::fs::read_to_string(testdata().join("objects.yaml")).unwrap();
+    std::fs::write(
+        &file,
+        format!(
+            "{objects}---\napiVersion: v1\nkind: Node\nmetadata: {{name: node-b}}\n\
+             status: {{addresses: [{{type: InternalIP, address: 192.0.2.12}}]}}\n"
+        ),
+    )
+    .unwrap();
+    let file = file.to_str().unwrap();
+    for (node, to, local) in [
+        (
+            "node-a",
+            "192.0.2.11:30569/tcp",
+            "10.244.1.5:8080  50.00%  on this node",
+        ),
+        (
+            "node-b",
+            "192.0.2.12:30569/tcp",
+            "10.244.2.7:8080  50.00%  on this node",
+        ),
+    ] {
+        let (stdout, stderr, code) = trace(&[
+            "-f",
+            file,
+            "--node-name",
+            node,
+            "--from",
+            "203.0.113.5",
+            "--to",
+            to,
+        ]);
+        assert_eq!(code, 0, "{node}: {stdout}{stderr}");
+        assert!(stdout.contains(local), "{node}: {stdout}");
+    }
+}
+
+#[test]
+fn service_lists_every_address_the_node_serves_it_on_with_its_fate_in_every_mode() {
+    for (mode, golden) in [
+        (
+            &["--proxy-mode", "nftables"][..],
+            "service-nftables-flat.txt",
+        ),
+        (
+            &[
+                "--proxy-mode",
+                "nftables",
+                "--nftables-layout",
+                "kube-proxy",
+            ][..],
+            "service-nftables-kube-proxy.txt",
+        ),
+        (&["--proxy-mode", "iptables"][..], "service-iptables.txt"),
+        (&["--proxy-mode", "ebpf"][..], "service-ebpf.txt"),
+    ] {
+        let mut text = String::new();
+        for (service, extra, want) in [
+            // Every address answers (the one --nodeport-addresses leaves out is shown, not
+            // counted).
+            ("default/web", &[][..], 0),
+            // The load-balancer IP drops this client: exit 1.
+            ("default/lb", &["--from", "198.51.100.7"][..], 1),
+            ("default/empty", &[][..], 1),
+        ] {
+            let mut args = vec!["-f", "objects.yaml"];
+            args.extend_from_slice(mode);
+            args.extend_from_slice(&[
+                "--cluster-cidr",
+                "10.244.0.0/16,fd00:244::/48",
+                "--nodeport-addresses",
+                "primary",
+                "--service",
+                service,
+            ]);
+            args.extend_from_slice(extra);
+            let (stdout, stderr, code) = trace(&args);
+            assert_eq!(code, want, "{args:?}: {stdout}{stderr}");
+            text.push_str(&format!(
+                "$ nodeport trace {}\n{stdout}exit {code}\n\n",
+                args.join(" ")
+            ));
+        }
+        check_golden(golden, &text);
+    }
+}
+
+#[test]
+fn service_json_holds_one_trace_per_address_and_an_unknown_service_exits_3() {
+    let (stdout, _, code) = trace(&[
+        "-f",
+        "objects.yaml",
+        "--service",
+        "default/web",
+        "-o",
+        "json",
+    ]);
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(v["service"], "default/web");
+    let traces = v["traces"].as_array().unwrap();
+    let to: Vec<&str> = traces
+        .iter()
+        .map(|t| t["packet"]["to"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        to,
+        [
+            "10.96.0.10:80",
+            "192.0.2.11:30569",
+            "198.51.100.11:30569",
+            "[fd00:96::10]:80",
+            "[2001:db8::11]:30569"
+        ]
+    );
+    assert_eq!(traces[2]["outcomes"][0]["reason"], "not_node_port_address");
+
+    let (_, stderr, code) = trace(&["-f", "objects.yaml", "--service", "default/nope"]);
+    assert_eq!(code, 3, "{stderr}");
+    assert!(stderr.contains("no Service default/nope"), "{stderr}");
+}
+
+#[test]
+fn missing_or_conflicting_arguments_exit_64() {
+    for args in [
+        vec!["-f", "objects.yaml", "--from", "203.0.113.5"],
+        vec![
+            "-f",
+            "objects.yaml",
+            "--service",
+            "default/web",
+            "--to",
+            "192.0.2.11:80",
+        ],
+        vec!["-f", "objects.yaml", "--service", "web"],
+        vec!["--from", "203.0.113.5", "--to", "192.0.2.11:80"],
+    ] {
+        let (_, stderr, code) = trace(&args);
+        assert_eq!(code, 64, "{args:?}: {stderr}");
+    }
+}

@@ -1,0 +1,279 @@
+//! `nodeport trace --rules kernel` on a node whose kernel a real `nodeport proxy` programmed
+//! (in network namespaces; nftables in both layouts, and iptables): the path read back from
+//! the kernel (`nft -j list table`, `iptables-save`) equals the trace of what the proxy would
+//! program for the same objects, the fate matches what a real client gets, and a kernel that
+//! no longer holds the rules is told apart.
+
+mod proxy_support;
+
+use nodeport_testbed::require_tools;
+use proxy_support::*;
+
+/// `nodeport trace` inside the node, objects from its API server: (stdout without the
+/// `rules` line, exit code).
+fn trace(c: &Cluster, mode: Mode, rules: &str, args: &[&str]) -> (String, i32) {
+    let mut cmd = c.node.command(env!("CARGO_BIN_EXE_nodeport"));
+    cmd.args(["trace", "--rules", rules]);
+    // The kernel's trace finds the mode (and the nftables layout) on the node by itself.
+    if rules == "render" {
+        cmd.args(["--proxy-mode", mode.as_str()])
+            .args(mode.extra_args());
+    }
+    let out = cmd
+        .args([
+            "--master",
+            "http://127.0.0.1:6443",
+            "--node-name",
+            "node-a",
+            // The proxy's own flags (proxy_support::Cluster::start_proxy).
+            "--cluster-cidr",
+            "10.244.0.0/16",
+        ])
+        .args(args)
+        .env("NODEPORT_LOG", "error")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.is_empty(), "{args:?}: {stderr}");
+    let rules_line = stdout.lines().next().unwrap_or_default();
+    assert!(rules_line.starts_with("rules "), "{stdout}");
+    if rules == "kernel" {
+        let held = match mode {
+            Mode::Nftables => {
+                "nftables, as this node's kernel holds them (nft -j list table ip/ip6 kube-proxy, the flat layout)"
+            }
+            Mode::NftablesKubeProxy => {
+                "nftables, as this node's kernel holds them (nft -j list table ip/ip6 kube-proxy, the kube-proxy layout)"
+            }
+            Mode::Iptables => "iptables, as this node's kernel holds them (iptables-",
+            Mode::Ebpf => unreachable!("not read"),
+        };
+        assert!(rules_line.contains(held), "{stdout}");
+    }
+    let body: Vec<&str> = stdout.lines().skip(1).collect();
+    (body.join("\n"), out.status.code().expect("exited"))
+}
+
+fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mode: Mode) {
+    let mut tools = vec!["kubectl", "curl"];
+    tools.extend(mode.tools());
+    if !require_tools(
+        &format!(
+            "the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes ({mode:?})"
+        ),
+        &tools,
+    ) {
+        return;
+    }
+    let c = Cluster::start(mode, &[]);
+    c.apply(&service_yaml("web", 30080, "", &[1, 2, 3]))
+        .unwrap();
+    c.apply(&service_yaml("empty", 30090, "", &[])).unwrap();
+    c.apply(&service_yaml(
+        "local",
+        30070,
+        "  externalTrafficPolicy: Local",
+        &[2],
+    ))
+    .unwrap();
+    let web = format!("{NODE_IP}:30080");
+    eventually(&c.client, &web, "the NodePort answers", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+    let empty = format!("{NODE_IP}:30090");
+    eventually(&c.client, &empty, "the empty Service is refused", |r| {
+        *r == Reply::Refused
+    });
+
+    let web_to = format!("{web}/tcp");
+    let empty_to = format!("{empty}/tcp");
+    let local_to = format!("{NODE_IP}:30070/tcp");
+    let cluster_ip = format!("{}:80/tcp", c.cluster_ip("web"));
+    for args in [
+        vec!["--from", CLIENT_IP, "--to", web_to.as_str()],
+        vec!["--from", CLIENT_IP, "--to", empty_to.as_str()],
+        vec!["--from", CLIENT_IP, "--to", local_to.as_str()],
+        // The node's own address: the output path.
+        vec!["--from", NODE_IP, "--to", cluster_ip.as_str()],
+        vec!["--from", "10.244.2.2", "--to", cluster_ip.as_str()],
+        vec!["--from", CLIENT_IP, "--to", "192.0.2.10:22/tcp"],
+    ] {
+        let (kernel, kernel_code) = trace(&c, mode, "kernel", &args);
+        let (render, render_code) = trace(&c, mode, "render", &args);
+        // The kernel's trace also names the input interface (the route back to the source).
+        let kernel = kernel
+            .lines()
+            .map(|l| match l.split_once(", on ") {
+                Some((head, _)) if l.starts_with("packet ") => head,
+                _ => l,
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
+        assert_eq!(kernel, render, "{mode:?} {args:?}");
+        assert_eq!(kernel_code, render_code, "{mode:?} {args:?}");
+        assert!(!kernel.contains("note"), "{mode:?} {args:?}: {kernel}");
+    }
+    // Every address: the kernel's trace takes the node's own addresses (the pod gateways and
+    // eth1 too), the rendered one the Node's; where both look, they agree.
+    let (kernel, _) = trace(&c, mode, "kernel", &["--service", "default/web"]);
+    let (render, _) = trace(&c, mode, "render", &["--service", "default/web"]);
+    let kernel_lines: Vec<String> = kernel
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect();
+    for line in render.lines() {
+        let line = line.split_whitespace().collect::<Vec<_>>().join(" ");
+        assert!(
+            kernel_lines.contains(&line),
+            "{mode:?}: {line:?} not in\n{kernel}"
+        );
+    }
+    assert!(kernel.contains("198.51.100.10:30080/tcp"), "{kernel}");
+    assert!(!kernel.contains("note"), "{mode:?}: {kernel}");
+
+    // The fates themselves, as the client met them above.
+    let (out, code) = trace(&c, mode, "kernel", &["--from", CLIENT_IP, "--to", &web_to]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.contains(
+            "fate        DNAT to one of 10.244.1.2:8080, 10.244.2.2:8080, 10.244.3.2:8080"
+        ),
+        "{out}"
+    );
+    let (out, code) = trace(
+        &c,
+        mode,
+        "kernel",
+        &["--from", CLIENT_IP, "--to", &empty_to],
+    );
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("reject: default/empty:80/TCP has no endpoints"),
+        "{out}"
+    );
+    let (out, code) = trace(
+        &c,
+        mode,
+        "kernel",
+        &["--from", CLIENT_IP, "--to", &local_to],
+    );
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains("drop: externalTrafficPolicy Local and default/local:80/TCP has no endpoint on this node"),
+        "{out}"
+    );
+    let (out, _) = trace(
+        &c,
+        mode,
+        "kernel",
+        &["--from", NODE_IP, "--to", &cluster_ip],
+    );
+    assert!(out.contains("from this node (output path)"), "{out}");
+    let (out, _) = trace(&c, mode, "kernel", &["--from", CLIENT_IP, "--to", &web_to]);
+    assert!(
+        out.contains("(input path), on eth0 (the route back to 192.0.2.100)"),
+        "{out}"
+    );
+
+    // Rules removed by hand behind the proxy's back: the kernel's trace says what it holds
+    // and that the proxy would program something else. (The nftables mode notices a changed
+    // table at once and repairs it, so only the iptables mode keeps the damage long enough
+    // to look at.)
+    if mode != Mode::Iptables {
+        return;
+    }
+    // What else on the node decides: strict reverse-path filtering on an interface the route
+    // back does not leave through, forwarding off, an endpoint without a route.
+    c.node.sysctl("net.ipv4.conf.all.rp_filter", "1").unwrap();
+    let (out, _) = trace(
+        &c,
+        mode,
+        "kernel",
+        &[
+            "--from",
+            CLIENT_IP,
+            "--to",
+            &web_to,
+            "--in-interface",
+            "eth1",
+        ],
+    );
+    c.node.sysctl("net.ipv4.conf.all.rp_filter", "0").unwrap();
+    assert!(out.contains("(input path), on eth1"), "{out}");
+    assert!(
+        out.contains("note        strict rp_filter on eth1 drops it before any rule: the route back to 192.0.2.100 leaves through eth0"),
+        "{out}"
+    );
+    c.node.sysctl("net.ipv4.ip_forward", "0").unwrap();
+    c.node
+        .run(&["ip", "route", "add", "unreachable", "10.244.2.2/32"])
+        .unwrap();
+    let (out, _) = trace(&c, mode, "kernel", &["--from", CLIENT_IP, "--to", &web_to]);
+    c.node.sysctl("net.ipv4.ip_forward", "1").unwrap();
+    c.node
+        .run(&["ip", "route", "del", "unreachable", "10.244.2.2/32"])
+        .unwrap();
+    assert!(
+        out.contains("note        net.ipv4.ip_forward is 0: this node does not forward"),
+        "{out}"
+    );
+    assert!(
+        out.contains("note        no route to the endpoint 10.244.2.2"),
+        "{out}"
+    );
+    // Only the endpoint without a route is named.
+    assert!(
+        !out.contains("no route to the endpoint 10.244.1.2"),
+        "{out}"
+    );
+    c.break_service_dispatch_by_hand();
+    let (out, code) = trace(&c, mode, "kernel", &["--from", CLIENT_IP, "--to", &web_to]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("passed on untranslated"), "{out}");
+    assert!(
+        out.contains("note        the kernel differs from what the proxy would program"),
+        "{out}"
+    );
+}
+
+#[test]
+fn the_flat_nftables_tables_trace_as_the_proxy_programs_them() {
+    the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(Mode::Nftables);
+}
+
+#[test]
+fn the_kube_proxy_layouts_tables_trace_as_the_proxy_programs_them() {
+    the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(
+        Mode::NftablesKubeProxy,
+    );
+}
+
+#[test]
+fn iptables_rules_trace_as_the_proxy_programs_them_and_a_broken_kernel_is_told_apart() {
+    the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(Mode::Iptables);
+}
+
+#[test]
+fn the_ebpf_modes_kernel_state_cannot_be_read_yet_and_exits_3() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_nodeport"))
+        .args([
+            "trace",
+            "--rules",
+            "kernel",
+            "--proxy-mode",
+            "ebpf",
+            "-f",
+            "-",
+        ])
+        .args(["--from", "192.0.2.1", "--to", "192.0.2.10:80/tcp"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(
+        stderr.contains("(its BPF maps) cannot be read yet"),
+        "{stderr}"
+    );
+}

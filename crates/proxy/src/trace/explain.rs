@@ -1,0 +1,712 @@
+//! A backend's [`Trace`] in Kubernetes' words: the Service port the packet addressed, the
+//! endpoints it can reach with their probability (or Maglev share), masqueraded or not and
+//! why, and its fate with the reason (no endpoints, a Local policy without a local
+//! endpoint, `loadBalancerSourceRanges`, not a NodePort address, not a Service).
+//!
+//! The fates themselves come from the rules (or maps) as the tracer evaluated them; the
+//! desired state only names them: which Service port owns the destination, which endpoint
+//! is local, which Service setting the verdict follows from. A reason the Service's
+//! settings do not explain is reported as such, with the chain that decided.
+
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+
+use ipnet::IpNet;
+use serde::Serialize;
+
+use super::{Fate, Origin, Packet, Trace};
+use crate::desired::{DesiredState, ServicePortState};
+use crate::model::{IpFamily, Protocol};
+use crate::nodeaddr::Selection;
+
+/// The dataplane whose rules were traced, for the words of the reasons.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dataplane {
+    /// nftables (either layout).
+    Nftables,
+    /// iptables.
+    Iptables,
+    /// eBPF (tc and cgroup socket programs).
+    Ebpf,
+}
+
+/// What besides the rules the explanation needs.
+#[derive(Debug, Clone)]
+pub struct Context<'a> {
+    /// The dataplane traced.
+    pub dataplane: Dataplane,
+    /// `--masquerade-all`.
+    pub masquerade_all: bool,
+    /// `--cluster-cidr`.
+    pub cluster_cidrs: &'a [IpNet],
+    /// `--nodeport-addresses` as given (for the "not a NodePort address" reason).
+    pub nodeport_addresses: String,
+    /// The node's own addresses.
+    pub local_addrs: &'a [IpAddr],
+    /// eBPF mode with `--ebpf-lb-algorithm maglev`: probabilities are table shares.
+    pub maglev: bool,
+}
+
+/// Which of a Service's addresses the packet was sent to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Frontend {
+    /// `spec.clusterIPs`.
+    ClusterIP,
+    /// A NodePort on a NodePort address.
+    NodePort,
+    /// `spec.externalIPs`.
+    ExternalIP,
+    /// `status.loadBalancer.ingress[].ip`.
+    LoadBalancerIP,
+}
+
+impl Frontend {
+    /// Everything but the ClusterIP is external traffic (kube-proxy's external chain).
+    pub fn is_external(self) -> bool {
+        self != Frontend::ClusterIP
+    }
+}
+
+/// The Service port a packet addressed.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ServiceHit {
+    /// `namespace/name:port/PROTOCOL`, e.g. `default/web:80/TCP`.
+    pub port: String,
+    /// `spec.ports[].name`, empty for an unnamed port.
+    pub port_name: String,
+    /// The address kind.
+    pub frontend: Frontend,
+    /// The traffic policy that applies (`externalTrafficPolicy` for external frontends,
+    /// `internalTrafficPolicy` for the ClusterIP): `Cluster` or `Local`.
+    pub traffic_policy: &'static str,
+    /// `sessionAffinity: ClientIP` timeout, seconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub session_affinity_seconds: Option<u32>,
+}
+
+/// One endpoint the packet can be translated to.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Candidate {
+    /// `ip:port` after DNAT.
+    pub endpoint: SocketAddr,
+    /// Probability of this endpoint (Maglev: its share of the table).
+    pub probability: f64,
+    /// The endpoint runs on this node.
+    pub local: bool,
+    /// The source is rewritten to the node's address.
+    pub masquerade: bool,
+    /// Why masqueraded or not.
+    pub masquerade_reason: String,
+}
+
+/// The final verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Verdict {
+    /// Translated to an endpoint.
+    Dnat,
+    /// Rejected (ICMP port unreachable, TCP reset, `ECONNREFUSED`).
+    Reject,
+    /// Dropped silently.
+    Drop,
+    /// Passed on untranslated: not for a Service here.
+    Pass,
+}
+
+/// Why a packet ends as it does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    /// It reaches one of the Service's endpoints.
+    Endpoint,
+    /// The Service has no usable endpoint at all (kube-proxy rejects).
+    NoEndpoints,
+    /// `externalTrafficPolicy: Local` and no endpoint on this node (kube-proxy drops).
+    NoLocalEndpointsExternal,
+    /// `internalTrafficPolicy: Local` and no endpoint on this node.
+    NoLocalEndpointsInternal,
+    /// The source is outside `loadBalancerSourceRanges`.
+    SourceRanges,
+    /// The port is a Service's NodePort, but the address is not a NodePort address under
+    /// `--nodeport-addresses`.
+    NotNodePortAddress,
+    /// No Service has this address and port.
+    NotAService,
+    /// Decided by a rule no Service setting explains (see `at`).
+    Other,
+}
+
+/// One way the packet ends, with its probability.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Outcome {
+    /// What happens.
+    pub verdict: Verdict,
+    /// Why.
+    pub reason: Reason,
+    /// The sentence a person reads.
+    pub message: String,
+    /// The chain (or program) that dropped or rejected it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub at: Option<String>,
+    /// Probability of this outcome.
+    pub probability: f64,
+}
+
+/// The packet as printed.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PacketView {
+    /// Source address.
+    pub from: IpAddr,
+    /// Destination address and port.
+    pub to: SocketAddr,
+    /// `tcp`, `udp` or `sctp`.
+    pub protocol: &'static str,
+    /// `input` (from the network) or `output` (from the node itself).
+    pub path: &'static str,
+    /// Input path: the interface it arrives on, when known (`--in-interface`, or the one
+    /// holding the route back to the source). No rule the proxy writes matches on it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub interface: Option<String>,
+}
+
+/// A trace explained: what `nodeport trace` prints (`-o json`: this, serialized).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Explanation {
+    /// The packet.
+    pub packet: PacketView,
+    /// The dataplane traced.
+    pub dataplane: Dataplane,
+    /// How an endpoint is chosen: `random` (per new connection) or `maglev` (by the flow's
+    /// hash; probabilities are shares of the table).
+    pub endpoint_choice: &'static str,
+    /// The Service port addressed, if any (also for a NodePort on an address that does not
+    /// serve NodePorts).
+    pub service: Option<ServiceHit>,
+    /// The endpoints it can reach, most likely first.
+    pub endpoints: Vec<Candidate>,
+    /// Every way it ends, most likely first; the first is the fate printed.
+    pub outcomes: Vec<Outcome>,
+    /// What the caller adds: rules that were not evaluated, a disagreement between the
+    /// kernel and what the proxy would program.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub notes: Vec<String>,
+}
+
+impl Explanation {
+    /// The packet reaches an endpoint whatever the random choice.
+    pub fn reaches_endpoint(&self) -> bool {
+        !self.outcomes.is_empty() && self.outcomes.iter().all(|o| o.verdict == Verdict::Dnat)
+    }
+}
+
+/// `default/web:80/TCP`.
+fn port_label(svc: &ServicePortState) -> String {
+    let p = &svc.port;
+    let proto = match p.name.protocol {
+        Protocol::Tcp => "TCP",
+        Protocol::Udp => "UDP",
+        Protocol::Sctp => "SCTP",
+    };
+    format!("{}/{}:{}/{proto}", p.name.namespace, p.name.name, p.port)
+}
+
+/// Finds the Service port owning `dst:dport/proto`, and whether the match is a NodePort on
+/// an address `--nodeport-addresses` leaves out.
+fn find<'a>(
+    desired: &'a DesiredState,
+    ctx: &Context<'_>,
+    packet: &Packet,
+) -> Option<(&'a ServicePortState, Frontend, bool)> {
+    let fam = desired.family(IpFamily::of(packet.dst))?;
+    let mut unselected = None;
+    for svc in fam.services.values() {
+        let port = &svc.port;
+        if port.name.protocol != packet.proto {
+            continue;
+        }
+        if port.port == packet.dport {
+            if svc.cluster_ip == packet.dst {
+                return Some((svc, Frontend::ClusterIP, false));
+            }
+            if svc.external_ips.contains(&packet.dst) {
+                return Some((svc, Frontend::ExternalIP, false));
+            }
+            if svc.load_balancer_ips.contains(&packet.dst) {
+                return Some((svc, Frontend::LoadBalancerIP, false));
+            }
+        }
+        if port.node_port == Some(packet.dport) {
+            let selected = match &fam.nodeport_ips {
+                Selection::Ips(ips) => ips.contains(&packet.dst),
+                Selection::MatchAll => ctx.local_addrs.contains(&packet.dst),
+            };
+            if selected {
+                return Some((svc, Frontend::NodePort, false));
+            }
+            if ctx.local_addrs.contains(&packet.dst) || packet.dst.is_loopback() {
+                unselected = Some((&**svc, Frontend::NodePort, true));
+            }
+        }
+    }
+    unselected
+}
+
+/// Explains `trace` (of `packet`) with the Services of `desired`.
+pub fn explain(desired: &DesiredState, ctx: &Context<'_>, trace: &Trace) -> Explanation {
+    let packet = &trace.packet;
+    let found = find(desired, ctx, packet);
+    let service = found.map(|(svc, frontend, _)| ServiceHit {
+        port: port_label(svc),
+        port_name: svc.port.name.port.to_string(),
+        frontend,
+        traffic_policy: policy(svc, frontend),
+        session_affinity_seconds: svc.port.session_affinity_seconds,
+    });
+    let mut endpoints = Vec::new();
+    let mut outcomes: Vec<Outcome> = Vec::new();
+    for (fate, p) in &trace.fates {
+        let (verdict, chain) = match fate {
+            Fate::Delivered {
+                dnat: Some(to),
+                masqueraded,
+                ..
+            } => {
+                let local = found.is_some_and(|(svc, ..)| {
+                    svc.cluster_endpoints
+                        .iter()
+                        .chain(&svc.local_endpoints)
+                        .any(|e| e.socket() == *to && e.local)
+                });
+                let reason = masquerade_reason(ctx, packet, found, *to, local, *masqueraded);
+                endpoints.push(Candidate {
+                    endpoint: *to,
+                    probability: *p,
+                    local,
+                    masquerade: *masqueraded,
+                    masquerade_reason: reason,
+                });
+                continue;
+            }
+            Fate::Delivered { dnat: None, .. } => (Verdict::Pass, None),
+            Fate::Dropped(chain) => (Verdict::Drop, Some(chain.clone())),
+            Fate::Rejected(chain) => (Verdict::Reject, Some(chain.clone())),
+        };
+        let (reason, message) = why(ctx, packet, found, verdict, chain.as_deref());
+        outcomes.push(Outcome {
+            verdict,
+            reason,
+            message,
+            at: chain,
+            probability: *p,
+        });
+    }
+    // Most likely first; equal shares (up to rounding: 1/3 reached through 2/3 · 1/2 is not
+    // bit for bit 1/3) by address, so that every mode lists them alike.
+    let share = |c: &Candidate| (c.probability * 1e9).round() as i64;
+    endpoints.sort_by(|a, b| {
+        share(b)
+            .cmp(&share(a))
+            .then_with(|| a.endpoint.cmp(&b.endpoint))
+    });
+    if !endpoints.is_empty() {
+        let total: f64 = endpoints.iter().map(|c| c.probability).sum();
+        let list: Vec<String> = endpoints.iter().map(|c| c.endpoint.to_string()).collect();
+        let message = match list.as_slice() {
+            [one] => format!("DNAT to {one}"),
+            _ => format!("DNAT to one of {}", list.join(", ")),
+        };
+        outcomes.push(Outcome {
+            verdict: Verdict::Dnat,
+            reason: Reason::Endpoint,
+            message,
+            at: None,
+            probability: total,
+        });
+    }
+    outcomes.sort_by(|a, b| b.probability.total_cmp(&a.probability));
+    Explanation {
+        packet: PacketView {
+            from: packet.src,
+            to: SocketAddr::new(packet.dst, packet.dport),
+            protocol: packet.proto.as_lower(),
+            path: match packet.origin {
+                Origin::Remote => "input",
+                Origin::Local => "output",
+            },
+            interface: None,
+        },
+        dataplane: ctx.dataplane,
+        endpoint_choice: if ctx.maglev { "maglev" } else { "random" },
+        service,
+        endpoints,
+        outcomes,
+        notes: Vec::new(),
+    }
+}
+
+fn policy(svc: &ServicePortState, frontend: Frontend) -> &'static str {
+    let local = if frontend.is_external() {
+        svc.external_policy_local()
+    } else {
+        svc.port.internal_policy_local
+    };
+    if local { "Local" } else { "Cluster" }
+}
+
+/// Why a packet that is not translated ends as it does, from the Service's settings; a
+/// verdict they do not explain is `Other`, naming the chain.
+fn why(
+    ctx: &Context<'_>,
+    packet: &Packet,
+    found: Option<(&ServicePortState, Frontend, bool)>,
+    verdict: Verdict,
+    chain: Option<&str>,
+) -> (Reason, String) {
+    // The chain is named only when no Service setting explains the verdict (kube-proxy's
+    // chain names carry hashes); `Outcome::at` always has it.
+    let at = chain.map(|c| format!(" in {c}")).unwrap_or_default();
+    let Some((svc, frontend, unselected)) = found else {
+        return match verdict {
+            Verdict::Pass => (
+                Reason::NotAService,
+                format!(
+                    "not a Service: no Service has {}/{}; passed on untranslated",
+                    SocketAddr::new(packet.dst, packet.dport),
+                    packet.proto.as_lower()
+                ),
+            ),
+            _ => (Reason::Other, format!("{}{at}", verb(verdict))),
+        };
+    };
+    let label = port_label(svc);
+    if unselected {
+        return (
+            Reason::NotNodePortAddress,
+            format!(
+                "not a NodePort address: {} is not selected by --nodeport-addresses {}, so \
+                 NodePort {} of {label} does not answer there",
+                packet.dst, ctx.nodeport_addresses, packet.dport
+            ),
+        );
+    }
+    let external = frontend.is_external();
+    let local_policy = if external {
+        svc.external_policy_local()
+    } else {
+        svc.port.internal_policy_local
+    };
+    let in_ranges =
+        svc.source_ranges.iter().any(|r| r.contains(&packet.src)) || svc.source_ranges.is_empty();
+    let reason = match verdict {
+        Verdict::Pass => Reason::Other,
+        _ if !svc.has_endpoints => Reason::NoEndpoints,
+        _ if frontend == Frontend::LoadBalancerIP && !in_ranges => Reason::SourceRanges,
+        _ if local_policy && svc.local_endpoints.is_empty() => {
+            if external {
+                Reason::NoLocalEndpointsExternal
+            } else {
+                Reason::NoLocalEndpointsInternal
+            }
+        }
+        _ => Reason::Other,
+    };
+    let message = match reason {
+        Reason::NoEndpoints => format!("{}: {label} has no endpoints", verb(verdict)),
+        Reason::SourceRanges => {
+            let ranges: Vec<String> = svc.source_ranges.iter().map(|r| r.to_string()).collect();
+            format!(
+                "{}: {} is not in loadBalancerSourceRanges {} of {label}",
+                verb(verdict),
+                packet.src,
+                ranges.join(", ")
+            )
+        }
+        Reason::NoLocalEndpointsExternal => format!(
+            "{}: externalTrafficPolicy Local and {label} has no endpoint on this node",
+            verb(verdict)
+        ),
+        Reason::NoLocalEndpointsInternal => format!(
+            "{}: internalTrafficPolicy Local and {label} has no endpoint on this node",
+            verb(verdict)
+        ),
+        _ if verdict == Verdict::Pass => format!("passed on untranslated although {label} owns it"),
+        _ => format!("{}{at}", verb(verdict)),
+    };
+    (reason, message)
+}
+
+fn verb(v: Verdict) -> &'static str {
+    match v {
+        Verdict::Reject => "reject",
+        Verdict::Drop => "drop",
+        Verdict::Pass => "pass",
+        Verdict::Dnat => "DNAT",
+    }
+}
+
+/// Why the rules masqueraded a packet to `to` or not, from the Service's settings and the
+/// flags, following kube-proxy's decisions (its `mark-for-masquerade` jumps). A verdict the
+/// settings do not explain says so rather than guess.
+fn masquerade_reason(
+    ctx: &Context<'_>,
+    packet: &Packet,
+    found: Option<(&ServicePortState, Frontend, bool)>,
+    to: SocketAddr,
+    local_endpoint: bool,
+    masqueraded: bool,
+) -> String {
+    let Some((svc, frontend, _)) = found else {
+        return if masqueraded {
+            "by a rule no Service explains".into()
+        } else {
+            "no masquerade rule matched".into()
+        };
+    };
+    let from_node = packet.origin == Origin::Local;
+    let in_cluster = ctx.cluster_cidrs.iter().any(|c| c.contains(&packet.src));
+    let ebpf = ctx.dataplane == Dataplane::Ebpf;
+    if ebpf && from_node {
+        return "the node's own socket is connected to the endpoint directly (cgroup hook), \
+                there is nothing to masquerade"
+            .into();
+    }
+    if masqueraded {
+        if frontend.is_external() && !svc.external_policy_local() {
+            return "externalTrafficPolicy Cluster: the source becomes this node's address so \
+                    that replies come back through it"
+                .into();
+        }
+        if ebpf && !local_endpoint {
+            return "the endpoint is on another node: SNAT to this node so that its replies \
+                    come back through it"
+                .into();
+        }
+        if frontend == Frontend::ClusterIP && ctx.masquerade_all && !ebpf {
+            return "--masquerade-all".into();
+        }
+        if frontend == Frontend::ClusterIP && !ctx.cluster_cidrs.is_empty() && !in_cluster {
+            return format!(
+                "the source {} is outside --cluster-cidr (off-cluster traffic to a ClusterIP)",
+                packet.src
+            );
+        }
+        if to.ip() == packet.src {
+            return "hairpin: the endpoint is the client itself".into();
+        }
+        if frontend.is_external() && from_node {
+            return "traffic from the node itself to an external address takes the Cluster \
+                    policy's endpoints and is masqueraded (kube-proxy's short-circuit of local \
+                    traffic)"
+                .into();
+        }
+        return "by a rule no Service setting explains".into();
+    }
+    if frontend.is_external() && svc.external_policy_local() {
+        return "externalTrafficPolicy Local keeps the client's address".into();
+    }
+    if frontend == Frontend::ClusterIP {
+        if ebpf {
+            return "the endpoint is on this node: no SNAT needed".into();
+        }
+        if !ctx.cluster_cidrs.is_empty() && in_cluster {
+            return format!("the source {} is a pod (inside --cluster-cidr)", packet.src);
+        }
+        if ctx.cluster_cidrs.is_empty() {
+            return "ClusterIP traffic is masqueraded only under --masquerade-all or from \
+                    outside --cluster-cidr (not set)"
+                .into();
+        }
+    }
+    "no masquerade rule matched".into()
+}
+
+impl fmt::Display for Explanation {
+    /// One line per step, for people.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let p = &self.packet;
+        let path = match p.path {
+            "input" => "from the network (input path)",
+            _ => "from this node (output path)",
+        };
+        write!(
+            f,
+            "packet      {} → {}/{}, {path}",
+            p.from, p.to, p.protocol
+        )?;
+        if let Some(i) = &p.interface {
+            write!(f, ", on {i}")?;
+        }
+        writeln!(f)?;
+        match &self.service {
+            Some(s) => {
+                let kind = match s.frontend {
+                    Frontend::ClusterIP => "ClusterIP",
+                    Frontend::NodePort => "NodePort",
+                    Frontend::ExternalIP => "external IP",
+                    Frontend::LoadBalancerIP => "load-balancer IP",
+                };
+                let policy = if s.frontend.is_external() {
+                    "externalTrafficPolicy"
+                } else {
+                    "internalTrafficPolicy"
+                };
+                write!(
+                    f,
+                    "service     {}: {kind} {}, {policy} {}",
+                    s.port, p.to, s.traffic_policy
+                )?;
+                if let Some(t) = s.session_affinity_seconds {
+                    write!(f, ", sessionAffinity ClientIP {t}s")?;
+                }
+                writeln!(f)?;
+            }
+            None => writeln!(f, "service     none")?,
+        }
+        let share = if self.endpoint_choice == "maglev" {
+            " of the Maglev table"
+        } else {
+            ""
+        };
+        for c in &self.endpoints {
+            let place = if c.local { "this node" } else { "another node" };
+            writeln!(
+                f,
+                "endpoint    {}  {:.2}%{share}  on {place}",
+                c.endpoint,
+                c.probability * 100.0,
+            )?;
+        }
+        let yes = |c: &Candidate| if c.masquerade { "yes" } else { "no" };
+        let uniform = self.endpoints.windows(2).all(|w| {
+            w[0].masquerade == w[1].masquerade && w[0].masquerade_reason == w[1].masquerade_reason
+        });
+        match self.endpoints.first() {
+            Some(c) if uniform => writeln!(f, "masquerade  {}: {}", yes(c), c.masquerade_reason)?,
+            _ => {
+                for c in &self.endpoints {
+                    writeln!(
+                        f,
+                        "masquerade  {} to {}: {}",
+                        yes(c),
+                        c.endpoint,
+                        c.masquerade_reason
+                    )?;
+                }
+            }
+        }
+        for (i, o) in self.outcomes.iter().enumerate() {
+            let label = if i == 0 { "fate" } else { "or" };
+            write!(f, "{label:<11} {}", o.message)?;
+            if self.outcomes.len() > 1 {
+                write!(f, " ({:.2}%)", o.probability * 100.0)?;
+            }
+            writeln!(f)?;
+        }
+        for note in &self.notes {
+            writeln!(f, "note        {note}")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::desired::{self, NodeView, StateConfig};
+    use crate::nodeaddr::NodeFacts;
+    use crate::objects;
+
+    const WEB: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: default}
+spec: {type: NodePort, clusterIP: 10.96.0.10, ports: [{port: 80, targetPort: 8080, nodePort: 30080}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-1, namespace: default, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{port: 8080}]
+endpoints: [{addresses: [10.244.1.5], nodeName: node-a}]
+"#;
+
+    fn node() -> Vec<IpAddr> {
+        vec!["192.0.2.10".parse().unwrap()]
+    }
+
+    fn explained(fates: Vec<(Fate, f64)>, packet: Packet) -> Explanation {
+        let cluster = objects::load(WEB).expect("objects").cluster;
+        let facts = NodeFacts {
+            node_ips: node(),
+            local_ips: node(),
+            ..Default::default()
+        };
+        let state = desired::build(
+            &cluster,
+            NodeView::named("node-a"),
+            &facts,
+            &StateConfig::default(),
+        );
+        let addrs = node();
+        let ctx = Context {
+            dataplane: Dataplane::Nftables,
+            masquerade_all: false,
+            cluster_cidrs: &[],
+            nodeport_addresses: "primary".into(),
+            local_addrs: &addrs,
+            maglev: false,
+        };
+        explain(&state, &ctx, &Trace { packet, fates })
+    }
+
+    #[test]
+    fn a_verdict_no_service_setting_explains_is_reported_with_its_chain_not_guessed() {
+        // The Service has a local endpoint and no source ranges: nothing in its settings
+        // explains a drop, so the reason is `Other` and the chain is named.
+        let e = explained(
+            vec![(Fate::Dropped("filter-input".into()), 1.0)],
+            Packet::remote("203.0.113.5", "192.0.2.10", Protocol::Tcp, 30080),
+        );
+        assert_eq!(e.service.as_ref().unwrap().port, "default/web:80/TCP");
+        assert_eq!(e.outcomes[0].reason, Reason::Other);
+        assert_eq!(e.outcomes[0].message, "drop in filter-input");
+        assert!(!e.reaches_endpoint());
+    }
+
+    #[test]
+    fn a_packet_that_can_end_in_two_ways_reaches_an_endpoint_only_if_every_way_does() {
+        let to: SocketAddr = "10.244.1.5:8080".parse().unwrap();
+        let delivered = Fate::Delivered {
+            dnat: Some(to),
+            masqueraded: true,
+            affinity: vec![],
+        };
+        let e = explained(
+            vec![
+                (delivered.clone(), 0.75),
+                (Fate::Rejected("services".into()), 0.25),
+            ],
+            Packet::remote("203.0.113.5", "192.0.2.10", Protocol::Tcp, 30080),
+        );
+        assert!(!e.reaches_endpoint());
+        assert_eq!(e.outcomes[0].verdict, Verdict::Dnat);
+        assert_eq!(e.outcomes[0].probability, 0.75);
+        let text = e.to_string();
+        assert!(
+            text.contains("fate        DNAT to 10.244.1.5:8080 (75.00%)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("or          reject in services (25.00%)"),
+            "{text}"
+        );
+
+        let e = explained(
+            vec![(delivered, 1.0)],
+            Packet::remote("203.0.113.5", "192.0.2.10", Protocol::Tcp, 30080),
+        );
+        assert!(e.reaches_endpoint());
+        assert!(e.endpoints[0].local);
+    }
+}
