@@ -10,9 +10,13 @@
 //! # How a packet finds its endpoint
 //!
 //! `services` (jumped to from `nat-prerouting` and `nat-output`, as in kube-proxy's layout)
-//! classifies the destination through plain sets (`masquerade-ips`, `local-policy-ips`, and
-//! their NodePort twins) and then jumps to a `pick-` chain. A `pick-` chain holds one rule
-//! per endpoint count `n`:
+//! classifies the destination with one lookup per kind (`cluster-ips`, `masquerade-ips`,
+//! `local-policy-ips` and their NodePort twins) and jumps to that kind's policy chain
+//! (`cluster-ip-policy`, `external-cluster-policy`, `external-local-policy`,
+//! `nodeport-cluster-policy`, `nodeport-local-policy`: masquerade marks, short-circuits), which
+//! jumps to a `pick-` chain. A packet thus pays one lookup per kind it is not, rather than one
+//! per rule: in sets larger than the cache each miss is a cache miss. A `pick-` chain holds
+//! one rule per endpoint count `n`:
 //!
 //! ```text
 //! dnat ip to ip daddr . meta l4proto . th dport . numgen random mod n offset T(n) map @service-endpoints
@@ -475,15 +479,16 @@ pub fn render_base_sized(
         value: AddrMatch::Set(CLUSTER_IPS.to_string()),
     };
     let pod_cidr = config.cluster_cidr(family);
+    // Each kind of destination is one lookup in `services` and a chain of its own for the
+    // rest: a packet pays one lookup per kind it is not (the sets are large, and a lookup
+    // that misses in a set bigger than the cache is a cache miss), not one per rule.
+    let mut policy_chains = Vec::new();
+    let mut cluster_ip_policy = Vec::new();
     if config.masquerade_all {
-        services.push(Rule::new(vec![
-            cluster_ip.clone(),
-            jump(MARK_FOR_MASQUERADE),
-        ]));
+        cluster_ip_policy.push(Rule::new(vec![jump(MARK_FOR_MASQUERADE)]));
     } else if let Some(cidr) = pod_cidr {
         // Off-cluster traffic to a ClusterIP may bounce to another node: masqueraded.
-        services.push(Rule::new(vec![
-            cluster_ip.clone(),
+        cluster_ip_policy.push(Rule::new(vec![
             Expr::Saddr {
                 negate: true,
                 value: AddrMatch::Net(cidr),
@@ -491,45 +496,58 @@ pub fn render_base_sized(
             jump(MARK_FOR_MASQUERADE),
         ]));
     }
-    services.push(Rule::new(vec![cluster_ip, jump(PICK_SERVICE_ENDPOINTS)]));
+    cluster_ip_policy.push(Rule::new(vec![jump(PICK_SERVICE_ENDPOINTS)]));
+    policy_chains.push(Chain::regular(CLUSTER_IP_POLICY, cluster_ip_policy));
+    services.push(Rule::new(vec![cluster_ip, jump(CLUSTER_IP_POLICY)]));
     // External destinations, then NodePorts: masquerade (Cluster policy) or short-circuit
-    // (Local policy), then the endpoint choice.
-    let external = |lookup_rule: &dyn Fn(Vec<Expr>) -> Rule,
-                    key: LookupKey,
-                    masq: &str,
-                    local: &str,
-                    short_circuit: &str,
-                    pick: &str,
-                    out: &mut Vec<Rule>| {
-        out.push(lookup_rule(vec![
-            lookup(key, masq),
-            jump(MARK_FOR_MASQUERADE),
-        ]));
+    // (Local policy), then the endpoint choice. Only destinations of a Service reach a
+    // `pick-` chain: other traffic (pod to pod, to the internet, to the node) pays one set
+    // lookup per kind here, not one per rule there.
+    let mut external = |lookup_rule: &dyn Fn(Vec<Expr>) -> Rule,
+                        key: LookupKey,
+                        (masq, masq_chain): (&str, &str),
+                        (local, local_chain): (&str, &str),
+                        short_circuit: &str,
+                        pick: &str,
+                        out: &mut Vec<Rule>| {
+        out.push(lookup_rule(vec![lookup(key, masq), jump(masq_chain)]));
+        out.push(lookup_rule(vec![lookup(key, local), jump(local_chain)]));
+        policy_chains.push(Chain::regular(
+            masq_chain,
+            vec![
+                Rule::new(vec![jump(MARK_FOR_MASQUERADE)]),
+                Rule::new(vec![jump(pick)]),
+            ],
+        ));
+        let mut rules = Vec::new();
         if let Some(cidr) = pod_cidr {
-            let mut e = vec![Expr::Saddr {
-                negate: false,
-                value: AddrMatch::Net(cidr),
-            }];
-            e.extend(lookup_rule(vec![lookup(key, local), goto(short_circuit)]).exprs);
-            out.push(Rule::commented(e, "short-circuit pod traffic"));
+            rules.push(Rule::commented(
+                vec![
+                    Expr::Saddr {
+                        negate: false,
+                        value: AddrMatch::Net(cidr),
+                    },
+                    goto(short_circuit),
+                ],
+                "short-circuit pod traffic",
+            ));
         }
-        let mut e = vec![Expr::FibSaddrLocal];
-        e.extend(lookup_rule(vec![lookup(key, local), jump(MARK_FOR_MASQUERADE)]).exprs);
-        out.push(Rule::commented(e, "masquerade local traffic"));
-        let mut e = vec![Expr::FibSaddrLocal];
-        e.extend(lookup_rule(vec![lookup(key, local), goto(short_circuit)]).exprs);
-        out.push(Rule::commented(e, "short-circuit local traffic"));
-        // Only destinations of a Service reach the `pick-` chain: other traffic (pod to
-        // pod, to the internet, to the node) pays one set lookup here, not one per rule
-        // there.
-        out.push(lookup_rule(vec![lookup(key, masq), jump(pick)]));
-        out.push(lookup_rule(vec![lookup(key, local), jump(pick)]));
+        rules.push(Rule::commented(
+            vec![Expr::FibSaddrLocal, jump(MARK_FOR_MASQUERADE)],
+            "masquerade local traffic",
+        ));
+        rules.push(Rule::commented(
+            vec![Expr::FibSaddrLocal, goto(short_circuit)],
+            "short-circuit local traffic",
+        ));
+        rules.push(Rule::new(vec![jump(pick)]));
+        policy_chains.push(Chain::regular(local_chain, rules));
     };
     external(
         &Rule::new,
         dst,
-        MASQUERADE_IPS,
-        LOCAL_POLICY_IPS,
+        (MASQUERADE_IPS, EXTERNAL_CLUSTER_POLICY),
+        (LOCAL_POLICY_IPS, EXTERNAL_LOCAL_POLICY),
         PICK_SERVICE_CLUSTER_ENDPOINTS,
         PICK_SERVICE_ENDPOINTS,
         &mut services,
@@ -537,8 +555,8 @@ pub fn render_base_sized(
     external(
         &np,
         port,
-        MASQUERADE_NODEPORTS,
-        LOCAL_POLICY_NODEPORTS,
+        (MASQUERADE_NODEPORTS, NODEPORT_CLUSTER_POLICY),
+        (LOCAL_POLICY_NODEPORTS, NODEPORT_LOCAL_POLICY),
         PICK_NODEPORT_CLUSTER_ENDPOINTS,
         PICK_NODEPORT_ENDPOINTS,
         &mut services,
@@ -645,6 +663,7 @@ pub fn render_base_sized(
             NODEPORT_CLUSTER_ENDPOINTS,
         ),
     ]);
+    chains.extend(policy_chains);
     if localnet_guard {
         chains.push(localnet_check());
     }

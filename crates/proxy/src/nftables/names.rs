@@ -104,6 +104,16 @@ pub const PICK_NODEPORT_ENDPOINTS: &str = "pick-nodeport-endpoints";
 pub const PICK_SERVICE_CLUSTER_ENDPOINTS: &str = "pick-service-cluster-endpoints";
 /// Flat layout, chain: picks an endpoint from [`NODEPORT_CLUSTER_ENDPOINTS`].
 pub const PICK_NODEPORT_CLUSTER_ENDPOINTS: &str = "pick-nodeport-cluster-endpoints";
+/// Flat layout, chain: what a ClusterIP destination gets (masquerade mark, endpoint choice).
+pub const CLUSTER_IP_POLICY: &str = "cluster-ip-policy";
+/// Flat layout, chain: an external destination with `externalTrafficPolicy: Cluster`.
+pub const EXTERNAL_CLUSTER_POLICY: &str = "external-cluster-policy";
+/// Flat layout, chain: an external destination with `externalTrafficPolicy: Local`.
+pub const EXTERNAL_LOCAL_POLICY: &str = "external-local-policy";
+/// Flat layout, chain: a NodePort with `externalTrafficPolicy: Cluster`.
+pub const NODEPORT_CLUSTER_POLICY: &str = "nodeport-cluster-policy";
+/// Flat layout, chain: a NodePort with `externalTrafficPolicy: Local`.
+pub const NODEPORT_LOCAL_POLICY: &str = "nodeport-local-policy";
 
 /// The chain names of one service port.
 #[derive(Debug, Clone, PartialEq, Eq)]
