@@ -160,11 +160,14 @@ impl Api {
         } else {
             format!("{}/web", collection(kind))
         };
-        // Bytes a URI cannot hold are percent-encoded, as a client library would send them.
+        // Bytes a URI's query cannot hold are percent-encoded, as a client library would send
+        // them: RFC 3986's query characters stay (a `%` too, so that inputs can carry their own
+        // escapes, valid or not), everything else (`<`, `>`, `"`, `{`, space, `#`, non-ASCII, …)
+        // is encoded. Every input is then a request the server answers.
         let query: String = query
             .bytes()
             .map(|b| {
-                if b.is_ascii_graphic() && b != b'#' {
+                if b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@/?%".contains(&b) {
                     (b as char).to_string()
                 } else {
                     format!("%{b:02X}")
