@@ -641,15 +641,12 @@ impl Registry {
             }
         }
         kinds::set_defaults(&mut object);
-        let key = self.key(kind, namespace, name);
-        let mut keys = vec![key.clone()];
-        let ns_key = namespace
-            .filter(|_| kind.namespaced())
-            .map(|n| self.namespace_key(n));
-        keys.extend(ns_key.clone());
-        let extra = self.companion_keys(kind, namespace, name);
-        keys.extend(extra.iter().cloned());
-        keys.extend(self.ip_address_keys(kind, namespace, name).await?);
+        let ObjectKeys {
+            key,
+            ns_key,
+            extra,
+            all: keys,
+        } = self.object_keys(kind, namespace, name, true).await?;
         let ranges = self.ranges.clone();
         let prefix: Arc<str> = self.store.prefix().into();
         let name = name.to_owned();
@@ -755,11 +752,12 @@ impl Registry {
         patch: Value,
         options: WriteOptions,
     ) -> Result<Written, ApiError> {
-        let key = self.key(kind, namespace, name);
-        let extra = self.companion_keys(kind, namespace, name);
-        let mut keys = vec![key.clone()];
-        keys.extend(extra.iter().cloned());
-        keys.extend(self.ip_address_keys(kind, namespace, name).await?);
+        let ObjectKeys {
+            key,
+            extra,
+            all: keys,
+            ..
+        } = self.object_keys(kind, namespace, name, false).await?;
         let ranges = self.ranges.clone();
         let prefix: Arc<str> = self.store.prefix().into();
         let name = name.to_owned();
@@ -845,15 +843,12 @@ impl Registry {
         options: WriteOptions,
     ) -> Result<Written, ApiError> {
         let config = apply_config(kind, namespace, name, config)?;
-        let key = self.key(kind, namespace, name);
-        let mut keys = vec![key.clone()];
-        let ns_key = namespace
-            .filter(|_| kind.namespaced())
-            .map(|n| self.namespace_key(n));
-        keys.extend(ns_key.clone());
-        let extra = self.companion_keys(kind, namespace, name);
-        keys.extend(extra.iter().cloned());
-        keys.extend(self.ip_address_keys(kind, namespace, name).await?);
+        let ObjectKeys {
+            key,
+            ns_key,
+            extra,
+            all: keys,
+        } = self.object_keys(kind, namespace, name, true).await?;
         let ranges = self.ranges.clone();
         let prefix: Arc<str> = self.store.prefix().into();
         let name = name.to_owned();
@@ -962,8 +957,6 @@ impl Registry {
         preconditions: Preconditions,
         options: WriteOptions,
     ) -> Result<Value, ApiError> {
-        let key = self.key(kind, namespace, name);
-        let mut keys = vec![key.clone()];
         if kind == Kind::Namespace {
             if SYSTEM_NAMESPACES.contains(&name) {
                 return Err(ApiError::forbidden(
@@ -974,9 +967,12 @@ impl Registry {
             }
             return self.delete_namespace(name, preconditions, options).await;
         }
-        let extra = self.companion_keys(kind, namespace, name);
-        keys.extend(extra.iter().cloned());
-        keys.extend(self.ip_address_keys(kind, namespace, name).await?);
+        let ObjectKeys {
+            key,
+            extra,
+            all: keys,
+            ..
+        } = self.object_keys(kind, namespace, name, false).await?;
         let name = name.to_owned();
         let done = self
             .store
@@ -1022,6 +1018,33 @@ impl Registry {
             set_resource_version(&mut object, done.revision.unwrap_or(old_revision));
         }
         Ok(object)
+    }
+
+    /// The keys a write to one existing object declares: the object's, its namespace's when
+    /// `with_namespace` (an update must find it open), its companions' and its IPAddress
+    /// objects'.
+    async fn object_keys(
+        &self,
+        kind: Kind,
+        namespace: Option<&str>,
+        name: &str,
+        with_namespace: bool,
+    ) -> Result<ObjectKeys, ApiError> {
+        let key = self.key(kind, namespace, name);
+        let ns_key = namespace
+            .filter(|_| with_namespace && kind.namespaced())
+            .map(|n| self.namespace_key(n));
+        let extra = self.companion_keys(kind, namespace, name);
+        let mut all = vec![key.clone()];
+        all.extend(ns_key.clone());
+        all.extend(extra.iter().cloned());
+        all.extend(self.ip_address_keys(kind, namespace, name).await?);
+        Ok(ObjectKeys {
+            key,
+            ns_key,
+            extra,
+            all,
+        })
     }
 
     /// The keys of the IPAddress objects of a stored Service's ClusterIPs, declared by a write
@@ -2299,4 +2322,16 @@ pub fn success_status(kind: Kind, object: &Value) -> Value {
         details["group"] = Value::String(kind.group().into());
     }
     json!({"kind":"Status","apiVersion":"v1","metadata":{},"status":"Success","details":details})
+}
+
+/// What [`Registry::object_keys`] finds for one object.
+struct ObjectKeys {
+    /// The object's own key.
+    key: String,
+    /// Its namespace's key, when the write checks that the namespace is open.
+    ns_key: Option<String>,
+    /// Its companions' keys (removed with it).
+    extra: Vec<String>,
+    /// Every key the write declares.
+    all: Vec<String>,
 }
