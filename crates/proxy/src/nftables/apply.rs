@@ -27,8 +27,8 @@ use super::ruleset::{
     Table, Transaction, Verdict,
 };
 use crate::config::NodeConfig;
-use crate::desired::{DesiredState, FamilyState};
-use crate::model::{IpFamily, ServicePortName};
+use crate::desired::{DesiredState, FamilyState, ServicePortState};
+use crate::model::{IpFamily, Protocol, ServicePortName};
 
 /// A kernel failure.
 #[derive(Debug, thiserror::Error)]
@@ -546,11 +546,12 @@ impl Kernel for FakeKernel {
 }
 
 /// Who contributes an element: the static objects first, then service ports in order. When
-/// two claim the same key the first wins (two Services claiming one external IP and port).
+/// two claim the same destination the first wins (two Services claiming one external IP and
+/// port): see [`Claim`].
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 enum Owner {
     Base,
-    /// Shared (an `Arc`): the owner is repeated on each of its elements.
+    /// Shared (an `Arc`): the owner is repeated in each of its claims.
     Service(Arc<ServicePortName>),
 }
 
@@ -561,10 +562,22 @@ struct Unit {
     chains: AppliedChains,
     /// Set name → content hash of its spec.
     sets: BTreeMap<String, u64>,
-    /// Element keys contributed.
-    elements: Vec<(&'static str, ElemKey)>,
-    /// What the owner (a Service port) may put into the flat layout's sets.
-    bounds: SetBounds,
+    /// The Service port's state the owner's elements were rendered from (`None` for the
+    /// static objects, whose elements [`AppliedTable::base_elements`] keeps). The record keeps
+    /// no element of a Service port: it renders them again from this when it needs them (a
+    /// partial sync, to know what to delete). Shared with the desired state while the port
+    /// is unchanged, so it costs a pointer.
+    source: Option<Arc<ServicePortState>>,
+}
+
+impl Unit {
+    /// What the owner may put into the flat layout's sets.
+    fn bounds(&self) -> SetBounds {
+        self.source
+            .as_deref()
+            .map(SetBounds::of_port)
+            .unwrap_or_default()
+    }
 }
 
 type ElemValue = (
@@ -572,6 +585,133 @@ type ElemValue = (
     Option<std::net::SocketAddr>,
     Option<Arc<str>>,
 );
+
+/// The unit of ownership of elements. Every element belongs to one claim: everything keyed by
+/// one destination (`addr . proto . port`, with or without an endpoint slot or a source
+/// range), everything keyed by one NodePort, or one address (or address pair) of one set.
+/// When several owners render elements of one claim (two Services with the same external IP
+/// and port, the ports of a Service sharing their ClusterIP in `cluster-ips`, endpoints shared
+/// by Services in `hairpin-ips`), the first owner's elements of that claim are the ones in
+/// the kernel, all of them and only them: a destination is never served by a mix of two
+/// Services' endpoint slots.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+enum Claim {
+    /// A destination.
+    Dst(IpAddr, Protocol, u16),
+    /// A NodePort.
+    NodePort(Protocol, u16),
+    /// An address (the first of a pair) in the set of that index in [`CLAIM_SETS`].
+    Addr(u8, IpAddr),
+}
+
+/// Sets whose elements are keyed by addresses alone; any other set shares the last index.
+const CLAIM_SETS: [&str; 3] = [
+    super::names::CLUSTER_IPS,
+    super::names::NODEPORT_IPS,
+    super::names::HAIRPIN_IPS,
+];
+
+impl Claim {
+    /// The claim element `set`/`key` belongs to.
+    fn of(set: &str, key: &ElemKey) -> Self {
+        let set_index = || {
+            CLAIM_SETS
+                .iter()
+                .position(|s| *s == set)
+                .unwrap_or(CLAIM_SETS.len()) as u8
+        };
+        match *key {
+            ElemKey::AddrProtoPort(ip, proto, port)
+            | ElemKey::AddrProtoPortNet(ip, proto, port, _)
+            | ElemKey::AddrProtoPortSlot(ip, proto, port, _) => Claim::Dst(ip, proto, port),
+            ElemKey::ProtoPort(proto, port) | ElemKey::ProtoPortSlot(proto, port, _) => {
+                Claim::NodePort(proto, port)
+            }
+            ElemKey::Addr(ip) | ElemKey::AddrAddr(ip, _) => Claim::Addr(set_index(), ip),
+        }
+    }
+}
+
+/// The owners of one claim, in order; the first is the one whose elements are in the kernel.
+/// Nearly every claim has one owner, kept inline.
+#[derive(Debug, Clone)]
+enum Owners {
+    One(Owner),
+    Many(Box<[Owner]>),
+}
+
+impl Owners {
+    fn as_slice(&self) -> &[Owner] {
+        match self {
+            Owners::One(o) => std::slice::from_ref(o),
+            Owners::Many(v) => v,
+        }
+    }
+
+    fn first(&self) -> &Owner {
+        &self.as_slice()[0]
+    }
+
+    /// Adds `owner` in its place (nothing if it is there).
+    fn insert(&mut self, owner: Owner) {
+        let list = self.as_slice();
+        if let Err(i) = list.binary_search(&owner) {
+            let mut v = list.to_vec();
+            v.insert(i, owner);
+            *self = Owners::Many(v.into_boxed_slice());
+        }
+    }
+
+    /// Removes `owner`; `false` when no owner is left.
+    fn remove(&mut self, owner: &Owner) -> bool {
+        let list = self.as_slice();
+        let Ok(i) = list.binary_search(owner) else {
+            return true;
+        };
+        let mut v = list.to_vec();
+        v.remove(i);
+        *self = match v.len() {
+            0 => return false,
+            1 => Owners::One(v.pop().expect("one left")),
+            _ => Owners::Many(v.into_boxed_slice()),
+        };
+        true
+    }
+}
+
+/// One owner's elements by claim: sorted by claim, then set and key, one element per key
+/// (an owner listing a key twice keeps the first).
+#[derive(Debug, Default)]
+struct Claimed(Vec<(Claim, Element)>);
+
+impl Claimed {
+    fn new(elements: Vec<Element>) -> Self {
+        let mut v: Vec<(Claim, Element)> = elements
+            .into_iter()
+            .map(|e| (Claim::of(e.set, &e.key), e))
+            .collect();
+        // Stable: of two elements with one key the first listed stays first.
+        v.sort_by(|a, b| (a.0, a.1.set, a.1.key).cmp(&(b.0, b.1.set, b.1.key)));
+        v.dedup_by(|b, a| a.1.set == b.1.set && a.1.key == b.1.key);
+        Claimed(v)
+    }
+
+    /// Each claim with its elements, in order.
+    fn groups(&self) -> impl Iterator<Item = (Claim, &[(Claim, Element)])> {
+        self.0.chunk_by(|a, b| a.0 == b.0).map(|g| (g[0].0, g))
+    }
+
+    /// The elements of `claim`.
+    fn of(&self, claim: Claim) -> &[(Claim, Element)] {
+        let start = self.0.partition_point(|(c, _)| *c < claim);
+        let end = self.0.partition_point(|(c, _)| *c <= claim);
+        &self.0[start..end]
+    }
+
+    fn has(&self, claim: Claim) -> bool {
+        !self.of(claim).is_empty()
+    }
+}
 
 /// A chain's name as the applied record keeps it. kube-proxy's names of a Service port's
 /// chains repeat the port's readable name (`ns/name/proto/port`, which the owner holds) and,
@@ -697,15 +837,6 @@ fn chain_names(table: &AppliedTable) -> impl Iterator<Item = String> + '_ {
     })
 }
 
-/// The owners contributing one element key, sorted by owner, each with its value. A sorted
-/// `Vec` rather than a `BTreeMap`: nearly every key has exactly one owner, and a `BTreeMap`
-/// allocates a node with room for eleven, about 1.3 KiB per element, which at 10,000 Services
-/// was half of the proxy's live heap.
-///
-/// Inline (a `SmallVec` of one): the one owner of nearly every key is kept in the map's entry,
-/// which saves an allocation and a free per element (two million at 100,000 Services).
-type Contributors = smallvec::SmallVec<[(Owner, ElemValue); 1]>;
-
 /// An applied full sync: its number of operations, the applied state of each table and the
 /// chains it left stale.
 type FullSynced = (
@@ -715,20 +846,48 @@ type FullSynced = (
 );
 
 /// What was applied to one table.
+///
+/// The record holds no Service port's elements (a million and more at 100,000 Services): it
+/// keeps each port's state ([`Unit::source`]) and renders the elements again when a change
+/// needs them, given the same render context ([`Context`]), which is checked at every sync.
+/// What it keeps per element-group is who claims it ([`Claim`]), to know whose elements are
+/// in the kernel.
 #[derive(Debug, Clone, Default)]
 struct AppliedTable {
     units: FastMap<Owner, Unit>,
-    /// Every element key with its contributors' values; the first owner's value is the one
-    /// in the kernel.
-    elements: FastMap<(&'static str, ElemKey), Contributors>,
+    /// The owners of every claim; the first one's elements are in the kernel.
+    claims: FastMap<Claim, Owners>,
+    /// The static objects' elements.
+    base_elements: Vec<Element>,
     /// Which sets are verdict maps (for `flush map`).
     set_is_map: HashMap<String, bool>,
     /// The sum of the units' bounds: what the flat sets are sized for.
     bounds: SetBounds,
+    /// What the Service ports were rendered with, besides their own state.
+    context: Option<Context>,
 }
 
-/// A hash map with a fast, seeded hash: the record holds an entry per set element (two
-/// million at 100,000 Services), where SipHash cost a tenth of a full sync's user time.
+/// Everything a Service port's elements depend on besides the port's own state
+/// ([`render_service`] reads the family's node IPs and the configuration): a partial sync
+/// renders the applied ports again to know what the kernel holds, which is only right in
+/// the same context. Any change of it makes the sync a full one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Context {
+    node_ips: Vec<IpAddr>,
+    config: NodeConfig,
+}
+
+impl Context {
+    fn of(state: &FamilyState, config: &NodeConfig) -> Self {
+        Context {
+            node_ips: state.node_ips.clone(),
+            config: config.clone(),
+        }
+    }
+}
+
+/// A hash map with a fast, seeded hash: the record holds an entry per claim (a million and
+/// more at 100,000 Services), where SipHash cost a tenth of a full sync's user time.
 type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 fn hash_of<T: Hash>(t: &T) -> u64 {
@@ -854,7 +1013,15 @@ impl<K: Kernel> Applier<K> {
             .families
             .iter()
             .any(|f| !self.tables.contains_key(&f.family));
-        let mut full = self.need_full || changed.is_none() || drifted || unknown_family;
+        // The applied ports are rendered again in their old context to know what the kernel
+        // holds: a changed context (node addresses, configuration) needs a full sync.
+        let context_changed = desired.families.iter().any(|state| {
+            self.tables
+                .get(&state.family)
+                .is_some_and(|t| t.context.as_ref() != Some(&Context::of(state, config)))
+        });
+        let mut full =
+            self.need_full || changed.is_none() || drifted || unknown_family || context_changed;
         // The static objects of a partial sync, rendered once (in the flat layout their sets'
         // sizes come from a pass over every Service port).
         let mut bases = Vec::new();
@@ -940,7 +1107,7 @@ impl<K: Kernel> Applier<K> {
         let mut bounds = table.bounds;
         for name in changed {
             if let Some(unit) = table.units.get(&Owner::Service(Arc::new(name.clone()))) {
-                bounds.remove(&unit.bounds);
+                bounds.remove(&unit.bounds());
             }
             if let Some(svc) = state.services.get(name) {
                 bounds.add(&SetBounds::of_port(svc));
@@ -1087,27 +1254,42 @@ impl<K: Kernel> Applier<K> {
             let applied = self.tables.get_mut(&family).expect("checked above");
             let mut plan = Plan::default();
             let base = objects_of_base(base);
-            plan.unit(applied, Owner::Base, Some(base), false);
+            // Every changed owner's elements before and after (the static objects always:
+            // the node's addresses are among them).
+            let mut changes = Vec::with_capacity(changed.len() + 1);
+            let new_base = Claimed::new(base.elements.clone());
+            let old_base = Claimed::new(std::mem::take(&mut applied.base_elements));
+            applied.base_elements = base.elements.clone();
+            plan.unit(applied, Owner::Base, Some(base), None, false);
+            changes.push((Owner::Base, old_base, new_base));
             for name in changed {
                 let owner = Owner::Service(Arc::new(name.clone()));
-                if let Some(unit) = applied.units.get(&owner) {
-                    applied.bounds.remove(&unit.bounds);
+                let old = applied.units.get(&owner).and_then(|u| u.source.clone());
+                if let Some(old) = &old {
+                    applied.bounds.remove(&SetBounds::of_port(old));
                 }
+                let old = old
+                    .map(|old| Claimed::new(render_service(&old, state, config).elements))
+                    .unwrap_or_default();
                 let svc = state.services.get(name);
-                let objs = svc.map(|svc| render_service(svc, state, config));
-                plan.unit(applied, owner.clone(), objs, false);
-                if let (Some(svc), Some(unit)) = (svc, applied.units.get_mut(&owner)) {
-                    unit.bounds = SetBounds::of_port(svc);
-                    applied.bounds.add(&unit.bounds);
+                let mut objs = svc.map(|svc| render_service(svc, state, config));
+                let new = objs
+                    .as_mut()
+                    .map(|o| Claimed::new(std::mem::take(&mut o.elements)))
+                    .unwrap_or_default();
+                plan.unit(applied, owner.clone(), objs, svc.cloned(), false);
+                if let Some(svc) = svc {
+                    applied.bounds.add(&SetBounds::of_port(svc));
                 }
+                changes.push((owner, old, new));
             }
+            plan.settle_elements(applied, changes, state, config);
             stale.extend(plan.stale.iter().map(|c| (family, c.clone())));
             // A chain waiting for deletion that is wanted again (an endpoint back before its
             // old chain was deleted) is re-used, not deleted.
             for (name, _) in &plan.add_chains {
                 self.stale.remove(&(family, name.clone()));
             }
-            plan.settle_elements(applied);
             plan.write(&mut tx, family);
         }
         (tx, stale)
@@ -1135,53 +1317,119 @@ struct Plan {
     delete_elements: Vec<(&'static str, ElemKey)>,
     add_elements: Vec<Element>,
     stale: Vec<String>,
-    /// Every element key a partial sync touched, with the value the kernel held for it
-    /// before this transaction: several owners of one key (two ports of a Service sharing a
-    /// ClusterIP or a hairpin element, with their own comments) may each move the winner,
-    /// and the kernel must see one change per key, from the first value to the last.
-    initial: BTreeMap<(&'static str, ElemKey), Option<ElemValue>>,
 }
 
 impl Plan {
-    /// Turns the touched element keys into deletions and additions: what the kernel held
-    /// before the transaction against the winner in `applied` now.
-    fn settle_elements(&mut self, applied: &AppliedTable) {
-        for (k, was) in std::mem::take(&mut self.initial) {
-            let now = winner(applied, &k);
-            if was == now {
-                continue;
+    /// Plans the element changes of a partial sync: `changes` holds every changed owner with
+    /// its elements before and after. For each claim they touch, the owners are updated,
+    /// and the elements of its first owner before (what the kernel holds) are turned into
+    /// those of its first owner after, key by key. An unchanged owner that wins or loses a
+    /// claim (another Service took its external IP, or left it) is rendered again.
+    fn settle_elements(
+        &mut self,
+        applied: &mut AppliedTable,
+        changes: Vec<(Owner, Claimed, Claimed)>,
+        state: &FamilyState,
+        config: &NodeConfig,
+    ) {
+        let mut touched: BTreeMap<Claim, Option<Owner>> = BTreeMap::new();
+        for (_, old, new) in &changes {
+            for (claim, _) in old.groups().chain(new.groups()) {
+                touched
+                    .entry(claim)
+                    .or_insert_with(|| applied.claims.get(&claim).map(|o| o.first().clone()));
             }
-            if was.is_some() {
-                self.delete_elements.push(k);
+        }
+        for (owner, old, new) in &changes {
+            for (claim, _) in old.groups() {
+                if !new.has(claim)
+                    && let Some(owners) = applied.claims.get_mut(&claim)
+                    && !owners.remove(owner)
+                {
+                    applied.claims.remove(&claim);
+                }
             }
-            if let Some((value, data, comment)) = now {
-                self.add_elements.push(Element {
-                    set: k.0,
-                    key: k.1,
-                    value,
-                    data,
-                    comment,
-                });
+            for (claim, _) in new.groups() {
+                if !old.has(claim) {
+                    match applied.claims.get_mut(&claim) {
+                        Some(owners) => owners.insert(owner.clone()),
+                        None => {
+                            applied.claims.insert(claim, Owners::One(owner.clone()));
+                        }
+                    }
+                }
             }
+        }
+        let by_owner: HashMap<&Owner, (&Claimed, &Claimed)> = changes
+            .iter()
+            .map(|(o, old, new)| (o, (old, new)))
+            .collect();
+        // Unchanged owners rendered again, once each.
+        let mut rendered: HashMap<Owner, Claimed> = HashMap::new();
+        let current = |owner: &Owner| -> Claimed {
+            let unit = applied.units.get(owner);
+            match unit.and_then(|u| u.source.as_deref()) {
+                Some(svc) => Claimed::new(render_service(svc, state, config).elements),
+                None => Claimed::new(applied.base_elements.clone()),
+            }
+        };
+        for (claim, before) in touched {
+            let after = applied.claims.get(&claim).map(|o| o.first().clone());
+            let mut elements_of = |owner: &Option<Owner>, old: bool| -> Vec<Element> {
+                let Some(owner) = owner else {
+                    return Vec::new();
+                };
+                let of = |c: &Claimed| c.of(claim).iter().map(|(_, e)| e.clone()).collect();
+                match by_owner.get(owner) {
+                    Some((o, n)) => of(if old { o } else { n }),
+                    None => of(rendered
+                        .entry(owner.clone())
+                        .or_insert_with(|| current(owner))),
+                }
+            };
+            let was = elements_of(&before, true);
+            let now = elements_of(&after, false);
+            self.diff_elements(was, now);
         }
     }
 
-    /// Plans the change of one owner's objects from what `applied` remembers to `objs`
-    /// (`None`: the owner is gone), updating `applied`. `rewrite`: rewrite every chain even if
-    /// unchanged (full sync).
+    /// Deletions and additions that turn `was` into `now` (both sorted by set and key, one
+    /// element per key): an element whose value or comment changed is deleted and added.
+    fn diff_elements(&mut self, was: Vec<Element>, now: Vec<Element>) {
+        let value = |e: &Element| (e.value.clone(), e.data, e.comment.clone()) as ElemValue;
+        let mut now = now.into_iter().peekable();
+        for old in was {
+            let key = (old.set, old.key);
+            while let Some(n) = now.next_if(|n| (n.set, n.key) < key) {
+                self.add_elements.push(n);
+            }
+            match now.next_if(|n| (n.set, n.key) == key) {
+                Some(n) if value(&n) == value(&old) => {}
+                Some(n) => {
+                    self.delete_elements.push(key);
+                    self.add_elements.push(n);
+                }
+                None => self.delete_elements.push(key),
+            }
+        }
+        self.add_elements.extend(now);
+    }
+
+    /// Plans the change of one owner's chains and sets from what `applied` remembers to
+    /// `objs` (`None`: the owner is gone), updating `applied`; `source` is the Service port's
+    /// state `objs` was rendered from. `rewrite`: rewrite every chain even if unchanged (full
+    /// sync). Elements are not looked at: see [`Plan::settle_elements`].
     fn unit(
         &mut self,
         applied: &mut AppliedTable,
         owner: Owner,
         objs: Option<ServiceObjects>,
+        source: Option<Arc<ServicePortState>>,
         rewrite: bool,
     ) {
         let old = applied.units.remove(&owner).unwrap_or_default();
-        let ServiceObjects {
-            chains,
-            sets,
-            elements,
-        } = objs.unwrap_or_default();
+        let gone = objs.is_none();
+        let ServiceObjects { chains, sets, .. } = objs.unwrap_or_default();
         let mut unit = Unit::default();
 
         // Sets: new ones are added; ones whose spec changed are re-created, which needs
@@ -1237,56 +1485,10 @@ impl Plan {
                 self.delete_sets.push((name.clone(), is_map));
             }
         }
-        // Elements: withdraw the old contributions, add the new ones, and emit kernel changes
-        // only where the winning value changes (a full sync adds every winner at the end, and
-        // needs neither what it touched nor what was there before).
-        let mut touched: BTreeSet<(&'static str, ElemKey)> = BTreeSet::new();
-        let before: HashMap<(&'static str, ElemKey), Option<ElemValue>> = if rewrite {
-            HashMap::new()
-        } else {
-            old.elements
-                .iter()
-                .copied()
-                .chain(elements.iter().map(|e| (e.set, e.key)))
-                .map(|k| (k, winner(applied, &k)))
-                .collect()
-        };
-        for k in &old.elements {
-            if let Some(owners) = applied.elements.get_mut(k) {
-                if let Ok(i) = owners.binary_search_by(|(o, _)| o.cmp(&owner)) {
-                    owners.remove(i);
-                }
-                if owners.is_empty() {
-                    applied.elements.remove(k);
-                }
-            }
-            if !rewrite {
-                touched.insert(*k);
-            }
+        unit.source = source;
+        if !gone {
+            applied.units.insert(owner, unit);
         }
-        for e in &elements {
-            let k = (e.set, e.key);
-            let owners = applied.elements.entry(k).or_default();
-            // An owner listing one key twice keeps its first value.
-            if let Err(i) = owners.binary_search_by(|(o, _)| o.cmp(&owner)) {
-                owners.insert(
-                    i,
-                    (owner.clone(), (e.value.clone(), e.data, e.comment.clone())),
-                );
-            }
-            unit.elements.push(k);
-            if !rewrite {
-                touched.insert(k);
-            }
-        }
-        if !rewrite {
-            // Full sync: the maps were flushed and every winner is added once at the end.
-            for k in touched {
-                let was = before.get(&k).cloned().flatten();
-                self.initial.entry(k).or_insert(was);
-            }
-        }
-        applied.units.insert(owner, unit);
     }
 
     fn write(&mut self, tx: &mut Transaction, family: IpFamily) {
@@ -1322,13 +1524,6 @@ impl Plan {
             tx.push(family, Op::AddElement(e.clone()));
         }
     }
-}
-
-fn winner(applied: &AppliedTable, k: &(&'static str, ElemKey)) -> Option<ElemValue> {
-    applied
-        .elements
-        .get(k)
-        .and_then(|o| o.first().map(|(_, v)| v.clone()))
 }
 
 /// Writes a full sync into `sink` and commits it: the unwanted families' tables deleted, the
@@ -1436,10 +1631,20 @@ fn full_table(
     }
     emit(tx)?;
 
-    let mut owner_piece = |applied: &mut AppliedTable, owner: Owner, objs: ServiceObjects| {
+    // Elements wait in one buffer per set and reach the sink in runs of one set (the netlink
+    // encoder packs a run into few messages), after the chains they may point to.
+    let mut pending: BTreeMap<&'static str, Vec<Element>> = BTreeMap::new();
+    let mut owner_piece = |applied: &mut AppliedTable,
+                           owner: Owner,
+                           mut objs: ServiceObjects,
+                           source: Option<Arc<ServicePortState>>,
+                           pending: &mut BTreeMap<&'static str, Vec<Element>>,
+                           last: bool|
+     -> Result<(), KernelError> {
         let is_base = owner == Owner::Base;
+        let claimed = Claimed::new(std::mem::take(&mut objs.elements));
         let mut plan = Plan::default();
-        plan.unit(applied, owner, Some(objs), true);
+        plan.unit(applied, owner.clone(), Some(objs), source, true);
         let mut tx = Transaction::default();
         if !is_base {
             for s in plan.add_sets {
@@ -1452,19 +1657,68 @@ fn full_table(
         for (chain, rule) in plan.rules {
             tx.push(family, Op::AddRule(chain, rule));
         }
-        emit(tx)
+        emit(tx)?;
+        // Owners come in order, so the first to claim something keeps it: a later one is
+        // only noted as a claimant, its elements of that claim stay out.
+        let mut won: Option<(Claim, bool)> = None;
+        for (claim, element) in claimed.0 {
+            let wins = match won {
+                Some((c, w)) if c == claim => w,
+                _ => {
+                    let w = match applied.claims.entry(claim) {
+                        std::collections::hash_map::Entry::Vacant(v) => {
+                            v.insert(Owners::One(owner.clone()));
+                            true
+                        }
+                        std::collections::hash_map::Entry::Occupied(mut o) => {
+                            o.get_mut().insert(owner.clone());
+                            false
+                        }
+                    };
+                    won = Some((claim, w));
+                    w
+                }
+            };
+            if wins {
+                pending.entry(element.set).or_default().push(element);
+            }
+        }
+        for list in pending.values_mut() {
+            if last || list.len() >= ELEMENTS_PER_PIECE {
+                let mut tx = Transaction::default();
+                for e in list.drain(..) {
+                    tx.push(family, Op::AddElement(e));
+                }
+                emit(tx)?;
+            }
+        }
+        Ok(())
     };
-    owner_piece(&mut applied, Owner::Base, objects_of_base(base))?;
-    for (name, svc) in &state.services {
+    applied.base_elements = base.elements.clone();
+    let base_last = state.services.is_empty();
+    owner_piece(
+        &mut applied,
+        Owner::Base,
+        objects_of_base(base),
+        None,
+        &mut pending,
+        base_last,
+    )?;
+    let count = state.services.len();
+    for (i, (name, svc)) in state.services.iter().enumerate() {
         let objects = render_service(svc, state, config);
         let owner = Owner::Service(Arc::new(name.clone()));
-        owner_piece(&mut applied, owner.clone(), objects)?;
-        let bounds = SetBounds::of_port(svc);
-        applied.bounds.add(&bounds);
-        if let Some(unit) = applied.units.get_mut(&owner) {
-            unit.bounds = bounds;
-        }
+        owner_piece(
+            &mut applied,
+            owner,
+            objects,
+            Some(svc.clone()),
+            &mut pending,
+            i + 1 == count,
+        )?;
+        applied.bounds.add(&SetBounds::of_port(svc));
     }
+    applied.context = Some(Context::of(state, config));
 
     let wanted_chains: HashSet<String> = chain_names(&applied).collect();
     let stale: Vec<String> = existing
@@ -1474,32 +1728,13 @@ fn full_table(
         .cloned()
         .collect();
     let mut tx = Transaction::default();
-    // Stale sets: unreferenced since every chain was flushed above. A stale map may point at
-    // chains; flushing it first drops those references.
+    // Stale sets: unreferenced since every chain was flushed above, and never filled here. A
+    // stale map may point at chains; flushing it first drops those references.
     for (name, is_map) in &existing.sets {
         if !applied.set_is_map.contains_key(name) {
             tx.push(family, Op::FlushSet(name.clone(), *is_map));
             tx.push(family, Op::DeleteSet(name.clone(), *is_map));
         }
-    }
-    let mut keys: Vec<_> = applied.elements.keys().copied().collect();
-    keys.sort_unstable();
-    for chunk in keys.chunks(ELEMENTS_PER_PIECE) {
-        for k in chunk {
-            if let Some((value, data, comment)) = winner(&applied, k) {
-                tx.push(
-                    family,
-                    Op::AddElement(Element {
-                        set: k.0,
-                        key: k.1,
-                        value,
-                        data,
-                        comment,
-                    }),
-                );
-            }
-        }
-        emit(std::mem::take(&mut tx))?;
     }
     if !tx.is_empty() {
         emit(tx)?;

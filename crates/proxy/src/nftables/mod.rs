@@ -115,6 +115,8 @@ pub mod tracer;
 mod tests;
 
 #[cfg(test)]
+mod apply_props;
+#[cfg(test)]
 mod flat_tests;
 
 pub use render::render;
