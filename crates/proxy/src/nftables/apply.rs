@@ -679,6 +679,29 @@ impl Owners {
     }
 }
 
+/// The claim of each of `elements`, and their indices sorted by claim, key and set, without
+/// repeated keys (of two elements with one key the first listed stays). Indices are sorted
+/// rather than elements, which are large. The set's name is compared last: claim and key
+/// nearly always differ.
+fn claim_order(elements: &[Element]) -> (Vec<Claim>, Vec<u32>) {
+    let claims: Vec<Claim> = elements.iter().map(|e| Claim::of(e.set, &e.key)).collect();
+    let mut order: Vec<u32> = (0..elements.len() as u32).collect();
+    // Stable.
+    order.sort_by(|&a, &b| {
+        let (a, b) = (a as usize, b as usize);
+        (claims[a], elements[a].key, elements[a].set).cmp(&(
+            claims[b],
+            elements[b].key,
+            elements[b].set,
+        ))
+    });
+    order.dedup_by(|b, a| {
+        let (a, b) = (&elements[*a as usize], &elements[*b as usize]);
+        a.key == b.key && a.set == b.set
+    });
+    (claims, order)
+}
+
 /// One owner's elements by claim: sorted by claim, then set and key, one element per key
 /// (an owner listing a key twice keeps the first).
 #[derive(Debug, Default)]
@@ -686,14 +709,17 @@ struct Claimed(Vec<(Claim, Element)>);
 
 impl Claimed {
     fn new(elements: Vec<Element>) -> Self {
-        let mut v: Vec<(Claim, Element)> = elements
-            .into_iter()
-            .map(|e| (Claim::of(e.set, &e.key), e))
-            .collect();
-        // Stable: of two elements with one key the first listed stays first.
-        v.sort_by(|a, b| (a.0, a.1.set, a.1.key).cmp(&(b.0, b.1.set, b.1.key)));
-        v.dedup_by(|b, a| a.1.set == b.1.set && a.1.key == b.1.key);
-        Claimed(v)
+        let (claims, order) = claim_order(&elements);
+        let mut slots: Vec<Option<Element>> = elements.into_iter().map(Some).collect();
+        Claimed(
+            order
+                .into_iter()
+                .map(|i| {
+                    let i = i as usize;
+                    (claims[i], slots[i].take().expect("each index once"))
+                })
+                .collect(),
+        )
     }
 
     /// Each claim with its elements, in order.
@@ -1633,16 +1659,16 @@ fn full_table(
 
     // Elements wait in one buffer per set and reach the sink in runs of one set (the netlink
     // encoder packs a run into few messages), after the chains they may point to.
-    let mut pending: BTreeMap<&'static str, Vec<Element>> = BTreeMap::new();
+    let mut pending = Pending::default();
     let mut owner_piece = |applied: &mut AppliedTable,
                            owner: Owner,
                            mut objs: ServiceObjects,
                            source: Option<Arc<ServicePortState>>,
-                           pending: &mut BTreeMap<&'static str, Vec<Element>>,
+                           pending: &mut Pending,
                            last: bool|
      -> Result<(), KernelError> {
         let is_base = owner == Owner::Base;
-        let claimed = Claimed::new(std::mem::take(&mut objs.elements));
+        let elements = std::mem::take(&mut objs.elements);
         let mut plan = Plan::default();
         plan.unit(applied, owner.clone(), Some(objs), source, true);
         let mut tx = Transaction::default();
@@ -1659,10 +1685,14 @@ fn full_table(
         }
         emit(tx)?;
         // Owners come in order, so the first to claim something keeps it: a later one is
-        // only noted as a claimant, its elements of that claim stay out.
+        // only noted as a claimant, its elements of that claim stay out. Each kept element
+        // is moved once, into its set's pending piece.
+        let (claims, order) = claim_order(&elements);
+        let mut keep = vec![false; elements.len()];
         let mut won: Option<(Claim, bool)> = None;
-        for (claim, element) in claimed.0 {
-            let wins = match won {
+        for i in order {
+            let claim = claims[i as usize];
+            keep[i as usize] = match won {
                 Some((c, w)) if c == claim => w,
                 _ => {
                     let w = match applied.claims.entry(claim) {
@@ -1679,21 +1709,26 @@ fn full_table(
                     w
                 }
             };
-            if wins {
-                pending.entry(element.set).or_default().push(element);
+        }
+        for (element, keep) in elements.into_iter().zip(keep) {
+            if keep {
+                pending.push(family, element);
             }
         }
-        for list in pending.values_mut() {
-            if last || list.len() >= ELEMENTS_PER_PIECE {
-                let mut tx = Transaction::default();
-                for e in list.drain(..) {
-                    tx.push(family, Op::AddElement(e));
+        for (_, piece) in &mut pending.0 {
+            if last || piece.len() >= ELEMENTS_PER_PIECE {
+                emit(std::mem::take(piece))?;
+                if !last {
+                    piece.ops.reserve(ELEMENTS_PER_PIECE);
                 }
-                emit(tx)?;
             }
         }
         Ok(())
     };
+    // The claims of every Service port: about one per destination, NodePort and endpoint
+    // (reserved at once rather than grown, which would rehash a million entries in steps).
+    let bounds = SetBounds::of_state(state);
+    applied.claims.reserve(bounds.claims());
     applied.base_elements = base.elements.clone();
     let base_last = state.services.is_empty();
     owner_piece(
@@ -1740,6 +1775,31 @@ fn full_table(
         emit(tx)?;
     }
     Ok((applied, stale, ops))
+}
+
+/// A full sync's elements waiting for the sink, one piece per set (a handful of sets: a piece
+/// found by a scan, comparing names by address first).
+#[derive(Default)]
+struct Pending(Vec<(&'static str, Transaction)>);
+
+impl Pending {
+    fn push(&mut self, family: IpFamily, e: Element) {
+        let set = e.set;
+        let at = match self
+            .0
+            .iter()
+            .position(|(s, _)| std::ptr::eq(*s, set) || *s == set)
+        {
+            Some(at) => at,
+            None => {
+                let mut piece = Transaction::default();
+                piece.ops.reserve(ELEMENTS_PER_PIECE);
+                self.0.push((set, piece));
+                self.0.len() - 1
+            }
+        };
+        self.0[at].1.push(family, Op::AddElement(e));
+    }
 }
 
 /// Time after which a stale chain is surely unreferenced on old kernels (kube-proxy waits 1 s).

@@ -256,6 +256,12 @@ impl SetBounds {
         total
     }
 
+    /// About how many claims (destinations, NodePorts, endpoint addresses) the ports make:
+    /// the applier's record reserves room for them at once.
+    pub fn claims(&self) -> usize {
+        (self.dsts as usize) + (self.nodeports as usize) + (self.hairpin as usize)
+    }
+
     fn fields(&mut self) -> [&mut u32; 8] {
         [
             &mut self.dsts,
@@ -706,6 +712,11 @@ pub fn render_service(
         .flat_comments
         .then(|| element_comment(&port.name).into());
     let mut out = ServiceObjects::default();
+    // Room for the common case (a ClusterIP and a NodePort, each with a slot per endpoint,
+    // and a hairpin pair per endpoint), so that the list is not grown element by element.
+    let endpoints = svc.cluster_endpoints.len().max(svc.local_endpoints.len());
+    out.elements
+        .reserve(4 + (3 + svc.external_ips.len() + svc.load_balancer_ips.len()) * endpoints);
     let affinity = port.session_affinity_seconds.is_some();
     if affinity {
         // kube-proxy's chains and affinity sets, reached through the `goto` elements of
@@ -887,10 +898,21 @@ pub fn render_service(
         }
     }
 
-    // Hairpin: every endpoint this port may DNAT to.
+    // Hairpin: every endpoint this port may DNAT to (kube-proxy's `allReachable`; in the
+    // order of the lists, not sorted as kube-proxy's endpoint chains are: a set has no order).
     if !affinity {
-        for e in svc.reachable_endpoints() {
-            el(HAIRPIN_IPS, ElemKey::AddrAddr(e.ip, e.ip), None);
+        let cluster = svc.uses_cluster_chain();
+        if cluster {
+            for e in &svc.cluster_endpoints {
+                el(HAIRPIN_IPS, ElemKey::AddrAddr(e.ip, e.ip), None);
+            }
+        }
+        if svc.uses_local_chain() {
+            for e in &svc.local_endpoints {
+                if !(cluster && svc.cluster_endpoints.iter().any(|c| c.ip == e.ip)) {
+                    el(HAIRPIN_IPS, ElemKey::AddrAddr(e.ip, e.ip), None);
+                }
+            }
         }
     }
     out
