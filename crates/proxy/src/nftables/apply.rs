@@ -5,9 +5,9 @@
 //!   pipes the transaction to `nft -f -` as kube-proxy's knftables does (program and
 //!   leading arguments configurable, e.g. `ip netns exec <ns> nft`); [`FakeKernel`] keeps
 //!   the table in memory with the kernel's rules for what may fail, for unit tests.
-//! * [`Applier`]: remembers what it applied (a content hash per chain, the owners of each map
-//!   element) so that a partial sync rewrites only changed chains and touches only changed
-//!   elements; a full sync rewrites every chain and refills every map in one transaction,
+//! * [`Applier`]: remembers what it applied (a content hash per chain, the state each Service
+//!   port was rendered from, the owners of each claim) so that a partial sync rewrites only
+//!   changed chains and touches only changed elements; a full sync rewrites every chain and refills every map in one transaction,
 //!   which corrects any drift; stale chains are flushed in the main transaction and deleted
 //!   in a second one once nothing references them (kube-proxy's `staleChains`).
 
