@@ -124,3 +124,33 @@ fn each_dataplane_check_agrees_with_the_kernel_and_leaves_nothing_behind() {
     // As root on the project's kernels (6.x), tc and cgroup socket programs load.
     assert_eq!(word("ebpf"), "yes", "{report}");
 }
+
+/// A reader that stops early (`nodeport version | head -1`, `nodeport render ... | head`) ends
+/// the command quietly with 141, as a C tool killed by SIGPIPE would be reported, instead of a
+/// panic about a broken pipe.
+#[test]
+fn a_closed_pipe_on_stdout_ends_version_and_render_quietly_with_141() {
+    use std::process::Stdio;
+    let dir = tempfile::tempdir().unwrap();
+    let objects = dir.path().join("objects.yaml");
+    std::fs::write(
+        &objects,
+        "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: default}\nspec:\n  type: NodePort\n  clusterIP: 10.96.0.10\n  ports: [{port: 80, nodePort: 30080}]\n",
+    )
+    .unwrap();
+    let render = ["render", "-f", objects.to_str().unwrap()];
+    for args in [&["version"][..], &render[..]] {
+        // A pipe whose read end is closed before the command starts.
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = Command::new(env!("CARGO_BIN_EXE_nodeport"))
+            .args(args)
+            .stdout(writer)
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(141), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}

@@ -90,6 +90,37 @@ pub fn run(command: Command) -> anyhow::Result<()> {
     }
 }
 
+/// Writes to standard output as `print!` does, except that a reader that went away (`nodeport
+/// render ... | head`) ends the process quietly with status 141, what a shell reports for a
+/// command killed by SIGPIPE (Rust ignores the signal, so the write fails with `EPIPE`
+/// instead, and `print!` would panic). Any other failure (a full disk) still panics with its
+/// message and backtrace, as `print!` does.
+pub fn write_stdout(args: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_fmt(args).and_then(|()| out.flush()) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(141),
+        Err(e) => panic!("failed printing to stdout: {e}"),
+    }
+}
+
+/// `print!` through [`write_stdout`].
+macro_rules! out {
+    ($($arg:tt)*) => {
+        $crate::cmd::write_stdout(format_args!($($arg)*))
+    };
+}
+
+/// `println!` through [`write_stdout`].
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        $crate::cmd::write_stdout(format_args!("{}\n", format_args!($($arg)*)))
+    };
+}
+
+pub(crate) use {out, outln};
+
 /// Raises this process's soft limit on open files to its hard limit, as Go programs (and so
 /// kube-apiserver and kube-proxy) do at start since Go 1.19: a server holding one descriptor per
 /// connection and watch must not stop accepting at the common soft default of 1024.

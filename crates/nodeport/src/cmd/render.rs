@@ -208,21 +208,21 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     match mode {
         ProxyMode::Nftables => {
             let ruleset = nftables::render(&desired, &config);
-            print!("{}", nftables::ruleset::create_all(&ruleset).to_nft());
+            super::out!("{}", nftables::ruleset::create_all(&ruleset).to_nft());
         }
         ProxyMode::Iptables => {
             // One `iptables-restore --noflush` input per family, as a first sync sends it.
             let ruleset = iptables::render(&desired, &config);
             for family in &ruleset.families {
-                println!(
+                super::outln!(
                     "# {} --noflush ({})",
                     iptables::ruleset::restore_program(family.family),
                     family.family.as_str()
                 );
-                print!("{}", iptables::ruleset::create_all(family, true).text());
+                super::out!("{}", iptables::ruleset::create_all(family, true).text());
             }
         }
-        ProxyMode::Ipvs => print!("{}", ipvs::render(&desired, &config).text()),
+        ProxyMode::Ipvs => super::out!("{}", ipvs::render(&desired, &config).text()),
         ProxyMode::Ebpf => {
             // What the maps would hold: one line per frontend.
             let render_config = ebpf::render::RenderConfig {
@@ -231,7 +231,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 fib_forward: true,
             };
             for line in ebpf::render::render(&desired, &render_config).lines(algorithm) {
-                println!("{line}");
+                super::outln!("{line}");
             }
         }
     }

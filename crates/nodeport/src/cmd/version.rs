@@ -125,11 +125,10 @@ pub fn run(_args: Args) -> anyhow::Result<()> {
             .unwrap_or_else(|e| format!("unknown ({e})")),
         checks: check_all(),
     };
-    // print!, not a write that swallows errors: a closed or full stdout is a panic with its
-    // backtrace, as for every other Rust CLI (the package check relies on that to see that
-    // backtraces carry file and line).
-    print!("{report}");
-    std::io::stdout().flush()?;
+    // Not a write that swallows errors: a full stdout is a panic with its backtrace, as for
+    // every other Rust CLI (the package check relies on that to see that backtraces carry
+    // file and line); a closed pipe (`| head`) ends the command quietly (see `write_stdout`).
+    super::write_stdout(format_args!("{report}"));
     Ok(())
 }
 
