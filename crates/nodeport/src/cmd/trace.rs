@@ -21,6 +21,8 @@ use serde::Serialize;
 use super::render::{self, Prepared};
 use super::{Exit, UsageError};
 
+mod live;
+
 /// Exit code: the packet is dropped or rejected, or is not for a Service.
 const EXIT_NOT_DELIVERED: u8 = 1;
 /// Exit code: the packet could not be traced (unreadable input, a mode without tracer, no
@@ -55,10 +57,16 @@ pub struct Args {
     /// --interface) takes the output path, as a process on the node; any other arrives
     /// from the network (input path). With --service: the outside client external
     /// addresses are traced from [default: 203.0.113.1, or 2001:db8:ffff::1 for IPv6].
-    #[arg(long, value_name = "ADDR", required_unless_present = "service")]
+    /// With --live: only packets from this address or CIDR [default: any source].
+    #[arg(
+        long,
+        value_name = "ADDR",
+        required_unless_present_any = ["service", "live"]
+    )]
     from: Option<String>,
     /// Destination: ADDR:PORT/PROTO, e.g. 192.0.2.11:30569/tcp or [2001:db8::1]:80/tcp
-    /// (the protocol defaults to tcp).
+    /// (the protocol defaults to tcp). With --live the address may be left out
+    /// (:30569/tcp): any address of the node.
     #[arg(
         long,
         value_name = "ADDR:PORT/PROTO",
@@ -92,6 +100,24 @@ pub struct Args {
     /// detected as the proxy does; not the ebpf mode's maps yet).
     #[arg(long, default_value = "render", value_name = "render|kernel")]
     rules: String,
+    /// Trace real packets: the first packet of each of the next --count new connections to
+    /// --to (from --from), as the kernel sees them (nftables trace events, conntrack), each
+    /// explained as --rules kernel explains it. nftables and iptables-nft only; in
+    /// iptables-legacy the packet of --from/--to is traced through the kernel's rules
+    /// instead.
+    #[arg(long, conflicts_with = "service")]
+    live: bool,
+    /// With --live: how many packets to trace.
+    #[arg(long, default_value_t = 1, requires = "live", value_name = "N")]
+    count: usize,
+    /// With --live: how long to wait for them (30s, 500ms, 2m; a number is seconds).
+    #[arg(
+        long,
+        default_value = "30s",
+        requires = "live",
+        value_name = "DURATION"
+    )]
+    timeout: String,
     #[command(flatten)]
     render: render::Flags,
 }
@@ -639,12 +665,23 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             )));
         }
     };
+    // --live takes a CIDR too.
+    let live_from = match (&args.from, args.live) {
+        (Some(v), true) => Some(live::parse_from(v)?),
+        _ => None,
+    };
     let from = match &args.from {
-        Some(v) => Some(
+        Some(v) if !args.live => Some(
             v.parse::<IpAddr>()
                 .map_err(|_| usage(format!("invalid value {v:?} for --from: not an IP address")))?,
         ),
-        None => None,
+        _ => live_from
+            .filter(|n| n.prefix_len() == n.max_prefix_len())
+            .map(|n| n.addr()),
+    };
+    let live_to = match (&args.to, args.live) {
+        (Some(v), true) => Some(live::parse_to(v)?),
+        _ => None,
     };
     let service = match &args.service {
         Some(v) => match v.split_once('/') {
@@ -660,8 +697,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         None => None,
     };
     let to = match &args.to {
-        Some(v) => Some(parse_to(v)?),
-        None => None,
+        Some(v) if !args.live => Some(parse_to(v)?),
+        _ => live_to.and_then(|(ip, port, proto)| Some((SocketAddr::new(ip?, port), proto))),
     };
     if let (Some(from), Some((to, _))) = (from, to)
         && IpFamily::of(from) != IpFamily::of(to.ip())
@@ -671,7 +708,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             to.ip()
         )));
     }
+    if let (Some(net), Some((Some(ip), ..))) = (live_from, live_to)
+        && IpFamily::of(net.addr()) != IpFamily::of(ip)
+    {
+        return Err(usage(format!(
+            "--from {net} and --to {ip} are not of the same IP family"
+        )));
+    }
     let mut args = args;
+    if args.live {
+        // Real packets are explained with what the kernel holds.
+        args.rules = "kernel".to_string();
+    }
     if args.rules == "kernel" && args.render.proxy_mode.is_none() {
         args.render.proxy_mode = Some(detect_mode()?.as_str().to_string());
     }
@@ -722,6 +770,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         kernel,
         in_interface: args.in_interface.clone(),
     };
+    if args.live {
+        let (daddr, dport, protocol) = live_to.expect("clap requires --to with --live");
+        let selector = nodeport_proxy::nftables::netlink::nftrace::Selector {
+            protocol,
+            dport,
+            daddr,
+            from: live_from,
+        };
+        let timeout = live::parse_duration(&args.timeout)?;
+        return live::run(&tracing, &selector, args.count, timeout, json, (from, to));
+    }
     let reached = match (service, from, to) {
         (Some((ns, name)), _, _) => trace_service(&tracing, &ns, &name, from, json)?,
         (None, Some(from), Some((to, proto))) => trace_packet(&tracing, from, to, proto, json)?,
