@@ -14,6 +14,10 @@ use proxy_support::*;
 fn trace(c: &Cluster, mode: Mode, rules: &str, args: &[&str]) -> (String, i32) {
     let mut cmd = c.node.command(env!("CARGO_BIN_EXE_nodeport"));
     cmd.args(["trace", "--rules", rules]);
+    // The proxy's pin root, where the ebpf mode's maps are read.
+    if let Some(ebpf) = &c.ebpf {
+        cmd.arg("--ebpf-pin-root").arg(&ebpf.pin_root);
+    }
     // The kernel's trace finds the mode (and the nftables layout) on the node by itself.
     if rules == "render" {
         cmd.args(["--proxy-mode", mode.as_str()])
@@ -47,7 +51,7 @@ fn trace(c: &Cluster, mode: Mode, rules: &str, args: &[&str]) -> (String, i32) {
                 "nftables, as this node's kernel holds them (nft -j list table ip/ip6 kube-proxy, the kube-proxy layout)"
             }
             Mode::Iptables => "iptables, as this node's kernel holds them (iptables-",
-            Mode::Ebpf => unreachable!("not read"),
+            Mode::Ebpf => "ebpf, as this node's kernel holds them (the BPF maps pinned under /",
         };
         assert!(rules_line.contains(held), "{stdout}");
     }
@@ -255,7 +259,13 @@ fn iptables_rules_trace_as_the_proxy_programs_them_and_a_broken_kernel_is_told_a
 }
 
 #[test]
-fn the_ebpf_modes_kernel_state_cannot_be_read_yet_and_exits_3() {
+fn the_ebpf_modes_pinned_maps_trace_as_the_proxy_programs_them() {
+    the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(Mode::Ebpf);
+}
+
+#[test]
+fn the_ebpf_mode_without_pinned_maps_cannot_be_traced_and_exits_3() {
+    let empty = tempfile::tempdir().unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_nodeport"))
         .args([
             "trace",
@@ -266,6 +276,8 @@ fn the_ebpf_modes_kernel_state_cannot_be_read_yet_and_exits_3() {
             "-f",
             "-",
         ])
+        .arg("--ebpf-pin-root")
+        .arg(empty.path())
         .args(["--from", "192.0.2.1", "--to", "192.0.2.10:80/tcp"])
         .stdin(std::process::Stdio::null())
         .output()
@@ -273,7 +285,10 @@ fn the_ebpf_modes_kernel_state_cannot_be_read_yet_and_exits_3() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(3), "{stderr}");
     assert!(
-        stderr.contains("(its BPF maps) cannot be read yet"),
+        stderr.contains(&format!(
+            "--rules kernel: reading the ebpf mode's maps pinned under {}: eBPF map np_services",
+            empty.path().display()
+        )),
         "{stderr}"
     );
 }

@@ -97,7 +97,7 @@ pub struct Args {
     /// Which rules to trace: "render" (what the proxy would program for the objects) or
     /// "kernel" (what this node's kernel holds now, named with the objects: the nftables
     /// mode's table read with `nft -j`, the iptables mode's with iptables-save, the variant
-    /// detected as the proxy does; not the ebpf mode's maps yet).
+    /// detected as the proxy does; the ebpf mode's pinned maps).
     #[arg(long, default_value = "render", value_name = "render|kernel")]
     rules: String,
     /// Trace real packets: the first packet of each of the next --count new connections to
@@ -107,6 +107,10 @@ pub struct Args {
     /// instead.
     #[arg(long, conflicts_with = "service")]
     live: bool,
+    /// ebpf mode, --rules kernel: where the running proxy pinned its maps (its
+    /// --ebpf-pin-root).
+    #[arg(long, value_name = "DIR", default_value = super::ebpf::DEFAULT_PIN_ROOT)]
+    ebpf_pin_root: PathBuf,
     /// With --live: how many packets to trace.
     #[arg(long, default_value_t = 1, requires = "live", value_name = "N")]
     count: usize,
@@ -273,20 +277,48 @@ enum KernelRules {
         /// IPv4, IPv6 (`None`: no such table).
         listed: [Option<nftables::listing::Listed>; 2],
     },
+    /// The ebpf mode's pinned maps, read back into what the tracer walks.
+    Ebpf {
+        /// The pin root read.
+        pin_root: PathBuf,
+        /// Frontends, backends and source ranges as the kernel holds them.
+        maps: ebpf::render::Rendered,
+    },
 }
 
 impl KernelRules {
-    /// Reads both families' rules of `mode`.
-    fn read(mode: ProxyMode) -> anyhow::Result<Self> {
-        match mode {
-            ProxyMode::Iptables => Self::read_iptables(),
-            ProxyMode::Nftables => Ok(KernelRules::Nftables {
+    /// Reads both families' rules of `mode`; `named` (the objects rendered for the ebpf
+    /// mode) names the kernel's frontends.
+    fn read(mode: ProxyMode, pin_root: &std::path::Path, named: &Rendered) -> anyhow::Result<Self> {
+        match (mode, named) {
+            (ProxyMode::Iptables, _) => Self::read_iptables(),
+            (ProxyMode::Nftables, _) => Ok(KernelRules::Nftables {
                 listed: [Self::read_nft(IpFamily::V4)?, Self::read_nft(IpFamily::V6)?],
             }),
-            other => Err(untraceable(format!(
-                "--rules kernel reads the nftables and iptables modes' rules; the {} mode's \
-                 kernel state (its BPF maps) cannot be read yet: --rules render traces what \
-                 the proxy would program",
+            (ProxyMode::Ebpf, Rendered::Ebpf(named)) => {
+                let read = || -> Result<_, ebpf::programs::Error> {
+                    let maps = ebpf::programs::Maps::open_pinned(pin_root)?;
+                    Ok((maps.frontends()?, maps.backends()?, maps.source_ranges()?))
+                };
+                let (frontends, backends, ranges) = read().map_err(|e| {
+                    untraceable(format!(
+                        "--rules kernel: reading the ebpf mode's maps pinned under {}: {}",
+                        pin_root.display(),
+                        anyhow::Error::from(e)
+                            .chain()
+                            .map(|c| c.to_string())
+                            .collect::<Vec<_>>()
+                            .join(": ")
+                    ))
+                })?;
+                Ok(KernelRules::Ebpf {
+                    pin_root: pin_root.to_path_buf(),
+                    maps: ebpf::render::from_maps(&frontends, &backends, &ranges, named),
+                })
+            }
+            (other, _) => Err(untraceable(format!(
+                "--rules kernel reads the nftables, iptables and ebpf modes' state; the {} \
+                 mode has no tracer",
                 other.as_str()
             ))),
         }
@@ -358,6 +390,12 @@ impl KernelRules {
                 "nft -j list table ip/ip6 kube-proxy, the {} layout",
                 self.layout().unwrap_or("flat")
             ),
+            KernelRules::Ebpf { pin_root, .. } => {
+                format!(
+                    "the BPF maps pinned under {}",
+                    pin_root.join("maps").display()
+                )
+            }
         }
     }
 
@@ -388,6 +426,7 @@ impl KernelRules {
                 };
                 nftables::tracer::trace(&ruleset, packet, env)
             }
+            KernelRules::Ebpf { maps, .. } => ebpf::tracer::trace(maps, packet, env),
         }
     }
 
@@ -399,6 +438,8 @@ impl KernelRules {
             KernelRules::Nftables { listed } => {
                 listed[i].as_ref().map_or(&[][..], |l| &l.skipped[..])
             }
+            // Every frontend, backend and range is read.
+            KernelRules::Ebpf { .. } => &[],
         }
     }
 }
@@ -406,7 +447,7 @@ impl KernelRules {
 /// The dataplane whose rules this network namespace holds, for `--rules kernel` without
 /// `--proxy-mode`: a `kube-proxy` nftables table, else iptables `KUBE-SERVICES` chains (either
 /// variant), else none we can read.
-fn detect_mode() -> anyhow::Result<ProxyMode> {
+fn detect_mode(pin_root: &std::path::Path) -> anyhow::Result<ProxyMode> {
     let holds = |program: &str, args: &[&str], needle: &str| {
         std::process::Command::new(program)
             .args(args)
@@ -430,10 +471,16 @@ fn detect_mode() -> anyhow::Result<ProxyMode> {
             return Ok(ProxyMode::Iptables);
         }
     }
-    Err(untraceable(
-        "--rules kernel: this node holds no nftables table kube-proxy and no iptables \
-         KUBE-SERVICES chain (the ebpf mode's maps cannot be read yet); give --proxy-mode",
-    ))
+    let services = pin_root.join("maps").join(ebpf::maps::names::SERVICES);
+    if services.exists() {
+        return Ok(ProxyMode::Ebpf);
+    }
+    Err(untraceable(format!(
+        "--rules kernel: this node holds no nftables table kube-proxy, no iptables \
+         KUBE-SERVICES chain and no BPF maps pinned under {}; give --proxy-mode (and \
+         --ebpf-pin-root)",
+        pin_root.display()
+    )))
 }
 
 /// What besides the proxy's rules decides the fate on this node, for `--rules kernel`: a
@@ -721,7 +768,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         args.rules = "kernel".to_string();
     }
     if args.rules == "kernel" && args.render.proxy_mode.is_none() {
-        args.render.proxy_mode = Some(detect_mode()?.as_str().to_string());
+        args.render.proxy_mode = Some(detect_mode(&args.ebpf_pin_root)?.as_str().to_string());
     }
     let (text, source, origin) = match &args.file {
         Some(file) => (
@@ -750,10 +797,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let kernel = match args.rules.as_str() {
         "render" => None,
         "kernel" => {
-            let rules = KernelRules::read(prepared.mode)?;
-            // The node as it is: its own addresses decide the path and `fib … type local`.
+            // The node as it is: its own addresses decide the path and `fib … type local`
+            // (and name the ebpf mode's frontends, which are per address).
             prepared.facts.local_ips = local_addresses()?;
-            Some(rules)
+            let named = Rendered::of(&prepared)?;
+            Some(KernelRules::read(
+                prepared.mode,
+                &args.ebpf_pin_root,
+                &named,
+            )?)
         }
         other => {
             return Err(usage(format!(
