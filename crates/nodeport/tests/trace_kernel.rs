@@ -180,6 +180,37 @@ fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mod
         "{out}"
     );
 
+    // Another table's drop rules in a hook the packet crosses are noted (a forward filter:
+    // the NodePort's endpoints are on other nodes or in pods routed through this one); a
+    // packet to a local address that only crosses input is not concerned.
+    if mode != Mode::Ebpf {
+        c.node
+            .run_with_stdin(
+                &["nft", "-f", "-"],
+                format!(
+                    "table inet site {{\n chain forward {{\n type filter hook forward priority 0;\n \
+                     ip saddr {CLIENT2_IP} drop\n }}\n}}\n"
+                )
+                .as_bytes(),
+            )
+            .unwrap();
+        let (out, _) = trace(&c, mode, "kernel", &["--from", CLIENT_IP, "--to", &web_to]);
+        let (to_node, _) = trace(
+            &c,
+            mode,
+            "kernel",
+            &["--from", CLIENT_IP, "--to", "192.0.2.10:22/tcp"],
+        );
+        c.node
+            .run(&["nft", "delete", "table", "inet", "site"])
+            .unwrap();
+        assert!(
+            out.contains("note        table inet site chain forward (hook forward, priority 0) holds 1 drop or reject rule(s): it may drop this packet, outside the proxy's rules"),
+            "{mode:?}: {out}"
+        );
+        assert!(!to_node.contains("inet site"), "{mode:?}: {to_node}");
+    }
+
     // Rules removed by hand behind the proxy's back: the kernel's trace says what it holds
     // and that the proxy would program something else. (The nftables mode notices a changed
     // table at once and repairs it, so only the iptables mode keeps the damage long enough

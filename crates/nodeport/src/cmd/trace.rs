@@ -261,6 +261,181 @@ struct Tracing {
     kernel: Option<KernelRules>,
     /// `--in-interface`.
     in_interface: Option<String>,
+    /// `--rules kernel`: other tables' base chains that can drop packets.
+    foreign: Vec<ForeignChain>,
+}
+
+/// A base chain outside the proxy's rules that holds drop or reject rules, or a drop policy
+/// (`nft -j list ruleset`: nftables tables and iptables-nft's).
+#[derive(Debug, Clone, PartialEq)]
+struct ForeignChain {
+    /// `ip`, `ip6` or `inet`.
+    family: String,
+    table: String,
+    chain: String,
+    /// `prerouting`, `input`, `forward`, `output` or `postrouting`.
+    hook: String,
+    priority: i64,
+    policy_drop: bool,
+    /// Drop and reject rules in the chain and the regular chains it jumps to.
+    drops: usize,
+}
+
+impl ForeignChain {
+    fn describe(&self) -> String {
+        let mut what = Vec::new();
+        if self.drops > 0 {
+            what.push(format!("{} drop or reject rule(s)", self.drops));
+        }
+        if self.policy_drop {
+            what.push("policy drop".to_string());
+        }
+        format!(
+            "table {} {} chain {} (hook {}, priority {}) holds {}: it may drop this packet, \
+             outside the proxy's rules (--live shows whether it does)",
+            self.family,
+            self.table,
+            self.chain,
+            self.hook,
+            self.priority,
+            what.join(" and ")
+        )
+    }
+}
+
+/// The base chains of `nft -j list ruleset` that can drop packets and are not the proxy's
+/// (its `kube-proxy` tables, the `KUBE-` chains of iptables-nft) nor a live tracer's.
+fn foreign_chains(listing: &str) -> Vec<ForeignChain> {
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(listing) else {
+        return Vec::new();
+    };
+    let items = v["nftables"].as_array().cloned().unwrap_or_default();
+    let ours = |table: &str, chain: &str| {
+        table == nftables::ruleset::TABLE
+            || table.starts_with(nftables::netlink::nftrace::TABLE_PREFIX)
+            || chain.starts_with("KUBE-")
+    };
+    // Per (family, table, chain): drop rules, and the chains it jumps to.
+    type Key = (String, String, String);
+    let mut drops: std::collections::HashMap<Key, usize> = Default::default();
+    let mut jumps: std::collections::HashMap<Key, Vec<String>> = Default::default();
+    for item in &items {
+        let Some(rule) = item.get("rule") else {
+            continue;
+        };
+        let key = (
+            rule["family"].as_str().unwrap_or_default().to_string(),
+            rule["table"].as_str().unwrap_or_default().to_string(),
+            rule["chain"].as_str().unwrap_or_default().to_string(),
+        );
+        for e in rule["expr"].as_array().into_iter().flatten() {
+            let xt_target = e["xt"]["type"] == "target";
+            if e.get("drop").is_some()
+                || e.get("reject").is_some()
+                || (xt_target && matches!(e["xt"]["name"].as_str(), Some("REJECT" | "DROP")))
+            {
+                *drops.entry(key.clone()).or_default() += 1;
+            }
+            for verb in ["jump", "goto"] {
+                if let Some(target) = e[verb]["target"].as_str() {
+                    jumps
+                        .entry(key.clone())
+                        .or_default()
+                        .push(target.to_string());
+                }
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for item in &items {
+        let Some(chain) = item.get("chain") else {
+            continue;
+        };
+        let (Some(hook), Some(family), Some(table), Some(name)) = (
+            chain["hook"].as_str(),
+            chain["family"].as_str(),
+            chain["table"].as_str(),
+            chain["name"].as_str(),
+        ) else {
+            continue;
+        };
+        if ours(table, name) || !matches!(family, "ip" | "ip6" | "inet") {
+            continue;
+        }
+        // The chain and the regular chains it reaches, the proxy's left out.
+        let mut seen = std::collections::BTreeSet::new();
+        let mut todo = vec![name.to_string()];
+        let mut count = 0;
+        while let Some(c) = todo.pop() {
+            if ours(table, &c) || !seen.insert(c.clone()) {
+                continue;
+            }
+            let key = (family.to_string(), table.to_string(), c);
+            count += drops.get(&key).copied().unwrap_or(0);
+            todo.extend(jumps.get(&key).into_iter().flatten().cloned());
+        }
+        let policy_drop = chain["policy"] == "drop";
+        if count > 0 || policy_drop {
+            out.push(ForeignChain {
+                family: family.to_string(),
+                table: table.to_string(),
+                chain: name.to_string(),
+                hook: hook.to_string(),
+                priority: chain["prio"].as_i64().unwrap_or(0),
+                policy_drop,
+                drops: count,
+            });
+        }
+    }
+    out
+}
+
+/// This network namespace's other tables' drop chains (none when `nft` cannot list them).
+fn read_foreign_chains() -> Vec<ForeignChain> {
+    std::process::Command::new("nft")
+        .args(["-j", "list", "ruleset"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| foreign_chains(&String::from_utf8_lossy(&o.stdout)))
+        .unwrap_or_default()
+}
+
+/// The hooks `packet` crosses on its way to the endpoints of `e` (or untranslated).
+fn hooks_crossed(packet: &Packet, e: &Explanation, local: &[IpAddr]) -> Vec<&'static str> {
+    let untranslated = e
+        .outcomes
+        .iter()
+        .any(|o| o.verdict == explain::Verdict::Pass);
+    let here = e
+        .endpoints
+        .iter()
+        .any(|c| c.local || local.contains(&c.endpoint.ip()))
+        || (untranslated && local.contains(&packet.dst));
+    let away = e
+        .endpoints
+        .iter()
+        .any(|c| !c.local && !local.contains(&c.endpoint.ip()))
+        || (untranslated && !local.contains(&packet.dst));
+    let mut hooks = Vec::new();
+    match packet.origin {
+        Origin::Remote => {
+            hooks.push("prerouting");
+            if here {
+                hooks.push("input");
+            }
+            if away {
+                hooks.extend(["forward", "postrouting"]);
+            }
+        }
+        Origin::Local => {
+            hooks.extend(["output", "postrouting"]);
+            if here {
+                hooks.push("input");
+            }
+        }
+    }
+    hooks
 }
 
 /// `--rules kernel`: what this network namespace's kernel holds, per family.
@@ -636,6 +811,16 @@ impl Tracing {
             }
             let notes = node_notes(packet, &explanation, &p.facts.local_ips);
             explanation.notes.extend(notes);
+            let hooks = hooks_crossed(packet, &explanation, &p.facts.local_ips);
+            let family = match IpFamily::of(packet.dst) {
+                IpFamily::V4 => "ip",
+                IpFamily::V6 => "ip6",
+            };
+            for c in &self.foreign {
+                if (c.family == family || c.family == "inet") && hooks.contains(&c.hook.as_str()) {
+                    explanation.notes.push(c.describe());
+                }
+            }
         }
         if let Some(k) = &self.kernel {
             let skipped = k.skipped(IpFamily::of(packet.dst));
@@ -814,6 +999,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     };
     let rendered = Rendered::of(&prepared)?;
+    let prepared_mode = prepared.mode;
     let tracing = Tracing {
         prepared,
         rendered,
@@ -821,6 +1007,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         origin,
         kernel,
         in_interface: args.in_interface.clone(),
+        // The ebpf mode forwards what it translates at tc, past netfilter's hooks.
+        foreign: if args.rules == "kernel" && prepared_mode != ProxyMode::Ebpf {
+            read_foreign_chains()
+        } else {
+            Vec::new()
+        },
     };
     if args.live {
         let (daddr, dport, protocol) = live_to.expect("clap requires --to with --live");
@@ -1071,4 +1263,50 @@ fn objects_from_api(kubeconfig: Option<PathBuf>, master: Option<&str>) -> anyhow
         let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items});
         Ok(serde_json::to_string(&list)?)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn other_tables_drop_chains_are_found_through_their_jumps_and_the_proxys_are_left_out() {
+        let listing = r#"{"nftables": [
+          {"metainfo": {"json_schema_version": 1}},
+          {"chain": {"family": "inet", "table": "site", "name": "forward", "hook": "forward", "prio": 0, "policy": "accept"}},
+          {"chain": {"family": "inet", "table": "site", "name": "more"}},
+          {"chain": {"family": "inet", "table": "site", "name": "input", "hook": "input", "prio": 0, "policy": "drop"}},
+          {"chain": {"family": "inet", "table": "site", "name": "output", "hook": "output", "prio": 0, "policy": "accept"}},
+          {"chain": {"family": "ip", "table": "filter", "name": "INPUT", "hook": "input", "prio": 0, "policy": "accept"}},
+          {"chain": {"family": "ip", "table": "filter", "name": "FORWARD", "hook": "forward", "prio": 0, "policy": "accept"}},
+          {"chain": {"family": "ip", "table": "kube-proxy", "name": "filter-input", "hook": "input", "prio": -110, "policy": "accept"}},
+          {"chain": {"family": "ip", "table": "nodeport-trace-7", "name": "prerouting", "hook": "prerouting", "prio": -150, "policy": "drop"}},
+          {"rule": {"family": "inet", "table": "site", "chain": "forward", "expr": [{"match": {}}, {"drop": null}]}},
+          {"rule": {"family": "inet", "table": "site", "chain": "forward", "expr": [{"jump": {"target": "more"}}]}},
+          {"rule": {"family": "inet", "table": "site", "chain": "more", "expr": [{"reject": {"type": "tcp reset"}}]}},
+          {"rule": {"family": "inet", "table": "site", "chain": "output", "expr": [{"counter": {}}]}},
+          {"rule": {"family": "ip", "table": "filter", "chain": "INPUT", "expr": [{"xt": {"type": "target", "name": "REJECT"}}]}},
+          {"rule": {"family": "ip", "table": "filter", "chain": "FORWARD", "expr": [{"jump": {"target": "KUBE-FORWARD"}}]}},
+          {"rule": {"family": "ip", "table": "filter", "chain": "KUBE-FORWARD", "expr": [{"drop": null}]}},
+          {"rule": {"family": "ip", "table": "kube-proxy", "chain": "filter-input", "expr": [{"drop": null}]}}
+        ]}"#;
+        let found: Vec<(String, usize, bool)> = foreign_chains(listing)
+            .into_iter()
+            .map(|c| {
+                (
+                    format!("{} {} {}", c.family, c.table, c.chain),
+                    c.drops,
+                    c.policy_drop,
+                )
+            })
+            .collect();
+        assert_eq!(
+            found,
+            [
+                ("inet site forward".to_string(), 2, false),
+                ("inet site input".to_string(), 0, true),
+                ("ip filter INPUT".to_string(), 1, false),
+            ]
+        );
+    }
 }
