@@ -44,6 +44,25 @@ impl LiveTrace {
             assert!(Instant::now() < deadline, "no tracer table appeared");
             std::thread::sleep(Duration::from_millis(50));
         }
+        // `nft` reads the tracer's rules back: every `nft -f` of the proxy (which lists the
+        // ruleset into its cache first) keeps working beside them.
+        let listed = node
+            .command("nft")
+            .args(["list", "ruleset"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&listed.stderr);
+        // (nft warns about iptables-nft's tables, and this nft, built without xtables, says
+        // it cannot print their targets; anything else is an error.)
+        let errors: Vec<&str> = stderr
+            .lines()
+            .filter(|l| !(l.starts_with("# Warning: table ") && l.ends_with("do not touch!")))
+            .filter(|l| !(l.starts_with("XT ") && l.ends_with(" not found")))
+            .collect();
+        assert!(
+            listed.status.success() && errors.is_empty(),
+            "nft list ruleset: {stderr}"
+        );
         t
     }
 
@@ -451,5 +470,221 @@ fn with_iptables_legacy_live_says_it_cannot_and_traces_the_packet_through_the_ke
     assert!(
         stderr.contains("give --from ADDR and --to ADDR:PORT/PROTO"),
         "{stderr}"
+    );
+}
+
+/// `nodeport trace --rules kernel` with the proxy's `--nodeport-addresses`: (stdout, code).
+fn kernel_verdict(c: &Cluster, extra: &[&str], from: &str, to: &str) -> (String, Option<i32>) {
+    let out = c
+        .node
+        .command(env!("CARGO_BIN_EXE_nodeport"))
+        .args([
+            "trace",
+            "--rules",
+            "kernel",
+            "--master",
+            "http://127.0.0.1:6443",
+        ])
+        .args(["--node-name", "node-a", "--cluster-cidr", "10.244.0.0/16"])
+        .args(extra)
+        .args(["--from", from, "--to", to])
+        .env("NODEPORT_LOG", "error")
+        .output()
+        .unwrap();
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        out.status.code(),
+    )
+}
+
+/// The end-to-end suite's connections that get no answer (`proxy_end_to_end`: a Service
+/// without endpoints, `externalTrafficPolicy: Local` without a local endpoint, an address
+/// `--nodeport-addresses` leaves out, a client outside `loadBalancerSourceRanges`, an
+/// unallocated ClusterIP of an added ServiceCIDR), each met by a real client, then traced:
+/// the kernel's rules name the cause, and a live trace of a real packet sees it happen there.
+#[test]
+fn every_unanswered_connection_of_the_end_to_end_suite_is_explained_with_its_cause() {
+    if !require_tools(
+        "every_unanswered_connection_of_the_end_to_end_suite_is_explained_with_its_cause",
+        &["kubectl", "nft"],
+    ) {
+        return;
+    }
+    let flags = ["--nodeport-addresses", "192.0.2.0/24"];
+    let c = Cluster::start(Mode::Nftables, &flags);
+    c.apply(&service_yaml("empty", 30090, "", &[])).unwrap();
+    c.apply(&service_yaml(
+        "local",
+        30081,
+        "  externalTrafficPolicy: Local",
+        &[2],
+    ))
+    .unwrap();
+    c.apply(&service_yaml("web", 30084, "", &[1])).unwrap();
+    let lb = service_yaml(
+        "lb",
+        30085,
+        &format!("  loadBalancerSourceRanges: [{CLIENT_IP}/32]"),
+        &[1, 2, 3],
+    )
+    .replace("type: NodePort", "type: LoadBalancer");
+    c.apply(&lb).unwrap();
+    c.kubectl(&[
+        "patch",
+        "svc",
+        "lb",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        r#"{"status":{"loadBalancer":{"ingress":[{"ip":"192.0.2.200"}]}}}"#,
+    ])
+    .unwrap();
+    c.apply(
+        "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: more}\nspec: {cidrs: [10.97.0.0/24]}\n",
+    )
+    .unwrap();
+    let more = service_yaml("more", 30130, "", &[1]).replace(
+        "  type: NodePort\n",
+        "  type: NodePort\n  clusterIP: 10.97.0.10\n",
+    );
+    c.apply(&more).unwrap();
+    eventually(
+        &c.client,
+        "192.0.2.200:80",
+        "the listed client reaches the VIP",
+        |r| matches!(r, Reply::Pod { .. }),
+    );
+    eventually(
+        &c.pods[2],
+        "10.97.0.10:80",
+        "the added range answers",
+        |r| matches!(r, Reply::Pod { .. }),
+    );
+    eventually(
+        &c.client,
+        &format!("{NODE_IP}:30090"),
+        "the empty Service is refused",
+        |r| *r == Reply::Refused,
+    );
+
+    let pod3 = "10.244.3.2";
+    let short = Duration::from_millis(1500);
+    // (client, its address, destination, what it gets, the cause traced, live: where seen)
+    type Case<'a> = (&'a Netns, &'a str, String, Reply, &'a str, Option<&'a str>);
+    let cases: [Case<'_>; 4] = [
+        (
+            &c.client,
+            CLIENT_IP,
+            format!("{NODE_IP}:30090"),
+            Reply::Refused,
+            "fate        reject: default/empty:80/TCP has no endpoints",
+            Some("seen        reject: default/empty:80/TCP has no endpoints (at ip kube-proxy "),
+        ),
+        (
+            &c.client,
+            CLIENT_IP,
+            format!("{NODE_IP}:30081"),
+            Reply::Timeout,
+            "fate        drop: externalTrafficPolicy Local and default/local:80/TCP has no endpoint on this node",
+            Some(
+                "seen        drop: externalTrafficPolicy Local and default/local:80/TCP has no endpoint on this node (at ip kube-proxy ",
+            ),
+        ),
+        (
+            &c.client,
+            CLIENT_IP,
+            format!("{NODE_IP2}:30084"),
+            Reply::Refused,
+            "fate        not a NodePort address: 198.51.100.10 is not selected by --nodeport-addresses 192.0.2.0/24, so NodePort 30084 of default/web:80/TCP does not answer there",
+            // No rule of the proxy touches it: the node's own stack refuses it, with a reset
+            // that ends the connection's conntrack entry at once.
+            Some(
+                "seen        accepted by every rule, but conntrack holds no entry for it: refused",
+            ),
+        ),
+        (
+            &c.client2,
+            CLIENT2_IP,
+            "192.0.2.200:80".to_string(),
+            Reply::Timeout,
+            "fate        drop: 192.0.2.101 is not in loadBalancerSourceRanges 192.0.2.100/32 of default/lb:80/TCP",
+            Some(
+                "seen        drop: 192.0.2.101 is not in loadBalancerSourceRanges 192.0.2.100/32 of default/lb:80/TCP (at ip kube-proxy ",
+            ),
+        ),
+    ];
+    for (client, from, to, reply, cause, live) in cases {
+        let to_tcp = format!("{to}/tcp");
+        let (out, code) = kernel_verdict(&c, &flags, from, &to_tcp);
+        assert_eq!(code, Some(1), "{from} → {to}: {out}");
+        assert!(out.contains(cause), "{from} → {to}: {out}");
+        let Some(seen_line) = live else {
+            assert_eq!(get(client, &to, short), reply, "{from} → {to}");
+            continue;
+        };
+        let t = LiveTrace::start(
+            &c.node,
+            &[
+                "--nodeport-addresses",
+                "192.0.2.0/24",
+                "--to",
+                &to_tcp,
+                "--timeout",
+                "20s",
+            ],
+        );
+        let got = get(client, &to, short);
+        let (live_out, err, code) = t.finish();
+        assert_eq!(got, reply, "{from} → {to}: {live_out}{err}");
+        assert_eq!(code, Some(1), "{from} → {to}: {live_out}{err}");
+        assert!(live_out.contains(cause), "{from} → {to}: {live_out}");
+        assert!(
+            seen(&live_out).iter().any(|l| l.starts_with(seen_line)),
+            "{from} → {to}: {live_out}"
+        );
+    }
+
+    // An unallocated ClusterIP of the added ServiceCIDR: the proxy's rules drop it in the
+    // forward hook, but this node has no route to it (no default route), so routing refuses
+    // it first, with ICMP network unreachable (or the client times out). The kernel's rules
+    // say both; the live trace shows that no forward rule was reached.
+    let to = "10.97.0.77:80";
+    let (out, code) = kernel_verdict(&c, &flags, pod3, "10.97.0.77:80/tcp");
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains("fate        drop: 10.97.0.77 is in the ServiceCIDR 10.97.0.0/24 but no Service has it (an unallocated ClusterIP)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("note        no route to 10.97.0.77 on this node: routing refuses the packet (ICMP network unreachable) before any forward rule"),
+        "{out}"
+    );
+    let t = LiveTrace::start(&c.node, &["--to", "10.97.0.77:80/tcp", "--timeout", "20s"]);
+    let got = get(&c.pods[2], to, short);
+    let (live_out, err, code) = t.finish();
+    assert!(!matches!(got, Reply::Pod { .. }), "{got:?}");
+    assert_eq!(code, Some(1), "{live_out}{err}");
+    assert!(!live_out.contains("filter-forward"), "{live_out}");
+    assert!(
+        seen(&live_out)[0].contains("gone nowhere after the last rule (no route"),
+        "{live_out}"
+    );
+    // With a route (toward the client), the proxy's drop decides.
+    c.node
+        .run(&["ip", "route", "add", "10.97.0.0/24", "via", CLIENT_IP])
+        .unwrap();
+    let (out, _) = kernel_verdict(&c, &flags, pod3, "10.97.0.77:80/tcp");
+    assert!(!out.contains("no route"), "{out}");
+    let t = LiveTrace::start(&c.node, &["--to", "10.97.0.77:80/tcp", "--timeout", "20s"]);
+    let got = get(&c.pods[2], to, short);
+    let (live_out, err, code) = t.finish();
+    c.node
+        .run(&["ip", "route", "del", "10.97.0.0/24", "via", CLIENT_IP])
+        .unwrap();
+    assert_eq!(got, Reply::Timeout, "{live_out}");
+    assert_eq!(code, Some(1), "{live_out}{err}");
+    assert!(
+        seen(&live_out)[0].starts_with("seen        drop: 10.97.0.77 is in the ServiceCIDR 10.97.0.0/24 but no Service has it (an unallocated ClusterIP) (at ip kube-proxy cluster-ips-check rule "),
+        "{live_out}"
     );
 }

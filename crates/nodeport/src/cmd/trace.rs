@@ -684,6 +684,21 @@ fn node_notes(packet: &Packet, e: &Explanation, local: &[IpAddr]) -> Vec<String>
             ));
         }
     }
+    // Not translated and not for this node: routing decides before the forward hook's rules,
+    // and a destination without a route is refused there (ICMP net unreachable).
+    let routed = |ip: IpAddr| {
+        std::process::Command::new("ip")
+            .args(["route", "get", &ip.to_string()])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if e.endpoints.is_empty() && !local.contains(&packet.dst) && !routed(packet.dst) {
+        notes.push(format!(
+            "no route to {} on this node: routing refuses the packet (ICMP network \
+             unreachable) before any forward rule",
+            packet.dst
+        ));
+    }
     for ip in away {
         let routed = std::process::Command::new("ip")
             .args(["route", "get", &ip.to_string()])

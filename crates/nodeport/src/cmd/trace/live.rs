@@ -434,6 +434,7 @@ fn reason_name(o: &nodeport_proxy::trace::explain::Outcome) -> &'static str {
         Reason::SourceRanges => "source_ranges",
         Reason::NotNodePortAddress => "not_node_port_address",
         Reason::NotAService => "not_a_service",
+        Reason::UnallocatedClusterIp => "unallocated_cluster_ip",
         Reason::Other => "other",
     }
 }
@@ -474,8 +475,9 @@ fn delivered(h: &nftrace::Headers, protocol: Protocol) -> Seen {
         return Seen {
             verdict: "unknown",
             reason: "unknown",
-            message: "accepted by every rule, but conntrack holds no entry for it (dropped \
-                      after the last rule: no route, forwarding off, reverse-path filter)"
+            message: "accepted by every rule, but conntrack holds no entry for it: refused \
+                      (a TCP reset as the only answer ends the entry at once) or gone nowhere \
+                      after the last rule (no route, forwarding off, reverse-path filter)"
                 .into(),
             endpoint: None,
             source_seen_by_endpoint: None,

@@ -740,17 +740,16 @@ fn encode_table(table: &str, selector: &Selector, seq: u32) -> (Vec<u8>, u32) {
     (b.b, seq)
 }
 
-/// `[meta nfproto F] meta l4proto P th dport N [ip daddr A] [ip saddr C] ct state new meta
+/// `[meta nfproto F] [ip daddr A] [ip saddr C] meta l4proto P th dport N ct state new meta
 /// nftrace set 1`, as nft encodes it.
 fn mark_rule(b: &mut Buf, family: Option<IpFamily>, selector: &Selector) {
     if let Some(family) = family {
         meta_load(b, NFT_META_NFPROTO, REG_1);
         cmp(b, REG_1, false, &[super::nfproto(family)]);
     }
-    meta_load(b, NFT_META_L4PROTO, REG_1);
-    cmp(b, REG_1, false, &[proto_number(selector.protocol)]);
-    payload(b, REG_1, NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2);
-    cmp(b, REG_1, false, &selector.dport.to_be_bytes());
+    // Network header before transport header, as nft orders them: `nft list` (and so every
+    // `nft -f`, which lists the ruleset into its cache first) cannot read a rule whose
+    // transport match comes before an `ip` one ("conflicting protocols specified").
     if let (Some(family), Some(daddr)) = (family, selector.daddr) {
         let (offset, len) = addr_field(family, true);
         payload(b, REG_1, NFT_PAYLOAD_NETWORK_HEADER, offset, len);
@@ -760,6 +759,10 @@ fn mark_rule(b: &mut Buf, family: Option<IpFamily>, selector: &Selector) {
         let (offset, _) = addr_field(family, false);
         prefix_match(b, offset, false, &from);
     }
+    meta_load(b, NFT_META_L4PROTO, REG_1);
+    cmp(b, REG_1, false, &[proto_number(selector.protocol)]);
+    payload(b, REG_1, NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2);
+    cmp(b, REG_1, false, &selector.dport.to_be_bytes());
     b.expr("ct", |b| {
         b.u32be(NFTA_CT_DREG, REG_1);
         b.u32be(NFTA_CT_KEY, NFT_CT_STATE);
