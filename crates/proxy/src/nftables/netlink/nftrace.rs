@@ -747,9 +747,9 @@ fn mark_rule(b: &mut Buf, family: Option<IpFamily>, selector: &Selector) {
         meta_load(b, NFT_META_NFPROTO, REG_1);
         cmp(b, REG_1, false, &[super::nfproto(family)]);
     }
-    // Network header before transport header, as nft orders them: `nft list` (and so every
-    // `nft -f`, which lists the ruleset into its cache first) cannot read a rule whose
-    // transport match comes before an `ip` one ("conflicting protocols specified").
+    // Network header before transport header, in the order nft itself encodes them, so
+    // that `nft list` (and every `nft -f`, which lists the ruleset into its cache first)
+    // reads the rule back as nft would have written it.
     if let (Some(family), Some(daddr)) = (family, selector.daddr) {
         let (offset, len) = addr_field(family, true);
         payload(b, REG_1, NFT_PAYLOAD_NETWORK_HEADER, offset, len);
