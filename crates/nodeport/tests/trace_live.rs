@@ -231,6 +231,43 @@ fn real_packets_are_traced_named_by_conntrack_and_the_tracers_table_never_outliv
     assert!(client.starts_with(&format!("10.244.{n}.1")), "{client}");
     no_table_left(&c.node, "a normal exit");
 
+    // The same as one JSON object (docs/TRACE.md's schema).
+    let t = LiveTrace::start(
+        &c.node,
+        &[
+            "--to",
+            &format!("{web}/tcp"),
+            "--timeout",
+            "20s",
+            "-o",
+            "json",
+        ],
+    );
+    let reply = get(&c.client, &web, Duration::from_secs(3));
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(0), "{out}{err}");
+    let Reply::Pod { pod, .. } = reply else {
+        panic!("{reply:?}")
+    };
+    let n = pod.trim_start_matches("pod");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["rules"], "live", "{out}");
+    assert_eq!(v["mode"], "nftables", "{out}");
+    assert!(
+        v["table"].as_str().unwrap().starts_with("nodeport-trace-"),
+        "{out}"
+    );
+    let p = &v["packets"][0];
+    assert_eq!(p["packet"]["from"], CLIENT_IP, "{out}");
+    assert_eq!(p["service"]["port"], "default/web:80/TCP", "{out}");
+    assert_eq!(p["seen"]["verdict"], "dnat", "{out}");
+    assert_eq!(p["seen"]["reason"], "endpoint", "{out}");
+    assert_eq!(p["seen"]["endpoint"], format!("10.244.{n}.2:8080"), "{out}");
+    assert_eq!(p["seen"]["answered"], true, "{out}");
+    assert_eq!(p["path"][0]["table"], "kube-proxy", "{out}");
+    assert!(p["source_port"].as_u64().unwrap() > 0, "{out}");
+    no_table_left(&c.node, "-o json");
+
     // A reject by the proxy's rules: seen in its chain, in the Service's words; exit 1.
     let t = LiveTrace::start(
         &c.node,
