@@ -17,6 +17,10 @@ use proxy_support::*;
 /// A running `nodeport trace --live`, killed (by PID) if the test ends before it does.
 struct LiveTrace {
     child: Option<Child>,
+    /// What it printed before the test went on, and its stdout from there (the ebpf
+    /// mode's start).
+    head: String,
+    reader: Option<std::io::BufReader<std::process::ChildStdout>>,
 }
 
 impl LiveTrace {
@@ -34,7 +38,11 @@ impl LiveTrace {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let mut t = LiveTrace { child: Some(child) };
+        let mut t = LiveTrace {
+            child: Some(child),
+            head: String::new(),
+            reader: None,
+        };
         let deadline = Instant::now() + Duration::from_secs(20);
         while trace_tables(node).len() <= before {
             if let Some(status) = t.child.as_mut().unwrap().try_wait().unwrap() {
@@ -66,14 +74,57 @@ impl LiveTrace {
         t
     }
 
+    /// Starts it in the ebpf mode (objects from the node's API server, the maps under the
+    /// proxy's pin root) and waits until it has read the maps (its `live` line).
+    fn start_ebpf(c: &Cluster, args: &[&str]) -> LiveTrace {
+        use std::io::BufRead;
+        let mut child = c
+            .node
+            .command(env!("CARGO_BIN_EXE_nodeport"))
+            .args(["trace", "--live", "--master", "http://127.0.0.1:6443"])
+            .args(["--node-name", "node-a", "--cluster-cidr", "10.244.0.0/16"])
+            .arg("--ebpf-pin-root")
+            .arg(&c.ebpf.as_ref().expect("an ebpf cluster").pin_root)
+            .args(args)
+            .env("NODEPORT_LOG", "error")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut reader = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut head = String::new();
+        while !head.lines().any(|l| l.starts_with("live ")) {
+            let mut line = String::new();
+            if reader.read_line(&mut line).unwrap() == 0 {
+                let mut err = String::new();
+                child
+                    .stderr
+                    .take()
+                    .unwrap()
+                    .read_to_string(&mut err)
+                    .unwrap();
+                panic!("trace --live ended early: {head}{err}");
+            }
+            head.push_str(&line);
+        }
+        LiveTrace {
+            child: Some(child),
+            head,
+            reader: Some(reader),
+        }
+    }
+
     fn pid(&self) -> i32 {
         self.child.as_ref().unwrap().id() as i32
     }
 
     fn output(&mut self) -> (String, String) {
         let child = self.child.as_mut().unwrap();
-        let mut out = String::new();
+        let mut out = std::mem::take(&mut self.head);
         let mut err = String::new();
+        if let Some(mut r) = self.reader.take() {
+            r.read_to_string(&mut out).unwrap();
+        }
         if let Some(mut s) = child.stdout.take() {
             s.read_to_string(&mut out).unwrap();
         }
@@ -724,4 +775,80 @@ fn every_unanswered_connection_of_the_end_to_end_suite_is_explained_with_its_cau
         seen(&live_out)[0].starts_with("seen        drop: 10.97.0.77 is in the ServiceCIDR 10.97.0.0/24 but no Service has it (an unallocated ClusterIP) (at ip kube-proxy cluster-ips-check rule "),
         "{live_out}"
     );
+}
+
+#[test]
+fn in_the_ebpf_mode_live_sees_the_connections_the_programs_translate_in_their_maps() {
+    if !require_tools(
+        "in_the_ebpf_mode_live_sees_the_connections_the_programs_translate_in_their_maps",
+        &["kubectl", "bpftool"],
+    ) {
+        return;
+    }
+    let c = Cluster::start(Mode::Ebpf, &[]);
+    c.apply(&service_yaml("web", 30080, "", &[1, 2, 3]))
+        .unwrap();
+    let web = format!("{NODE_IP}:30080");
+    eventually(&c.client, &web, "the NodePort answers", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+    let t = LiveTrace::start_ebpf(
+        &c,
+        &[
+            "--to",
+            ":30080/tcp",
+            "--from",
+            CLIENT_IP,
+            "--timeout",
+            "20s",
+        ],
+    );
+    let reply = get(&c.client, &web, Duration::from_secs(3));
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(0), "{out}{err}");
+    let Reply::Pod { pod, client } = reply else {
+        panic!("{reply:?}")
+    };
+    let n = pod.trim_start_matches("pod");
+    assert!(
+        out.contains("as np_tc_ingress records them in np_ct"),
+        "{out}"
+    );
+    // Explained as the kernel's maps explain the same packet.
+    let mut kernel = c.node.command(env!("CARGO_BIN_EXE_nodeport"));
+    kernel
+        .args([
+            "trace",
+            "--rules",
+            "kernel",
+            "--master",
+            "http://127.0.0.1:6443",
+        ])
+        .args(["--node-name", "node-a", "--cluster-cidr", "10.244.0.0/16"])
+        .arg("--ebpf-pin-root")
+        .arg(&c.ebpf.as_ref().unwrap().pin_root)
+        .args(["--from", CLIENT_IP, "--to", &format!("{web}/tcp")])
+        .env("NODEPORT_LOG", "error");
+    let kernel = kernel.output().unwrap();
+    assert_eq!(
+        explanation(&out),
+        explanation(&String::from_utf8_lossy(&kernel.stdout)),
+        "{out}"
+    );
+    // The backend the maps name is the pod that answered, and the source it saw.
+    let seen_line = seen(&out).join("\n");
+    assert!(
+        seen_line.starts_with(&format!("seen        DNAT to 10.244.{n}.2:8080 (np_ct), ")),
+        "{out}"
+    );
+    assert!(seen_line.ends_with("; it answered"), "{out}");
+    let client_ip = client.split(':').next().unwrap();
+    if client_ip == CLIENT_IP {
+        assert!(seen_line.contains("not masqueraded"), "{out} ({client})");
+    } else {
+        assert!(
+            seen_line.contains(&format!("masqueraded to {client_ip}")),
+            "{out} ({client})"
+        );
+    }
 }

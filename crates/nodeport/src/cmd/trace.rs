@@ -1038,7 +1038,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             from: live_from,
         };
         let timeout = live::parse_duration(&args.timeout)?;
-        return live::run(&tracing, &selector, args.count, timeout, json, (from, to));
+        return live::run(
+            &tracing,
+            &selector,
+            args.count,
+            timeout,
+            json,
+            (from, to),
+            &args.ebpf_pin_root,
+        );
     }
     let reached = match (service, from, to) {
         (Some((ns, name)), _, _) => trace_service(&tracing, &ns, &name, from, json)?,

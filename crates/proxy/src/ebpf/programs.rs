@@ -444,11 +444,18 @@ impl Maps {
     }
 
     /// Opens the maps pinned under `<pin_root>/maps/` by a running proxy, to read them
-    /// (`nodeport trace --rules kernel`): no program is loaded and nothing is created.
+    /// (`nodeport trace --rules kernel` and `--live`): no program is loaded and nothing is
+    /// created.
     pub fn open_pinned(pin_root: &Path) -> Result<Self, Error> {
         let dir = pin_root.join("maps");
         let mut maps = std::collections::BTreeMap::new();
-        for name in [names::SERVICES, names::BACKENDS, names::SOURCE_RANGES] {
+        for name in [
+            names::SERVICES,
+            names::BACKENDS,
+            names::SOURCE_RANGES,
+            names::CT,
+            names::NAT,
+        ] {
             let data = MapData::from_pin(dir.join(name)).map_err(map_err(name))?;
             let map = aya::maps::Map::from_map_data(data).map_err(map_err(name))?;
             maps.insert(name, map);

@@ -5,6 +5,9 @@
 //! Each packet is then explained as `--rules kernel` explains the same packet, followed by
 //! its path and what the kernel did (`seen`).
 //!
+//! The ebpf mode reads its maps instead ([`run_ebpf`]): the connections its programs
+//! translate, from `np_ct` and `np_nat`.
+//!
 //! The table is owned by the tracing process's netlink socket
 //! ([`nftrace`](nodeport_proxy::nftables::netlink::nftrace)): it is deleted on a normal
 //! exit, and the kernel deletes it when the process ends in any other way (an error,
@@ -131,7 +134,9 @@ struct Seen {
 #[derive(Serialize)]
 struct LivePacket {
     source_port: u16,
-    trace_id: u32,
+    /// nftables: the kernel's trace id (the ebpf mode has none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    trace_id: Option<u32>,
     #[serde(flatten)]
     explanation: Explanation,
     path: Vec<Step>,
@@ -146,7 +151,8 @@ struct LiveReport {
     mode: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     nftables_layout: Option<&'static str>,
-    /// The tracer's table (`inet nodeport-trace-<pid>`), gone when it ends.
+    /// The tracer's table (`inet nodeport-trace-<pid>`), gone when it ends; in the ebpf
+    /// mode the map read (`np_ct`).
     table: String,
     packets: Vec<LivePacket>,
     /// Trace events the kernel could not deliver (the socket's buffer was full).
@@ -156,6 +162,18 @@ struct LiveReport {
 
 fn is_zero(n: &usize) -> bool {
     *n == 0
+}
+
+/// `--to` and `--from` as the output names them (`:30569`, `any source`).
+fn described(selector: &Selector) -> (String, String) {
+    let to = match selector.daddr {
+        Some(ip) => SocketAddr::new(ip, selector.dport).to_string(),
+        None => format!(":{}", selector.dport),
+    };
+    let from = selector
+        .from
+        .map_or_else(|| "any source".to_string(), |n| format!("{n}"));
+    (to, from)
 }
 
 /// Whether a rule is the proxy's: its nftables table, or (iptables-nft) its `KUBE-` chains.
@@ -171,9 +189,11 @@ pub(super) fn run(
     timeout: Duration,
     json: bool,
     fallback: (Option<IpAddr>, Option<(SocketAddr, Protocol)>),
+    pin_root: &std::path::Path,
 ) -> anyhow::Result<()> {
     match tracing.prepared.mode {
         ProxyMode::Nftables => {}
+        ProxyMode::Ebpf => return run_ebpf(tracing, selector, count, timeout, json, pin_root),
         ProxyMode::Iptables => {
             use nodeport_proxy::iptables::apply::{Variant, detect_variant};
             if detect_variant(&[]).variant == Variant::Legacy {
@@ -203,8 +223,7 @@ pub(super) fn run(
         other => {
             return Err(untraceable(format!(
                 "--live traces real packets with nftables trace events: not possible in the {} \
-                 mode (--rules kernel traces the packet of --from and --to through what the \
-                 kernel holds)",
+                 mode",
                 other.as_str()
             )));
         }
@@ -220,13 +239,7 @@ pub(super) fn run(
         ))
     })?;
     let table = session.table().to_string();
-    let to = match selector.daddr {
-        Some(ip) => SocketAddr::new(ip, selector.dport).to_string(),
-        None => format!(":{}", selector.dport),
-    };
-    let from = selector
-        .from
-        .map_or_else(|| "any source".to_string(), |n| format!("{n}"));
+    let (to, from) = described(selector);
     if !json {
         println!("{}", tracing.rules_line());
         println!(
@@ -278,10 +291,29 @@ pub(super) fn run(
         }
     }
     let lost = session.overruns();
-    let none = packets.is_empty();
     session
         .close()
         .map_err(|e| untraceable(format!("--live: removing table inet {table}: {e}")))?;
+    finish(
+        tracing, selector, timeout, json, table, packets, lost, failed,
+    )
+}
+
+/// Prints the JSON report (or the closing lines) and ends with the exit code: 0 every
+/// packet reached an endpoint that answered, 1 one did not, 3 none came.
+#[allow(clippy::too_many_arguments)]
+fn finish(
+    tracing: &Tracing,
+    selector: &Selector,
+    timeout: Duration,
+    json: bool,
+    table: String,
+    packets: Vec<LivePacket>,
+    lost: usize,
+    failed: bool,
+) -> anyhow::Result<()> {
+    let (to, from) = described(selector);
+    let none = packets.is_empty();
     if json {
         let report = LiveReport {
             source: tracing.origin,
@@ -408,7 +440,7 @@ fn explain_packet(tracing: &Tracing, traced: Traced, protocol: Protocol) -> Opti
     };
     Some(LivePacket {
         source_port: h.sport,
-        trace_id: traced.id,
+        trace_id: Some(traced.id),
         explanation,
         path,
         seen,
@@ -525,9 +557,12 @@ fn delivered(h: &nftrace::Headers, protocol: Protocol) -> Seen {
 /// One packet for people: its header line, the explanation, its path, what the kernel did.
 fn print_packet(n: usize, p: &LivePacket) {
     let e = &p.explanation;
+    let id = p
+        .trace_id
+        .map_or_else(String::new, |id| format!(", trace id {id:#010x}"));
     println!(
-        "live        packet {n}: {} → {}/{}, source port {}, trace id {:#010x}",
-        e.packet.from, e.packet.to, e.packet.protocol, p.source_port, p.trace_id
+        "live        packet {n}: {} → {}/{}, source port {}{id}",
+        e.packet.from, e.packet.to, e.packet.protocol, p.source_port
     );
     print!("{e}");
     for s in &p.path {
@@ -548,4 +583,151 @@ fn print_packet(n: usize, p: &LivePacket) {
         Some(at) => println!("seen        {} (at {at})", p.seen.message),
         None => println!("seen        {}", p.seen.message),
     }
+}
+
+/// `--live` in the ebpf mode, from the maps alone (the programs are not changed): every
+/// connection `np_tc_ingress` translates gets an `np_ct` entry (its tuple → the backend, and
+/// the source when SNATed), and its reply entry in `np_nat` records whether the backend
+/// answered. The entries present at the start are left out; each new one matching the
+/// selector is a new connection, explained as `--rules kernel` explains its first packet.
+/// Packets the programs drop or reject, and the socket hooks' connections, leave no entry:
+/// they are not seen.
+fn run_ebpf(
+    tracing: &Tracing,
+    selector: &Selector,
+    count: usize,
+    timeout: Duration,
+    json: bool,
+    pin_root: &std::path::Path,
+) -> anyhow::Result<()> {
+    use nodeport_proxy::ebpf::maps::{CT_REPLY, CT_SNAT, Tuple, ip_proto};
+    use nodeport_proxy::ebpf::programs::Maps;
+    let failed_to_read = |e: nodeport_proxy::ebpf::programs::Error| {
+        untraceable(format!(
+            "--live: reading the ebpf mode's maps pinned under {}: {}",
+            pin_root.display(),
+            anyhow::Error::from(e)
+                .chain()
+                .map(|c| c.to_string())
+                .collect::<Vec<_>>()
+                .join(": ")
+        ))
+    };
+    let maps = Maps::open_pinned(pin_root).map_err(failed_to_read)?;
+    let before: std::collections::HashSet<Tuple> = maps
+        .conntrack()
+        .map_err(failed_to_read)?
+        .into_iter()
+        .map(|(t, _)| t)
+        .collect();
+    let wanted = |t: &Tuple| {
+        t.proto == ip_proto(selector.protocol)
+            && t.dport == selector.dport
+            && selector.daddr.is_none_or(|d| d == t.daddr)
+            && selector.from.is_none_or(|n| n.contains(&t.saddr))
+    };
+    let table = nodeport_proxy::ebpf::maps::names::CT.to_string();
+    let (to, from) = described(selector);
+    if !json {
+        println!("{}", tracing.rules_line());
+        println!(
+            "live        the next {count} new connection(s) to {to}/{} from {from}, within \
+             {timeout:?}, as np_tc_ingress records them in {table} (connections it translates; \
+             a packet it drops or rejects leaves no entry)",
+            selector.protocol.as_lower()
+        );
+    }
+    let deadline = Instant::now() + timeout;
+    // New connections: when first seen.
+    let mut pending: Vec<(Tuple, Instant)> = Vec::new();
+    let mut done: std::collections::HashSet<Tuple> = Default::default();
+    let mut packets: Vec<LivePacket> = Vec::new();
+    let mut failed = false;
+    while packets.len() < count {
+        let now = Instant::now();
+        let ct = maps.conntrack().map_err(failed_to_read)?;
+        let nat = maps.nat().map_err(failed_to_read)?;
+        for (t, _) in &ct {
+            if wanted(t)
+                && !before.contains(t)
+                && !done.contains(t)
+                && !pending.iter().any(|(p, _)| p == t)
+            {
+                pending.push((*t, now));
+            }
+        }
+        let mut still = Vec::new();
+        for (t, first) in pending.drain(..) {
+            let Some((_, fwd)) = ct.iter().find(|(k, _)| *k == t) else {
+                continue;
+            };
+            let reply = Tuple {
+                saddr: fwd.daddr,
+                daddr: fwd.saddr,
+                sport: fwd.dport,
+                dport: fwd.sport,
+                proto: t.proto,
+            };
+            let answered = nat
+                .iter()
+                .any(|(k, v)| *k == reply && v.flags & CT_REPLY != 0);
+            if !answered && now.duration_since(first) < ANSWER_WAIT && now < deadline {
+                still.push((t, first));
+                continue;
+            }
+            done.insert(t);
+            if packets.len() >= count {
+                continue;
+            }
+            let packet = Packet {
+                src: t.saddr,
+                dst: t.daddr,
+                proto: selector.protocol,
+                dport: t.dport,
+                origin: Origin::Remote,
+            };
+            let explanation = tracing.explain(&packet);
+            let endpoint = SocketAddr::new(fwd.daddr, fwd.dport);
+            let snat = fwd.flags & CT_SNAT != 0;
+            let source = if snat {
+                format!("masqueraded to {}", fwd.saddr)
+            } else {
+                "not masqueraded".to_string()
+            };
+            let (reason, answer) = if answered {
+                ("endpoint", "it answered".to_string())
+            } else {
+                (
+                    "not_answering",
+                    format!("it has not answered within {ANSWER_WAIT:?}"),
+                )
+            };
+            failed |= !answered;
+            let p = LivePacket {
+                source_port: t.sport,
+                trace_id: None,
+                explanation,
+                path: Vec::new(),
+                seen: Seen {
+                    verdict: "dnat",
+                    reason,
+                    message: format!("DNAT to {endpoint} ({table}), {source}; {answer}"),
+                    endpoint: Some(endpoint),
+                    source_seen_by_endpoint: Some(fwd.saddr),
+                    answered: Some(answered),
+                    at: None,
+                },
+            };
+            if !json {
+                print_packet(packets.len() + 1, &p);
+            }
+            packets.push(p);
+        }
+        pending = still;
+        if Instant::now() >= deadline && pending.is_empty() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    finish(tracing, selector, timeout, json, table, packets, 0, failed)
 }
