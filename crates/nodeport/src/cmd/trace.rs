@@ -3,8 +3,10 @@
 //! probability, masquerade and why, and the fate (DNAT, reject, drop, or not a Service).
 //!
 //! It traces what `render` would program (with `render`'s flags) for the objects of a file
-//! (`-f`) or of the API server (`--kubeconfig`/`--master`), with no kernel. `--service ns/name` traces every address and port
-//! the node serves a Service on, one line each. Exit codes: 0 the packet reaches an
+//! (`-f`) or of the API server (`--kubeconfig`/`--master`), with no kernel; with `--rules
+//! kernel`, what this node's kernel holds (nftables tables, iptables chains, the ebpf mode's
+//! pinned maps); with `--live`, real packets ([`live`]). `--service ns/name` traces every
+//! address and port the node serves a Service on, one line each. Exit codes: 0 the packet reaches an
 //! endpoint (every served address does, with `--service`), 1 it is dropped, rejected or not
 //! for a Service, 3 it could not be traced (or no such Service), 64 bad usage.
 
