@@ -14,6 +14,10 @@ use proxy_support::*;
 fn trace(c: &Cluster, mode: Mode, rules: &str, args: &[&str]) -> (String, i32) {
     let mut cmd = c.node.command(env!("CARGO_BIN_EXE_nodeport"));
     cmd.args(["trace", "--rules", rules]);
+    // The proxy's pin root, where the ebpf mode's maps are read.
+    if let Some(ebpf) = &c.ebpf {
+        cmd.arg("--ebpf-pin-root").arg(&ebpf.pin_root);
+    }
     // The kernel's trace finds the mode (and the nftables layout) on the node by itself.
     if rules == "render" {
         cmd.args(["--proxy-mode", mode.as_str()])
@@ -47,7 +51,7 @@ fn trace(c: &Cluster, mode: Mode, rules: &str, args: &[&str]) -> (String, i32) {
                 "nftables, as this node's kernel holds them (nft -j list table ip/ip6 kube-proxy, the kube-proxy layout)"
             }
             Mode::Iptables => "iptables, as this node's kernel holds them (iptables-",
-            Mode::Ebpf => unreachable!("not read"),
+            Mode::Ebpf => "ebpf, as this node's kernel holds them (the BPF maps pinned under /",
         };
         assert!(rules_line.contains(held), "{stdout}");
     }
@@ -176,6 +180,37 @@ fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mod
         "{out}"
     );
 
+    // Another table's drop rules in a hook the packet crosses are noted (a forward filter:
+    // the NodePort's endpoints are on other nodes or in pods routed through this one); a
+    // packet to a local address that only crosses input is not concerned.
+    if mode != Mode::Ebpf {
+        c.node
+            .run_with_stdin(
+                &["nft", "-f", "-"],
+                format!(
+                    "table inet site {{\n chain forward {{\n type filter hook forward priority 0;\n \
+                     ip saddr {CLIENT2_IP} drop\n }}\n}}\n"
+                )
+                .as_bytes(),
+            )
+            .unwrap();
+        let (out, _) = trace(&c, mode, "kernel", &["--from", CLIENT_IP, "--to", &web_to]);
+        let (to_node, _) = trace(
+            &c,
+            mode,
+            "kernel",
+            &["--from", CLIENT_IP, "--to", "192.0.2.10:22/tcp"],
+        );
+        c.node
+            .run(&["nft", "delete", "table", "inet", "site"])
+            .unwrap();
+        assert!(
+            out.contains("note        table inet site chain forward (hook forward, priority 0) holds 1 drop or reject rule(s): it may drop this packet, outside the proxy's rules"),
+            "{mode:?}: {out}"
+        );
+        assert!(!to_node.contains("inet site"), "{mode:?}: {to_node}");
+    }
+
     // Rules removed by hand behind the proxy's back: the kernel's trace says what it holds
     // and that the proxy would program something else. (The nftables mode notices a changed
     // table at once and repairs it, so only the iptables mode keeps the damage long enough
@@ -255,7 +290,13 @@ fn iptables_rules_trace_as_the_proxy_programs_them_and_a_broken_kernel_is_told_a
 }
 
 #[test]
-fn the_ebpf_modes_kernel_state_cannot_be_read_yet_and_exits_3() {
+fn the_ebpf_modes_pinned_maps_trace_as_the_proxy_programs_them() {
+    the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(Mode::Ebpf);
+}
+
+#[test]
+fn the_ebpf_mode_without_pinned_maps_cannot_be_traced_and_exits_3() {
+    let empty = tempfile::tempdir().unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_nodeport"))
         .args([
             "trace",
@@ -266,6 +307,8 @@ fn the_ebpf_modes_kernel_state_cannot_be_read_yet_and_exits_3() {
             "-f",
             "-",
         ])
+        .arg("--ebpf-pin-root")
+        .arg(empty.path())
         .args(["--from", "192.0.2.1", "--to", "192.0.2.10:80/tcp"])
         .stdin(std::process::Stdio::null())
         .output()
@@ -273,7 +316,10 @@ fn the_ebpf_modes_kernel_state_cannot_be_read_yet_and_exits_3() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(3), "{stderr}");
     assert!(
-        stderr.contains("(its BPF maps) cannot be read yet"),
+        stderr.contains(&format!(
+            "--rules kernel: reading the ebpf mode's maps pinned under {}: eBPF map np_services",
+            empty.path().display()
+        )),
         "{stderr}"
     );
 }

@@ -256,6 +256,86 @@ pub fn delete_udp(flow: &Flow) -> Result<(), Error> {
     }
 }
 
+/// A connection as conntrack holds it, found by its original tuple (`nodeport trace --live`
+/// names the endpoint a packet was DNATed to with it: nftrace names rules, not the map
+/// element chosen).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Connection {
+    /// Reply direction: source address and port (the endpoint after DNAT; the original
+    /// destination when not translated).
+    pub reply_src: IpAddr,
+    /// Reply direction: source port.
+    pub reply_sport: u16,
+    /// Reply direction: destination address (the original source, or the address it was
+    /// masqueraded to).
+    pub reply_dst: IpAddr,
+    /// The other side has answered (`IPS_SEEN_REPLY`).
+    pub seen_reply: bool,
+}
+
+/// The conntrack entry whose original tuple is `src:sport → dst:dport` over `protocol`, in
+/// this network namespace; `None` when there is none (never confirmed: the packet was
+/// dropped, or not yet through the last hook).
+pub fn get(
+    protocol: Protocol,
+    src: IpAddr,
+    sport: u16,
+    dst: IpAddr,
+    dport: u16,
+) -> Result<Option<Connection>, Error> {
+    let s = socket()?;
+    let ct_proto = match protocol {
+        Protocol::Tcp => CtProto::Tcp,
+        Protocol::Udp => CtProto::Udp,
+        Protocol::Sctp => CtProto::Sctp,
+    };
+    let tuple = vec![
+        Tuple::Ip(vec![
+            IPTuple::SourceAddress(src),
+            IPTuple::DestinationAddress(dst),
+        ]),
+        Tuple::Proto(vec![
+            ProtoTuple::Protocol(ct_proto),
+            ProtoTuple::SourcePort(sport),
+            ProtoTuple::DestinationPort(dport),
+        ]),
+    ];
+    send(
+        &s,
+        NLM_F_REQUEST | NLM_F_ACK,
+        IpFamily::of(dst),
+        ConntrackMessage::Get(vec![ConntrackAttribute::CtaTupleOrig(tuple)]),
+    )?;
+    let mut found = None;
+    let received = receive(&s, |attrs| {
+        let mut reply = None;
+        let mut seen_reply = false;
+        for a in attrs {
+            match a {
+                ConntrackAttribute::CtaTupleReply(t) => reply = Some(tuple_fields(t)),
+                ConntrackAttribute::CtaStatus(status) => {
+                    seen_reply =
+                        status.contains(netlink_packet_netfilter::conntrack::Status::SeenReply);
+                }
+                _ => {}
+            }
+        }
+        if let Some((Some(reply_src), Some(reply_dst), _, Some(reply_sport), _)) = reply {
+            found = Some(Connection {
+                reply_src,
+                reply_sport,
+                reply_dst,
+                seen_reply,
+            });
+        }
+    });
+    match received {
+        Err(Error::Kernel(e)) if e.raw_os_error() == Some(nix::libc::ENOENT) => Ok(None),
+        Err(e) => Err(e),
+        Ok(()) => Ok(found),
+    }
+}
+
 /// Cleans one family: dump, filter, delete. Returns the number of entries deleted.
 pub fn clean_family(state: &FamilyState) -> Result<usize, Error> {
     let flows = dump_udp(state.family)?;

@@ -3,8 +3,10 @@
 //! probability, masquerade and why, and the fate (DNAT, reject, drop, or not a Service).
 //!
 //! It traces what `render` would program (with `render`'s flags) for the objects of a file
-//! (`-f`) or of the API server (`--kubeconfig`/`--master`), with no kernel. `--service ns/name` traces every address and port
-//! the node serves a Service on, one line each. Exit codes: 0 the packet reaches an
+//! (`-f`) or of the API server (`--kubeconfig`/`--master`), with no kernel; with `--rules
+//! kernel`, what this node's kernel holds (nftables tables, iptables chains, the ebpf mode's
+//! pinned maps); with `--live`, real packets ([`live`]). `--service ns/name` traces every
+//! address and port the node serves a Service on, one line each. Exit codes: 0 the packet reaches an
 //! endpoint (every served address does, with `--service`), 1 it is dropped, rejected or not
 //! for a Service, 3 it could not be traced (or no such Service), 64 bad usage.
 
@@ -20,6 +22,8 @@ use serde::Serialize;
 
 use super::render::{self, Prepared};
 use super::{Exit, UsageError};
+
+mod live;
 
 /// Exit code: the packet is dropped or rejected, or is not for a Service.
 const EXIT_NOT_DELIVERED: u8 = 1;
@@ -55,10 +59,16 @@ pub struct Args {
     /// --interface) takes the output path, as a process on the node; any other arrives
     /// from the network (input path). With --service: the outside client external
     /// addresses are traced from [default: 203.0.113.1, or 2001:db8:ffff::1 for IPv6].
-    #[arg(long, value_name = "ADDR", required_unless_present = "service")]
+    /// With --live: only packets from this address or CIDR [default: any source].
+    #[arg(
+        long,
+        value_name = "ADDR",
+        required_unless_present_any = ["service", "live"]
+    )]
     from: Option<String>,
     /// Destination: ADDR:PORT/PROTO, e.g. 192.0.2.11:30569/tcp or [2001:db8::1]:80/tcp
-    /// (the protocol defaults to tcp).
+    /// (the protocol defaults to tcp). With --live the address may be left out
+    /// (:30569/tcp): any address of the node.
     #[arg(
         long,
         value_name = "ADDR:PORT/PROTO",
@@ -89,9 +99,31 @@ pub struct Args {
     /// Which rules to trace: "render" (what the proxy would program for the objects) or
     /// "kernel" (what this node's kernel holds now, named with the objects: the nftables
     /// mode's table read with `nft -j`, the iptables mode's with iptables-save, the variant
-    /// detected as the proxy does; not the ebpf mode's maps yet).
+    /// detected as the proxy does; the ebpf mode's pinned maps).
     #[arg(long, default_value = "render", value_name = "render|kernel")]
     rules: String,
+    /// Trace real packets: the first packet of each of the next --count new connections to
+    /// --to (from --from), as the kernel sees them (nftables trace events, conntrack), each
+    /// explained as --rules kernel explains it. nftables and iptables-nft only; in
+    /// iptables-legacy the packet of --from/--to is traced through the kernel's rules
+    /// instead.
+    #[arg(long, conflicts_with = "service")]
+    live: bool,
+    /// ebpf mode, --rules kernel: where the running proxy pinned its maps (its
+    /// --ebpf-pin-root).
+    #[arg(long, value_name = "DIR", default_value = super::ebpf::DEFAULT_PIN_ROOT)]
+    ebpf_pin_root: PathBuf,
+    /// With --live: how many packets to trace.
+    #[arg(long, default_value_t = 1, requires = "live", value_name = "N")]
+    count: usize,
+    /// With --live: how long to wait for them (30s, 500ms, 2m; a number is seconds).
+    #[arg(
+        long,
+        default_value = "30s",
+        requires = "live",
+        value_name = "DURATION"
+    )]
+    timeout: String,
     #[command(flatten)]
     render: render::Flags,
 }
@@ -231,6 +263,181 @@ struct Tracing {
     kernel: Option<KernelRules>,
     /// `--in-interface`.
     in_interface: Option<String>,
+    /// `--rules kernel`: other tables' base chains that can drop packets.
+    foreign: Vec<ForeignChain>,
+}
+
+/// A base chain outside the proxy's rules that holds drop or reject rules, or a drop policy
+/// (`nft -j list ruleset`: nftables tables and iptables-nft's).
+#[derive(Debug, Clone, PartialEq)]
+struct ForeignChain {
+    /// `ip`, `ip6` or `inet`.
+    family: String,
+    table: String,
+    chain: String,
+    /// `prerouting`, `input`, `forward`, `output` or `postrouting`.
+    hook: String,
+    priority: i64,
+    policy_drop: bool,
+    /// Drop and reject rules in the chain and the regular chains it jumps to.
+    drops: usize,
+}
+
+impl ForeignChain {
+    fn describe(&self) -> String {
+        let mut what = Vec::new();
+        if self.drops > 0 {
+            what.push(format!("{} drop or reject rule(s)", self.drops));
+        }
+        if self.policy_drop {
+            what.push("policy drop".to_string());
+        }
+        format!(
+            "table {} {} chain {} (hook {}, priority {}) holds {}: it may drop this packet, \
+             outside the proxy's rules (--live shows whether it does)",
+            self.family,
+            self.table,
+            self.chain,
+            self.hook,
+            self.priority,
+            what.join(" and ")
+        )
+    }
+}
+
+/// The base chains of `nft -j list ruleset` that can drop packets and are not the proxy's
+/// (its `kube-proxy` tables, the `KUBE-` chains of iptables-nft) nor a live tracer's.
+fn foreign_chains(listing: &str) -> Vec<ForeignChain> {
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(listing) else {
+        return Vec::new();
+    };
+    let items = v["nftables"].as_array().cloned().unwrap_or_default();
+    let ours = |table: &str, chain: &str| {
+        table == nftables::ruleset::TABLE
+            || table.starts_with(nftables::netlink::nftrace::TABLE_PREFIX)
+            || chain.starts_with("KUBE-")
+    };
+    // Per (family, table, chain): drop rules, and the chains it jumps to.
+    type Key = (String, String, String);
+    let mut drops: std::collections::HashMap<Key, usize> = Default::default();
+    let mut jumps: std::collections::HashMap<Key, Vec<String>> = Default::default();
+    for item in &items {
+        let Some(rule) = item.get("rule") else {
+            continue;
+        };
+        let key = (
+            rule["family"].as_str().unwrap_or_default().to_string(),
+            rule["table"].as_str().unwrap_or_default().to_string(),
+            rule["chain"].as_str().unwrap_or_default().to_string(),
+        );
+        for e in rule["expr"].as_array().into_iter().flatten() {
+            let xt_target = e["xt"]["type"] == "target";
+            if e.get("drop").is_some()
+                || e.get("reject").is_some()
+                || (xt_target && matches!(e["xt"]["name"].as_str(), Some("REJECT" | "DROP")))
+            {
+                *drops.entry(key.clone()).or_default() += 1;
+            }
+            for verb in ["jump", "goto"] {
+                if let Some(target) = e[verb]["target"].as_str() {
+                    jumps
+                        .entry(key.clone())
+                        .or_default()
+                        .push(target.to_string());
+                }
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for item in &items {
+        let Some(chain) = item.get("chain") else {
+            continue;
+        };
+        let (Some(hook), Some(family), Some(table), Some(name)) = (
+            chain["hook"].as_str(),
+            chain["family"].as_str(),
+            chain["table"].as_str(),
+            chain["name"].as_str(),
+        ) else {
+            continue;
+        };
+        if ours(table, name) || !matches!(family, "ip" | "ip6" | "inet") {
+            continue;
+        }
+        // The chain and the regular chains it reaches, the proxy's left out.
+        let mut seen = std::collections::BTreeSet::new();
+        let mut todo = vec![name.to_string()];
+        let mut count = 0;
+        while let Some(c) = todo.pop() {
+            if ours(table, &c) || !seen.insert(c.clone()) {
+                continue;
+            }
+            let key = (family.to_string(), table.to_string(), c);
+            count += drops.get(&key).copied().unwrap_or(0);
+            todo.extend(jumps.get(&key).into_iter().flatten().cloned());
+        }
+        let policy_drop = chain["policy"] == "drop";
+        if count > 0 || policy_drop {
+            out.push(ForeignChain {
+                family: family.to_string(),
+                table: table.to_string(),
+                chain: name.to_string(),
+                hook: hook.to_string(),
+                priority: chain["prio"].as_i64().unwrap_or(0),
+                policy_drop,
+                drops: count,
+            });
+        }
+    }
+    out
+}
+
+/// This network namespace's other tables' drop chains (none when `nft` cannot list them).
+fn read_foreign_chains() -> Vec<ForeignChain> {
+    std::process::Command::new("nft")
+        .args(["-j", "list", "ruleset"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| foreign_chains(&String::from_utf8_lossy(&o.stdout)))
+        .unwrap_or_default()
+}
+
+/// The hooks `packet` crosses on its way to the endpoints of `e` (or untranslated).
+fn hooks_crossed(packet: &Packet, e: &Explanation, local: &[IpAddr]) -> Vec<&'static str> {
+    let untranslated = e
+        .outcomes
+        .iter()
+        .any(|o| o.verdict == explain::Verdict::Pass);
+    let here = e
+        .endpoints
+        .iter()
+        .any(|c| c.local || local.contains(&c.endpoint.ip()))
+        || (untranslated && local.contains(&packet.dst));
+    let away = e
+        .endpoints
+        .iter()
+        .any(|c| !c.local && !local.contains(&c.endpoint.ip()))
+        || (untranslated && !local.contains(&packet.dst));
+    let mut hooks = Vec::new();
+    match packet.origin {
+        Origin::Remote => {
+            hooks.push("prerouting");
+            if here {
+                hooks.push("input");
+            }
+            if away {
+                hooks.extend(["forward", "postrouting"]);
+            }
+        }
+        Origin::Local => {
+            hooks.extend(["output", "postrouting"]);
+            if here {
+                hooks.push("input");
+            }
+        }
+    }
+    hooks
 }
 
 /// `--rules kernel`: what this network namespace's kernel holds, per family.
@@ -247,20 +454,48 @@ enum KernelRules {
         /// IPv4, IPv6 (`None`: no such table).
         listed: [Option<nftables::listing::Listed>; 2],
     },
+    /// The ebpf mode's pinned maps, read back into what the tracer walks.
+    Ebpf {
+        /// The pin root read.
+        pin_root: PathBuf,
+        /// Frontends, backends and source ranges as the kernel holds them.
+        maps: ebpf::render::Rendered,
+    },
 }
 
 impl KernelRules {
-    /// Reads both families' rules of `mode`.
-    fn read(mode: ProxyMode) -> anyhow::Result<Self> {
-        match mode {
-            ProxyMode::Iptables => Self::read_iptables(),
-            ProxyMode::Nftables => Ok(KernelRules::Nftables {
+    /// Reads both families' rules of `mode`; `named` (the objects rendered for the ebpf
+    /// mode) names the kernel's frontends.
+    fn read(mode: ProxyMode, pin_root: &std::path::Path, named: &Rendered) -> anyhow::Result<Self> {
+        match (mode, named) {
+            (ProxyMode::Iptables, _) => Self::read_iptables(),
+            (ProxyMode::Nftables, _) => Ok(KernelRules::Nftables {
                 listed: [Self::read_nft(IpFamily::V4)?, Self::read_nft(IpFamily::V6)?],
             }),
-            other => Err(untraceable(format!(
-                "--rules kernel reads the nftables and iptables modes' rules; the {} mode's \
-                 kernel state (its BPF maps) cannot be read yet: --rules render traces what \
-                 the proxy would program",
+            (ProxyMode::Ebpf, Rendered::Ebpf(named)) => {
+                let read = || -> Result<_, ebpf::programs::Error> {
+                    let maps = ebpf::programs::Maps::open_pinned(pin_root)?;
+                    Ok((maps.frontends()?, maps.backends()?, maps.source_ranges()?))
+                };
+                let (frontends, backends, ranges) = read().map_err(|e| {
+                    untraceable(format!(
+                        "--rules kernel: reading the ebpf mode's maps pinned under {}: {}",
+                        pin_root.display(),
+                        anyhow::Error::from(e)
+                            .chain()
+                            .map(|c| c.to_string())
+                            .collect::<Vec<_>>()
+                            .join(": ")
+                    ))
+                })?;
+                Ok(KernelRules::Ebpf {
+                    pin_root: pin_root.to_path_buf(),
+                    maps: ebpf::render::from_maps(&frontends, &backends, &ranges, named),
+                })
+            }
+            (other, _) => Err(untraceable(format!(
+                "--rules kernel reads the nftables, iptables and ebpf modes' state; the {} \
+                 mode has no tracer",
                 other.as_str()
             ))),
         }
@@ -332,6 +567,12 @@ impl KernelRules {
                 "nft -j list table ip/ip6 kube-proxy, the {} layout",
                 self.layout().unwrap_or("flat")
             ),
+            KernelRules::Ebpf { pin_root, .. } => {
+                format!(
+                    "the BPF maps pinned under {}",
+                    pin_root.join("maps").display()
+                )
+            }
         }
     }
 
@@ -362,6 +603,7 @@ impl KernelRules {
                 };
                 nftables::tracer::trace(&ruleset, packet, env)
             }
+            KernelRules::Ebpf { maps, .. } => ebpf::tracer::trace(maps, packet, env),
         }
     }
 
@@ -373,6 +615,8 @@ impl KernelRules {
             KernelRules::Nftables { listed } => {
                 listed[i].as_ref().map_or(&[][..], |l| &l.skipped[..])
             }
+            // Every frontend, backend and range is read.
+            KernelRules::Ebpf { .. } => &[],
         }
     }
 }
@@ -380,7 +624,7 @@ impl KernelRules {
 /// The dataplane whose rules this network namespace holds, for `--rules kernel` without
 /// `--proxy-mode`: a `kube-proxy` nftables table, else iptables `KUBE-SERVICES` chains (either
 /// variant), else none we can read.
-fn detect_mode() -> anyhow::Result<ProxyMode> {
+fn detect_mode(pin_root: &std::path::Path) -> anyhow::Result<ProxyMode> {
     let holds = |program: &str, args: &[&str], needle: &str| {
         std::process::Command::new(program)
             .args(args)
@@ -404,10 +648,16 @@ fn detect_mode() -> anyhow::Result<ProxyMode> {
             return Ok(ProxyMode::Iptables);
         }
     }
-    Err(untraceable(
-        "--rules kernel: this node holds no nftables table kube-proxy and no iptables \
-         KUBE-SERVICES chain (the ebpf mode's maps cannot be read yet); give --proxy-mode",
-    ))
+    let services = pin_root.join("maps").join(ebpf::maps::names::SERVICES);
+    if services.exists() {
+        return Ok(ProxyMode::Ebpf);
+    }
+    Err(untraceable(format!(
+        "--rules kernel: this node holds no nftables table kube-proxy, no iptables \
+         KUBE-SERVICES chain and no BPF maps pinned under {}; give --proxy-mode (and \
+         --ebpf-pin-root)",
+        pin_root.display()
+    )))
 }
 
 /// What besides the proxy's rules decides the fate on this node, for `--rules kernel`: a
@@ -435,6 +685,21 @@ fn node_notes(packet: &Packet, e: &Explanation, local: &[IpAddr]) -> Vec<String>
                  before it reaches an endpoint"
             ));
         }
+    }
+    // Not translated and not for this node: routing decides before the forward hook's rules,
+    // and a destination without a route is refused there (ICMP net unreachable).
+    let routed = |ip: IpAddr| {
+        std::process::Command::new("ip")
+            .args(["route", "get", &ip.to_string()])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if e.endpoints.is_empty() && !local.contains(&packet.dst) && !routed(packet.dst) {
+        notes.push(format!(
+            "no route to {} on this node: routing refuses the packet (ICMP network \
+             unreachable) before any forward rule",
+            packet.dst
+        ));
     }
     for ip in away {
         let routed = std::process::Command::new("ip")
@@ -563,6 +828,16 @@ impl Tracing {
             }
             let notes = node_notes(packet, &explanation, &p.facts.local_ips);
             explanation.notes.extend(notes);
+            let hooks = hooks_crossed(packet, &explanation, &p.facts.local_ips);
+            let family = match IpFamily::of(packet.dst) {
+                IpFamily::V4 => "ip",
+                IpFamily::V6 => "ip6",
+            };
+            for c in &self.foreign {
+                if (c.family == family || c.family == "inet") && hooks.contains(&c.hook.as_str()) {
+                    explanation.notes.push(c.describe());
+                }
+            }
         }
         if let Some(k) = &self.kernel {
             let skipped = k.skipped(IpFamily::of(packet.dst));
@@ -639,12 +914,23 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             )));
         }
     };
+    // --live takes a CIDR too.
+    let live_from = match (&args.from, args.live) {
+        (Some(v), true) => Some(live::parse_from(v)?),
+        _ => None,
+    };
     let from = match &args.from {
-        Some(v) => Some(
+        Some(v) if !args.live => Some(
             v.parse::<IpAddr>()
                 .map_err(|_| usage(format!("invalid value {v:?} for --from: not an IP address")))?,
         ),
-        None => None,
+        _ => live_from
+            .filter(|n| n.prefix_len() == n.max_prefix_len())
+            .map(|n| n.addr()),
+    };
+    let live_to = match (&args.to, args.live) {
+        (Some(v), true) => Some(live::parse_to(v)?),
+        _ => None,
     };
     let service = match &args.service {
         Some(v) => match v.split_once('/') {
@@ -660,8 +946,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         None => None,
     };
     let to = match &args.to {
-        Some(v) => Some(parse_to(v)?),
-        None => None,
+        Some(v) if !args.live => Some(parse_to(v)?),
+        _ => live_to.and_then(|(ip, port, proto)| Some((SocketAddr::new(ip?, port), proto))),
     };
     if let (Some(from), Some((to, _))) = (from, to)
         && IpFamily::of(from) != IpFamily::of(to.ip())
@@ -671,9 +957,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             to.ip()
         )));
     }
+    if let (Some(net), Some((Some(ip), ..))) = (live_from, live_to)
+        && IpFamily::of(net.addr()) != IpFamily::of(ip)
+    {
+        return Err(usage(format!(
+            "--from {net} and --to {ip} are not of the same IP family"
+        )));
+    }
     let mut args = args;
+    if args.live {
+        // Real packets are explained with what the kernel holds.
+        args.rules = "kernel".to_string();
+    }
     if args.rules == "kernel" && args.render.proxy_mode.is_none() {
-        args.render.proxy_mode = Some(detect_mode()?.as_str().to_string());
+        args.render.proxy_mode = Some(detect_mode(&args.ebpf_pin_root)?.as_str().to_string());
     }
     let (text, source, origin) = match &args.file {
         Some(file) => (
@@ -702,10 +999,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let kernel = match args.rules.as_str() {
         "render" => None,
         "kernel" => {
-            let rules = KernelRules::read(prepared.mode)?;
-            // The node as it is: its own addresses decide the path and `fib … type local`.
+            // The node as it is: its own addresses decide the path and `fib … type local`
+            // (and name the ebpf mode's frontends, which are per address).
             prepared.facts.local_ips = local_addresses()?;
-            Some(rules)
+            let named = Rendered::of(&prepared)?;
+            Some(KernelRules::read(
+                prepared.mode,
+                &args.ebpf_pin_root,
+                &named,
+            )?)
         }
         other => {
             return Err(usage(format!(
@@ -714,6 +1016,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     };
     let rendered = Rendered::of(&prepared)?;
+    let prepared_mode = prepared.mode;
     let tracing = Tracing {
         prepared,
         rendered,
@@ -721,7 +1024,32 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         origin,
         kernel,
         in_interface: args.in_interface.clone(),
+        // The ebpf mode forwards what it translates at tc, past netfilter's hooks.
+        foreign: if args.rules == "kernel" && prepared_mode != ProxyMode::Ebpf {
+            read_foreign_chains()
+        } else {
+            Vec::new()
+        },
     };
+    if args.live {
+        let (daddr, dport, protocol) = live_to.expect("clap requires --to with --live");
+        let selector = nodeport_proxy::nftables::netlink::nftrace::Selector {
+            protocol,
+            dport,
+            daddr,
+            from: live_from,
+        };
+        let timeout = live::parse_duration(&args.timeout)?;
+        return live::run(
+            &tracing,
+            &selector,
+            args.count,
+            timeout,
+            json,
+            (from, to),
+            &args.ebpf_pin_root,
+        );
+    }
     let reached = match (service, from, to) {
         (Some((ns, name)), _, _) => trace_service(&tracing, &ns, &name, from, json)?,
         (None, Some(from), Some((to, proto))) => trace_packet(&tracing, from, to, proto, json)?,
@@ -960,4 +1288,50 @@ fn objects_from_api(kubeconfig: Option<PathBuf>, master: Option<&str>) -> anyhow
         let list = serde_json::json!({"apiVersion": "v1", "kind": "List", "items": items});
         Ok(serde_json::to_string(&list)?)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn other_tables_drop_chains_are_found_through_their_jumps_and_the_proxys_are_left_out() {
+        let listing = r#"{"nftables": [
+          {"metainfo": {"json_schema_version": 1}},
+          {"chain": {"family": "inet", "table": "site", "name": "forward", "hook": "forward", "prio": 0, "policy": "accept"}},
+          {"chain": {"family": "inet", "table": "site", "name": "more"}},
+          {"chain": {"family": "inet", "table": "site", "name": "input", "hook": "input", "prio": 0, "policy": "drop"}},
+          {"chain": {"family": "inet", "table": "site", "name": "output", "hook": "output", "prio": 0, "policy": "accept"}},
+          {"chain": {"family": "ip", "table": "filter", "name": "INPUT", "hook": "input", "prio": 0, "policy": "accept"}},
+          {"chain": {"family": "ip", "table": "filter", "name": "FORWARD", "hook": "forward", "prio": 0, "policy": "accept"}},
+          {"chain": {"family": "ip", "table": "kube-proxy", "name": "filter-input", "hook": "input", "prio": -110, "policy": "accept"}},
+          {"chain": {"family": "ip", "table": "nodeport-trace-7", "name": "prerouting", "hook": "prerouting", "prio": -150, "policy": "drop"}},
+          {"rule": {"family": "inet", "table": "site", "chain": "forward", "expr": [{"match": {}}, {"drop": null}]}},
+          {"rule": {"family": "inet", "table": "site", "chain": "forward", "expr": [{"jump": {"target": "more"}}]}},
+          {"rule": {"family": "inet", "table": "site", "chain": "more", "expr": [{"reject": {"type": "tcp reset"}}]}},
+          {"rule": {"family": "inet", "table": "site", "chain": "output", "expr": [{"counter": {}}]}},
+          {"rule": {"family": "ip", "table": "filter", "chain": "INPUT", "expr": [{"xt": {"type": "target", "name": "REJECT"}}]}},
+          {"rule": {"family": "ip", "table": "filter", "chain": "FORWARD", "expr": [{"jump": {"target": "KUBE-FORWARD"}}]}},
+          {"rule": {"family": "ip", "table": "filter", "chain": "KUBE-FORWARD", "expr": [{"drop": null}]}},
+          {"rule": {"family": "ip", "table": "kube-proxy", "chain": "filter-input", "expr": [{"drop": null}]}}
+        ]}"#;
+        let found: Vec<(String, usize, bool)> = foreign_chains(listing)
+            .into_iter()
+            .map(|c| {
+                (
+                    format!("{} {} {}", c.family, c.table, c.chain),
+                    c.drops,
+                    c.policy_drop,
+                )
+            })
+            .collect();
+        assert_eq!(
+            found,
+            [
+                ("inet site forward".to_string(), 2, false),
+                ("inet site input".to_string(), 0, true),
+                ("ip filter INPUT".to_string(), 1, false),
+            ]
+        );
+    }
 }

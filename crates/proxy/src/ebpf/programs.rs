@@ -443,6 +443,26 @@ impl Maps {
         HashMap::try_from(self.map(name)?).map_err(map_err(name))
     }
 
+    /// Opens the maps pinned under `<pin_root>/maps/` by a running proxy, to read them
+    /// (`nodeport trace --rules kernel` and `--live`): no program is loaded and nothing is
+    /// created.
+    pub fn open_pinned(pin_root: &Path) -> Result<Self, Error> {
+        let dir = pin_root.join("maps");
+        let mut maps = std::collections::BTreeMap::new();
+        for name in [
+            names::SERVICES,
+            names::BACKENDS,
+            names::SOURCE_RANGES,
+            names::CT,
+            names::NAT,
+        ] {
+            let data = MapData::from_pin(dir.join(name)).map_err(map_err(name))?;
+            let map = aya::maps::Map::from_map_data(data).map_err(map_err(name))?;
+            maps.insert(name, map);
+        }
+        Ok(Maps { maps })
+    }
+
     /// Writes a frontend.
     pub fn set_frontend(&mut self, key: &FrontendKey, value: &Frontend) -> Result<(), Error> {
         self.hash::<[u8; 20], [u8; 16]>(names::SERVICES)?

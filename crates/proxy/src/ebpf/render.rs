@@ -116,6 +116,70 @@ pub struct Rendered {
     pub services: BTreeMap<(ServicePortName, IpFamily), ServiceMaps>,
 }
 
+/// What the kernel's maps hold (the pinned maps of a running proxy: frontends, backends by
+/// (set, ordinal), source ranges by service id) as a [`Rendered`] the tracer walks. Each
+/// frontend is named by the same frontend in `named` (what the proxy would program for the
+/// objects); one the objects do not have is named `svc-<id>` in no namespace.
+pub fn from_maps(
+    frontends: &[(FrontendKey, super::maps::Frontend)],
+    backends: &[((u32, u32), BackendEntry)],
+    ranges: &[(u32, IpNet)],
+    named: &Rendered,
+) -> Rendered {
+    let by_key: BTreeMap<&FrontendKey, &FrontendSpec> = named
+        .services
+        .values()
+        .flat_map(|m| m.frontends.iter())
+        .collect();
+    let mut out = Rendered::default();
+    for (key, fe) in frontends {
+        let protocol = match key.proto {
+            17 => Protocol::Udp,
+            132 => Protocol::Sctp,
+            _ => Protocol::Tcp,
+        };
+        let family = IpFamily::of(key.addr);
+        let service = by_key.get(key).map_or_else(
+            || ServicePortName::new("", &format!("svc-{}", fe.svc_id), "", protocol),
+            |spec| spec.service.clone(),
+        );
+        // One set per kernel backend set: its name only joins frontend and backends.
+        let set = SetKey {
+            port: ServicePortName::new("", &format!("be-set-{}", fe.be_set), "", protocol),
+            family,
+            local: false,
+        };
+        let mut members: Vec<(u32, BackendEntry)> = backends
+            .iter()
+            .filter(|((s, ordinal), _)| {
+                *s == fe.be_set && (1..=u32::from(fe.count)).contains(ordinal)
+            })
+            .map(|((_, ordinal), b)| (*ordinal, *b))
+            .collect();
+        members.sort_by_key(|(ordinal, _)| *ordinal);
+        let maps = out.services.entry((service.clone(), family)).or_default();
+        if fe.count > 0 {
+            maps.sets
+                .insert(set.clone(), members.into_iter().map(|(_, b)| b).collect());
+        }
+        maps.frontends.insert(
+            *key,
+            FrontendSpec {
+                service,
+                set: (fe.count > 0).then_some(set),
+                flags: fe.flags,
+                affinity_timeout: fe.affinity_timeout,
+                source_ranges: ranges
+                    .iter()
+                    .filter(|(id, _)| *id == fe.svc_id)
+                    .map(|(_, net)| *net)
+                    .collect(),
+            },
+        );
+    }
+    out
+}
+
 /// Renders every family.
 pub fn render(desired: &DesiredState, config: &RenderConfig) -> Rendered {
     let mut out = Rendered::default();

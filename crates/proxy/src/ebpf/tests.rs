@@ -282,3 +282,84 @@ fn the_tracer_drops_sources_outside_load_balancer_source_ranges_and_passes_unkno
         }
     );
 }
+
+#[test]
+fn maps_read_back_trace_as_rendered_and_a_frontend_the_objects_lack_is_named_by_its_id() {
+    use super::maps::{Frontend, FrontendKey, SVC_REJECT, Scope};
+    let yaml = service_yaml(
+        "  type: NodePort\n  ports: [{name: http, port: 80, nodePort: 30080}]",
+        &["10.244.1.5@node-a", "10.244.2.7@node-b"],
+    );
+    let rendered = render(&desired_of(&yaml), &RenderConfig::default());
+    // What an applier writes: a service id per frontend, a kernel set id per backend set,
+    // backends at ordinals 1..=count.
+    let mut frontends = Vec::new();
+    // A map: one entry per (set, ordinal).
+    let mut backends = std::collections::BTreeMap::new();
+    let mut set_ids = std::collections::BTreeMap::new();
+    for maps in rendered.services.values() {
+        for (key, spec) in &maps.frontends {
+            let list = spec.set.as_ref().map(|s| &maps.sets[s]);
+            let next = set_ids.len() as u32 + 1;
+            let be_set = match &spec.set {
+                Some(s) => *set_ids.entry(s.clone()).or_insert(next),
+                None => 0,
+            };
+            if let Some(list) = list {
+                for (i, b) in list.iter().enumerate() {
+                    backends.insert((be_set, i as u32 + 1), *b);
+                }
+            }
+            frontends.push((
+                *key,
+                Frontend {
+                    svc_id: 1,
+                    be_set,
+                    count: list.map_or(0, |l| l.len() as u16),
+                    flags: spec.flags,
+                    affinity_timeout: spec.affinity_timeout,
+                },
+            ));
+        }
+    }
+    let backends: Vec<_> = backends.into_iter().collect();
+    let stray = FrontendKey {
+        addr: "192.0.2.10".parse().unwrap(),
+        port: 31999,
+        proto: 6,
+        scope: Scope::External,
+    };
+    frontends.push((
+        stray,
+        Frontend {
+            svc_id: 99,
+            flags: SVC_REJECT,
+            ..Default::default()
+        },
+    ));
+    let read = super::render::from_maps(&frontends, &backends, &[], &rendered);
+    for packet in [
+        Packet::remote("203.0.113.5", "192.0.2.10", Protocol::Tcp, 30080),
+        Packet::local("192.0.2.10", "10.96.0.10", Protocol::Tcp, 80),
+    ] {
+        let env = Env::default();
+        assert_eq!(
+            super::tracer::trace(&read, &packet, &env),
+            super::tracer::trace(&rendered, &packet, &env),
+            "{packet}"
+        );
+    }
+    let named: Vec<String> = read
+        .services
+        .keys()
+        .map(|(n, _)| format!("{}/{}", n.namespace, n.name))
+        .collect();
+    assert!(named.contains(&"default/web".to_string()), "{named:?}");
+    assert!(named.contains(&"/svc-99".to_string()), "{named:?}");
+    let t = super::tracer::trace(
+        &read,
+        &Packet::remote("203.0.113.5", "192.0.2.10", Protocol::Tcp, 31999),
+        &Env::default(),
+    );
+    assert_eq!(t.only(), &Fate::Rejected(super::tracer::TC_INGRESS.into()));
+}

@@ -300,6 +300,19 @@ fn set_ref(v: &Value) -> Option<String> {
     v.as_str()?.strip_prefix('@').map(str::to_string)
 }
 
+/// The fewest prefixes that cover `start..=end` exactly (`None` across families).
+fn range_nets(start: IpAddr, end: IpAddr) -> Option<Vec<IpNet>> {
+    match (start, end) {
+        (IpAddr::V4(a), IpAddr::V4(b)) => {
+            Some(ipnet::Ipv4Subnets::new(a, b, 0).map(IpNet::V4).collect())
+        }
+        (IpAddr::V6(a), IpAddr::V6(b)) => {
+            Some(ipnet::Ipv6Subnets::new(a, b, 0).map(IpNet::V6).collect())
+        }
+        _ => None,
+    }
+}
+
 fn addr_match(v: &Value) -> Option<AddrMatch> {
     if let Some(name) = set_ref(v) {
         return Some(AddrMatch::Set(name));
@@ -313,14 +326,25 @@ fn addr_match(v: &Value) -> Option<AddrMatch> {
     if let Some(Value::Array(items)) = v.get("set") {
         let nets = items
             .iter()
-            .map(|i| match i.get("prefix") {
-                Some(p) => {
-                    IpNet::new(p["addr"].as_str()?.parse().ok()?, p["len"].as_u64()? as u8).ok()
+            .map(|i| match (i.get("prefix"), i.get("range")) {
+                (Some(p), _) => {
+                    IpNet::new(p["addr"].as_str()?.parse().ok()?, p["len"].as_u64()? as u8)
+                        .ok()
+                        .map(|n| vec![n])
                 }
-                None => i.as_str()?.parse::<IpAddr>().ok().map(IpNet::from),
+                // nft merges adjacent prefixes into one interval (10.96.0.0/16 and
+                // 10.97.0.0/24 list as 10.96.0.0-10.97.0.255): the prefixes covering it.
+                (None, Some(Value::Array(r))) if r.len() == 2 => {
+                    range_nets(r[0].as_str()?.parse().ok()?, r[1].as_str()?.parse().ok()?)
+                }
+                _ => i
+                    .as_str()?
+                    .parse::<IpAddr>()
+                    .ok()
+                    .map(|ip| vec![IpNet::from(ip)]),
             })
             .collect::<Option<Vec<_>>>()?;
-        return Some(AddrMatch::Nets(nets));
+        return Some(AddrMatch::Nets(nets.into_iter().flatten().collect()));
     }
     v.as_str()?.parse().ok().map(AddrMatch::Addr)
 }
@@ -506,6 +530,23 @@ fn rule(exprs: &[Value]) -> Option<Vec<Expr>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_interval_nft_merged_from_adjacent_prefixes_reads_back_as_those_prefixes() {
+        let v: Value = serde_json::from_str(
+            r#"{"set": [{"range": ["10.96.0.0", "10.97.0.255"]}, {"prefix": {"addr": "10.98.0.0", "len": 24}}]}"#,
+        )
+        .unwrap();
+        let nets = |s: &[&str]| s.iter().map(|n| n.parse().unwrap()).collect::<Vec<IpNet>>();
+        assert_eq!(
+            addr_match(&v),
+            Some(AddrMatch::Nets(nets(&[
+                "10.96.0.0/16",
+                "10.97.0.0/24",
+                "10.98.0.0/24"
+            ])))
+        );
+    }
 
     #[test]
     fn rules_sets_and_elements_read_back_and_an_unknown_expression_is_left_out_and_said() {

@@ -19,6 +19,8 @@
 //! Only the last operation asks for an acknowledgement, so success costs one reply; every
 //! failing operation is reported with its sequence number and mapped back to the operation.
 
+pub mod nftrace;
+
 use std::net::IpAddr;
 use std::os::fd::AsFd;
 use std::time::Duration;

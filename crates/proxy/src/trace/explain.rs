@@ -133,6 +133,8 @@ pub enum Reason {
     NotNodePortAddress,
     /// No Service has this address and port.
     NotAService,
+    /// The address is in a ServiceCIDR but no Service has it (kube-proxy drops it).
+    UnallocatedClusterIp,
     /// Decided by a rule no Service setting explains (see `at`).
     Other,
 }
@@ -292,7 +294,10 @@ pub fn explain(desired: &DesiredState, ctx: &Context<'_>, trace: &Trace) -> Expl
             Fate::Dropped(chain) => (Verdict::Drop, Some(chain.clone())),
             Fate::Rejected(chain) => (Verdict::Reject, Some(chain.clone())),
         };
-        let (reason, message) = why(ctx, packet, found, verdict, chain.as_deref());
+        let cidrs = desired
+            .family(IpFamily::of(packet.dst))
+            .map_or(&[][..], |f| &f.service_cidrs[..]);
+        let (reason, message) = why(ctx, packet, found, cidrs, verdict, chain.as_deref());
         outcomes.push(Outcome {
             verdict,
             reason,
@@ -360,6 +365,7 @@ fn why(
     ctx: &Context<'_>,
     packet: &Packet,
     found: Option<(&ServicePortState, Frontend, bool)>,
+    service_cidrs: &[IpNet],
     verdict: Verdict,
     chain: Option<&str>,
 ) -> (Reason, String) {
@@ -374,6 +380,21 @@ fn why(
                     "not a Service: no Service has {}/{}; passed on untranslated",
                     SocketAddr::new(packet.dst, packet.dport),
                     packet.proto.as_lower()
+                ),
+            ),
+            // kube-proxy's nftables mode drops traffic to an address of a ServiceCIDR that no
+            // Service has (its `cluster-ips-check` chain).
+            _ if service_cidrs.iter().any(|n| n.contains(&packet.dst)) => (
+                Reason::UnallocatedClusterIp,
+                format!(
+                    "{}: {} is in the ServiceCIDR {} but no Service has it (an unallocated \
+                     ClusterIP)",
+                    verb(verdict),
+                    packet.dst,
+                    service_cidrs
+                        .iter()
+                        .find(|n| n.contains(&packet.dst))
+                        .expect("found above")
                 ),
             ),
             _ => (Reason::Other, format!("{}{at}", verb(verdict))),

@@ -1,0 +1,733 @@
+//! `nodeport trace --live`: real packets. A table of the tracer's own marks the first packet
+//! of each new connection to `--to` (from `--from`) with `meta nftrace`; the kernel's trace
+//! events name every rule the packet met, in every table; conntrack names the endpoint the
+//! DNAT chose (nftrace names rules, not the map element chosen) and whether it answered.
+//! Each packet is then explained as `--rules kernel` explains the same packet, followed by
+//! its path and what the kernel did (`seen`).
+//!
+//! The ebpf mode reads its maps instead ([`run_ebpf`]): the connections its programs
+//! translate, from `np_ct` and `np_nat`.
+//!
+//! The table is owned by the tracing process's netlink socket
+//! ([`nftrace`](nodeport_proxy::nftables::netlink::nftrace)): it is deleted on a normal
+//! exit, and the kernel deletes it when the process ends in any other way (an error,
+//! Ctrl-C, SIGKILL).
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Duration, Instant};
+
+use ipnet::IpNet;
+use nodeport_proxy::config::ProxyMode;
+use nodeport_proxy::conntrack;
+use nodeport_proxy::model::Protocol;
+use nodeport_proxy::nftables::netlink::nftrace::{
+    self, Collector, Event, Selector, Session, Traced,
+};
+use nodeport_proxy::trace::explain::{Explanation, Verdict as Fate};
+use nodeport_proxy::trace::{Origin, Packet};
+use serde::Serialize;
+
+use super::{EXIT_NOT_DELIVERED, Exit, Tracing, trace_packet, untraceable, usage};
+
+/// A packet is finished when no event came for it this long (its last hook is behind it).
+const QUIET: Duration = Duration::from_millis(300);
+/// How long an endpoint may take to answer before `seen` says it has not.
+const ANSWER_WAIT: Duration = Duration::from_secs(1);
+
+/// `--from` with `--live`: an address or a CIDR.
+pub(super) fn parse_from(value: &str) -> anyhow::Result<IpNet> {
+    if let Ok(ip) = value.parse::<IpAddr>() {
+        return Ok(IpNet::from(ip));
+    }
+    value.parse::<IpNet>().map(|n| n.trunc()).map_err(|_| {
+        usage(format!(
+            "invalid value {value:?} for --from: not an address or CIDR"
+        ))
+    })
+}
+
+/// `--to` with `--live`: `[ADDR]:PORT[/PROTO]`, the address optional (`:30569/tcp`).
+pub(super) fn parse_to(value: &str) -> anyhow::Result<(Option<IpAddr>, u16, Protocol)> {
+    if let Some(rest) = value.strip_prefix(':') {
+        let (port, proto) = rest.split_once('/').unwrap_or((rest, "tcp"));
+        let port: u16 = port
+            .parse()
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or_else(|| usage(format!("invalid value {value:?} for --to: not a port")))?;
+        let proto = Protocol::parse(&proto.to_ascii_uppercase()).ok_or_else(|| {
+            usage(format!(
+                "invalid value {value:?} for --to: the protocol must be tcp, udp or sctp"
+            ))
+        })?;
+        return Ok((None, port, proto));
+    }
+    let (addr, proto) = super::parse_to(value)?;
+    Ok((Some(addr.ip()), addr.port(), proto))
+}
+
+/// `--timeout`: `30s`, `500ms`, `2m`, `1h`, or a number of seconds.
+pub(super) fn parse_duration(value: &str) -> anyhow::Result<Duration> {
+    let bad = || {
+        usage(format!(
+            "invalid value {value:?} for --timeout: must be a duration such as 30s, 500ms or 2m"
+        ))
+    };
+    let split = value
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(value.len());
+    let (number, unit) = value.split_at(split);
+    let number: f64 = number.parse().map_err(|_| bad())?;
+    let seconds = match unit {
+        "" | "s" => number,
+        "ms" => number / 1000.0,
+        "m" => number * 60.0,
+        "h" => number * 3600.0,
+        _ => return Err(bad()),
+    };
+    if !(seconds > 0.0 && seconds.is_finite()) {
+        return Err(bad());
+    }
+    Ok(Duration::from_secs_f64(seconds))
+}
+
+/// One rule a real packet met, for `-o json`.
+#[derive(Serialize)]
+struct Step {
+    family: &'static str,
+    table: String,
+    chain: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rule_handle: Option<u64>,
+    /// `rule`, `return` or `policy`.
+    kind: &'static str,
+    verdict: String,
+}
+
+/// What the kernel did with a real packet.
+#[derive(Serialize)]
+struct Seen {
+    /// `dnat`, `reject` or `drop` (by the proxy's rules), `drop` (`reason: other_table`),
+    /// `pass` (not translated) or `unknown` (no conntrack entry).
+    verdict: &'static str,
+    /// `endpoint`, `not_answering`, the explanation's reason of a drop by the proxy's
+    /// rules, `other_table`, `not_a_service` or `unknown`.
+    reason: &'static str,
+    /// The sentence people read.
+    message: String,
+    /// DNAT: the endpoint conntrack names.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    endpoint: Option<SocketAddr>,
+    /// The source the endpoint sees (the node's address when masqueraded).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    source_seen_by_endpoint: Option<IpAddr>,
+    /// Whether the other side answered within a second.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    answered: Option<bool>,
+    /// The rule that dropped it: `family table chain [rule N]`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    at: Option<String>,
+}
+
+/// One real packet: its source port and trace id, the explanation of the same packet, its
+/// path and what the kernel did.
+#[derive(Serialize)]
+struct LivePacket {
+    source_port: u16,
+    /// nftables: the kernel's trace id (the ebpf mode has none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    trace_id: Option<u32>,
+    #[serde(flatten)]
+    explanation: Explanation,
+    path: Vec<Step>,
+    seen: Seen,
+}
+
+/// What `-o json` prints with `--live`.
+#[derive(Serialize)]
+struct LiveReport {
+    source: &'static str,
+    rules: &'static str,
+    mode: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    nftables_layout: Option<&'static str>,
+    /// The tracer's table (`inet nodeport-trace-<pid>`), gone when it ends; in the ebpf
+    /// mode the map read (`np_ct`).
+    table: String,
+    packets: Vec<LivePacket>,
+    /// Trace events the kernel could not deliver (the socket's buffer was full).
+    #[serde(skip_serializing_if = "is_zero")]
+    lost_events: usize,
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
+}
+
+/// `--to` and `--from` as the output names them (`:30569`, `any source`).
+fn described(selector: &Selector) -> (String, String) {
+    let to = match selector.daddr {
+        Some(ip) => SocketAddr::new(ip, selector.dport).to_string(),
+        None => format!(":{}", selector.dport),
+    };
+    let from = selector
+        .from
+        .map_or_else(|| "any source".to_string(), |n| format!("{n}"));
+    (to, from)
+}
+
+/// Whether a rule is the proxy's: its nftables table, or (iptables-nft) its `KUBE-` chains.
+fn is_proxys(e: &Event) -> bool {
+    e.table == nodeport_proxy::nftables::ruleset::TABLE || e.chain.starts_with("KUBE-")
+}
+
+/// Runs the live trace; `fallback` is `--from`/`--to` as one packet, for iptables-legacy.
+pub(super) fn run(
+    tracing: &Tracing,
+    selector: &Selector,
+    count: usize,
+    timeout: Duration,
+    json: bool,
+    fallback: (Option<IpAddr>, Option<(SocketAddr, Protocol)>),
+    pin_root: &std::path::Path,
+) -> anyhow::Result<()> {
+    match tracing.prepared.mode {
+        ProxyMode::Nftables => {}
+        ProxyMode::Ebpf => return run_ebpf(tracing, selector, count, timeout, json, pin_root),
+        ProxyMode::Iptables => {
+            use nodeport_proxy::iptables::apply::{Variant, detect_variant};
+            if detect_variant(&[]).variant == Variant::Legacy {
+                let (Some(from), Some((to, proto))) = fallback else {
+                    return Err(untraceable(
+                        "--live is not possible with iptables-legacy (x_tables sends no trace \
+                         events to a process; its TRACE target logs to the kernel log): give \
+                         --from ADDR and --to ADDR:PORT/PROTO to trace that packet through \
+                         the kernel's rules instead",
+                    ));
+                };
+                eprintln!(
+                    "nodeport trace: --live is not possible with iptables-legacy (x_tables sends \
+                     no trace events to a process); tracing the packet of --from and --to \
+                     through the kernel's rules instead"
+                );
+                return match trace_packet(tracing, from, to, proto, json)? {
+                    true => Ok(()),
+                    false => Err(Exit {
+                        code: EXIT_NOT_DELIVERED,
+                        message: None,
+                    }
+                    .into()),
+                };
+            }
+        }
+        other => {
+            return Err(untraceable(format!(
+                "--live traces real packets with nftables trace events: not possible in the {} \
+                 mode",
+                other.as_str()
+            )));
+        }
+    }
+    let mut session = Session::start(selector).map_err(|e| {
+        untraceable(format!(
+            "--live: {}",
+            anyhow::Error::from(e)
+                .chain()
+                .map(|c| c.to_string())
+                .collect::<Vec<_>>()
+                .join(": ")
+        ))
+    })?;
+    let table = session.table().to_string();
+    let (to, from) = described(selector);
+    if !json {
+        println!("{}", tracing.rules_line());
+        println!(
+            "live        the first packet of the next {count} new connection(s) to {to}/{} \
+             from {from}, within {timeout:?} (marked by table inet {table}, removed when \
+             this trace ends)",
+            selector.protocol.as_lower()
+        );
+    }
+    let mut collector = Collector::new(&table);
+    let deadline = Instant::now() + timeout;
+    let mut packets: Vec<LivePacket> = Vec::new();
+    let mut failed = false;
+    let mut report = |traced: Traced, packets: &mut Vec<LivePacket>| {
+        let Some(p) = explain_packet(tracing, traced, selector.protocol) else {
+            return;
+        };
+        failed |= !matches!(p.seen.reason, "endpoint");
+        if !json {
+            print_packet(packets.len() + 1, &p);
+        }
+        packets.push(p);
+    };
+    while packets.len() < count {
+        let now = Instant::now();
+        if now >= deadline {
+            break;
+        }
+        let wait = deadline.duration_since(now).min(QUIET / 3);
+        let event = session
+            .next(wait)
+            .map_err(|e| untraceable(format!("--live: reading trace events: {e}")))?;
+        let now = Instant::now();
+        if let Some(e) = event
+            && let Some(done) = collector.push(e, now)
+        {
+            report(done, &mut packets);
+        }
+        for done in collector.quiet(now, QUIET) {
+            if packets.len() < count {
+                report(done, &mut packets);
+            }
+        }
+    }
+    // Packets marked before the deadline whose last events came late.
+    for done in collector.drain() {
+        if packets.len() < count {
+            report(done, &mut packets);
+        }
+    }
+    let lost = session.overruns();
+    session
+        .close()
+        .map_err(|e| untraceable(format!("--live: removing table inet {table}: {e}")))?;
+    finish(
+        tracing, selector, timeout, json, table, packets, lost, failed,
+    )
+}
+
+/// Prints the JSON report (or the closing lines) and ends with the exit code: 0 every
+/// packet reached an endpoint that answered, 1 one did not, 3 none came.
+#[allow(clippy::too_many_arguments)]
+fn finish(
+    tracing: &Tracing,
+    selector: &Selector,
+    timeout: Duration,
+    json: bool,
+    table: String,
+    packets: Vec<LivePacket>,
+    lost: usize,
+    failed: bool,
+) -> anyhow::Result<()> {
+    let (to, from) = described(selector);
+    let none = packets.is_empty();
+    if json {
+        let report = LiveReport {
+            source: tracing.origin,
+            rules: "live",
+            mode: tracing.prepared.mode.as_str(),
+            nftables_layout: tracing.layout(),
+            table,
+            packets,
+            lost_events: lost,
+        };
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        if lost > 0 {
+            println!(
+                "note        {lost} batch(es) of trace events were lost (the socket's buffer \
+                 was full): a path may lack steps"
+            );
+        }
+        if none {
+            println!("seen        no such packet within {timeout:?}");
+        }
+    }
+    if none {
+        return Err(Exit {
+            code: super::EXIT_UNTRACEABLE,
+            message: Some(format!(
+                "--live: no new connection to {to}/{} from {from} within {timeout:?}",
+                selector.protocol.as_lower()
+            )),
+        }
+        .into());
+    }
+    if failed {
+        return Err(Exit {
+            code: EXIT_NOT_DELIVERED,
+            message: None,
+        }
+        .into());
+    }
+    Ok(())
+}
+
+fn interface_name(index: Option<u32>) -> Option<String> {
+    let name = nix::net::if_::if_indextoname(index?).ok()?;
+    Some(name.to_string_lossy().into_owned())
+}
+
+/// Explains a real packet: the explanation of the same packet, its path, and what the
+/// kernel did (the drop it met, or conntrack's entry).
+fn explain_packet(tracing: &Tracing, traced: Traced, protocol: Protocol) -> Option<LivePacket> {
+    let h = traced.headers?;
+    let packet = Packet {
+        src: h.src,
+        dst: h.dst,
+        proto: h.protocol.unwrap_or(protocol),
+        dport: h.dport,
+        origin: traced.origin,
+    };
+    let mut explanation = tracing.explain(&packet);
+    let first = traced.events.first();
+    if traced.origin == Origin::Remote
+        && let Some(name) = interface_name(first.and_then(|e| e.iif))
+    {
+        explanation.packet.interface = Some(name);
+    }
+    let path = traced
+        .events
+        .iter()
+        .map(|e| Step {
+            family: e.family,
+            table: e.table.clone(),
+            chain: e.chain.clone(),
+            rule_handle: e.handle,
+            kind: match e.kind {
+                nftrace::Kind::Rule => "rule",
+                nftrace::Kind::Return => "return",
+                nftrace::Kind::Policy => "policy",
+                nftrace::Kind::Other(_) => "other",
+            },
+            verdict: e
+                .verdict
+                .as_ref()
+                .map_or_else(String::new, |v| v.to_string()),
+        })
+        .collect();
+    let seen = match traced.dropped_by() {
+        Some(e) if is_proxys(e) => {
+            // The proxy's own drop or reject: the explanation says why.
+            let why = explanation
+                .outcomes
+                .iter()
+                .find(|o| o.verdict != Fate::Dnat && o.verdict != Fate::Pass);
+            let (verdict, reason, message) = match why {
+                Some(o) => (verdict_name(o.verdict), reason_name(o), o.message.clone()),
+                None => (
+                    "drop",
+                    "other",
+                    "dropped by the proxy's rules, for no reason the Service explains".into(),
+                ),
+            };
+            Seen {
+                verdict,
+                reason,
+                message,
+                endpoint: None,
+                source_seen_by_endpoint: None,
+                answered: None,
+                at: Some(e.describe()),
+            }
+        }
+        Some(e) => Seen {
+            verdict: "drop",
+            reason: "other_table",
+            message: format!(
+                "drop by table {} {}, not by the proxy's rules",
+                e.family, e.table
+            ),
+            endpoint: None,
+            source_seen_by_endpoint: None,
+            answered: None,
+            at: Some(e.describe()),
+        },
+        None => delivered(&h, packet.proto),
+    };
+    Some(LivePacket {
+        source_port: h.sport,
+        trace_id: Some(traced.id),
+        explanation,
+        path,
+        seen,
+    })
+}
+
+fn verdict_name(v: Fate) -> &'static str {
+    match v {
+        Fate::Dnat => "dnat",
+        Fate::Reject => "reject",
+        Fate::Drop => "drop",
+        Fate::Pass => "pass",
+    }
+}
+
+fn reason_name(o: &nodeport_proxy::trace::explain::Outcome) -> &'static str {
+    use nodeport_proxy::trace::explain::Reason;
+    match o.reason {
+        Reason::Endpoint => "endpoint",
+        Reason::NoEndpoints => "no_endpoints",
+        Reason::NoLocalEndpointsExternal => "no_local_endpoints_external",
+        Reason::NoLocalEndpointsInternal => "no_local_endpoints_internal",
+        Reason::SourceRanges => "source_ranges",
+        Reason::NotNodePortAddress => "not_node_port_address",
+        Reason::NotAService => "not_a_service",
+        Reason::UnallocatedClusterIp => "unallocated_cluster_ip",
+        Reason::Other => "other",
+    }
+}
+
+/// A packet no rule dropped: conntrack's entry for it names the endpoint, the source the
+/// endpoint sees, and whether it answered (waited for up to [`ANSWER_WAIT`]).
+fn delivered(h: &nftrace::Headers, protocol: Protocol) -> Seen {
+    let deadline = Instant::now() + ANSWER_WAIT;
+    let mut entry = None;
+    loop {
+        match conntrack::get(protocol, h.src, h.sport, h.dst, h.dport) {
+            Ok(Some(c)) => {
+                let answered = c.seen_reply;
+                entry = Some(c);
+                if answered {
+                    break;
+                }
+            }
+            Ok(None) => {}
+            Err(e) => {
+                return Seen {
+                    verdict: "unknown",
+                    reason: "unknown",
+                    message: format!("accepted; conntrack could not be read: {e}"),
+                    endpoint: None,
+                    source_seen_by_endpoint: None,
+                    answered: None,
+                    at: None,
+                };
+            }
+        }
+        if Instant::now() >= deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let Some(c) = entry else {
+        return Seen {
+            verdict: "unknown",
+            reason: "unknown",
+            message: "accepted by every rule, but conntrack holds no entry for it: refused \
+                      (a TCP reset as the only answer ends the entry at once) or gone nowhere \
+                      after the last rule (no route, forwarding off, reverse-path filter)"
+                .into(),
+            endpoint: None,
+            source_seen_by_endpoint: None,
+            answered: None,
+            at: None,
+        };
+    };
+    let endpoint = SocketAddr::new(c.reply_src, c.reply_sport);
+    let masqueraded = c.reply_dst != h.src;
+    let source = if masqueraded {
+        format!("masqueraded to {}", c.reply_dst)
+    } else {
+        "not masqueraded".to_string()
+    };
+    if endpoint == SocketAddr::new(h.dst, h.dport) {
+        return Seen {
+            verdict: "pass",
+            reason: "not_a_service",
+            message: format!("passed on untranslated, {source}"),
+            endpoint: None,
+            source_seen_by_endpoint: Some(c.reply_dst),
+            answered: Some(c.seen_reply),
+            at: None,
+        };
+    }
+    let (reason, answer) = if c.seen_reply {
+        ("endpoint", "it answered".to_string())
+    } else {
+        (
+            "not_answering",
+            format!("it has not answered within {ANSWER_WAIT:?}"),
+        )
+    };
+    Seen {
+        verdict: "dnat",
+        reason,
+        message: format!("DNAT to {endpoint} (conntrack), {source}; {answer}"),
+        endpoint: Some(endpoint),
+        source_seen_by_endpoint: Some(c.reply_dst),
+        answered: Some(c.seen_reply),
+        at: None,
+    }
+}
+
+/// One packet for people: its header line, the explanation, its path, what the kernel did.
+fn print_packet(n: usize, p: &LivePacket) {
+    let e = &p.explanation;
+    let id = p
+        .trace_id
+        .map_or_else(String::new, |id| format!(", trace id {id:#010x}"));
+    println!(
+        "live        packet {n}: {} → {}/{}, source port {}{id}",
+        e.packet.from, e.packet.to, e.packet.protocol, p.source_port
+    );
+    print!("{e}");
+    for s in &p.path {
+        let rule = s
+            .rule_handle
+            .map_or_else(String::new, |h| format!(" rule {h}"));
+        let what = match s.kind {
+            "policy" => format!("policy {}", s.verdict),
+            "return" => "return".to_string(),
+            _ => s.verdict.clone(),
+        };
+        println!(
+            "path        {} {} {}{rule}: {what}",
+            s.family, s.table, s.chain
+        );
+    }
+    match &p.seen.at {
+        Some(at) => println!("seen        {} (at {at})", p.seen.message),
+        None => println!("seen        {}", p.seen.message),
+    }
+}
+
+/// `--live` in the ebpf mode, from the maps alone (the programs are not changed): every
+/// connection `np_tc_ingress` translates gets an `np_ct` entry (its tuple → the backend, and
+/// the source when SNATed), and its reply entry in `np_nat` records whether the backend
+/// answered. The entries present at the start are left out; each new one matching the
+/// selector is a new connection, explained as `--rules kernel` explains its first packet.
+/// Packets the programs drop or reject, and the socket hooks' connections, leave no entry:
+/// they are not seen.
+fn run_ebpf(
+    tracing: &Tracing,
+    selector: &Selector,
+    count: usize,
+    timeout: Duration,
+    json: bool,
+    pin_root: &std::path::Path,
+) -> anyhow::Result<()> {
+    use nodeport_proxy::ebpf::maps::{CT_REPLY, CT_SNAT, Tuple, ip_proto};
+    use nodeport_proxy::ebpf::programs::Maps;
+    let failed_to_read = |e: nodeport_proxy::ebpf::programs::Error| {
+        untraceable(format!(
+            "--live: reading the ebpf mode's maps pinned under {}: {}",
+            pin_root.display(),
+            anyhow::Error::from(e)
+                .chain()
+                .map(|c| c.to_string())
+                .collect::<Vec<_>>()
+                .join(": ")
+        ))
+    };
+    let maps = Maps::open_pinned(pin_root).map_err(failed_to_read)?;
+    let before: std::collections::HashSet<Tuple> = maps
+        .conntrack()
+        .map_err(failed_to_read)?
+        .into_iter()
+        .map(|(t, _)| t)
+        .collect();
+    let wanted = |t: &Tuple| {
+        t.proto == ip_proto(selector.protocol)
+            && t.dport == selector.dport
+            && selector.daddr.is_none_or(|d| d == t.daddr)
+            && selector.from.is_none_or(|n| n.contains(&t.saddr))
+    };
+    let table = nodeport_proxy::ebpf::maps::names::CT.to_string();
+    let (to, from) = described(selector);
+    if !json {
+        println!("{}", tracing.rules_line());
+        println!(
+            "live        the next {count} new connection(s) to {to}/{} from {from}, within \
+             {timeout:?}, as np_tc_ingress records them in {table} (connections it translates; \
+             a packet it drops or rejects leaves no entry)",
+            selector.protocol.as_lower()
+        );
+    }
+    let deadline = Instant::now() + timeout;
+    // New connections: when first seen.
+    let mut pending: Vec<(Tuple, Instant)> = Vec::new();
+    let mut done: std::collections::HashSet<Tuple> = Default::default();
+    let mut packets: Vec<LivePacket> = Vec::new();
+    let mut failed = false;
+    while packets.len() < count {
+        let now = Instant::now();
+        let ct = maps.conntrack().map_err(failed_to_read)?;
+        let nat = maps.nat().map_err(failed_to_read)?;
+        for (t, _) in &ct {
+            if wanted(t)
+                && !before.contains(t)
+                && !done.contains(t)
+                && !pending.iter().any(|(p, _)| p == t)
+            {
+                pending.push((*t, now));
+            }
+        }
+        let mut still = Vec::new();
+        for (t, first) in pending.drain(..) {
+            let Some((_, fwd)) = ct.iter().find(|(k, _)| *k == t) else {
+                continue;
+            };
+            let reply = Tuple {
+                saddr: fwd.daddr,
+                daddr: fwd.saddr,
+                sport: fwd.dport,
+                dport: fwd.sport,
+                proto: t.proto,
+            };
+            let answered = nat
+                .iter()
+                .any(|(k, v)| *k == reply && v.flags & CT_REPLY != 0);
+            if !answered && now.duration_since(first) < ANSWER_WAIT && now < deadline {
+                still.push((t, first));
+                continue;
+            }
+            done.insert(t);
+            if packets.len() >= count {
+                continue;
+            }
+            let packet = Packet {
+                src: t.saddr,
+                dst: t.daddr,
+                proto: selector.protocol,
+                dport: t.dport,
+                origin: Origin::Remote,
+            };
+            let explanation = tracing.explain(&packet);
+            let endpoint = SocketAddr::new(fwd.daddr, fwd.dport);
+            let snat = fwd.flags & CT_SNAT != 0;
+            let source = if snat {
+                format!("masqueraded to {}", fwd.saddr)
+            } else {
+                "not masqueraded".to_string()
+            };
+            let (reason, answer) = if answered {
+                ("endpoint", "it answered".to_string())
+            } else {
+                (
+                    "not_answering",
+                    format!("it has not answered within {ANSWER_WAIT:?}"),
+                )
+            };
+            failed |= !answered;
+            let p = LivePacket {
+                source_port: t.sport,
+                trace_id: None,
+                explanation,
+                path: Vec::new(),
+                seen: Seen {
+                    verdict: "dnat",
+                    reason,
+                    message: format!("DNAT to {endpoint} ({table}), {source}; {answer}"),
+                    endpoint: Some(endpoint),
+                    source_seen_by_endpoint: Some(fwd.saddr),
+                    answered: Some(answered),
+                    at: None,
+                },
+            };
+            if !json {
+                print_packet(packets.len() + 1, &p);
+            }
+            packets.push(p);
+        }
+        pending = still;
+        if Instant::now() >= deadline && pending.is_empty() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    finish(tracing, selector, timeout, json, table, packets, 0, failed)
+}

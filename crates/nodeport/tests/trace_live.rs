@@ -1,0 +1,854 @@
+//! `nodeport trace --live` on a node a real `nodeport proxy` programmed (nftables, in network
+//! namespaces), with real packets from the client: the explanation printed for a real packet
+//! equals `--rules kernel`'s for the same packet, the endpoint named is the one that answered,
+//! a reject and a drop in another table are seen where they happen, two traces at once each
+//! report only their own packets, and the tracer's table is gone after a normal exit, Ctrl-C
+//! and SIGKILL.
+
+mod proxy_support;
+
+use std::io::Read;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use nodeport_testbed::{Netns, require_tools};
+use proxy_support::*;
+
+/// A running `nodeport trace --live`, killed (by PID) if the test ends before it does.
+struct LiveTrace {
+    child: Option<Child>,
+    /// What it printed before the test went on, and its stdout from there (the ebpf
+    /// mode's start).
+    head: String,
+    reader: Option<std::io::BufReader<std::process::ChildStdout>>,
+}
+
+impl LiveTrace {
+    /// Starts it inside the node with `args` (objects from the node's API server) and waits
+    /// until its table is in the kernel.
+    fn start(node: &Netns, args: &[&str]) -> LiveTrace {
+        let before = trace_tables(node).len();
+        let child = node
+            .command(env!("CARGO_BIN_EXE_nodeport"))
+            .args(["trace", "--live", "--master", "http://127.0.0.1:6443"])
+            .args(["--node-name", "node-a", "--cluster-cidr", "10.244.0.0/16"])
+            .args(args)
+            .env("NODEPORT_LOG", "error")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut t = LiveTrace {
+            child: Some(child),
+            head: String::new(),
+            reader: None,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while trace_tables(node).len() <= before {
+            if let Some(status) = t.child.as_mut().unwrap().try_wait().unwrap() {
+                let (out, err) = t.output();
+                panic!("trace --live ended early ({status}): {out}{err}");
+            }
+            assert!(Instant::now() < deadline, "no tracer table appeared");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // `nft` reads the tracer's rules back: every `nft -f` of the proxy (which lists the
+        // ruleset into its cache first) keeps working beside them.
+        let listed = node
+            .command("nft")
+            .args(["list", "ruleset"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&listed.stderr);
+        // (nft warns about iptables-nft's tables, and this nft, built without xtables, says
+        // it cannot print their targets; anything else is an error.)
+        let errors: Vec<&str> = stderr
+            .lines()
+            .filter(|l| !(l.starts_with("# Warning: table ") && l.ends_with("do not touch!")))
+            .filter(|l| !(l.starts_with("XT ") && l.ends_with(" not found")))
+            .collect();
+        assert!(
+            listed.status.success() && errors.is_empty(),
+            "nft list ruleset: {stderr}"
+        );
+        t
+    }
+
+    /// Starts it in the ebpf mode (objects from the node's API server, the maps under the
+    /// proxy's pin root) and waits until it has read the maps (its `live` line).
+    fn start_ebpf(c: &Cluster, args: &[&str]) -> LiveTrace {
+        use std::io::BufRead;
+        let mut child = c
+            .node
+            .command(env!("CARGO_BIN_EXE_nodeport"))
+            .args(["trace", "--live", "--master", "http://127.0.0.1:6443"])
+            .args(["--node-name", "node-a", "--cluster-cidr", "10.244.0.0/16"])
+            .arg("--ebpf-pin-root")
+            .arg(&c.ebpf.as_ref().expect("an ebpf cluster").pin_root)
+            .args(args)
+            .env("NODEPORT_LOG", "error")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut reader = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut head = String::new();
+        while !head.lines().any(|l| l.starts_with("live ")) {
+            let mut line = String::new();
+            if reader.read_line(&mut line).unwrap() == 0 {
+                let mut err = String::new();
+                child
+                    .stderr
+                    .take()
+                    .unwrap()
+                    .read_to_string(&mut err)
+                    .unwrap();
+                panic!("trace --live ended early: {head}{err}");
+            }
+            head.push_str(&line);
+        }
+        LiveTrace {
+            child: Some(child),
+            head,
+            reader: Some(reader),
+        }
+    }
+
+    fn pid(&self) -> i32 {
+        self.child.as_ref().unwrap().id() as i32
+    }
+
+    fn output(&mut self) -> (String, String) {
+        let child = self.child.as_mut().unwrap();
+        let mut out = std::mem::take(&mut self.head);
+        let mut err = String::new();
+        if let Some(mut r) = self.reader.take() {
+            r.read_to_string(&mut out).unwrap();
+        }
+        if let Some(mut s) = child.stdout.take() {
+            s.read_to_string(&mut out).unwrap();
+        }
+        if let Some(mut s) = child.stderr.take() {
+            s.read_to_string(&mut err).unwrap();
+        }
+        (out, err)
+    }
+
+    /// Waits for it to end: (stdout, stderr, exit code).
+    fn finish(mut self) -> (String, String, Option<i32>) {
+        let (out, err) = self.output();
+        let status = self.child.take().unwrap().wait().unwrap();
+        (out, err, status.code())
+    }
+
+    fn signal(&self, signal: nix::sys::signal::Signal) {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid()), signal).unwrap();
+    }
+}
+
+impl Drop for LiveTrace {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// The tracers' tables in the node's kernel.
+fn trace_tables(node: &Netns) -> Vec<String> {
+    node.run(&["nft", "list", "tables"])
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("nodeport-trace-"))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Polls until no tracer table is left (the kernel removes an owner's table when its socket
+/// closes, as the process ends).
+fn no_table_left(node: &Netns, after: &str) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !trace_tables(node).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "{after}: table(s) left behind: {:?}",
+            trace_tables(node)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `nodeport trace --rules kernel` of one packet: its explanation lines.
+fn kernel_trace(c: &Cluster, from: &str, to: &str) -> Vec<String> {
+    let out = c
+        .node
+        .command(env!("CARGO_BIN_EXE_nodeport"))
+        .args([
+            "trace",
+            "--rules",
+            "kernel",
+            "--master",
+            "http://127.0.0.1:6443",
+        ])
+        .args(["--node-name", "node-a", "--cluster-cidr", "10.244.0.0/16"])
+        .args(["--from", from, "--to", to])
+        .env("NODEPORT_LOG", "error")
+        .output()
+        .unwrap();
+    explanation(&String::from_utf8_lossy(&out.stdout))
+}
+
+/// The explanation lines of a trace (the `packet` line without its interface), without the
+/// `rules`, `live`, `path` and `seen` lines.
+fn explanation(out: &str) -> Vec<String> {
+    out.lines()
+        .filter(|l| {
+            !["rules ", "live ", "path ", "seen "]
+                .iter()
+                .any(|p| l.starts_with(p))
+        })
+        .map(|l| match l.split_once(", on ") {
+            Some((head, _)) if l.starts_with("packet ") => head.to_string(),
+            _ => l.to_string(),
+        })
+        .collect()
+}
+
+fn seen(out: &str) -> Vec<&str> {
+    out.lines().filter(|l| l.starts_with("seen ")).collect()
+}
+
+#[test]
+fn real_packets_are_traced_named_by_conntrack_and_the_tracers_table_never_outlives_it() {
+    if !require_tools(
+        "real_packets_are_traced_named_by_conntrack_and_the_tracers_table_never_outlives_it",
+        &["kubectl", "nft"],
+    ) {
+        return;
+    }
+    let c = Cluster::start(Mode::Nftables, &[]);
+    c.apply(&service_yaml("web", 30080, "", &[1, 2, 3]))
+        .unwrap();
+    c.apply(&service_yaml("empty", 30090, "", &[])).unwrap();
+    let web = format!("{NODE_IP}:30080");
+    eventually(&c.client, &web, "the NodePort answers", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+    let empty = format!("{NODE_IP}:30090");
+    eventually(&c.client, &empty, "the empty Service is refused", |r| {
+        *r == Reply::Refused
+    });
+
+    // One real connection: explained as the kernel's rules explain that packet, its path
+    // through the proxy's chains, and the endpoint conntrack names is the pod that answered.
+    let t = LiveTrace::start(
+        &c.node,
+        &[
+            "--to",
+            ":30080/tcp",
+            "--from",
+            "192.0.2.0/24",
+            "--timeout",
+            "20s",
+        ],
+    );
+    let reply = get(&c.client, &web, Duration::from_secs(3));
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(0), "{out}{err}");
+    let Reply::Pod { pod, client } = reply else {
+        panic!("{reply:?}")
+    };
+    let n = pod.trim_start_matches("pod");
+    assert_eq!(
+        explanation(&out),
+        kernel_trace(&c, CLIENT_IP, &format!("{web}/tcp")),
+        "{out}"
+    );
+    assert!(
+        out.contains("(input path), on eth0"),
+        "the interface the packet came in on: {out}"
+    );
+    assert!(out.contains("path        ip kube-proxy "), "{out}");
+    assert_eq!(
+        seen(&out),
+        [format!(
+            "seen        DNAT to 10.244.{n}.2:8080 (conntrack), masqueraded to 10.244.{n}.1; it answered"
+        )
+        .as_str()],
+        "{out}"
+    );
+    // The source the pod saw is the one conntrack names.
+    assert!(client.starts_with(&format!("10.244.{n}.1")), "{client}");
+    no_table_left(&c.node, "a normal exit");
+
+    // The same as one JSON object (docs/TRACE.md's schema).
+    let t = LiveTrace::start(
+        &c.node,
+        &[
+            "--to",
+            &format!("{web}/tcp"),
+            "--timeout",
+            "20s",
+            "-o",
+            "json",
+        ],
+    );
+    let reply = get(&c.client, &web, Duration::from_secs(3));
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(0), "{out}{err}");
+    let Reply::Pod { pod, .. } = reply else {
+        panic!("{reply:?}")
+    };
+    let n = pod.trim_start_matches("pod");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["rules"], "live", "{out}");
+    assert_eq!(v["mode"], "nftables", "{out}");
+    assert!(
+        v["table"].as_str().unwrap().starts_with("nodeport-trace-"),
+        "{out}"
+    );
+    let p = &v["packets"][0];
+    assert_eq!(p["packet"]["from"], CLIENT_IP, "{out}");
+    assert_eq!(p["service"]["port"], "default/web:80/TCP", "{out}");
+    assert_eq!(p["seen"]["verdict"], "dnat", "{out}");
+    assert_eq!(p["seen"]["reason"], "endpoint", "{out}");
+    assert_eq!(p["seen"]["endpoint"], format!("10.244.{n}.2:8080"), "{out}");
+    assert_eq!(p["seen"]["answered"], true, "{out}");
+    assert_eq!(p["path"][0]["table"], "kube-proxy", "{out}");
+    assert!(p["source_port"].as_u64().unwrap() > 0, "{out}");
+    no_table_left(&c.node, "-o json");
+
+    // A reject by the proxy's rules: seen in its chain, in the Service's words; exit 1.
+    let t = LiveTrace::start(
+        &c.node,
+        &["--to", &format!("{empty}/tcp"), "--timeout", "20s"],
+    );
+    assert_eq!(
+        get(&c.client, &empty, Duration::from_secs(3)),
+        Reply::Refused
+    );
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(1), "{out}{err}");
+    let seen_line = seen(&out).join("\n");
+    assert!(
+        seen_line.starts_with(
+            "seen        reject: default/empty:80/TCP has no endpoints (at ip kube-proxy "
+        ),
+        "{out}"
+    );
+
+    // A drop by another table (a forward filter of the node's own) is told apart from the
+    // proxy's rules.
+    c.node
+        .run_with_stdin(
+            &["nft", "-f", "-"],
+            format!(
+                "table inet site {{\n chain forward {{\n type filter hook forward priority 0;\n \
+                 ip saddr {CLIENT2_IP} tcp dport 8080 drop\n }}\n}}\n"
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+    let t = LiveTrace::start(&c.node, &["--to", ":30080/tcp", "--timeout", "20s"]);
+    assert_eq!(
+        get(&c.client2, &web, Duration::from_millis(1500)),
+        Reply::Timeout
+    );
+    let (out, err, code) = t.finish();
+    c.node
+        .run(&["nft", "delete", "table", "inet", "site"])
+        .unwrap();
+    assert_eq!(code, Some(1), "{out}{err}");
+    assert_eq!(
+        seen(&out),
+        [
+            "seen        drop by table inet site, not by the proxy's rules (at inet site forward rule 2: drop)"
+        ],
+        "{out}"
+    );
+    // What the proxy's rules did before: the DNAT.
+    assert!(out.contains("path        ip kube-proxy "), "{out}");
+
+    // Two traces at once: each reports its own packets only (the second one's source).
+    let mine = LiveTrace::start(
+        &c.node,
+        &[
+            "--to",
+            ":30080/tcp",
+            "--from",
+            CLIENT_IP,
+            "--timeout",
+            "20s",
+        ],
+    );
+    let any = LiveTrace::start(
+        &c.node,
+        &["--to", ":30080/tcp", "--count", "2", "--timeout", "20s"],
+    );
+    assert_eq!(trace_tables(&c.node).len(), 2);
+    assert!(matches!(
+        get(&c.client2, &web, Duration::from_secs(3)),
+        Reply::Pod { .. }
+    ));
+    assert!(matches!(
+        get(&c.client, &web, Duration::from_secs(3)),
+        Reply::Pod { .. }
+    ));
+    let (out, err, code) = mine.finish();
+    assert_eq!(code, Some(0), "{out}{err}");
+    let packets: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("live        packet"))
+        .collect();
+    assert_eq!(packets.len(), 1, "{out}");
+    assert!(
+        packets[0].contains(&format!(": {CLIENT_IP} → {web}/tcp")),
+        "{out}"
+    );
+    let (out, err, code) = any.finish();
+    assert_eq!(code, Some(0), "{out}{err}");
+    let packets: Vec<&str> = out
+        .lines()
+        .filter(|l| l.starts_with("live        packet"))
+        .collect();
+    assert_eq!(packets.len(), 2, "{out}");
+    assert!(packets[0].contains(&format!(": {CLIENT2_IP} → ")), "{out}");
+    assert!(packets[1].contains(&format!(": {CLIENT_IP} → ")), "{out}");
+    // The other tracer's table is not part of a path.
+    assert!(!out.contains("path        inet nodeport-trace-"), "{out}");
+    no_table_left(&c.node, "two traces");
+
+    // Ctrl-C and SIGKILL: the kernel removes the table with the process's socket.
+    let t = LiveTrace::start(&c.node, &["--to", ":30080/tcp", "--timeout", "60s"]);
+    t.signal(nix::sys::signal::Signal::SIGINT);
+    let (_, _, code) = t.finish();
+    assert_eq!(code, None, "ended by the signal");
+    no_table_left(&c.node, "Ctrl-C");
+    let t = LiveTrace::start(&c.node, &["--to", ":30080/tcp", "--timeout", "60s"]);
+    t.signal(nix::sys::signal::Signal::SIGKILL);
+    let _ = t.finish();
+    no_table_left(&c.node, "SIGKILL");
+
+    // No packet within the timeout: nothing to trace, exit 3.
+    let t = LiveTrace::start(&c.node, &["--to", ":30099/tcp", "--timeout", "300ms"]);
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(3), "{out}{err}");
+    assert!(
+        err.contains("no new connection to :30099/tcp from any source within 300ms"),
+        "{err}"
+    );
+    no_table_left(&c.node, "a timeout");
+}
+
+#[test]
+fn live_rejects_a_cidr_of_the_other_family_and_a_bad_timeout_as_usage_errors() {
+    for (args, want) in [
+        (
+            vec!["--to", "192.0.2.10:80/tcp", "--from", "2001:db8::/64"],
+            "are not of the same IP family",
+        ),
+        (
+            vec!["--to", ":80/tcp", "--timeout", "soon"],
+            "invalid value \"soon\" for --timeout",
+        ),
+        (vec!["--to", ":0/tcp"], "invalid value \":0/tcp\" for --to"),
+        (
+            vec!["--to", ":80/tcp", "--from", "10.0.0.0/33"],
+            "for --from",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_nodeport"))
+            .args(["trace", "--live", "-f", "-", "--proxy-mode", "nftables"])
+            .args(&args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{args:?}: {stderr}");
+        assert!(stderr.contains(want), "{args:?}: {stderr}");
+    }
+}
+
+#[test]
+fn in_the_iptables_mode_iptables_nft_chains_are_traced_live_as_the_kernels_rules_explain() {
+    if !require_tools(
+        "in_the_iptables_mode_iptables_nft_chains_are_traced_live_as_the_kernels_rules_explain",
+        &["kubectl", "nft", "iptables-nft-save"],
+    ) {
+        return;
+    }
+    let c = Cluster::start(Mode::Iptables, &["--iptables-variant", "nft"]);
+    c.apply(&service_yaml("web", 30080, "", &[2])).unwrap();
+    let web = format!("{NODE_IP}:30080");
+    eventually(&c.client, &web, "the NodePort answers", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+    let t = LiveTrace::start(
+        &c.node,
+        &["--to", &format!("{web}/tcp"), "--timeout", "20s"],
+    );
+    assert!(matches!(
+        get(&c.client, &web, Duration::from_secs(3)),
+        Reply::Pod { .. }
+    ));
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert_eq!(
+        explanation(&out),
+        kernel_trace(&c, CLIENT_IP, &format!("{web}/tcp")),
+        "{out}"
+    );
+    // iptables-nft's chains, in the nf_tables tables `ip nat` and `ip filter`.
+    assert!(
+        out.contains("path        ip nat KUBE-NODEPORTS rule "),
+        "{out}"
+    );
+    assert_eq!(
+        seen(&out),
+        ["seen        DNAT to 10.244.2.2:8080 (conntrack), masqueraded to 10.244.2.1; it answered"],
+        "{out}"
+    );
+    no_table_left(&c.node, "a normal exit");
+}
+
+#[test]
+fn with_iptables_legacy_live_says_it_cannot_and_traces_the_packet_through_the_kernels_rules() {
+    if !require_tools(
+        "with_iptables_legacy_live_says_it_cannot_and_traces_the_packet_through_the_kernels_rules",
+        &["kubectl", "iptables-legacy-save"],
+    ) {
+        return;
+    }
+    let c = Cluster::start(Mode::Iptables, &["--iptables-variant", "legacy"]);
+    c.apply(&service_yaml("web", 30080, "", &[2])).unwrap();
+    let web = format!("{NODE_IP}:30080");
+    eventually(&c.client, &web, "the NodePort answers", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+    let live = |args: &[&str]| {
+        c.node
+            .command(env!("CARGO_BIN_EXE_nodeport"))
+            .args(["trace", "--live", "--master", "http://127.0.0.1:6443"])
+            .args(["--node-name", "node-a", "--cluster-cidr", "10.244.0.0/16"])
+            .args(args)
+            .env("NODEPORT_LOG", "error")
+            .output()
+            .unwrap()
+    };
+    let to = format!("{web}/tcp");
+    let out = live(&["--from", CLIENT_IP, "--to", &to]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+    assert!(
+        stderr.contains("--live is not possible with iptables-legacy"),
+        "{stderr}"
+    );
+    assert_eq!(
+        explanation(&stdout),
+        kernel_trace(&c, CLIENT_IP, &to),
+        "{stdout}"
+    );
+    assert!(trace_tables(&c.node).is_empty());
+    // Without one packet to trace instead: exit 3, saying what to give.
+    let out = live(&["--to", ":30080/tcp"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(
+        stderr.contains("give --from ADDR and --to ADDR:PORT/PROTO"),
+        "{stderr}"
+    );
+}
+
+/// `nodeport trace --rules kernel` with the proxy's `--nodeport-addresses`: (stdout, code).
+fn kernel_verdict(c: &Cluster, extra: &[&str], from: &str, to: &str) -> (String, Option<i32>) {
+    let out = c
+        .node
+        .command(env!("CARGO_BIN_EXE_nodeport"))
+        .args([
+            "trace",
+            "--rules",
+            "kernel",
+            "--master",
+            "http://127.0.0.1:6443",
+        ])
+        .args(["--node-name", "node-a", "--cluster-cidr", "10.244.0.0/16"])
+        .args(extra)
+        .args(["--from", from, "--to", to])
+        .env("NODEPORT_LOG", "error")
+        .output()
+        .unwrap();
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        out.status.code(),
+    )
+}
+
+/// The end-to-end suite's connections that get no answer (`proxy_end_to_end`: a Service
+/// without endpoints, `externalTrafficPolicy: Local` without a local endpoint, an address
+/// `--nodeport-addresses` leaves out, a client outside `loadBalancerSourceRanges`, an
+/// unallocated ClusterIP of an added ServiceCIDR), each met by a real client, then traced:
+/// the kernel's rules name the cause, and a live trace of a real packet sees it happen there.
+#[test]
+fn every_unanswered_connection_of_the_end_to_end_suite_is_explained_with_its_cause() {
+    if !require_tools(
+        "every_unanswered_connection_of_the_end_to_end_suite_is_explained_with_its_cause",
+        &["kubectl", "nft"],
+    ) {
+        return;
+    }
+    let flags = ["--nodeport-addresses", "192.0.2.0/24"];
+    let c = Cluster::start(Mode::Nftables, &flags);
+    c.apply(&service_yaml("empty", 30090, "", &[])).unwrap();
+    c.apply(&service_yaml(
+        "local",
+        30081,
+        "  externalTrafficPolicy: Local",
+        &[2],
+    ))
+    .unwrap();
+    c.apply(&service_yaml("web", 30084, "", &[1])).unwrap();
+    let lb = service_yaml(
+        "lb",
+        30085,
+        &format!("  loadBalancerSourceRanges: [{CLIENT_IP}/32]"),
+        &[1, 2, 3],
+    )
+    .replace("type: NodePort", "type: LoadBalancer");
+    c.apply(&lb).unwrap();
+    c.kubectl(&[
+        "patch",
+        "svc",
+        "lb",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        r#"{"status":{"loadBalancer":{"ingress":[{"ip":"192.0.2.200"}]}}}"#,
+    ])
+    .unwrap();
+    c.apply(
+        "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: more}\nspec: {cidrs: [10.97.0.0/24]}\n",
+    )
+    .unwrap();
+    let more = service_yaml("more", 30130, "", &[1]).replace(
+        "  type: NodePort\n",
+        "  type: NodePort\n  clusterIP: 10.97.0.10\n",
+    );
+    c.apply(&more).unwrap();
+    eventually(
+        &c.client,
+        "192.0.2.200:80",
+        "the listed client reaches the VIP",
+        |r| matches!(r, Reply::Pod { .. }),
+    );
+    eventually(
+        &c.pods[2],
+        "10.97.0.10:80",
+        "the added range answers",
+        |r| matches!(r, Reply::Pod { .. }),
+    );
+    eventually(
+        &c.client,
+        &format!("{NODE_IP}:30090"),
+        "the empty Service is refused",
+        |r| *r == Reply::Refused,
+    );
+
+    let pod3 = "10.244.3.2";
+    let short = Duration::from_millis(1500);
+    // (client, its address, destination, what it gets, the cause traced, live: where seen)
+    type Case<'a> = (&'a Netns, &'a str, String, Reply, &'a str, Option<&'a str>);
+    let cases: [Case<'_>; 4] = [
+        (
+            &c.client,
+            CLIENT_IP,
+            format!("{NODE_IP}:30090"),
+            Reply::Refused,
+            "fate        reject: default/empty:80/TCP has no endpoints",
+            Some("seen        reject: default/empty:80/TCP has no endpoints (at ip kube-proxy "),
+        ),
+        (
+            &c.client,
+            CLIENT_IP,
+            format!("{NODE_IP}:30081"),
+            Reply::Timeout,
+            "fate        drop: externalTrafficPolicy Local and default/local:80/TCP has no endpoint on this node",
+            Some(
+                "seen        drop: externalTrafficPolicy Local and default/local:80/TCP has no endpoint on this node (at ip kube-proxy ",
+            ),
+        ),
+        (
+            &c.client,
+            CLIENT_IP,
+            format!("{NODE_IP2}:30084"),
+            Reply::Refused,
+            "fate        not a NodePort address: 198.51.100.10 is not selected by --nodeport-addresses 192.0.2.0/24, so NodePort 30084 of default/web:80/TCP does not answer there",
+            // No rule of the proxy touches it: the node's own stack refuses it, with a reset
+            // that ends the connection's conntrack entry at once.
+            Some(
+                "seen        accepted by every rule, but conntrack holds no entry for it: refused",
+            ),
+        ),
+        (
+            &c.client2,
+            CLIENT2_IP,
+            "192.0.2.200:80".to_string(),
+            Reply::Timeout,
+            "fate        drop: 192.0.2.101 is not in loadBalancerSourceRanges 192.0.2.100/32 of default/lb:80/TCP",
+            Some(
+                "seen        drop: 192.0.2.101 is not in loadBalancerSourceRanges 192.0.2.100/32 of default/lb:80/TCP (at ip kube-proxy ",
+            ),
+        ),
+    ];
+    for (client, from, to, reply, cause, live) in cases {
+        let to_tcp = format!("{to}/tcp");
+        let (out, code) = kernel_verdict(&c, &flags, from, &to_tcp);
+        assert_eq!(code, Some(1), "{from} → {to}: {out}");
+        assert!(out.contains(cause), "{from} → {to}: {out}");
+        let Some(seen_line) = live else {
+            assert_eq!(get(client, &to, short), reply, "{from} → {to}");
+            continue;
+        };
+        let t = LiveTrace::start(
+            &c.node,
+            &[
+                "--nodeport-addresses",
+                "192.0.2.0/24",
+                "--to",
+                &to_tcp,
+                "--timeout",
+                "20s",
+            ],
+        );
+        let got = get(client, &to, short);
+        let (live_out, err, code) = t.finish();
+        assert_eq!(got, reply, "{from} → {to}: {live_out}{err}");
+        assert_eq!(code, Some(1), "{from} → {to}: {live_out}{err}");
+        assert!(live_out.contains(cause), "{from} → {to}: {live_out}");
+        assert!(
+            seen(&live_out).iter().any(|l| l.starts_with(seen_line)),
+            "{from} → {to}: {live_out}"
+        );
+    }
+
+    // An unallocated ClusterIP of the added ServiceCIDR: the proxy's rules drop it in the
+    // forward hook, but this node has no route to it (no default route), so routing refuses
+    // it first, with ICMP network unreachable (or the client times out). The kernel's rules
+    // say both; the live trace shows that no forward rule was reached.
+    let to = "10.97.0.77:80";
+    let (out, code) = kernel_verdict(&c, &flags, pod3, "10.97.0.77:80/tcp");
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains("fate        drop: 10.97.0.77 is in the ServiceCIDR 10.97.0.0/24 but no Service has it (an unallocated ClusterIP)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("note        no route to 10.97.0.77 on this node: routing refuses the packet (ICMP network unreachable) before any forward rule"),
+        "{out}"
+    );
+    let t = LiveTrace::start(&c.node, &["--to", "10.97.0.77:80/tcp", "--timeout", "20s"]);
+    let got = get(&c.pods[2], to, short);
+    let (live_out, err, code) = t.finish();
+    assert!(!matches!(got, Reply::Pod { .. }), "{got:?}");
+    assert_eq!(code, Some(1), "{live_out}{err}");
+    assert!(!live_out.contains("filter-forward"), "{live_out}");
+    assert!(
+        seen(&live_out)[0].contains("gone nowhere after the last rule (no route"),
+        "{live_out}"
+    );
+    // With a route (toward the client), the proxy's drop decides.
+    c.node
+        .run(&["ip", "route", "add", "10.97.0.0/24", "via", CLIENT_IP])
+        .unwrap();
+    let (out, _) = kernel_verdict(&c, &flags, pod3, "10.97.0.77:80/tcp");
+    assert!(!out.contains("no route"), "{out}");
+    let t = LiveTrace::start(&c.node, &["--to", "10.97.0.77:80/tcp", "--timeout", "20s"]);
+    let got = get(&c.pods[2], to, short);
+    let (live_out, err, code) = t.finish();
+    c.node
+        .run(&["ip", "route", "del", "10.97.0.0/24", "via", CLIENT_IP])
+        .unwrap();
+    assert_eq!(got, Reply::Timeout, "{live_out}");
+    assert_eq!(code, Some(1), "{live_out}{err}");
+    assert!(
+        seen(&live_out)[0].starts_with("seen        drop: 10.97.0.77 is in the ServiceCIDR 10.97.0.0/24 but no Service has it (an unallocated ClusterIP) (at ip kube-proxy cluster-ips-check rule "),
+        "{live_out}"
+    );
+}
+
+#[test]
+fn in_the_ebpf_mode_live_sees_the_connections_the_programs_translate_in_their_maps() {
+    if !require_tools(
+        "in_the_ebpf_mode_live_sees_the_connections_the_programs_translate_in_their_maps",
+        &["kubectl", "bpftool"],
+    ) {
+        return;
+    }
+    let c = Cluster::start(Mode::Ebpf, &[]);
+    c.apply(&service_yaml("web", 30080, "", &[1, 2, 3]))
+        .unwrap();
+    let web = format!("{NODE_IP}:30080");
+    eventually(&c.client, &web, "the NodePort answers", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+    let t = LiveTrace::start_ebpf(
+        &c,
+        &[
+            "--to",
+            ":30080/tcp",
+            "--from",
+            CLIENT_IP,
+            "--timeout",
+            "20s",
+        ],
+    );
+    let reply = get(&c.client, &web, Duration::from_secs(3));
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(0), "{out}{err}");
+    let Reply::Pod { pod, client } = reply else {
+        panic!("{reply:?}")
+    };
+    let n = pod.trim_start_matches("pod");
+    assert!(
+        out.contains("as np_tc_ingress records them in np_ct"),
+        "{out}"
+    );
+    // Explained as the kernel's maps explain the same packet.
+    let mut kernel = c.node.command(env!("CARGO_BIN_EXE_nodeport"));
+    kernel
+        .args([
+            "trace",
+            "--rules",
+            "kernel",
+            "--master",
+            "http://127.0.0.1:6443",
+        ])
+        .args(["--node-name", "node-a", "--cluster-cidr", "10.244.0.0/16"])
+        .arg("--ebpf-pin-root")
+        .arg(&c.ebpf.as_ref().unwrap().pin_root)
+        .args(["--from", CLIENT_IP, "--to", &format!("{web}/tcp")])
+        .env("NODEPORT_LOG", "error");
+    let kernel = kernel.output().unwrap();
+    assert_eq!(
+        explanation(&out),
+        explanation(&String::from_utf8_lossy(&kernel.stdout)),
+        "{out}"
+    );
+    // The backend the maps name is the pod that answered, and the source it saw.
+    let seen_line = seen(&out).join("\n");
+    assert!(
+        seen_line.starts_with(&format!("seen        DNAT to 10.244.{n}.2:8080 (np_ct), ")),
+        "{out}"
+    );
+    assert!(seen_line.ends_with("; it answered"), "{out}");
+    let client_ip = client.split(':').next().unwrap();
+    if client_ip == CLIENT_IP {
+        assert!(seen_line.contains("not masqueraded"), "{out} ({client})");
+    } else {
+        assert!(
+            seen_line.contains(&format!("masqueraded to {client_ip}")),
+            "{out} ({client})"
+        );
+    }
+}
