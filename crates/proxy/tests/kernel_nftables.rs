@@ -972,3 +972,60 @@ fn flat_a_periodic_full_resync_over_netlink_rewrites_the_loaded_table_in_place()
     assert_eq!(a.kernel().fallbacks(), 0);
     assert_same(&listing(&ns), &reference_listing(&s), "after the resync");
 }
+
+/// A node with two ServiceCIDRs of a family (KEP-1880: an operator grew the ClusterIP space
+/// with a second ServiceCIDR). The flat layout drops each with a rule of its own, which the
+/// netlink encoder encodes, so its full syncs never fall back to `nft -f`; and a full resync
+/// through `nft -f` over a loaded table works too: the endpoint maps are re-created, since nft
+/// 1.0.6 refuses a pick rule on such a map when it reads the map from the kernel ("conflicting
+/// protocols specified: ip vs. th"), which once made every full sync of such a node fail.
+#[test]
+fn flat_full_resyncs_with_two_service_cidrs_go_over_netlink_and_work_through_nft_too() {
+    if !require_privileged(
+        "flat_full_resyncs_with_two_service_cidrs_go_over_netlink_and_work_through_nft_too",
+    ) {
+        return;
+    }
+    let cidrs = "---\napiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16]}\n---\napiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: more}\nspec: {cidrs: [10.97.0.0/24]}\n";
+    let s = Setup::flat(&(objects(&["10.244.1.1", "10.244.1.2"], false) + cidrs));
+    let d = s.desired();
+    assert_eq!(
+        d.family(nodeport_proxy::model::IpFamily::V4)
+            .map(|f| f.service_cidrs.len()),
+        Some(2),
+        "the fixture has two IPv4 ServiceCIDRs"
+    );
+
+    let ns = Netns::new("nftcidrsnl").unwrap();
+    let mut a = Applier::new(netlink_with(&ns, no_nft()));
+    for round in ["first sync", "full resync"] {
+        a.request_full_sync();
+        let r = a.sync(&d, &s.config, None).unwrap_or_else(|e| {
+            panic!(
+                "{round} over netlink: {e}: {:?}",
+                std::error::Error::source(&e)
+            )
+        });
+        assert!(r.full, "{round}");
+        assert_eq!(
+            a.kernel().fallbacks(),
+            0,
+            "{round}: nothing went through nft"
+        );
+        assert_same(&listing(&ns), &reference_listing(&s), round);
+    }
+
+    let ns = Netns::new("nftcidrsnft").unwrap();
+    let mut a = Applier::new(nft_in(&ns));
+    for round in ["first sync", "full resync"] {
+        a.request_full_sync();
+        let r = a.sync(&d, &s.config, None).unwrap_or_else(|e| {
+            panic!(
+                "{round} through nft: {e}: {:?}",
+                std::error::Error::source(&e)
+            )
+        });
+        assert!(r.full, "{round}");
+        assert_same(&listing(&ns), &reference_listing(&s), round);
+    }
+}

@@ -1611,7 +1611,8 @@ fn full_table(
     for s in &base.sets {
         // On the first sync an existing shared set is deleted and re-created below: adding it
         // here first would fail if an older version made it with other flags or type.
-        let recreate = recreate_base || existing.other_spec.contains(&s.name);
+        let recreate =
+            recreate_base || existing.other_spec.contains(&s.name) || s.has_endpoint_data();
         if !(recreate && existing.sets.contains_key(&s.name)) {
             tx.push(family, Op::AddSet(s.clone()));
         }
@@ -1648,7 +1649,7 @@ fn full_table(
         if is_affinity_set(&s.name) || !existing.sets.contains_key(&s.name) {
             continue;
         }
-        if recreate_base || existing.other_spec.contains(&s.name) {
+        if recreate_base || existing.other_spec.contains(&s.name) || s.has_endpoint_data() {
             tx.push(family, Op::DeleteSet(s.name.clone(), s.is_map()));
             tx.push(family, Op::AddSet(s.clone()));
         } else {

@@ -71,7 +71,7 @@ use ipnet::IpNet;
 
 use super::names::*;
 use super::render::{
-    base_chains, cluster_ips_check, kube_proxy_service, localhost_nodeports, localnet_check,
+    base_chains, cluster_ips_check_rules, kube_proxy_service, localhost_nodeports, localnet_check,
     loopback,
 };
 use super::ruleset::{
@@ -446,7 +446,7 @@ pub fn render_base_sized(
     ]);
     let mut chains = base_chains(filter_input);
 
-    let cluster_ips_check = cluster_ips_check(state);
+    let cluster_ips_check = cluster_ips_check_rules(state, true);
     // The NodePort destination test, as in kube-proxy's layout.
     let nodeport_dst: Vec<Expr> = if match_all {
         vec![

@@ -143,6 +143,33 @@ pub(super) fn base_chains(filter_input: Vec<Rule>) -> Vec<Chain> {
 
 /// `cluster-ips-check`, the same in both layouts: packets to a ClusterIP on a port it does not
 /// serve are rejected, and packets to an unallocated address of a ServiceCIDR dropped.
+///
+/// kube-proxy drops the ServiceCIDRs with one rule on an anonymous set (`ip daddr { a, b }`),
+/// which the kube-proxy layout keeps; `one_rule_per_cidr` writes a rule per ServiceCIDR
+/// instead (the flat layout), which the netlink encoder encodes, so that a node with several
+/// ServiceCIDRs of a family (an operator growing the ClusterIP space, KEP-1880) never sends
+/// its full syncs through `nft -f`.
+pub(super) fn cluster_ips_check_rules(state: &FamilyState, one_rule_per_cidr: bool) -> Vec<Rule> {
+    let mut rules = cluster_ips_check(state);
+    if one_rule_per_cidr && state.service_cidrs.len() > 1 {
+        rules.truncate(1);
+        for cidr in &state.service_cidrs {
+            rules.push(Rule::commented(
+                vec![
+                    Expr::Daddr {
+                        negate: false,
+                        value: AddrMatch::Net(*cidr),
+                    },
+                    Expr::Verdict(Verdict::Drop),
+                ],
+                "Drop traffic to unallocated ClusterIPs",
+            ));
+        }
+    }
+    rules
+}
+
+/// kube-proxy's `cluster-ips-check` rules (see [`cluster_ips_check_rules`]).
 pub(super) fn cluster_ips_check(state: &FamilyState) -> Vec<Rule> {
     let mut cluster_ips_check = vec![Rule::commented(
         vec![

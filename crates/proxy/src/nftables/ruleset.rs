@@ -572,6 +572,18 @@ pub struct Set {
 }
 
 impl Set {
+    /// Whether this is one of the flat layout's endpoint maps (`typeof ... : ip daddr . th
+    /// dport`). nft 1.0.6 cannot add a rule that looks up such a map when it reads the map's
+    /// definition from the kernel rather than from the same input ("conflicting protocols
+    /// specified: ip vs. th"), so a full sync re-creates them instead of emptying them: then
+    /// it also works when it goes through `nft -f`.
+    pub fn has_endpoint_data(&self) -> bool {
+        matches!(
+            self.key,
+            KeyType::AddrProtoPortSlot | KeyType::ProtoPortSlot
+        )
+    }
+
     /// The `{ type ... ; }` body of `add set` / `add map`.
     pub fn spec_text(&self, family: IpFamily) -> String {
         let addr = match family {
