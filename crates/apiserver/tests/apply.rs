@@ -420,6 +420,45 @@ async fn apply_bodies_need_kind_apiversion_name_and_a_field_manager_as_on_kube()
     );
 }
 
+/// kube 1.33 serves `application/apply-patch+cbor` only under the alpha `CBORServingAndStorage`
+/// gate (off by default; `k8s.io/apiserver/pkg/endpoints/installer.go`), so with default gates
+/// a CBOR apply is `negotiation.NewUnsupportedMediaTypeError`'s 415 listing the patch types.
+#[tokio::test]
+async fn a_cbor_apply_is_kube_1_33s_415_under_default_feature_gates_and_writes_nothing() {
+    let s = server().await;
+    // {"apiVersion":"v1","kind":"Service","metadata":{"name":"web"}} in CBOR.
+    let mut cbor = vec![0xa3, 0x6a];
+    cbor.extend_from_slice(b"apiVersion");
+    cbor.push(0x62);
+    cbor.extend_from_slice(b"v1");
+    cbor.push(0x64);
+    cbor.extend_from_slice(b"kind");
+    cbor.push(0x67);
+    cbor.extend_from_slice(b"Service");
+    cbor.push(0x68);
+    cbor.extend_from_slice(b"metadata");
+    cbor.extend_from_slice(&[0xa1, 0x64]);
+    cbor.extend_from_slice(b"name");
+    cbor.push(0x63);
+    cbor.extend_from_slice(b"web");
+    let (status, err) = call(
+        &s,
+        Method::PATCH,
+        &format!("{SERVICES}/web?fieldManager=a"),
+        "application/apply-patch+cbor",
+        &cbor,
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNSUPPORTED_MEDIA_TYPE, "{err}");
+    assert_eq!(err["reason"], "UnsupportedMediaType");
+    assert_eq!(
+        err["message"],
+        "the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/strategic-merge-patch+json, application/apply-patch+yaml"
+    );
+    let (status, _) = call(&s, Method::GET, &format!("{SERVICES}/web"), "", b"").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+}
+
 #[tokio::test]
 async fn every_served_kind_takes_an_apply() {
     let s = server().await;
