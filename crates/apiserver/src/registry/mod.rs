@@ -82,6 +82,20 @@ pub struct WriteOptions {
     pub manager: Arc<str>,
 }
 
+/// The stored default ServiceCIDR as the bootstrap write found it, for
+/// [`Registry::report_default_cidr`].
+struct DefaultCidrMismatch {
+    /// Whether the write turned it dual-stack.
+    upgraded: bool,
+    uid: String,
+    /// Its revision, or 0 when the bootstrap write itself rewrote it.
+    revision: Revision,
+    /// Its CIDRs before the write.
+    stored: Vec<String>,
+    /// The flags' CIDRs.
+    flags: Vec<String>,
+}
+
 impl Default for WriteOptions {
     fn default() -> Self {
         WriteOptions {
@@ -1203,6 +1217,7 @@ impl Registry {
             .store
             .mutate(keys, move |txn| {
                 let mut rebuilt_now = None;
+                let mut mismatch = None;
                 if !txn.allocators_initialized() {
                     let Some(plan) = &plan else {
                         // Usable when checked, unusable now: look again.
@@ -1280,23 +1295,21 @@ impl Registry {
                             let stored = service_cidr::cidrs(&cidr);
                             let flags = service_cidr::flag_cidrs(&ranges);
                             let upgraded = service_cidr::upgrade_default(&mut cidr, &ranges);
-                            if service_cidr::ensure_finalizer(&mut cidr) || upgraded {
+                            let rewritten = service_cidr::ensure_finalizer(&mut cidr) || upgraded;
+                            if rewritten {
                                 txn.put(
                                     cidr_key.clone(),
                                     encode_stored(&Object::ServiceCidr(cidr.clone())),
                                 );
                             }
-                            if upgraded {
-                                // kube's words.
-                                tracing::info!(
-                                    "Updating default ServiceCIDR from single-stack ({stored:?}) to dual-stack ({flags:?})"
-                                );
-                            } else if stored != flags {
-                                tracing::warn!(
-                                    "Inconsistent ServiceCIDR status for {}, controller configuration: {flags:?}, ServiceCIDR configuration: {stored:?}. Configure the flags to match current ServiceCIDR or manually delete it.",
-                                    service_cidr::DEFAULT_NAME
-                                );
-                            }
+                            mismatch = Some(DefaultCidrMismatch {
+                                upgraded,
+                                uid: cidr.metadata.uid.clone().unwrap_or_default(),
+                                // 0: this write's revision.
+                                revision: if rewritten { 0 } else { entry.mod_revision },
+                                stored,
+                                flags,
+                            });
                             let extra = &txn.allocators()?.extra;
                             let mut tracked = extra.clone();
                             service_cidr::track_default(&cidr, &ranges, &mut tracked);
@@ -1306,19 +1319,64 @@ impl Registry {
                         }
                     }
                 }
-                Ok(Some(rebuilt_now))
+                Ok(Some((rebuilt_now, mismatch)))
             })
             .await?;
-        match done.value {
-            None => Ok(false),
-            Some(Some(services)) if services > 0 => {
-                tracing::warn!(
-                    services,
-                    "allocation bitmaps rebuilt from the stored Services"
-                );
-                Ok(true)
-            }
-            Some(_) => Ok(true),
+        let Some((rebuilt_now, mismatch)) = done.value else {
+            return Ok(false);
+        };
+        if let Some(services) = rebuilt_now.filter(|n| *n > 0) {
+            tracing::warn!(
+                services,
+                "allocation bitmaps rebuilt from the stored Services"
+            );
+        }
+        if let Some(m) = mismatch {
+            self.report_default_cidr(m, done.revision.unwrap_or_default())
+                .await;
+        }
+        Ok(true)
+    }
+
+    /// What kube-apiserver's default ServiceCIDR controller says about the stored default
+    /// ServiceCIDR at start (`sync`, `syncStatus`), in its words: the single- to dual-stack
+    /// upgrade it made, or, once per process, a differing range (a log line and a Warning Event
+    /// about the ServiceCIDR, [`service_cidr::inconsistent_event`]).
+    async fn report_default_cidr(&self, m: DefaultCidrMismatch, revision: Revision) {
+        let DefaultCidrMismatch {
+            upgraded,
+            uid,
+            revision: rv,
+            stored,
+            flags,
+        } = m;
+        if upgraded {
+            tracing::info!(
+                "Updating default ServiceCIDR from single-stack ({stored:?}) to dual-stack ({flags:?})"
+            );
+            return;
+        }
+        if stored == flags {
+            return;
+        }
+        tracing::warn!(
+            "Inconsistent ServiceCIDR status for {}, controller configuration: {flags:?}, ServiceCIDR configuration: {stored:?}. Configure the flags to match current ServiceCIDR or manually delete it.",
+            service_cidr::DEFAULT_NAME
+        );
+        let rv = if rv == 0 { revision } else { rv };
+        let event = service_cidr::inconsistent_event(
+            &uid,
+            &rv.to_string(),
+            &stored,
+            &flags,
+            std::time::SystemTime::now(),
+        );
+        // As client-go's recorder, a failed post is logged, never fatal.
+        if let Err(err) = self
+            .create(Kind::Event, Some("default"), event, WriteOptions::default())
+            .await
+        {
+            tracing::warn!(error = %err, "could not record the {} Event", service_cidr::INCONSISTENT_REASON);
         }
     }
 
