@@ -202,6 +202,90 @@ async fn every_write_records_an_update_entry_under_the_field_manager_or_the_user
     );
 }
 
+/// kube's create handler runs its field manager on the body as sent (`decodeManagedFields`):
+/// valid managed fields are kept, less what the create itself sets (taken by the creator, an
+/// entry left empty goes); invalid ones count for nothing; `[{}]` resets them.
+#[tokio::test]
+async fn managed_fields_sent_in_a_create_are_kept_when_valid_and_ignored_when_not() {
+    let s = server().await;
+    let create = |name: &str, managed: Value| {
+        serde_json::to_vec(&json!({"apiVersion":"v1","kind":"Service",
+            "metadata":{"name": name, "labels": {"app": "web"}, "managedFields": managed},
+            "spec":{"ports":[{"port":80}]}}))
+        .unwrap()
+    };
+    let entry_of = |manager: &str, operation: &str, fields: Value| {
+        json!({"manager": manager, "operation": operation, "apiVersion": "v1",
+            "time": "2025-01-01T00:00:00Z", "fieldsType": "FieldsV1", "fieldsV1": fields})
+    };
+    let valid = json!([
+        entry_of(
+            "gitops",
+            "Apply",
+            json!({"f:metadata": {"f:labels": {"f:app": {}, "f:gone": {}}}})
+        ),
+        entry_of("old-editor", "Update", json!({"f:spec": {"f:ports": {}}})),
+    ]);
+    let (status, svc) = call(
+        &s,
+        Method::POST,
+        SERVICES,
+        "application/json",
+        &create("kept", valid),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{svc}");
+    let gitops = entry(&svc, "gitops", "Apply");
+    assert_eq!(
+        gitops["fieldsV1"],
+        json!({"f:metadata": {"f:labels": {"f:gone": {}}}})
+    );
+    assert_eq!(gitops["time"], "2025-01-01T00:00:00Z");
+    let creator = entry(&svc, "test-client", "Update");
+    assert!(
+        creator["fieldsV1"]["f:metadata"]["f:labels"]
+            .get("f:app")
+            .is_some(),
+        "{svc}"
+    );
+    let managers: Vec<&str> = svc["metadata"]["managedFields"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["manager"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        managers,
+        ["gitops", "test-client"],
+        "old-editor's only field was taken"
+    );
+
+    for (name, managed) in [
+        (
+            "invalid",
+            json!([entry_of(
+                "gitops",
+                "Bogus",
+                json!({"f:metadata": {"f:labels": {"f:gone": {}}}})
+            )]),
+        ),
+        ("reset", json!([{}])),
+    ] {
+        let (status, svc) = call(
+            &s,
+            Method::POST,
+            SERVICES,
+            "application/json",
+            &create(name, managed),
+        )
+        .await;
+        assert_eq!(status, StatusCode::CREATED, "{svc}");
+        let managed = svc["metadata"]["managedFields"].as_array().unwrap();
+        assert_eq!(managed.len(), 1, "{name}: {svc}");
+        assert_eq!(managed[0]["manager"], "test-client", "{name}: {svc}");
+    }
+}
+
 #[tokio::test]
 async fn a_conflicting_apply_is_kubes_409_and_force_takes_the_field_over() {
     let s = server().await;

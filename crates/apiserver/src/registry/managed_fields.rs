@@ -28,6 +28,9 @@
 //!
 //! - Beyond ten Update entries the oldest are folded into `ancient-changes` (kube's
 //!   `capManagers`).
+//! - A write is worked out in the version of its request and recorded with that `apiVersion`;
+//!   another manager's entry is compared in its own version (Events are the one kind served in
+//!   two versions, whose fields differ only in top-level names, see [`in_version`]).
 //!
 //! Not followed: the interplay with `kubectl.kubernetes.io/last-applied-configuration` (kube
 //! lets a server-side apply take over fields from a client-side apply whose annotation equals
@@ -162,11 +165,40 @@ fn shape(schema: &'static Value) -> Shape {
     }
 }
 
-/// The schema of the kind's type.
+/// The schema of the kind's type, in the kind's own version (an `events.k8s.io/v1` Event's,
+/// not the stored core one's: kube's field manager works in the version of the request).
 fn root(kind: Kind) -> &'static Value {
     schemas()
-        .get(&crate::rest::discovery::schema_name(kind.stored_as()))
+        .get(&crate::rest::discovery::schema_name(kind))
         .unwrap_or(&NULL)
+}
+
+/// `set`, recorded by a manager in `from` (an entry's `apiVersion`), in the field names of
+/// `to`. SMD compares an object in each manager's own version (`Updater.update` converts the
+/// object to it); an Event's two versions differ only in the names of top-level fields
+/// (`pkg/apis/events/v1/conversion.go`), so renaming the first element of each path is that
+/// conversion. Every other kind is served in one version.
+fn in_version(kind: Kind, set: &FieldSet, from: &str, to: &str) -> FieldSet {
+    let events = Kind::EventsV1.api_version();
+    let core = Kind::Event.api_version();
+    let to_events = match (from, to) {
+        _ if kind.stored_as() != Kind::Event || from == to => return set.clone(),
+        (f, t) if f == core && t == events => true,
+        (f, t) if f == events && t == core => false,
+        _ => return set.clone(),
+    };
+    set.iter()
+        .map(|path| {
+            let mut path = path.clone();
+            if let Some(first) = path.first_mut()
+                && let Some(name) = first.strip_prefix("f:")
+                && let Some(other) = super::event::renamed_field(name, to_events)
+            {
+                *first = format!("f:{other}");
+            }
+            path
+        })
+        .collect()
 }
 
 /// The schema of a struct field or map entry (`None`: a field the struct does not declare).
@@ -668,6 +700,13 @@ impl Entry {
         self.manager == manager && self.apply == apply && self.subresource == subresource
     }
 
+    /// kube's `BuildManagerIdentifier`: an applier is one entry whatever the version it
+    /// applied in; an updater has one entry per version.
+    fn same_identity(&self, other: &Entry) -> bool {
+        self.same_manager(&other.manager, other.apply, &other.subresource)
+            && (self.apply || self.api_version == other.api_version)
+    }
+
     /// kube's `printManager` for conflict messages.
     fn printed(&self) -> String {
         let mut out = format!("{:?}", self.manager);
@@ -700,22 +739,34 @@ impl Entry {
     }
 }
 
-/// The entries of `metadata.managedFields`; `Err` when they do not decode as kube's would.
+/// The entries of `metadata.managedFields`; `Err` when they do not decode as kube's
+/// `DecodeManagedFields` would: an operation other than `Apply` or `Update`, an empty
+/// `apiVersion`, a `fieldsType` other than `FieldsV1`, or `fieldsV1` that is not a field set.
+/// A later entry of the same manager identity replaces an earlier one, as in kube's map.
 fn decode_entries(managed: Option<&Value>) -> Result<Vec<Entry>, String> {
     let Some(list) = managed.filter(|v| !v.is_null()) else {
         return Ok(Vec::new());
     };
     let list = list.as_array().ok_or("managedFields is not a list")?;
     let mut out: Vec<Entry> = Vec::new();
-    for item in list {
+    for (i, item) in list.iter().enumerate() {
         let text = |k: &str| item.get(k).and_then(Value::as_str).unwrap_or("").to_owned();
         let apply = match text("operation").as_str() {
             "Apply" => true,
-            "Update" | "" => false,
-            other => return Err(format!("unknown operation {other:?}")),
+            "Update" => false,
+            _ => return Err("operation must be `Apply` or `Update`".into()),
         };
-        if !matches!(text("fieldsType").as_str(), "FieldsV1" | "") {
-            return Err("fieldsType must be FieldsV1".into());
+        if text("apiVersion").is_empty() {
+            return Err("apiVersion must not be empty".into());
+        }
+        match text("fieldsType").as_str() {
+            "FieldsV1" => {}
+            "" => return Err(format!("missing fieldsType in managed fields entry {i}")),
+            other => {
+                return Err(format!(
+                    "invalid fieldsType {other:?} in managed fields entry {i}"
+                ));
+            }
         }
         let entry = Entry {
             manager: text("manager"),
@@ -725,15 +776,24 @@ fn decode_entries(managed: Option<&Value>) -> Result<Vec<Entry>, String> {
             subresource: text("subresource"),
             set: decode_set(item.get("fieldsV1").unwrap_or(&Value::Null))?,
         };
-        match out.iter_mut().find(|e| {
-            e.same_manager(&entry.manager, entry.apply, &entry.subresource)
-                && (e.apply || e.api_version == entry.api_version)
-        }) {
-            Some(existing) => existing.set.extend(entry.set),
+        match out.iter_mut().find(|e| e.same_identity(&entry)) {
+            Some(existing) => *existing = entry,
             None => out.push(entry),
         }
     }
     Ok(out)
+}
+
+/// kube's `isResetManagedFields`: `managedFields: []` or `[{}]` in a write clears them.
+fn is_reset(sent: &Value) -> bool {
+    match sent.as_array().map(Vec::as_slice) {
+        Some([]) => true,
+        Some([only]) => only.as_object().is_some_and(|m| {
+            m.values()
+                .all(|v| v.is_null() || v.as_str() == Some("") || v == &json!({}))
+        }),
+        _ => false,
+    }
 }
 
 /// The most Update entries kept (kube's `DefaultMaxUpdateManagers`).
@@ -913,17 +973,20 @@ fn update_entries(
     let cmp = compare_objects(kind, writer.status, old, new);
     let taken: FieldSet = cmp.added.union(&cmp.modified).cloned().collect();
     let subresource = writer.subresource();
+    let version = kind.api_version();
+    let own =
+        |e: &Entry| e.same_manager(writer.manager, false, subresource) && e.api_version == version;
     for entry in &mut entries {
-        if entry.same_manager(writer.manager, false, subresource) {
+        if own(entry) {
             continue;
         }
+        let taken = in_version(kind, &taken, version, &entry.api_version);
+        let removed = in_version(kind, &cmp.removed, version, &entry.api_version);
         entry
             .set
-            .retain(|p| !taken.contains(p) && !cmp.removed.contains(p));
+            .retain(|p| !taken.contains(p) && !removed.contains(p));
     }
-    let position = entries
-        .iter()
-        .position(|e| e.same_manager(writer.manager, false, subresource));
+    let position = entries.iter().position(own);
     let mut own = match position {
         Some(i) => entries.remove(i),
         None => Entry {
@@ -956,20 +1019,26 @@ pub fn on_update(
     new: &Value,
     writer: Writer<'_>,
 ) -> Option<Value> {
+    // kube's `decodeManagedFields`: a subresource takes the live ones; `[]` or `[{}]` resets
+    // them; valid ones sent replace the live ones (also on create, whose live object is
+    // empty); invalid or empty ones sent count for nothing.
+    let live = || decode_entries(old.and_then(|o| o.pointer("/metadata/managedFields")));
     let sent = new
         .pointer("/metadata/managedFields")
-        .filter(|m| m.as_array().is_some_and(|a| !a.is_empty()));
-    let entries = match sent.map(|m| decode_entries(Some(m))) {
-        Some(Ok(entries)) if !writer.status => entries,
-        _ => {
-            let live = old.and_then(|o| o.pointer("/metadata/managedFields"));
-            let entries = decode_entries(live).unwrap_or_default();
-            if old.is_some() && entries.is_empty() {
-                return None;
-            }
-            entries
-        }
+        .filter(|m| !m.is_null() && !writer.status);
+    let entries = match sent {
+        Some(sent) if is_reset(sent) => Vec::new(),
+        Some(sent) => match decode_entries(Some(sent)) {
+            Ok(entries) if !entries.is_empty() => entries,
+            _ => live().unwrap_or_default(),
+        },
+        None => live().unwrap_or_default(),
     };
+    // kube's `skipNonApplied` manager: an update of an object that (now) has no managed fields
+    // records none.
+    if old.is_some() && entries.is_empty() {
+        return None;
+    }
     let zero = zero_object(kind);
     let entries = update_entries(kind, entries, old.unwrap_or(&zero), new, writer);
     Some(encode_entries(entries))
@@ -1076,21 +1145,23 @@ pub fn apply(
         merge(schema, &live_value, config).map_err(|why| typed_patch_error(kind, &why))?;
 
     let subresource = writer.subresource();
-    let (last, last_time) = match entries
+    let (last, last_time, last_version) = match entries
         .iter()
         .position(|e| e.same_manager(writer.manager, true, subresource))
     {
         Some(i) => {
             let entry = entries.remove(i);
-            (entry.set, entry.time)
+            (entry.set, entry.time, entry.api_version)
         }
-        None => (FieldSet::new(), None),
+        None => (FieldSet::new(), None, String::new()),
     };
+    let version = kind.api_version();
+    let last = in_version(kind, &last, &last_version, version);
     if !last.is_empty() {
         // prune: what this manager applied before, left out now, and nobody else owns.
         let mut owned: FieldSet = config_set.clone();
         for entry in &entries {
-            owned.extend(entry.set.iter().cloned());
+            owned.extend(in_version(kind, &entry.set, &entry.api_version, version));
         }
         let owned = ensure_named_fields(schema, &owned);
         let gone: FieldSet = ensure_named_fields(schema, &last)
@@ -1104,6 +1175,8 @@ pub fn apply(
     let changed: FieldSet = cmp.added.union(&cmp.modified).cloned().collect();
     let mut conflicts = Vec::new();
     for entry in &entries {
+        // In the manager's own version, as SMD reports it.
+        let changed = in_version(kind, &changed, version, &entry.api_version);
         for path in entry.set.intersection(&changed) {
             conflicts.push((entry.printed(), path.clone()));
         }
@@ -1112,9 +1185,11 @@ pub fn apply(
         return Err(conflict_error(&conflicts));
     }
     for entry in &mut entries {
+        let changed = in_version(kind, &changed, version, &entry.api_version);
+        let removed = in_version(kind, &cmp.removed, version, &entry.api_version);
         entry
             .set
-            .retain(|p| !changed.contains(p) && !cmp.removed.contains(p));
+            .retain(|p| !changed.contains(p) && !removed.contains(p));
     }
     // An apply that changes nothing keeps its time (kube's field manager updates the time only
     // when the object changed), so that it writes nothing.

@@ -107,13 +107,16 @@ impl Default for WriteOptions {
 }
 
 /// The managed fields after an Update by `options.manager` from `old` (stored form; `None` on
-/// create) to `new` (see [`managed_fields::on_update`]), set on `new`.
+/// create) to `new` (see [`managed_fields::on_update`]), set on `new`. They are worked out in
+/// the form of the request's version, as kube's field manager does (an `events.k8s.io/v1`
+/// write records `events.k8s.io/v1` paths, whatever the stored form).
 fn record_update(kind: Kind, old: Option<&Value>, new: &mut Object, manager: &str, status: bool) {
     let now = serde_json::to_value(now()).expect("times serialize");
+    let old = old.map(|o| event::present(kind, o.clone()));
     let managed = managed_fields::on_update(
-        kind.stored_as(),
-        old,
-        &new.to_value(),
+        kind,
+        old.as_ref(),
+        &event::present(kind, new.to_value()),
         managed_fields::Writer {
             manager,
             status,
@@ -584,7 +587,11 @@ impl Registry {
         options: WriteOptions,
     ) -> Result<Written, ApiError> {
         let (mut object, warnings) = Self::decode_body(kind, body, options.field_validation)?;
+        // kube's create handler runs the field manager on what the client sent: valid
+        // managed fields sent are kept (see `managed_fields::on_update`).
+        let sent = object.metadata().managed_fields.clone();
         let resource_version_set = admit_create(kind, namespace, &mut object, options.dry_run)?;
+        object.metadata_mut().managed_fields = sent;
         record_update(kind, None, &mut object, &options.manager, false);
         let name = object.name().to_owned();
         let ns = object.metadata().namespace.clone();
@@ -677,8 +684,10 @@ impl Registry {
                         check_namespace_open(txn, ns_key, ns, kind, &name)?;
                     }
                     let mut object = object.clone();
+                    let sent = object.metadata().managed_fields.clone();
                     reset_for_create(object.metadata_mut());
                     kinds::prepare_create(&mut object);
+                    object.metadata_mut().managed_fields = sent;
                     record_update(kind, None, &mut object, &manager, false);
                     if let Object::Service(svc) = &mut object {
                         service::create(svc, txn.allocators()?, &ranges)?;
@@ -879,13 +888,14 @@ impl Registry {
                 {
                     return Err(err.clone());
                 }
+                // Merged in the form of the request's version, as kube's field manager does.
                 let live = old
                     .as_ref()
-                    .map(|o| decode_stored(&o.value, 0))
+                    .map(|o| decode_stored(&o.value, 0).map(|v| event::present(kind, v)))
                     .transpose()?;
                 let now_value = serde_json::to_value(now()).expect("times serialize");
                 let applied = managed_fields::apply(
-                    kind.stored_as(),
+                    kind,
                     live.as_ref(),
                     &config,
                     managed_fields::Writer {
@@ -895,7 +905,7 @@ impl Registry {
                     },
                     force,
                 )?;
-                let decoded = Object::decode(kind.stored_as(), &applied.object)?;
+                let decoded = Object::decode(kind, &applied.object)?;
                 let warnings =
                     unknown_field_handling(&decoded.unknown_fields, options.field_validation)?;
                 let mut object = decoded.object;
@@ -2056,11 +2066,7 @@ fn apply_config(
             text("kind")
         )));
     }
-    let mut config = if kind == Kind::EventsV1 {
-        event::to_core(&config).0
-    } else {
-        config
-    };
+    let mut config = config;
     if let Some(Value::Object(meta)) = config.get_mut("metadata") {
         let given = meta.get("name").and_then(Value::as_str).unwrap_or("");
         if given != name {
