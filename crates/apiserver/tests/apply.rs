@@ -286,6 +286,54 @@ async fn managed_fields_sent_in_a_create_are_kept_when_valid_and_ignored_when_no
     }
 }
 
+/// kube-apiserver gives the field manager of every subresource its name
+/// (`k8s.io/apiserver/pkg/endpoints/installer.go`), `finalize` included, whose strategy resets
+/// `status` only: a finalizer added through `/finalize` is an Update entry with `subresource:
+/// finalize`; the fields it changes leave their earlier owner.
+#[tokio::test]
+async fn a_namespace_finalize_records_an_update_entry_with_subresource_finalize() {
+    let s = server().await;
+    let (status, ns) = call(
+        &s,
+        Method::POST,
+        "/api/v1/namespaces?fieldManager=creator",
+        "application/json",
+        br#"{"apiVersion":"v1","kind":"Namespace","metadata":{"name":"team","labels":{"team":"a"}},"spec":{"finalizers":["kubernetes"]}}"#,
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{ns}");
+    let mut body = ns.clone();
+    body["spec"]["finalizers"] = json!(["kubernetes", "example.com/hold"]);
+    let (status, finalized) = call(
+        &s,
+        Method::PUT,
+        "/api/v1/namespaces/team/finalize?fieldManager=finalizer",
+        "application/json",
+        &serde_json::to_vec(&body).unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{finalized}");
+    let finalize = entry(&finalized, "finalizer", "Update");
+    assert_eq!(finalize["subresource"], "finalize", "{finalized}");
+    assert_eq!(finalize["apiVersion"], "v1");
+    assert_eq!(
+        finalize["fieldsV1"],
+        json!({"f:spec": {"f:finalizers": {}}}),
+        "{finalized}"
+    );
+    assert!(
+        entry(&finalized, "creator", "Update")["fieldsV1"]
+            .pointer("/f:spec/f:finalizers")
+            .is_none(),
+        "{finalized}"
+    );
+    let (_, read) = call(&s, Method::GET, "/api/v1/namespaces/team", "", b"").await;
+    assert_eq!(
+        read["metadata"]["managedFields"],
+        finalized["metadata"]["managedFields"]
+    );
+}
+
 #[tokio::test]
 async fn a_conflicting_apply_is_kubes_409_and_force_takes_the_field_over() {
     let s = server().await;

@@ -883,15 +883,22 @@ fn encode_entries(mut entries: Vec<Entry>) -> Value {
 pub struct Writer<'a> {
     /// The manager's name.
     pub manager: &'a str,
-    /// Whether the write goes to `/status`.
-    pub status: bool,
+    /// The subresource written through: `""` for the object itself, `status`, or a
+    /// Namespace's `finalize`; recorded as the entry's `subresource`.
+    pub subresource: &'a str,
     /// The time to record (RFC 3339, as `metav1.Time` writes it).
     pub now: &'a Value,
 }
 
 impl Writer<'_> {
-    fn subresource(&self) -> &'static str {
-        if self.status { "status" } else { "" }
+    fn subresource(&self) -> &str {
+        self.subresource
+    }
+
+    /// Whether the write goes to `/status`, which owns `status` and nothing else. `/finalize`
+    /// is owned as the object is (its strategy resets `status` only).
+    fn status(&self) -> bool {
+        self.subresource == "status"
     }
 }
 
@@ -970,7 +977,7 @@ fn update_entries(
     new: &Value,
     writer: Writer<'_>,
 ) -> Vec<Entry> {
-    let cmp = compare_objects(kind, writer.status, old, new);
+    let cmp = compare_objects(kind, writer.status(), old, new);
     let taken: FieldSet = cmp.added.union(&cmp.modified).cloned().collect();
     let subresource = writer.subresource();
     let version = kind.api_version();
@@ -1025,7 +1032,7 @@ pub fn on_update(
     let live = || decode_entries(old.and_then(|o| o.pointer("/metadata/managedFields")));
     let sent = new
         .pointer("/metadata/managedFields")
-        .filter(|m| !m.is_null() && !writer.status);
+        .filter(|m| !m.is_null() && writer.subresource.is_empty());
     let entries = match sent {
         Some(sent) if is_reset(sent) => Vec::new(),
         Some(sent) => match decode_entries(Some(sent)) {
@@ -1140,7 +1147,7 @@ pub fn apply(
     let mut config_set = FieldSet::new();
     to_field_set(schema, config, &mut Vec::new(), &mut config_set)
         .map_err(|why| typed_patch_error(kind, &why))?;
-    owned_only(kind, writer.status, &mut config_set);
+    owned_only(kind, writer.status(), &mut config_set);
     let mut merged =
         merge(schema, &live_value, config).map_err(|why| typed_patch_error(kind, &why))?;
 
@@ -1171,7 +1178,7 @@ pub fn apply(
         remove_items(schema, &mut merged, &mut Vec::new(), &gone);
     }
 
-    let cmp = compare_objects(kind, writer.status, &live_value, &merged);
+    let cmp = compare_objects(kind, writer.status(), &live_value, &merged);
     let changed: FieldSet = cmp.added.union(&cmp.modified).cloned().collect();
     let mut conflicts = Vec::new();
     for entry in &entries {
@@ -1222,7 +1229,7 @@ mod tests {
     fn writer<'a>(manager: &'a str, now: &'a Value) -> Writer<'a> {
         Writer {
             manager,
-            status: false,
+            subresource: "",
             now,
         }
     }

@@ -111,6 +111,18 @@ impl Default for WriteOptions {
 /// the form of the request's version, as kube's field manager does (an `events.k8s.io/v1`
 /// write records `events.k8s.io/v1` paths, whatever the stored form).
 fn record_update(kind: Kind, old: Option<&Value>, new: &mut Object, manager: &str, status: bool) {
+    let subresource = if status { "status" } else { "" };
+    record_update_through(kind, old, new, manager, subresource);
+}
+
+/// [`record_update`] through any subresource (`finalize` too).
+fn record_update_through(
+    kind: Kind,
+    old: Option<&Value>,
+    new: &mut Object,
+    manager: &str,
+    subresource: &str,
+) {
     let now = serde_json::to_value(now()).expect("times serialize");
     let old = old.map(|o| event::present(kind, o.clone()));
     let managed = managed_fields::on_update(
@@ -119,7 +131,7 @@ fn record_update(kind: Kind, old: Option<&Value>, new: &mut Object, manager: &st
         &event::present(kind, new.to_value()),
         managed_fields::Writer {
             manager,
-            status,
+            subresource,
             now: &now,
         },
     );
@@ -900,7 +912,7 @@ impl Registry {
                     &config,
                     managed_fields::Writer {
                         manager: &options.manager,
-                        status: status_only,
+                        subresource: if status_only { "status" } else { "" },
                         now: &now_value,
                     },
                     force,
