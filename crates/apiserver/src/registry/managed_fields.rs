@@ -32,10 +32,10 @@
 //!   another manager's entry is compared in its own version (Events are the one kind served in
 //!   two versions, whose fields differ only in top-level names, see [`in_version`]).
 //!
-//! Not followed: the interplay with `kubectl.kubernetes.io/last-applied-configuration` (kube
-//! lets a server-side apply take over fields from a client-side apply whose annotation equals
-//! the applied configuration; kubectl itself moves a client-side apply's fields to its
-//! server-side manager after a successful apply, which works here).
+//! - `kubectl.kubernetes.io/last-applied-configuration`, for the manager `kubectl` only, as
+//!   kube's `lastAppliedManager` and `lastAppliedUpdater`: a conflict on a field whose live
+//!   value is still the one the annotation records (set by a client-side apply) is no conflict,
+//!   and after the apply an object carrying the annotation gets the applied configuration there.
 
 use std::collections::BTreeSet;
 
@@ -1180,12 +1180,22 @@ pub fn apply(
 
     let cmp = compare_objects(kind, writer.status(), &live_value, &merged);
     let changed: FieldSet = cmp.added.union(&cmp.modified).cloned().collect();
+    // kube's `lastAppliedManager`: kubectl's server-side apply may take over, without
+    // `force`, the fields a client-side apply set (those whose live value is still the one in
+    // `last-applied-configuration`).
+    let allowed = (writer.manager == KUBECTL && !force)
+        .then(|| last_applied_fields(kind, &live_value))
+        .flatten()
+        .unwrap_or_default();
     let mut conflicts = Vec::new();
     for entry in &entries {
         // In the manager's own version, as SMD reports it.
         let changed = in_version(kind, &changed, version, &entry.api_version);
+        let allowed = in_version(kind, &allowed, version, &entry.api_version);
         for path in entry.set.intersection(&changed) {
-            conflicts.push((entry.printed(), path.clone()));
+            if !allowed.contains(path) {
+                conflicts.push((entry.printed(), path.clone()));
+            }
         }
     }
     if !conflicts.is_empty() && !force {
@@ -1212,15 +1222,153 @@ pub fn apply(
         subresource: subresource.to_owned(),
         set: config_set,
     });
+    if writer.manager == KUBECTL {
+        update_last_applied(&mut merged, config);
+    }
     Ok(Applied {
         object: merged,
         managed_fields: encode_entries(entries),
     })
 }
 
+/// The field manager of `kubectl apply --server-side` (kube's `lastAppliedManager` and
+/// `lastAppliedUpdater` act for it alone; another `--field-manager` opts out).
+const KUBECTL: &str = "kubectl";
+
+/// The annotation a client-side `kubectl apply` keeps its configuration in.
+pub const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
+
+/// The most bytes an object's annotations may take (`totalAnnotationSizeLimitB`).
+const ANNOTATIONS_LIMIT: usize = 256 * 1024;
+
+/// kube's `allowedConflictsFromLastApplied`: the fields of the live object's
+/// `last-applied-configuration` (of the same `apiVersion`) whose live value is the one it
+/// records (not modified, added or removed since); `None` without a usable annotation.
+fn last_applied_fields(kind: Kind, live: &Value) -> Option<FieldSet> {
+    let text = live
+        .pointer("/metadata/annotations")?
+        .get(LAST_APPLIED)?
+        .as_str()
+        .filter(|t| !t.is_empty())?;
+    let last: Value = serde_json::from_str(text).ok()?;
+    if last.get("apiVersion").and_then(Value::as_str) != Some(kind.api_version()) {
+        return None;
+    }
+    let mut set = FieldSet::new();
+    to_field_set(root(kind), &last, &mut Vec::new(), &mut set).ok()?;
+    let mut cmp = Comparison::default();
+    compare(
+        root(kind),
+        Some(&last),
+        Some(&without_managed_fields(live)),
+        &mut Vec::new(),
+        &mut cmp,
+    );
+    set.retain(|p| !cmp.modified.contains(p) && !cmp.added.contains(p) && !cmp.removed.contains(p));
+    Some(set)
+}
+
+/// kube's `lastAppliedUpdater`: after kubectl's server-side apply, an object that carries
+/// `last-applied-configuration` gets the applied configuration there (without the annotation
+/// itself, encoded as Go's JSON encoder writes it), or loses it when that would take the
+/// annotations over their size limit.
+fn update_last_applied(object: &mut Value, config: &Value) {
+    let Some(annotations) = object
+        .pointer_mut("/metadata/annotations")
+        .and_then(Value::as_object_mut)
+    else {
+        return;
+    };
+    if annotations
+        .get(LAST_APPLIED)
+        .and_then(Value::as_str)
+        .is_none_or(str::is_empty)
+    {
+        return;
+    }
+    let mut config = config.clone();
+    if let Some(own) = config
+        .pointer_mut("/metadata/annotations")
+        .and_then(Value::as_object_mut)
+    {
+        own.remove(LAST_APPLIED);
+        if own.is_empty()
+            && let Some(meta) = config.get_mut("metadata").and_then(Value::as_object_mut)
+        {
+            meta.remove("annotations");
+        }
+    }
+    annotations.insert(LAST_APPLIED.into(), Value::String(go_json(&config)));
+    let size: usize = annotations
+        .iter()
+        .map(|(k, v)| k.len() + v.as_str().map_or(0, str::len))
+        .sum();
+    if size > ANNOTATIONS_LIMIT {
+        annotations.remove(LAST_APPLIED);
+    }
+}
+
+/// `value` as Go's `json.Encoder` writes an unstructured object: keys sorted, `<`, `>`, `&`,
+/// U+2028 and U+2029 escaped, a newline at the end.
+fn go_json(value: &Value) -> String {
+    fn sorted(value: &Value) -> Value {
+        match value {
+            Value::Object(map) => {
+                let mut keys: Vec<&String> = map.keys().collect();
+                keys.sort();
+                Value::Object(
+                    keys.into_iter()
+                        .map(|k| (k.clone(), sorted(&map[k])))
+                        .collect(),
+                )
+            }
+            Value::Array(items) => Value::Array(items.iter().map(sorted).collect()),
+            other => other.clone(),
+        }
+    }
+    let mut out = String::new();
+    // Those characters appear in the encoding only inside strings.
+    for c in sorted(value).to_string().chars() {
+        match c {
+            '<' => out.push_str("\\u003c"),
+            '>' => out.push_str("\\u003e"),
+            '&' => out.push_str("\\u0026"),
+            '\u{2028}' => out.push_str("\\u2028"),
+            '\u{2029}' => out.push_str("\\u2029"),
+            c => out.push(c),
+        }
+    }
+    out.push('\n');
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_last_applied_annotation_is_written_as_gos_json_encoder_writes_it() {
+        let config = json!({"metadata": {"name": "a<b", "annotations": {LAST_APPLIED: "old", "z": "&"}},
+            "apiVersion": "v1", "kind": "Service"});
+        let mut object = json!({"metadata": {"annotations": {LAST_APPLIED: "old"}}});
+        update_last_applied(&mut object, &config);
+        assert_eq!(
+            object["metadata"]["annotations"][LAST_APPLIED],
+            "{\"apiVersion\":\"v1\",\"kind\":\"Service\",\"metadata\":{\"annotations\":{\"z\":\"\\u0026\"},\"name\":\"a\\u003cb\"}}\n"
+        );
+        // Only an object that carries the annotation gets it.
+        let mut bare = json!({"metadata": {"annotations": {"x": "y"}}});
+        update_last_applied(&mut bare, &config);
+        assert_eq!(bare, json!({"metadata": {"annotations": {"x": "y"}}}));
+        // Over the annotations' size limit it goes.
+        let big = json!({"apiVersion": "v1", "data": "x".repeat(ANNOTATIONS_LIMIT)});
+        update_last_applied(&mut object, &big);
+        assert!(
+            object["metadata"]["annotations"]
+                .get(LAST_APPLIED)
+                .is_none()
+        );
+    }
 
     fn now() -> Value {
         json!("2026-01-01T00:00:00Z")
