@@ -440,4 +440,61 @@ async fn ip_address_objects_hold_their_addresses_even_when_the_bitmap_has_them_f
     }
     let v = s.registry.verify().await.unwrap();
     assert!(v.is_consistent(), "{v:?}");
+
+    // The verification loop brings the cache to the objects without waiting for a collision:
+    // an object written past the server for the address `only` gave back is marked.
+    let (status, _) = call(
+        &s,
+        Method::DELETE,
+        &format!("{SERVICES}/only"),
+        "",
+        Value::Null,
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK);
+    let late = json!({"apiVersion":"networking.k8s.io/v1","kind":"IPAddress",
+        "metadata":{"name":"10.96.0.6","uid":"00000000-0000-4000-8000-000000000006",
+            "creationTimestamp":"2026-01-01T00:00:00Z"},
+        "spec":{"parentRef":{"group":"","resource":"gateways","namespace":"default","name":"reserved"}}});
+    s.registry
+        .store()
+        .backend()
+        .commit(Batch {
+            compares: Vec::new(),
+            groups: vec![vec![Op::Put {
+                key: "/registry/ipaddresses/10.96.0.6".into(),
+                value: serde_json::to_vec(&late).unwrap().into(),
+            }]],
+        })
+        .await
+        .unwrap();
+    let report = s.registry.verify().await.unwrap();
+    assert_eq!(
+        report.unmarked_objects,
+        ["10.96.0.6".parse::<std::net::IpAddr>().unwrap()]
+    );
+    s.registry.verify_and_repair().await.unwrap();
+    let v = s.registry.verify().await.unwrap();
+    assert!(v.is_consistent(), "{v:?}");
+    let conflicts = s
+        .registry
+        .store()
+        .stats()
+        .conflicts
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let (status, err) = post(&s, SERVICES, svc("after", json!({}))).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{err}");
+    assert!(
+        err["message"].as_str().unwrap().contains("range is full"),
+        "{err}"
+    );
+    assert_eq!(
+        s.registry
+            .store()
+            .stats()
+            .conflicts
+            .load(std::sync::atomic::Ordering::Relaxed),
+        conflicts,
+        "the cache knew the address: no commit had to fail"
+    );
 }

@@ -16,7 +16,7 @@
 //! A user may create one to reserve an address (kube's way to keep an address from the
 //! allocator): the address is taken with the write, and given back when that object goes.
 //! The verification loop re-creates a missing one and removes a stale one, as kube's repair
-//! loop does.
+//! loop does, and marks in the bitmaps the addresses objects hold that they had free.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;

@@ -233,6 +233,10 @@ pub struct Verification {
     pub missing_ip_addresses: Vec<(IpAddr, String, String)>,
     /// IPAddress objects of the allocator whose address no Service holds.
     pub stale_ip_addresses: Vec<IpAddr>,
+    /// Addresses an IPAddress object rightly holds (a reservation, or the object of the
+    /// Service that holds the address) that the bitmaps do not mark: the cache behind the
+    /// truth, marked by the verification loop. Also among [`Verification::missing_ips`].
+    pub unmarked_objects: Vec<IpAddr>,
 }
 
 impl Verification {
@@ -1606,6 +1610,58 @@ impl Registry {
         Ok(done.value)
     }
 
+    /// Marks in the bitmaps the addresses `report` found held by IPAddress objects but free
+    /// there (the objects are the truth of allocation, the bitmaps their cache), if no
+    /// allocation changed since the check. Returns how many were marked.
+    pub async fn mark_unmarked_objects(&self, report: &Verification) -> Result<usize, ApiError> {
+        if report.unmarked_objects.is_empty() {
+            return Ok(0);
+        }
+        let prefix: Arc<str> = self.store.prefix().into();
+        let keys = (
+            storage::keys::node_port_range(&prefix),
+            storage::keys::service_ip_range(&prefix),
+            self.secondary_ip_key(),
+            storage::keys::service_cidr_ranges(&prefix),
+        );
+        let expected = (
+            report.bitmap_revisions,
+            report.secondary_bitmap_revision,
+            report.extra_revision,
+        );
+        let unmarked = report.unmarked_objects.clone();
+        let done = self
+            .store
+            .mutate(Vec::new(), move |txn| {
+                let now = (
+                    (
+                        txn.get(&keys.0).map(|e| e.mod_revision),
+                        txn.get(&keys.1).map(|e| e.mod_revision),
+                    ),
+                    keys.2
+                        .as_ref()
+                        .and_then(|k| txn.get(k))
+                        .map(|e| e.mod_revision),
+                    txn.get(&keys.3).map(|e| e.mod_revision),
+                );
+                if now != expected {
+                    return Err(ApiError::internal(
+                        "the allocations changed since they were checked",
+                    ));
+                }
+                let allocators = txn.allocators()?;
+                let mut marked = 0;
+                for ip in &unmarked {
+                    if allocators.cluster_ips().allocate(*ip).is_ok() {
+                        marked += 1;
+                    }
+                }
+                Ok(marked)
+            })
+            .await?;
+        Ok(done.value)
+    }
+
     /// Writes the IPAddress objects `report` found missing and removes the stale ones, if no
     /// allocation changed since the check (as kube's repair loop keeps IPAddresses in step).
     pub async fn repair_ip_addresses(&self, report: &Verification) -> Result<usize, ApiError> {
@@ -1715,6 +1771,16 @@ impl Registry {
                 tracing::warn!(freed, "freed leaked allocations that no Service holds");
             }
             Err(err) => tracing::warn!(error = %err, "leaked allocations not freed this round"),
+        }
+        match self.mark_unmarked_objects(&report).await {
+            Ok(0) => {}
+            Ok(marked) => tracing::warn!(
+                marked,
+                "marked in the bitmaps the addresses IPAddress objects hold"
+            ),
+            Err(err) => {
+                tracing::warn!(error = %err, "bitmaps not brought to the IPAddress objects this round")
+            }
         }
         match self.repair_ip_addresses(&report).await {
             Ok(0) => {}
@@ -1845,6 +1911,7 @@ pub fn verify_dump(
     let mut ips_held = std::collections::BTreeMap::<IpAddr, usize>::new();
     let mut bitmap_ports = BTreeSet::new();
     let mut bitmap_ips = BTreeSet::new();
+    let mut reservations = BTreeSet::new();
     for kv in kvs {
         if kv.key == np_key {
             report.bitmap_revisions.0 = Some(kv.mod_revision);
@@ -1883,6 +1950,7 @@ pub fn verify_dump(
             } else {
                 // A user's reservation holds its address like a Service.
                 *ips_held.entry(ip).or_default() += 1;
+                reservations.insert(ip);
             }
         } else if kv.key == extra_key {
             report.extra_revision = Some(kv.mod_revision);
@@ -1924,6 +1992,10 @@ pub fn verify_dump(
         }
         if !bitmap_ips.contains(ip) {
             report.missing_ips.push(*ip);
+            let reserved = reservations.contains(ip);
+            if reserved || holders.get(ip).is_some_and(|h| objects.get(ip) == Some(h)) {
+                report.unmarked_objects.push(*ip);
+            }
         }
     }
     report.leaked_ports = bitmap_ports
