@@ -302,6 +302,23 @@ async fn a_namespace_finalize_records_an_update_entry_with_subresource_finalize(
     )
     .await;
     assert_eq!(status, StatusCode::CREATED, "{ns}");
+    // kube's namespace strategy adds the `kubernetes` finalizer after the field manager ran:
+    // a namespace created without it does not own it.
+    let (status, bare) = call(
+        &s,
+        Method::POST,
+        "/api/v1/namespaces?fieldManager=creator",
+        "application/json",
+        br#"{"apiVersion":"v1","kind":"Namespace","metadata":{"name":"bare","labels":{"team":"b"}}}"#,
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{bare}");
+    assert_eq!(bare["spec"]["finalizers"], json!(["kubernetes"]));
+    assert_eq!(
+        entry(&bare, "creator", "Update")["fieldsV1"],
+        json!({"f:metadata": {"f:labels": {".": {}, "f:team": {}}}}),
+        "{bare}"
+    );
     let mut body = ns.clone();
     body["spec"]["finalizers"] = json!(["kubernetes", "example.com/hold"]);
     let (status, finalized) = call(

@@ -603,12 +603,15 @@ impl Registry {
         options: WriteOptions,
     ) -> Result<Written, ApiError> {
         let (mut object, warnings) = Self::decode_body(kind, body, options.field_validation)?;
-        // kube's create handler runs the field manager on what the client sent: valid
-        // managed fields sent are kept (see `managed_fields::on_update`).
-        let sent = object.metadata().managed_fields.clone();
+        // kube's create handler runs the field manager on the body as decoded (defaulted, with
+        // the managed fields sent, valid ones kept: see `managed_fields::on_update`), before
+        // the strategy's `PrepareForCreate`: what the strategy adds (a Namespace's
+        // `kubernetes` finalizer) is owned by no one.
+        let mut recorded = object.clone();
+        kinds::set_defaults(&mut recorded);
+        record_update(kind, None, &mut recorded, &options.manager, false);
         let resource_version_set = admit_create(kind, namespace, &mut object, options.dry_run)?;
-        object.metadata_mut().managed_fields = sent;
-        record_update(kind, None, &mut object, &options.manager, false);
+        object.metadata_mut().managed_fields = recorded.metadata().managed_fields.clone();
         let name = object.name().to_owned();
         let ns = object.metadata().namespace.clone();
         let key = self.key(kind, ns.as_deref(), &name);
@@ -700,11 +703,13 @@ impl Registry {
                         check_namespace_open(txn, ns_key, ns, kind, &name)?;
                     }
                     let mut object = object.clone();
-                    let sent = object.metadata().managed_fields.clone();
+                    // As on create: the field manager before the strategy.
+                    let mut recorded = object.clone();
+                    record_update(kind, None, &mut recorded, &manager, false);
                     reset_for_create(object.metadata_mut());
                     kinds::prepare_create(&mut object);
-                    object.metadata_mut().managed_fields = sent;
-                    record_update(kind, None, &mut object, &manager, false);
+                    object.metadata_mut().managed_fields =
+                        recorded.metadata().managed_fields.clone();
                     if let Object::Service(svc) = &mut object {
                         service::create(svc, txn.allocators()?, &ranges)?;
                     } else if let Object::Event(event) = &object {
