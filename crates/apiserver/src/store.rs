@@ -22,7 +22,8 @@
 //! 4. commits the writes of all of them, and the bitmaps that changed, in **one** backend
 //!    transaction whose compares are the `mod_revision`s of every key read, and the absence of
 //!    every key a mutation created (a ClusterIP's IPAddress object, see [`Txn::create`]). On the
-//!    embedded backend that is one redb write transaction and one fsync for the whole batch (group commit).
+//!    embedded backend that is one redb write transaction and one fsync for the whole batch
+//!    (group commit).
 //!    On a lost race (only possible when several API servers share etcd) the batch, with whatever
 //!    queued meanwhile, is re-run on the keys the failed commit gave back (at once the first
 //!    time, after a random pause later).
@@ -789,12 +790,15 @@ impl Writer {
                 && !dry_run
                 && writes_in_batch > 0
                 && writes_in_batch + writes.len() > write_budget;
+            // Every job that is not deferred has its keys compared, a failed or dry one too.
             let new_keys = job.keys.iter().filter(|k| !compared.contains(*k)).count();
-            let over_compares = result.is_ok()
-                && !dry_run
-                && included_any
-                && !created.is_empty()
-                && compared.len() + new_keys + creates.len() + created.len() > compare_budget;
+            let new_creates = if result.is_ok() && !dry_run {
+                created.len()
+            } else {
+                0
+            };
+            let over_compares = included_any
+                && compared.len() + new_keys + creates.len() + new_creates > compare_budget;
             if over_budget
                 || over_compares
                 || (result.is_ok()
