@@ -569,6 +569,31 @@ async fn apply_bodies_need_kind_apiversion_name_and_a_field_manager_as_on_kube()
     );
 }
 
+/// kube's typed conversion of an applied configuration refuses an undeclared field whatever
+/// `fieldValidation` says ("Apply Patch requests already require strict schemas and will error
+/// on unknown fields", kubernetes/kubernetes#105916), and nothing is written.
+#[tokio::test]
+async fn an_applied_field_the_schema_does_not_declare_is_refused_under_every_field_validation() {
+    let s = server().await;
+    for validation in ["Strict", "Warn", "Ignore"] {
+        let (status, err) = apply(
+            &s,
+            "web",
+            &format!("fieldManager=a&fieldValidation={validation}"),
+            "apiVersion: v1\nkind: Service\nmetadata: {name: web}\nspec:\n  ports:\n  - {port: 80, color: blue}\n",
+        )
+        .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{validation}: {err}");
+        assert_eq!(
+            err["message"],
+            "failed to create typed patch object (/v1, Kind=Service): .spec.ports[port=80,protocol=\"TCP\"].color: field not declared in schema",
+            "{validation}"
+        );
+    }
+    let (status, _) = call(&s, Method::GET, &format!("{SERVICES}/web"), "", b"").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+}
+
 /// kube 1.33 serves `application/apply-patch+cbor` only under the alpha `CBORServingAndStorage`
 /// gate (off by default; `k8s.io/apiserver/pkg/endpoints/installer.go`), so with default gates
 /// a CBOR apply is `negotiation.NewUnsupportedMediaTypeError`'s 415 listing the patch types.

@@ -253,8 +253,9 @@ fn is_empty_node(value: &Value) -> bool {
 // ---------------------------------------------------------------------------------------------
 // Field sets.
 
-/// SMD's `ToFieldSet`. Fields a struct does not declare are left out (they do not survive
-/// decoding either). A keyed list item without its keys is an error.
+/// SMD's `ToFieldSet`. Fields a struct does not declare are left out (an applied
+/// configuration with one is refused before, see [`undeclared`]; a live object cannot hold
+/// one). A keyed list item without its keys is an error.
 fn to_field_set(
     schema: &'static Value,
     value: &Value,
@@ -296,6 +297,35 @@ fn to_field_set(
         }
     }
     Ok(())
+}
+
+/// The first field of `value` (in key order) that its struct's schema does not declare.
+fn undeclared(schema: &'static Value, value: &Value, path: &mut Path) -> Option<Path> {
+    let shape = shape(schema);
+    match (shape, value) {
+        (Shape::Struct(_) | Shape::Map(_), Value::Object(map)) => {
+            for (key, child) in map {
+                path.push(format!("f:{key}"));
+                let found = match field_schema(shape, key) {
+                    None => Some(path.clone()),
+                    Some(child_schema) => undeclared(child_schema, child, path),
+                };
+                path.pop();
+                if found.is_some() {
+                    return found;
+                }
+            }
+            None
+        }
+        (Shape::KeyedList(items, _), Value::Array(list)) => list.iter().find_map(|item| {
+            let pe = item_pe(shape, item).ok()?;
+            path.push(pe);
+            let found = undeclared(items, item, path);
+            path.pop();
+            found
+        }),
+        _ => None,
+    }
 }
 
 /// SMD's `Compare`: (added, modified, removed).
@@ -1143,6 +1173,15 @@ pub fn apply(
                 ..writer
             },
         );
+    }
+    // SMD's typed conversion of the applied configuration refuses a field the schema does not
+    // declare, whatever `fieldValidation` says ("Apply Patch requests already require strict
+    // schemas and will error on unknown fields", kubernetes/kubernetes#105916).
+    if let Some(path) = undeclared(schema, config, &mut Vec::new()) {
+        return Err(typed_patch_error(
+            kind,
+            &format!("{}: field not declared in schema", print_path(&path)),
+        ));
     }
     let mut config_set = FieldSet::new();
     to_field_set(schema, config, &mut Vec::new(), &mut config_set)
