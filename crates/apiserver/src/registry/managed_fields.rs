@@ -1293,6 +1293,10 @@ fn last_applied_fields(kind: Kind, live: &Value) -> Option<FieldSet> {
     if last.get("apiVersion").and_then(Value::as_str) != Some(kind.api_version()) {
         return None;
     }
+    // kube's typed conversion of the annotation fails on a field the schema does not declare.
+    if undeclared(root(kind), &last, &mut Vec::new()).is_some() {
+        return None;
+    }
     let mut set = FieldSet::new();
     to_field_set(root(kind), &last, &mut Vec::new(), &mut set).ok()?;
     let mut cmp = Comparison::default();
