@@ -496,7 +496,7 @@ fn managed_fields() {
     let now = serde_json::json!("2026-01-01T00:00:00Z");
     let writer = |manager| Writer {
         manager,
-        status: false,
+        subresource: "",
         now: &now,
     };
     let mut svc: serde_json::Value = serde_json::from_str(&service("web", true)).unwrap();

@@ -20,8 +20,10 @@
 //!    the next batch, so that it reads real revisions and no key is written twice in one
 //!    transaction,
 //! 4. commits the writes of all of them, and the bitmaps that changed, in **one** backend
-//!    transaction whose compares are the `mod_revision`s of every key read. On the embedded
-//!    backend that is one redb write transaction and one fsync for the whole batch (group commit).
+//!    transaction whose compares are the `mod_revision`s of every key read, and the absence of
+//!    every key a mutation created (a ClusterIP's IPAddress object, see [`Txn::create`]). On the
+//!    embedded backend that is one redb write transaction and one fsync for the whole batch
+//!    (group commit).
 //!    On a lost race (only possible when several API servers share etcd) the batch, with whatever
 //!    queued meanwhile, is re-run on the keys the failed commit gave back (at once the first
 //!    time, after a random pause later).
@@ -189,6 +191,8 @@ pub struct Txn<'a> {
     batch_writes: &'a HashMap<String, Option<Arc<[u8]>>>,
     batch_allocators: &'a Option<Allocators>,
     writes: Vec<Op>,
+    /// Keys written with [`Txn::create`]: the commit requires them absent.
+    created: Vec<String>,
     allocators: Option<Allocators>,
     allocators_replaced: bool,
     dry_run: bool,
@@ -220,6 +224,16 @@ impl Txn<'_> {
 
     /// Writes a key.
     pub fn put(&mut self, key: String, value: Arc<[u8]>) {
+        self.writes.push(Op::Put { key, value });
+    }
+
+    /// Creates a key that must not exist: the commit compares it as absent even when the
+    /// mutation did not declare it, so a key someone else created meanwhile fails the commit
+    /// instead of being overwritten. ClusterIPs are allocated so, by creating their IPAddress
+    /// objects (kube 1.33's allocator creates the object named by the address and fails if it
+    /// exists); see [`Writer::taken_ips`] for what a failed one teaches the writer.
+    pub fn create(&mut self, key: String, value: Arc<[u8]>) {
+        self.created.push(key.clone());
         self.writes.push(Op::Put { key, value });
     }
 
@@ -330,6 +344,8 @@ impl Store {
             cache: None,
             speculate: backend.reads_on_conflict(),
             known: HashMap::new(),
+            ip_address_dir: crate::resource::Kind::IpAddress.key(prefix, None, ""),
+            taken_ips: BTreeSet::new(),
         };
         tokio::spawn(
             writer
@@ -421,6 +437,12 @@ struct Writer {
     /// writer changed one meanwhile, the commit fails, gives the keys back as they are now, and
     /// the batch is re-run on those.
     known: HashMap<String, KeyValue>,
+    /// `<prefix>/ipaddresses/`: where the IPAddress objects are.
+    ip_address_dir: String,
+    /// Addresses whose IPAddress objects a lost commit found existing while the bitmaps had
+    /// them free (objects written past this server's allocator); marked in the bitmaps by the
+    /// next batch, which stores them.
+    taken_ips: BTreeSet<std::net::IpAddr>,
 }
 
 /// Decoded allocators and the stored bitmaps they equal.
@@ -697,16 +719,41 @@ impl Writer {
 
         let mut allocators = self.load_allocators(&fetched.kvs);
         let base_allocators = allocators.clone();
+        let mut allocators_dirty = false;
+        // The bitmaps are a cache of the IPAddress objects: an address a lost commit found
+        // taken by an object is marked before the jobs run, and the bitmap goes with the batch.
+        let marked = match allocators.as_mut() {
+            Some(allocs) if !self.taken_ips.is_empty() => {
+                for ip in &self.taken_ips {
+                    allocators_dirty |= allocs.cluster_ips().allocate(*ip).is_ok();
+                }
+                true
+            }
+            _ => false,
+        };
+        let mut creates: Vec<String> = Vec::new();
         let mut batch_writes: HashMap<String, Option<Arc<[u8]>>> = HashMap::new();
         let mut groups: Vec<Vec<Op>> = Vec::with_capacity(jobs.len());
         let mut outcomes = Vec::with_capacity(jobs.len());
-        let mut allocators_dirty = false;
         // Keys written by the jobs so far. A job that reads one of them, or writes one again, waits
         // for the next batch: it then reads the key with its real mod_revision, and no key is
         // written twice in one transaction (etcd refuses that).
         let mut written: std::collections::HashSet<String> = std::collections::HashSet::new();
         let mut writes_in_batch = 0usize;
         let write_budget = self.backend.max_batch_keys();
+        // The keys the commit compares: the range keys, those of the jobs that are not
+        // deferred, and the keys they create (see `Txn::create`); within the backend's limit,
+        // which counts the range keys apart.
+        let range_keys = [
+            Some(&self.node_port_key),
+            Some(&self.ip_key),
+            self.secondary_ip_key.as_ref(),
+            Some(&self.extra_key),
+        ];
+        let mut compared: std::collections::HashSet<String> =
+            range_keys.iter().flatten().map(|k| (*k).clone()).collect();
+        let compare_budget = write_budget.saturating_add(compared.len());
+        let mut included_any = false;
         for job in jobs.iter_mut() {
             let group = groups.len();
             if job.keys.iter().any(|k| written.contains(k)) {
@@ -722,6 +769,7 @@ impl Writer {
                 batch_writes: &batch_writes,
                 batch_allocators: &allocators,
                 writes: Vec::new(),
+                created: Vec::new(),
                 allocators: None,
                 allocators_replaced: false,
                 dry_run: false,
@@ -729,6 +777,7 @@ impl Writer {
             let result = (job.run)(&mut txn);
             let Txn {
                 writes,
+                created,
                 allocators: working,
                 allocators_replaced,
                 dry_run,
@@ -741,7 +790,17 @@ impl Writer {
                 && !dry_run
                 && writes_in_batch > 0
                 && writes_in_batch + writes.len() > write_budget;
+            // Every job that is not deferred has its keys compared, a failed or dry one too.
+            let new_keys = job.keys.iter().filter(|k| !compared.contains(*k)).count();
+            let new_creates = if result.is_ok() && !dry_run {
+                created.len()
+            } else {
+                0
+            };
+            let over_compares = included_any
+                && compared.len() + new_keys + creates.len() + new_creates > compare_budget;
             if over_budget
+                || over_compares
                 || (result.is_ok()
                     && !dry_run
                     && writes.iter().any(|op| written.contains(op.key())))
@@ -753,7 +812,10 @@ impl Writer {
                 });
                 continue;
             }
+            included_any = true;
+            compared.extend(job.keys.iter().cloned());
             if result.is_ok() && !dry_run {
+                creates.extend(created);
                 writes_in_batch += writes.len();
                 written.extend(writes.iter().map(|op| op.key().to_owned()));
                 for op in &writes {
@@ -858,6 +920,19 @@ impl Writer {
             }
         }
 
+        // The deferred jobs' keys are not compared (they wrote nothing; they run again); keys
+        // created without being declared must still be absent at the commit.
+        let mut compares = compares;
+        compares.retain(|c| compared.contains(&c.key));
+        for key in &creates {
+            if !compared.contains(key) {
+                compares.push(Compare {
+                    key: key.clone(),
+                    mod_revision: None,
+                });
+            }
+        }
+        let compared_keys: Vec<String> = compares.iter().map(|c| c.key.clone()).collect();
         let started = std::time::Instant::now();
         let batch = Batch { compares, groups };
         let committed = self.backend.commit(batch.clone()).await;
@@ -868,9 +943,11 @@ impl Writer {
         match committed? {
             Commit::Conflict(current) => {
                 self.stats.conflicts.fetch_add(1, Ordering::Relaxed);
+                self.learn_taken(&creates, current.as_ref()).await;
                 if self.speculate {
                     match current {
-                        Some(current) => self.remember(&keys, &current),
+                        // The failed commit read back exactly the keys it compared.
+                        Some(current) => self.remember(&compared_keys, &current),
                         None => self.known.clear(),
                     }
                 }
@@ -883,6 +960,10 @@ impl Writer {
             } => {
                 if self.speculate {
                     self.remember_writes(&batch.groups, &put_revisions);
+                }
+                if marked {
+                    // Written into the stored bitmap with this batch.
+                    self.taken_ips.clear();
                 }
                 if let (Some(allocs), (Some(np), Some(ip))) = (allocators, stored_ranges) {
                     self.cache = Some(CachedAllocators {
@@ -897,6 +978,36 @@ impl Writer {
                     .mutations
                     .fetch_add(outcomes.len() as u64, Ordering::Relaxed);
                 Ok(Some((outcomes, revisions)))
+            }
+        }
+    }
+
+    /// After a lost commit: the keys the batch created that exist now are IPAddress objects
+    /// someone else wrote (the truth of allocation), so their addresses are taken whatever the
+    /// bitmap said; the re-run marks them (see [`Writer::taken_ips`]). `current` is what the
+    /// failed commit gave back, if the backend gives anything back.
+    async fn learn_taken(&mut self, creates: &[String], current: Option<&Fetched>) {
+        if creates.is_empty() {
+            return;
+        }
+        let read;
+        let current = match current {
+            Some(current) => current,
+            None => match self.backend.get_many(creates.to_vec()).await {
+                Ok(fetched) => {
+                    read = fetched;
+                    &read
+                }
+                Err(_) => return,
+            },
+        };
+        for key in creates.iter().filter(|k| current.kvs.contains_key(*k)) {
+            if let Some(ip) = key
+                .strip_prefix(self.ip_address_dir.as_str())
+                .and_then(|name| name.parse::<std::net::IpAddr>().ok())
+                && self.taken_ips.insert(ip)
+            {
+                tracing::warn!(%ip, "an IPAddress object holds an address the allocation bitmap had free; marking it taken");
             }
         }
     }

@@ -202,6 +202,155 @@ async fn every_write_records_an_update_entry_under_the_field_manager_or_the_user
     );
 }
 
+/// kube's create handler runs its field manager on the body as sent (`decodeManagedFields`):
+/// valid managed fields are kept, less what the create itself sets (taken by the creator, an
+/// entry left empty goes); invalid ones count for nothing; `[{}]` resets them.
+#[tokio::test]
+async fn managed_fields_sent_in_a_create_are_kept_when_valid_and_ignored_when_not() {
+    let s = server().await;
+    let create = |name: &str, managed: Value| {
+        serde_json::to_vec(&json!({"apiVersion":"v1","kind":"Service",
+            "metadata":{"name": name, "labels": {"app": "web"}, "managedFields": managed},
+            "spec":{"ports":[{"port":80}]}}))
+        .unwrap()
+    };
+    let entry_of = |manager: &str, operation: &str, fields: Value| {
+        json!({"manager": manager, "operation": operation, "apiVersion": "v1",
+            "time": "2025-01-01T00:00:00Z", "fieldsType": "FieldsV1", "fieldsV1": fields})
+    };
+    let valid = json!([
+        entry_of(
+            "gitops",
+            "Apply",
+            json!({"f:metadata": {"f:labels": {"f:app": {}, "f:gone": {}}}})
+        ),
+        entry_of("old-editor", "Update", json!({"f:spec": {"f:ports": {}}})),
+    ]);
+    let (status, svc) = call(
+        &s,
+        Method::POST,
+        SERVICES,
+        "application/json",
+        &create("kept", valid),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{svc}");
+    let gitops = entry(&svc, "gitops", "Apply");
+    assert_eq!(
+        gitops["fieldsV1"],
+        json!({"f:metadata": {"f:labels": {"f:gone": {}}}})
+    );
+    assert_eq!(gitops["time"], "2025-01-01T00:00:00Z");
+    let creator = entry(&svc, "test-client", "Update");
+    assert!(
+        creator["fieldsV1"]["f:metadata"]["f:labels"]
+            .get("f:app")
+            .is_some(),
+        "{svc}"
+    );
+    let managers: Vec<&str> = svc["metadata"]["managedFields"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["manager"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        managers,
+        ["gitops", "test-client"],
+        "old-editor's only field was taken"
+    );
+
+    for (name, managed) in [
+        (
+            "invalid",
+            json!([entry_of(
+                "gitops",
+                "Bogus",
+                json!({"f:metadata": {"f:labels": {"f:gone": {}}}})
+            )]),
+        ),
+        ("reset", json!([{}])),
+    ] {
+        let (status, svc) = call(
+            &s,
+            Method::POST,
+            SERVICES,
+            "application/json",
+            &create(name, managed),
+        )
+        .await;
+        assert_eq!(status, StatusCode::CREATED, "{svc}");
+        let managed = svc["metadata"]["managedFields"].as_array().unwrap();
+        assert_eq!(managed.len(), 1, "{name}: {svc}");
+        assert_eq!(managed[0]["manager"], "test-client", "{name}: {svc}");
+    }
+}
+
+/// kube-apiserver gives the field manager of every subresource its name
+/// (`k8s.io/apiserver/pkg/endpoints/installer.go`), `finalize` included, whose strategy resets
+/// `status` only: a finalizer added through `/finalize` is an Update entry with `subresource:
+/// finalize`; the fields it changes leave their earlier owner.
+#[tokio::test]
+async fn a_namespace_finalize_records_an_update_entry_with_subresource_finalize() {
+    let s = server().await;
+    let (status, ns) = call(
+        &s,
+        Method::POST,
+        "/api/v1/namespaces?fieldManager=creator",
+        "application/json",
+        br#"{"apiVersion":"v1","kind":"Namespace","metadata":{"name":"team","labels":{"team":"a"}},"spec":{"finalizers":["kubernetes"]}}"#,
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{ns}");
+    // kube's namespace strategy adds the `kubernetes` finalizer after the field manager ran:
+    // a namespace created without it does not own it.
+    let (status, bare) = call(
+        &s,
+        Method::POST,
+        "/api/v1/namespaces?fieldManager=creator",
+        "application/json",
+        br#"{"apiVersion":"v1","kind":"Namespace","metadata":{"name":"bare","labels":{"team":"b"}}}"#,
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{bare}");
+    assert_eq!(bare["spec"]["finalizers"], json!(["kubernetes"]));
+    assert_eq!(
+        entry(&bare, "creator", "Update")["fieldsV1"],
+        json!({"f:metadata": {"f:labels": {".": {}, "f:team": {}}}}),
+        "{bare}"
+    );
+    let mut body = ns.clone();
+    body["spec"]["finalizers"] = json!(["kubernetes", "example.com/hold"]);
+    let (status, finalized) = call(
+        &s,
+        Method::PUT,
+        "/api/v1/namespaces/team/finalize?fieldManager=finalizer",
+        "application/json",
+        &serde_json::to_vec(&body).unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{finalized}");
+    let finalize = entry(&finalized, "finalizer", "Update");
+    assert_eq!(finalize["subresource"], "finalize", "{finalized}");
+    assert_eq!(finalize["apiVersion"], "v1");
+    assert_eq!(
+        finalize["fieldsV1"],
+        json!({"f:spec": {"f:finalizers": {}}}),
+        "{finalized}"
+    );
+    assert!(
+        entry(&finalized, "creator", "Update")["fieldsV1"]
+            .pointer("/f:spec/f:finalizers")
+            .is_none(),
+        "{finalized}"
+    );
+    let (_, read) = call(&s, Method::GET, "/api/v1/namespaces/team", "", b"").await;
+    assert_eq!(
+        read["metadata"]["managedFields"],
+        finalized["metadata"]["managedFields"]
+    );
+}
+
 #[tokio::test]
 async fn a_conflicting_apply_is_kubes_409_and_force_takes_the_field_over() {
     let s = server().await;
@@ -418,6 +567,70 @@ async fn apply_bodies_need_kind_apiversion_name_and_a_field_manager_as_on_kube()
         lb["fieldsV1"]["f:status"]["f:conditions"]["k:{\"type\":\"Ready\"}"]["f:status"],
         json!({})
     );
+}
+
+/// kube's typed conversion of an applied configuration refuses an undeclared field whatever
+/// `fieldValidation` says ("Apply Patch requests already require strict schemas and will error
+/// on unknown fields", kubernetes/kubernetes#105916), and nothing is written.
+#[tokio::test]
+async fn an_applied_field_the_schema_does_not_declare_is_refused_under_every_field_validation() {
+    let s = server().await;
+    for validation in ["Strict", "Warn", "Ignore"] {
+        let (status, err) = apply(
+            &s,
+            "web",
+            &format!("fieldManager=a&fieldValidation={validation}"),
+            "apiVersion: v1\nkind: Service\nmetadata: {name: web}\nspec:\n  ports:\n  - {port: 80, color: blue}\n",
+        )
+        .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{validation}: {err}");
+        assert_eq!(
+            err["message"],
+            "failed to create typed patch object (/v1, Kind=Service): .spec.ports[port=80,protocol=\"TCP\"].color: field not declared in schema",
+            "{validation}"
+        );
+    }
+    let (status, _) = call(&s, Method::GET, &format!("{SERVICES}/web"), "", b"").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+}
+
+/// kube 1.33 serves `application/apply-patch+cbor` only under the alpha `CBORServingAndStorage`
+/// gate (off by default; `k8s.io/apiserver/pkg/endpoints/installer.go`), so with default gates
+/// a CBOR apply is `negotiation.NewUnsupportedMediaTypeError`'s 415 listing the patch types.
+#[tokio::test]
+async fn a_cbor_apply_is_kube_1_33s_415_under_default_feature_gates_and_writes_nothing() {
+    let s = server().await;
+    // {"apiVersion":"v1","kind":"Service","metadata":{"name":"web"}} in CBOR.
+    let mut cbor = vec![0xa3, 0x6a];
+    cbor.extend_from_slice(b"apiVersion");
+    cbor.push(0x62);
+    cbor.extend_from_slice(b"v1");
+    cbor.push(0x64);
+    cbor.extend_from_slice(b"kind");
+    cbor.push(0x67);
+    cbor.extend_from_slice(b"Service");
+    cbor.push(0x68);
+    cbor.extend_from_slice(b"metadata");
+    cbor.extend_from_slice(&[0xa1, 0x64]);
+    cbor.extend_from_slice(b"name");
+    cbor.push(0x63);
+    cbor.extend_from_slice(b"web");
+    let (status, err) = call(
+        &s,
+        Method::PATCH,
+        &format!("{SERVICES}/web?fieldManager=a"),
+        "application/apply-patch+cbor",
+        &cbor,
+    )
+    .await;
+    assert_eq!(status, StatusCode::UNSUPPORTED_MEDIA_TYPE, "{err}");
+    assert_eq!(err["reason"], "UnsupportedMediaType");
+    assert_eq!(
+        err["message"],
+        "the body of the request was in an unknown format - accepted media types include: application/json-patch+json, application/merge-patch+json, application/strategic-merge-patch+json, application/apply-patch+yaml"
+    );
+    let (status, _) = call(&s, Method::GET, &format!("{SERVICES}/web"), "", b"").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
 }
 
 #[tokio::test]

@@ -292,3 +292,49 @@ async fn a_server_that_keeps_losing_puts_its_mark_and_the_next_winner_waits_a_tu
     ));
     assert_eq!(mark(&loser).await, Some((loser_id, marked_at)));
 }
+
+/// Keys a mutation creates without declaring them (a Service's IPAddress objects) are compared
+/// as absent too; the writer keeps the compares of one transaction within etcd's
+/// `--max-txn-ops` (128) by moving the jobs that would pass it to the next batch: a hundred
+/// requests at once, each reading five declared keys and creating two (24 such jobs fit the
+/// declared keys, and would compare 172 keys), all commit, every created key once.
+#[tokio::test]
+async fn keys_created_without_being_declared_keep_a_batch_within_etcds_operation_limit() {
+    let Some((etcd, _dir)) = start_etcd() else {
+        return;
+    };
+    let store = writer(&etcd).await;
+    bootstrap(&store).await;
+    let requests = (0..100).map(|i| {
+        let store = store.clone();
+        async move {
+            let declared: Vec<String> = (0..5).map(|k| format!("{PREFIX}/test/d{i}-{k}")).collect();
+            let keys = declared.clone();
+            store
+                .mutate(keys, move |txn| {
+                    for key in &declared {
+                        assert!(txn.get(key).is_none());
+                    }
+                    for k in 0..2 {
+                        txn.create(format!("{PREFIX}/test/c{i}-{k}"), Arc::from(&b"c"[..]));
+                    }
+                    Ok(())
+                })
+                .await
+        }
+    });
+    for result in futures::future::join_all(requests).await {
+        result.unwrap();
+    }
+    let listed = store
+        .backend()
+        .list(nodeport_apiserver::storage::ListRequest {
+            prefix: format!("{PREFIX}/test/c"),
+            start: None,
+            revision: None,
+            limit: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!(listed.kvs.len(), 200);
+}

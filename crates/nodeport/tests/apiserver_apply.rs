@@ -193,30 +193,76 @@ fn scenario(server: &Server, dir: &Path) {
         "service/csa created"
     );
     let moved = write(dir, "csa-30081.yaml", &CSA.replace("30080", "30081"));
-    let (_, _, stderr) = failing(server, &["apply", "--server-side", "-f", &moved]);
+    // Another field manager opts out of kube's take-over: the client-side apply's fields
+    // conflict as any other manager's.
+    let (_, _, stderr) = failing(
+        server,
+        &[
+            "apply",
+            "--server-side",
+            "--field-manager=flux",
+            "-f",
+            &moved,
+        ],
+    );
     assert!(
         stderr.contains(
             r#"Apply failed with 1 conflict: conflict with "kubectl-client-side-apply" using v1: .spec.ports[port=80,protocol="TCP"].nodePort"#
         ),
         "{stderr}"
     );
+    // kubectl's own manager takes over, without --force-conflicts, the fields whose live
+    // value is still the one in last-applied-configuration (kube's lastAppliedManager), and
+    // the annotation follows the applied configuration (lastAppliedUpdater).
+    assert_eq!(
+        ok(server, &["apply", "--server-side", "-f", &moved]).trim(),
+        "service/csa serverside-applied"
+    );
+    let read: serde_json::Value =
+        serde_json::from_str(&ok(server, &["get", "svc", "csa", "-o", "json"])).unwrap();
+    assert_eq!(read["spec"]["ports"][0]["nodePort"], 30081, "{read}");
+    let annotation =
+        read["metadata"]["annotations"]["kubectl.kubernetes.io/last-applied-configuration"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no annotation: {read}"));
+    let last: serde_json::Value = serde_json::from_str(annotation).unwrap();
+    assert_eq!(last["spec"]["ports"][0]["nodePort"], 30081, "{annotation}");
+    // A field another manager changed since is no longer the client-side apply's: it
+    // conflicts with its new owner.
     ok(
         server,
-        &["apply", "--server-side", "--force-conflicts", "-f", &moved],
+        &[
+            "patch",
+            "svc",
+            "csa",
+            "--type=merge",
+            "-p",
+            r#"{"spec":{"selector":{"app":"other"}}}"#,
+        ],
+    );
+    let (_, _, stderr) = failing(server, &["apply", "--server-side", "-f", &moved]);
+    assert!(
+        stderr.contains(
+            r#"Apply failed with 1 conflict: conflict with "kubectl-patch" using v1: .spec.selector"#
+        ),
+        "{stderr}"
+    );
+    // The same configuration applied server-side after a client-side apply.
+    let same = write(
+        dir,
+        "same.yaml",
+        &CSA.replace("name: csa", "name: same")
+            .replace("30080", "30090"),
     );
     assert_eq!(
-        ok(
-            server,
-            &[
-                "get",
-                "svc",
-                "csa",
-                "-o",
-                "jsonpath={.spec.ports[0].nodePort}"
-            ]
-        ),
-        "30081"
+        ok(server, &["apply", "-f", &same]).trim(),
+        "service/same created"
     );
+    assert_eq!(
+        ok(server, &["apply", "--server-side", "-f", &same]).trim(),
+        "service/same serverside-applied"
+    );
+    ok(server, &["delete", "-f", &same]);
 
     // A new object through apply, then gone.
     let api = write(dir, "api.yaml", &WEB.replace("name: web", "name: api"));

@@ -548,6 +548,25 @@ fn restart_with_another_range(dir: &std::path::Path, store: &[&str]) {
         ],
     );
     assert_eq!(cidrs, r#"["10.96.0.0/28"]"#, "the default is not rewritten");
+    // kube's default ServiceCIDR controller reports the mismatch once, as a Warning Event
+    // about the ServiceCIDR (`syncStatus`, pkg/controlplane/controller/defaultservicecidr).
+    let events = ok(
+        &server,
+        &[
+            "get",
+            "events",
+            "-n",
+            "default",
+            "--field-selector",
+            "reason=KubernetesDefaultServiceCIDRInconsistent",
+            "-o",
+            "jsonpath={range .items[*]}{.type}|{.involvedObject.apiVersion}|{.involvedObject.kind}/{.involvedObject.name}|{.source.component}|{.count}|{.message}{\"\\n\"}{end}",
+        ],
+    );
+    assert_eq!(
+        events.trim(),
+        "Warning|networking.k8s.io/v1|ServiceCIDR/kubernetes|kubernetes-service-cidr-controller|1|The default ServiceCIDR [10.96.0.0/28] does not match the controller flag configurations [10.100.0.0/28 fd00:10:100::/120]"
+    );
     // The old range's held address is still taken...
     let err = refused(
         &server,

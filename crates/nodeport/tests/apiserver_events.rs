@@ -197,3 +197,68 @@ fn k8s_pb_time(secs: u64) -> String {
         .unwrap()
         .to_string()
 }
+
+/// kube's field manager records a write in the version of its request: an Event created with
+/// `kubectl create` through `events.k8s.io/v1` is owned in that version's field names
+/// (`f:regarding`, `f:note`, `apiVersion: events.k8s.io/v1`), and reads the same through both
+/// group versions (managedFields are not converted); a later server-side apply through core/v1
+/// of a field the creator owns conflicts, named in the creator's version.
+#[test]
+fn an_events_k8s_io_event_records_its_managed_fields_in_the_version_of_the_request() {
+    if !kubectl_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let server = Server::start(&dir.path().join("data"), &[]);
+    let file = dir.path().join("event.yaml");
+    std::fs::write(
+        &file,
+        "apiVersion: events.k8s.io/v1\nkind: Event\nmetadata: {name: web.1, namespace: default}\n\
+         eventTime: \"2026-01-01T00:00:00.000000Z\"\nreportingController: example.com/checker\n\
+         reportingInstance: checker-1\naction: Check\nreason: Unhealthy\ntype: Warning\n\
+         note: created through events.k8s.io\n\
+         regarding: {kind: Service, namespace: default, name: web, apiVersion: v1}\n",
+    )
+    .unwrap();
+    ok(&server, &["create", "-f", file.to_str().unwrap()]);
+    let expected = serde_json::json!([{
+        "manager": "kubectl-create", "operation": "Update", "apiVersion": "events.k8s.io/v1",
+        "fieldsType": "FieldsV1",
+        "fieldsV1": {
+            "f:action": {}, "f:eventTime": {}, "f:note": {}, "f:reason": {},
+            "f:regarding": {}, "f:reportingController": {}, "f:reportingInstance": {},
+            "f:type": {},
+        },
+    }]);
+    for path in [
+        "/apis/events.k8s.io/v1/namespaces/default/events/web.1",
+        "/api/v1/namespaces/default/events/web.1",
+    ] {
+        let read: serde_json::Value =
+            serde_json::from_str(&ok(&server, &["get", "--raw", path])).unwrap();
+        let mut managed = read["metadata"]["managedFields"].clone();
+        managed[0].as_object_mut().unwrap().remove("time");
+        assert_eq!(managed, expected, "{path}: {read}");
+    }
+    let core = dir.path().join("core.yaml");
+    std::fs::write(
+        &core,
+        "apiVersion: v1\nkind: Event\nmetadata: {name: web.1, namespace: default}\n\
+         message: applied through core\n\
+         involvedObject: {kind: Service, namespace: default, name: web, apiVersion: v1}\n",
+    )
+    .unwrap();
+    let out = server.kubectl(&[
+        "apply",
+        "--server-side",
+        "--field-manager=other",
+        "-f",
+        core.to_str().unwrap(),
+    ]);
+    let (_, stderr) = text(&out);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains(r#"conflict with "kubectl-create" using events.k8s.io/v1: .note"#),
+        "{stderr}"
+    );
+}

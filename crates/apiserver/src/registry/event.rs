@@ -97,6 +97,17 @@ pub fn to_core(body: &Value) -> (Value, Vec<String>) {
     (Value::Object(out), unknown)
 }
 
+/// The name a top-level Event field has in the other form: the `events.k8s.io/v1` name of a
+/// core one (`to_events`), or the core name of an `events.k8s.io/v1` one; `None` when both
+/// forms call it the same.
+pub fn renamed_field(name: &str, to_events: bool) -> Option<&'static str> {
+    RENAMED.iter().find_map(|(events, core)| match to_events {
+        true if *core == name => Some(*events),
+        false if *events == name => Some(*core),
+        _ => None,
+    })
+}
+
 /// A field path of the core form renamed for the `events.k8s.io/v1` form (`involvedObject.foo`
 /// is `regarding.foo` there).
 pub fn events_path(path: &str) -> String {

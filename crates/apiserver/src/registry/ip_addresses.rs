@@ -4,11 +4,19 @@
 //! `spec.parentRef` to the Service; written and removed in the transaction that saves the
 //! Service, so `kubectl get ipaddresses` always equals the Services' ClusterIPs.
 //!
+//! As in kube 1.33 the objects are the truth of allocation: a ClusterIP is allocated by
+//! creating its object, which the commit accepts only if no object of that name exists
+//! ([`crate::store::Txn::create`], a compare on both stores, across API servers), and released
+//! by deleting it. The bitmaps and the added ServiceCIDRs' allocation document
+//! ([`crate::cidr_ranges`]) are a cache of the objects kept in the same transactions (kube 1.33
+//! dual-writes the legacy bitmap too): they propose a free address, the object's creation
+//! decides, and an address a failed creation finds taken is marked in them before the write is
+//! run again (the cache is corrected from the objects, never the other way).
+//!
 //! A user may create one to reserve an address (kube's way to keep an address from the
 //! allocator): the address is taken with the write, and given back when that object goes.
-//! Here the allocation records ([`crate::cidr_ranges`], the bitmaps) stay what allocation reads;
-//! the objects are written beside them and the verification loop re-creates a missing one and
-//! removes a stale one, as kube's repair loop does.
+//! The verification loop re-creates a missing one and removes a stale one, as kube's repair
+//! loop does, and marks in the bitmaps the addresses objects hold that they had free.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
@@ -173,8 +181,9 @@ pub fn sync(txn: &mut Txn<'_>, prefix: &str, before: Option<&Service>, after: Op
     }
     if let Some(svc) = after {
         for ip in new.difference(&old) {
+            // Created, never overwritten: an existing object holds the address.
             let object = Object::IpAddress(Box::new(for_service(*ip, svc)));
-            txn.put(
+            txn.create(
                 Kind::IpAddress.key(prefix, None, &ip.to_string()),
                 super::encode_stored(&object),
             );

@@ -28,11 +28,14 @@
 //!
 //! - Beyond ten Update entries the oldest are folded into `ancient-changes` (kube's
 //!   `capManagers`).
+//! - A write is worked out in the version of its request and recorded with that `apiVersion`;
+//!   another manager's entry is compared in its own version (Events are the one kind served in
+//!   two versions, whose fields differ only in top-level names, see [`in_version`]).
 //!
-//! Not followed: the interplay with `kubectl.kubernetes.io/last-applied-configuration` (kube
-//! lets a server-side apply take over fields from a client-side apply whose annotation equals
-//! the applied configuration; kubectl itself moves a client-side apply's fields to its
-//! server-side manager after a successful apply, which works here).
+//! - `kubectl.kubernetes.io/last-applied-configuration`, for the manager `kubectl` only, as
+//!   kube's `lastAppliedManager` and `lastAppliedUpdater`: a conflict on a field whose live
+//!   value is still the one the annotation records (set by a client-side apply) is no conflict,
+//!   and after the apply an object carrying the annotation gets the applied configuration there.
 
 use std::collections::BTreeSet;
 
@@ -162,11 +165,40 @@ fn shape(schema: &'static Value) -> Shape {
     }
 }
 
-/// The schema of the kind's type.
+/// The schema of the kind's type, in the kind's own version (an `events.k8s.io/v1` Event's,
+/// not the stored core one's: kube's field manager works in the version of the request).
 fn root(kind: Kind) -> &'static Value {
     schemas()
-        .get(&crate::rest::discovery::schema_name(kind.stored_as()))
+        .get(&crate::rest::discovery::schema_name(kind))
         .unwrap_or(&NULL)
+}
+
+/// `set`, recorded by a manager in `from` (an entry's `apiVersion`), in the field names of
+/// `to`. SMD compares an object in each manager's own version (`Updater.update` converts the
+/// object to it); an Event's two versions differ only in the names of top-level fields
+/// (`pkg/apis/events/v1/conversion.go`), so renaming the first element of each path is that
+/// conversion. Every other kind is served in one version.
+fn in_version(kind: Kind, set: &FieldSet, from: &str, to: &str) -> FieldSet {
+    let events = Kind::EventsV1.api_version();
+    let core = Kind::Event.api_version();
+    let to_events = match (from, to) {
+        _ if kind.stored_as() != Kind::Event || from == to => return set.clone(),
+        (f, t) if f == core && t == events => true,
+        (f, t) if f == events && t == core => false,
+        _ => return set.clone(),
+    };
+    set.iter()
+        .map(|path| {
+            let mut path = path.clone();
+            if let Some(first) = path.first_mut()
+                && let Some(name) = first.strip_prefix("f:")
+                && let Some(other) = super::event::renamed_field(name, to_events)
+            {
+                *first = format!("f:{other}");
+            }
+            path
+        })
+        .collect()
 }
 
 /// The schema of a struct field or map entry (`None`: a field the struct does not declare).
@@ -221,8 +253,9 @@ fn is_empty_node(value: &Value) -> bool {
 // ---------------------------------------------------------------------------------------------
 // Field sets.
 
-/// SMD's `ToFieldSet`. Fields a struct does not declare are left out (they do not survive
-/// decoding either). A keyed list item without its keys is an error.
+/// SMD's `ToFieldSet`. Fields a struct does not declare are left out (an applied
+/// configuration with one is refused before, see [`undeclared`]; a live object cannot hold
+/// one). A keyed list item without its keys is an error.
 fn to_field_set(
     schema: &'static Value,
     value: &Value,
@@ -264,6 +297,35 @@ fn to_field_set(
         }
     }
     Ok(())
+}
+
+/// The first field of `value` (in key order) that its struct's schema does not declare.
+fn undeclared(schema: &'static Value, value: &Value, path: &mut Path) -> Option<Path> {
+    let shape = shape(schema);
+    match (shape, value) {
+        (Shape::Struct(_) | Shape::Map(_), Value::Object(map)) => {
+            for (key, child) in map {
+                path.push(format!("f:{key}"));
+                let found = match field_schema(shape, key) {
+                    None => Some(path.clone()),
+                    Some(child_schema) => undeclared(child_schema, child, path),
+                };
+                path.pop();
+                if found.is_some() {
+                    return found;
+                }
+            }
+            None
+        }
+        (Shape::KeyedList(items, _), Value::Array(list)) => list.iter().find_map(|item| {
+            let pe = item_pe(shape, item).ok()?;
+            path.push(pe);
+            let found = undeclared(items, item, path);
+            path.pop();
+            found
+        }),
+        _ => None,
+    }
 }
 
 /// SMD's `Compare`: (added, modified, removed).
@@ -668,6 +730,13 @@ impl Entry {
         self.manager == manager && self.apply == apply && self.subresource == subresource
     }
 
+    /// kube's `BuildManagerIdentifier`: an applier is one entry whatever the version it
+    /// applied in; an updater has one entry per version.
+    fn same_identity(&self, other: &Entry) -> bool {
+        self.same_manager(&other.manager, other.apply, &other.subresource)
+            && (self.apply || self.api_version == other.api_version)
+    }
+
     /// kube's `printManager` for conflict messages.
     fn printed(&self) -> String {
         let mut out = format!("{:?}", self.manager);
@@ -700,22 +769,34 @@ impl Entry {
     }
 }
 
-/// The entries of `metadata.managedFields`; `Err` when they do not decode as kube's would.
+/// The entries of `metadata.managedFields`; `Err` when they do not decode as kube's
+/// `DecodeManagedFields` would: an operation other than `Apply` or `Update`, an empty
+/// `apiVersion`, a `fieldsType` other than `FieldsV1`, or `fieldsV1` that is not a field set.
+/// A later entry of the same manager identity replaces an earlier one, as in kube's map.
 fn decode_entries(managed: Option<&Value>) -> Result<Vec<Entry>, String> {
     let Some(list) = managed.filter(|v| !v.is_null()) else {
         return Ok(Vec::new());
     };
     let list = list.as_array().ok_or("managedFields is not a list")?;
     let mut out: Vec<Entry> = Vec::new();
-    for item in list {
+    for (i, item) in list.iter().enumerate() {
         let text = |k: &str| item.get(k).and_then(Value::as_str).unwrap_or("").to_owned();
         let apply = match text("operation").as_str() {
             "Apply" => true,
-            "Update" | "" => false,
-            other => return Err(format!("unknown operation {other:?}")),
+            "Update" => false,
+            _ => return Err("operation must be `Apply` or `Update`".into()),
         };
-        if !matches!(text("fieldsType").as_str(), "FieldsV1" | "") {
-            return Err("fieldsType must be FieldsV1".into());
+        if text("apiVersion").is_empty() {
+            return Err("apiVersion must not be empty".into());
+        }
+        match text("fieldsType").as_str() {
+            "FieldsV1" => {}
+            "" => return Err(format!("missing fieldsType in managed fields entry {i}")),
+            other => {
+                return Err(format!(
+                    "invalid fieldsType {other:?} in managed fields entry {i}"
+                ));
+            }
         }
         let entry = Entry {
             manager: text("manager"),
@@ -725,15 +806,24 @@ fn decode_entries(managed: Option<&Value>) -> Result<Vec<Entry>, String> {
             subresource: text("subresource"),
             set: decode_set(item.get("fieldsV1").unwrap_or(&Value::Null))?,
         };
-        match out.iter_mut().find(|e| {
-            e.same_manager(&entry.manager, entry.apply, &entry.subresource)
-                && (e.apply || e.api_version == entry.api_version)
-        }) {
-            Some(existing) => existing.set.extend(entry.set),
+        match out.iter_mut().find(|e| e.same_identity(&entry)) {
+            Some(existing) => *existing = entry,
             None => out.push(entry),
         }
     }
     Ok(out)
+}
+
+/// kube's `isResetManagedFields`: `managedFields: []` or `[{}]` in a write clears them.
+fn is_reset(sent: &Value) -> bool {
+    match sent.as_array().map(Vec::as_slice) {
+        Some([]) => true,
+        Some([only]) => only.as_object().is_some_and(|m| {
+            m.values()
+                .all(|v| v.is_null() || v.as_str() == Some("") || v == &json!({}))
+        }),
+        _ => false,
+    }
 }
 
 /// The most Update entries kept (kube's `DefaultMaxUpdateManagers`).
@@ -823,15 +913,22 @@ fn encode_entries(mut entries: Vec<Entry>) -> Value {
 pub struct Writer<'a> {
     /// The manager's name.
     pub manager: &'a str,
-    /// Whether the write goes to `/status`.
-    pub status: bool,
+    /// The subresource written through: `""` for the object itself, `status`, or a
+    /// Namespace's `finalize`; recorded as the entry's `subresource`.
+    pub subresource: &'a str,
     /// The time to record (RFC 3339, as `metav1.Time` writes it).
     pub now: &'a Value,
 }
 
 impl Writer<'_> {
-    fn subresource(&self) -> &'static str {
-        if self.status { "status" } else { "" }
+    fn subresource(&self) -> &str {
+        self.subresource
+    }
+
+    /// Whether the write goes to `/status`, which owns `status` and nothing else. `/finalize`
+    /// is owned as the object is (its strategy resets `status` only).
+    fn status(&self) -> bool {
+        self.subresource == "status"
     }
 }
 
@@ -910,20 +1007,23 @@ fn update_entries(
     new: &Value,
     writer: Writer<'_>,
 ) -> Vec<Entry> {
-    let cmp = compare_objects(kind, writer.status, old, new);
+    let cmp = compare_objects(kind, writer.status(), old, new);
     let taken: FieldSet = cmp.added.union(&cmp.modified).cloned().collect();
     let subresource = writer.subresource();
+    let version = kind.api_version();
+    let own =
+        |e: &Entry| e.same_manager(writer.manager, false, subresource) && e.api_version == version;
     for entry in &mut entries {
-        if entry.same_manager(writer.manager, false, subresource) {
+        if own(entry) {
             continue;
         }
+        let taken = in_version(kind, &taken, version, &entry.api_version);
+        let removed = in_version(kind, &cmp.removed, version, &entry.api_version);
         entry
             .set
-            .retain(|p| !taken.contains(p) && !cmp.removed.contains(p));
+            .retain(|p| !taken.contains(p) && !removed.contains(p));
     }
-    let position = entries
-        .iter()
-        .position(|e| e.same_manager(writer.manager, false, subresource));
+    let position = entries.iter().position(own);
     let mut own = match position {
         Some(i) => entries.remove(i),
         None => Entry {
@@ -956,20 +1056,26 @@ pub fn on_update(
     new: &Value,
     writer: Writer<'_>,
 ) -> Option<Value> {
+    // kube's `decodeManagedFields`: a subresource takes the live ones; `[]` or `[{}]` resets
+    // them; valid ones sent replace the live ones (also on create, whose live object is
+    // empty); invalid or empty ones sent count for nothing.
+    let live = || decode_entries(old.and_then(|o| o.pointer("/metadata/managedFields")));
     let sent = new
         .pointer("/metadata/managedFields")
-        .filter(|m| m.as_array().is_some_and(|a| !a.is_empty()));
-    let entries = match sent.map(|m| decode_entries(Some(m))) {
-        Some(Ok(entries)) if !writer.status => entries,
-        _ => {
-            let live = old.and_then(|o| o.pointer("/metadata/managedFields"));
-            let entries = decode_entries(live).unwrap_or_default();
-            if old.is_some() && entries.is_empty() {
-                return None;
-            }
-            entries
-        }
+        .filter(|m| !m.is_null() && writer.subresource.is_empty());
+    let entries = match sent {
+        Some(sent) if is_reset(sent) => Vec::new(),
+        Some(sent) => match decode_entries(Some(sent)) {
+            Ok(entries) if !entries.is_empty() => entries,
+            _ => live().unwrap_or_default(),
+        },
+        None => live().unwrap_or_default(),
     };
+    // kube's `skipNonApplied` manager: an update of an object that (now) has no managed fields
+    // records none.
+    if old.is_some() && entries.is_empty() {
+        return None;
+    }
     let zero = zero_object(kind);
     let entries = update_entries(kind, entries, old.unwrap_or(&zero), new, writer);
     Some(encode_entries(entries))
@@ -1068,29 +1174,40 @@ pub fn apply(
             },
         );
     }
+    // SMD's typed conversion of the applied configuration refuses a field the schema does not
+    // declare, whatever `fieldValidation` says ("Apply Patch requests already require strict
+    // schemas and will error on unknown fields", kubernetes/kubernetes#105916).
+    if let Some(path) = undeclared(schema, config, &mut Vec::new()) {
+        return Err(typed_patch_error(
+            kind,
+            &format!("{}: field not declared in schema", print_path(&path)),
+        ));
+    }
     let mut config_set = FieldSet::new();
     to_field_set(schema, config, &mut Vec::new(), &mut config_set)
         .map_err(|why| typed_patch_error(kind, &why))?;
-    owned_only(kind, writer.status, &mut config_set);
+    owned_only(kind, writer.status(), &mut config_set);
     let mut merged =
         merge(schema, &live_value, config).map_err(|why| typed_patch_error(kind, &why))?;
 
     let subresource = writer.subresource();
-    let (last, last_time) = match entries
+    let (last, last_time, last_version) = match entries
         .iter()
         .position(|e| e.same_manager(writer.manager, true, subresource))
     {
         Some(i) => {
             let entry = entries.remove(i);
-            (entry.set, entry.time)
+            (entry.set, entry.time, entry.api_version)
         }
-        None => (FieldSet::new(), None),
+        None => (FieldSet::new(), None, String::new()),
     };
+    let version = kind.api_version();
+    let last = in_version(kind, &last, &last_version, version);
     if !last.is_empty() {
         // prune: what this manager applied before, left out now, and nobody else owns.
         let mut owned: FieldSet = config_set.clone();
         for entry in &entries {
-            owned.extend(entry.set.iter().cloned());
+            owned.extend(in_version(kind, &entry.set, &entry.api_version, version));
         }
         let owned = ensure_named_fields(schema, &owned);
         let gone: FieldSet = ensure_named_fields(schema, &last)
@@ -1100,21 +1217,35 @@ pub fn apply(
         remove_items(schema, &mut merged, &mut Vec::new(), &gone);
     }
 
-    let cmp = compare_objects(kind, writer.status, &live_value, &merged);
+    let cmp = compare_objects(kind, writer.status(), &live_value, &merged);
     let changed: FieldSet = cmp.added.union(&cmp.modified).cloned().collect();
+    // kube's `lastAppliedManager`: kubectl's server-side apply may take over, without
+    // `force`, the fields a client-side apply set (those whose live value is still the one in
+    // `last-applied-configuration`).
+    let allowed = (writer.manager == KUBECTL && !force)
+        .then(|| last_applied_fields(kind, &live_value))
+        .flatten()
+        .unwrap_or_default();
     let mut conflicts = Vec::new();
     for entry in &entries {
+        // In the manager's own version, as SMD reports it.
+        let changed = in_version(kind, &changed, version, &entry.api_version);
+        let allowed = in_version(kind, &allowed, version, &entry.api_version);
         for path in entry.set.intersection(&changed) {
-            conflicts.push((entry.printed(), path.clone()));
+            if !allowed.contains(path) {
+                conflicts.push((entry.printed(), path.clone()));
+            }
         }
     }
     if !conflicts.is_empty() && !force {
         return Err(conflict_error(&conflicts));
     }
     for entry in &mut entries {
+        let changed = in_version(kind, &changed, version, &entry.api_version);
+        let removed = in_version(kind, &cmp.removed, version, &entry.api_version);
         entry
             .set
-            .retain(|p| !changed.contains(p) && !cmp.removed.contains(p));
+            .retain(|p| !changed.contains(p) && !removed.contains(p));
     }
     // An apply that changes nothing keeps its time (kube's field manager updates the time only
     // when the object changed), so that it writes nothing.
@@ -1130,15 +1261,157 @@ pub fn apply(
         subresource: subresource.to_owned(),
         set: config_set,
     });
+    if writer.manager == KUBECTL {
+        update_last_applied(&mut merged, config);
+    }
     Ok(Applied {
         object: merged,
         managed_fields: encode_entries(entries),
     })
 }
 
+/// The field manager of `kubectl apply --server-side` (kube's `lastAppliedManager` and
+/// `lastAppliedUpdater` act for it alone; another `--field-manager` opts out).
+const KUBECTL: &str = "kubectl";
+
+/// The annotation a client-side `kubectl apply` keeps its configuration in.
+pub const LAST_APPLIED: &str = "kubectl.kubernetes.io/last-applied-configuration";
+
+/// The most bytes an object's annotations may take (`totalAnnotationSizeLimitB`).
+const ANNOTATIONS_LIMIT: usize = 256 * 1024;
+
+/// kube's `allowedConflictsFromLastApplied`: the fields of the live object's
+/// `last-applied-configuration` (of the same `apiVersion`) whose live value is the one it
+/// records (not modified, added or removed since); `None` without a usable annotation.
+fn last_applied_fields(kind: Kind, live: &Value) -> Option<FieldSet> {
+    let text = live
+        .pointer("/metadata/annotations")?
+        .get(LAST_APPLIED)?
+        .as_str()
+        .filter(|t| !t.is_empty())?;
+    let last: Value = serde_json::from_str(text).ok()?;
+    if last.get("apiVersion").and_then(Value::as_str) != Some(kind.api_version()) {
+        return None;
+    }
+    // kube's typed conversion of the annotation fails on a field the schema does not declare.
+    if undeclared(root(kind), &last, &mut Vec::new()).is_some() {
+        return None;
+    }
+    let mut set = FieldSet::new();
+    to_field_set(root(kind), &last, &mut Vec::new(), &mut set).ok()?;
+    let mut cmp = Comparison::default();
+    compare(
+        root(kind),
+        Some(&last),
+        Some(&without_managed_fields(live)),
+        &mut Vec::new(),
+        &mut cmp,
+    );
+    set.retain(|p| !cmp.modified.contains(p) && !cmp.added.contains(p) && !cmp.removed.contains(p));
+    Some(set)
+}
+
+/// kube's `lastAppliedUpdater`: after kubectl's server-side apply, an object that carries
+/// `last-applied-configuration` gets the applied configuration there (without the annotation
+/// itself, encoded as Go's JSON encoder writes it), or loses it when that would take the
+/// annotations over their size limit.
+fn update_last_applied(object: &mut Value, config: &Value) {
+    let Some(annotations) = object
+        .pointer_mut("/metadata/annotations")
+        .and_then(Value::as_object_mut)
+    else {
+        return;
+    };
+    if annotations
+        .get(LAST_APPLIED)
+        .and_then(Value::as_str)
+        .is_none_or(str::is_empty)
+    {
+        return;
+    }
+    let mut config = config.clone();
+    if let Some(own) = config
+        .pointer_mut("/metadata/annotations")
+        .and_then(Value::as_object_mut)
+    {
+        own.remove(LAST_APPLIED);
+        if own.is_empty()
+            && let Some(meta) = config.get_mut("metadata").and_then(Value::as_object_mut)
+        {
+            meta.remove("annotations");
+        }
+    }
+    annotations.insert(LAST_APPLIED.into(), Value::String(go_json(&config)));
+    let size: usize = annotations
+        .iter()
+        .map(|(k, v)| k.len() + v.as_str().map_or(0, str::len))
+        .sum();
+    if size > ANNOTATIONS_LIMIT {
+        annotations.remove(LAST_APPLIED);
+    }
+}
+
+/// `value` as Go's `json.Encoder` writes an unstructured object: keys sorted, `<`, `>`, `&`,
+/// U+2028 and U+2029 escaped, a newline at the end.
+fn go_json(value: &Value) -> String {
+    fn sorted(value: &Value) -> Value {
+        match value {
+            Value::Object(map) => {
+                let mut keys: Vec<&String> = map.keys().collect();
+                keys.sort();
+                Value::Object(
+                    keys.into_iter()
+                        .map(|k| (k.clone(), sorted(&map[k])))
+                        .collect(),
+                )
+            }
+            Value::Array(items) => Value::Array(items.iter().map(sorted).collect()),
+            other => other.clone(),
+        }
+    }
+    let mut out = String::new();
+    // Those characters appear in the encoding only inside strings.
+    for c in sorted(value).to_string().chars() {
+        match c {
+            '<' => out.push_str("\\u003c"),
+            '>' => out.push_str("\\u003e"),
+            '&' => out.push_str("\\u0026"),
+            '\u{2028}' => out.push_str("\\u2028"),
+            '\u{2029}' => out.push_str("\\u2029"),
+            c => out.push(c),
+        }
+    }
+    out.push('\n');
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_last_applied_annotation_is_written_as_gos_json_encoder_writes_it() {
+        let config = json!({"metadata": {"name": "a<b", "annotations": {LAST_APPLIED: "old", "z": "&"}},
+            "apiVersion": "v1", "kind": "Service"});
+        let mut object = json!({"metadata": {"annotations": {LAST_APPLIED: "old"}}});
+        update_last_applied(&mut object, &config);
+        assert_eq!(
+            object["metadata"]["annotations"][LAST_APPLIED],
+            "{\"apiVersion\":\"v1\",\"kind\":\"Service\",\"metadata\":{\"annotations\":{\"z\":\"\\u0026\"},\"name\":\"a\\u003cb\"}}\n"
+        );
+        // Only an object that carries the annotation gets it.
+        let mut bare = json!({"metadata": {"annotations": {"x": "y"}}});
+        update_last_applied(&mut bare, &config);
+        assert_eq!(bare, json!({"metadata": {"annotations": {"x": "y"}}}));
+        // Over the annotations' size limit it goes.
+        let big = json!({"apiVersion": "v1", "data": "x".repeat(ANNOTATIONS_LIMIT)});
+        update_last_applied(&mut object, &big);
+        assert!(
+            object["metadata"]["annotations"]
+                .get(LAST_APPLIED)
+                .is_none()
+        );
+    }
 
     fn now() -> Value {
         json!("2026-01-01T00:00:00Z")
@@ -1147,7 +1420,7 @@ mod tests {
     fn writer<'a>(manager: &'a str, now: &'a Value) -> Writer<'a> {
         Writer {
             manager,
-            status: false,
+            subresource: "",
             now,
         }
     }

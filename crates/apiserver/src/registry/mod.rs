@@ -82,6 +82,20 @@ pub struct WriteOptions {
     pub manager: Arc<str>,
 }
 
+/// The stored default ServiceCIDR as the bootstrap write found it, for
+/// [`Registry::report_default_cidr`].
+struct DefaultCidrMismatch {
+    /// Whether the write turned it dual-stack.
+    upgraded: bool,
+    uid: String,
+    /// Its revision, or 0 when the bootstrap write itself rewrote it.
+    revision: Revision,
+    /// Its CIDRs before the write.
+    stored: Vec<String>,
+    /// The flags' CIDRs.
+    flags: Vec<String>,
+}
+
 impl Default for WriteOptions {
     fn default() -> Self {
         WriteOptions {
@@ -93,16 +107,31 @@ impl Default for WriteOptions {
 }
 
 /// The managed fields after an Update by `options.manager` from `old` (stored form; `None` on
-/// create) to `new` (see [`managed_fields::on_update`]), set on `new`.
+/// create) to `new` (see [`managed_fields::on_update`]), set on `new`. They are worked out in
+/// the form of the request's version, as kube's field manager does (an `events.k8s.io/v1`
+/// write records `events.k8s.io/v1` paths, whatever the stored form).
 fn record_update(kind: Kind, old: Option<&Value>, new: &mut Object, manager: &str, status: bool) {
+    let subresource = if status { "status" } else { "" };
+    record_update_through(kind, old, new, manager, subresource);
+}
+
+/// [`record_update`] through any subresource (`finalize` too).
+fn record_update_through(
+    kind: Kind,
+    old: Option<&Value>,
+    new: &mut Object,
+    manager: &str,
+    subresource: &str,
+) {
     let now = serde_json::to_value(now()).expect("times serialize");
+    let old = old.map(|o| event::present(kind, o.clone()));
     let managed = managed_fields::on_update(
-        kind.stored_as(),
-        old,
-        &new.to_value(),
+        kind,
+        old.as_ref(),
+        &event::present(kind, new.to_value()),
         managed_fields::Writer {
             manager,
-            status,
+            subresource,
             now: &now,
         },
     );
@@ -204,6 +233,10 @@ pub struct Verification {
     pub missing_ip_addresses: Vec<(IpAddr, String, String)>,
     /// IPAddress objects of the allocator whose address no Service holds.
     pub stale_ip_addresses: Vec<IpAddr>,
+    /// Addresses an IPAddress object rightly holds (a reservation, or the object of the
+    /// Service that holds the address) that the bitmaps do not mark: the cache behind the
+    /// truth, marked by the verification loop. Also among [`Verification::missing_ips`].
+    pub unmarked_objects: Vec<IpAddr>,
 }
 
 impl Verification {
@@ -570,8 +603,15 @@ impl Registry {
         options: WriteOptions,
     ) -> Result<Written, ApiError> {
         let (mut object, warnings) = Self::decode_body(kind, body, options.field_validation)?;
+        // kube's create handler runs the field manager on the body as decoded (defaulted, with
+        // the managed fields sent, valid ones kept: see `managed_fields::on_update`), before
+        // the strategy's `PrepareForCreate`: what the strategy adds (a Namespace's
+        // `kubernetes` finalizer) is owned by no one.
+        let mut recorded = object.clone();
+        kinds::set_defaults(&mut recorded);
+        record_update(kind, None, &mut recorded, &options.manager, false);
         let resource_version_set = admit_create(kind, namespace, &mut object, options.dry_run)?;
-        record_update(kind, None, &mut object, &options.manager, false);
+        object.metadata_mut().managed_fields = recorded.metadata().managed_fields.clone();
         let name = object.name().to_owned();
         let ns = object.metadata().namespace.clone();
         let key = self.key(kind, ns.as_deref(), &name);
@@ -663,9 +703,13 @@ impl Registry {
                         check_namespace_open(txn, ns_key, ns, kind, &name)?;
                     }
                     let mut object = object.clone();
+                    // As on create: the field manager before the strategy.
+                    let mut recorded = object.clone();
+                    record_update(kind, None, &mut recorded, &manager, false);
                     reset_for_create(object.metadata_mut());
                     kinds::prepare_create(&mut object);
-                    record_update(kind, None, &mut object, &manager, false);
+                    object.metadata_mut().managed_fields =
+                        recorded.metadata().managed_fields.clone();
                     if let Object::Service(svc) = &mut object {
                         service::create(svc, txn.allocators()?, &ranges)?;
                     } else if let Object::Event(event) = &object {
@@ -865,23 +909,24 @@ impl Registry {
                 {
                     return Err(err.clone());
                 }
+                // Merged in the form of the request's version, as kube's field manager does.
                 let live = old
                     .as_ref()
-                    .map(|o| decode_stored(&o.value, 0))
+                    .map(|o| decode_stored(&o.value, 0).map(|v| event::present(kind, v)))
                     .transpose()?;
                 let now_value = serde_json::to_value(now()).expect("times serialize");
                 let applied = managed_fields::apply(
-                    kind.stored_as(),
+                    kind,
                     live.as_ref(),
                     &config,
                     managed_fields::Writer {
                         manager: &options.manager,
-                        status: status_only,
+                        subresource: if status_only { "status" } else { "" },
                         now: &now_value,
                     },
                     force,
                 )?;
-                let decoded = Object::decode(kind.stored_as(), &applied.object)?;
+                let decoded = Object::decode(kind, &applied.object)?;
                 let warnings =
                     unknown_field_handling(&decoded.unknown_fields, options.field_validation)?;
                 let mut object = decoded.object;
@@ -1203,6 +1248,7 @@ impl Registry {
             .store
             .mutate(keys, move |txn| {
                 let mut rebuilt_now = None;
+                let mut mismatch = None;
                 if !txn.allocators_initialized() {
                     let Some(plan) = &plan else {
                         // Usable when checked, unusable now: look again.
@@ -1280,23 +1326,21 @@ impl Registry {
                             let stored = service_cidr::cidrs(&cidr);
                             let flags = service_cidr::flag_cidrs(&ranges);
                             let upgraded = service_cidr::upgrade_default(&mut cidr, &ranges);
-                            if service_cidr::ensure_finalizer(&mut cidr) || upgraded {
+                            let rewritten = service_cidr::ensure_finalizer(&mut cidr) || upgraded;
+                            if rewritten {
                                 txn.put(
                                     cidr_key.clone(),
                                     encode_stored(&Object::ServiceCidr(cidr.clone())),
                                 );
                             }
-                            if upgraded {
-                                // kube's words.
-                                tracing::info!(
-                                    "Updating default ServiceCIDR from single-stack ({stored:?}) to dual-stack ({flags:?})"
-                                );
-                            } else if stored != flags {
-                                tracing::warn!(
-                                    "Inconsistent ServiceCIDR status for {}, controller configuration: {flags:?}, ServiceCIDR configuration: {stored:?}. Configure the flags to match current ServiceCIDR or manually delete it.",
-                                    service_cidr::DEFAULT_NAME
-                                );
-                            }
+                            mismatch = Some(DefaultCidrMismatch {
+                                upgraded,
+                                uid: cidr.metadata.uid.clone().unwrap_or_default(),
+                                // 0: this write's revision.
+                                revision: if rewritten { 0 } else { entry.mod_revision },
+                                stored,
+                                flags,
+                            });
                             let extra = &txn.allocators()?.extra;
                             let mut tracked = extra.clone();
                             service_cidr::track_default(&cidr, &ranges, &mut tracked);
@@ -1306,19 +1350,64 @@ impl Registry {
                         }
                     }
                 }
-                Ok(Some(rebuilt_now))
+                Ok(Some((rebuilt_now, mismatch)))
             })
             .await?;
-        match done.value {
-            None => Ok(false),
-            Some(Some(services)) if services > 0 => {
-                tracing::warn!(
-                    services,
-                    "allocation bitmaps rebuilt from the stored Services"
-                );
-                Ok(true)
-            }
-            Some(_) => Ok(true),
+        let Some((rebuilt_now, mismatch)) = done.value else {
+            return Ok(false);
+        };
+        if let Some(services) = rebuilt_now.filter(|n| *n > 0) {
+            tracing::warn!(
+                services,
+                "allocation bitmaps rebuilt from the stored Services"
+            );
+        }
+        if let Some(m) = mismatch {
+            self.report_default_cidr(m, done.revision.unwrap_or_default())
+                .await;
+        }
+        Ok(true)
+    }
+
+    /// What kube-apiserver's default ServiceCIDR controller says about the stored default
+    /// ServiceCIDR at start (`sync`, `syncStatus`), in its words: the single- to dual-stack
+    /// upgrade it made, or, once per process, a differing range (a log line and a Warning Event
+    /// about the ServiceCIDR, [`service_cidr::inconsistent_event`]).
+    async fn report_default_cidr(&self, m: DefaultCidrMismatch, revision: Revision) {
+        let DefaultCidrMismatch {
+            upgraded,
+            uid,
+            revision: rv,
+            stored,
+            flags,
+        } = m;
+        if upgraded {
+            tracing::info!(
+                "Updating default ServiceCIDR from single-stack ({stored:?}) to dual-stack ({flags:?})"
+            );
+            return;
+        }
+        if stored == flags {
+            return;
+        }
+        tracing::warn!(
+            "Inconsistent ServiceCIDR status for {}, controller configuration: {flags:?}, ServiceCIDR configuration: {stored:?}. Configure the flags to match current ServiceCIDR or manually delete it.",
+            service_cidr::DEFAULT_NAME
+        );
+        let rv = if rv == 0 { revision } else { rv };
+        let event = service_cidr::inconsistent_event(
+            &uid,
+            &rv.to_string(),
+            &stored,
+            &flags,
+            std::time::SystemTime::now(),
+        );
+        // As client-go's recorder, a failed post is logged, never fatal.
+        if let Err(err) = self
+            .create(Kind::Event, Some("default"), event, WriteOptions::default())
+            .await
+        {
+            tracing::warn!(error = %err, "could not record the {} Event", service_cidr::INCONSISTENT_REASON);
         }
     }
 
@@ -1526,6 +1615,58 @@ impl Registry {
         Ok(done.value)
     }
 
+    /// Marks in the bitmaps the addresses `report` found held by IPAddress objects but free
+    /// there (the objects are the truth of allocation, the bitmaps their cache), if no
+    /// allocation changed since the check. Returns how many were marked.
+    pub async fn mark_unmarked_objects(&self, report: &Verification) -> Result<usize, ApiError> {
+        if report.unmarked_objects.is_empty() {
+            return Ok(0);
+        }
+        let prefix: Arc<str> = self.store.prefix().into();
+        let keys = (
+            storage::keys::node_port_range(&prefix),
+            storage::keys::service_ip_range(&prefix),
+            self.secondary_ip_key(),
+            storage::keys::service_cidr_ranges(&prefix),
+        );
+        let expected = (
+            report.bitmap_revisions,
+            report.secondary_bitmap_revision,
+            report.extra_revision,
+        );
+        let unmarked = report.unmarked_objects.clone();
+        let done = self
+            .store
+            .mutate(Vec::new(), move |txn| {
+                let now = (
+                    (
+                        txn.get(&keys.0).map(|e| e.mod_revision),
+                        txn.get(&keys.1).map(|e| e.mod_revision),
+                    ),
+                    keys.2
+                        .as_ref()
+                        .and_then(|k| txn.get(k))
+                        .map(|e| e.mod_revision),
+                    txn.get(&keys.3).map(|e| e.mod_revision),
+                );
+                if now != expected {
+                    return Err(ApiError::internal(
+                        "the allocations changed since they were checked",
+                    ));
+                }
+                let allocators = txn.allocators()?;
+                let mut marked = 0;
+                for ip in &unmarked {
+                    if allocators.cluster_ips().allocate(*ip).is_ok() {
+                        marked += 1;
+                    }
+                }
+                Ok(marked)
+            })
+            .await?;
+        Ok(done.value)
+    }
+
     /// Writes the IPAddress objects `report` found missing and removes the stale ones, if no
     /// allocation changed since the check (as kube's repair loop keeps IPAddresses in step).
     pub async fn repair_ip_addresses(&self, report: &Verification) -> Result<usize, ApiError> {
@@ -1635,6 +1776,16 @@ impl Registry {
                 tracing::warn!(freed, "freed leaked allocations that no Service holds");
             }
             Err(err) => tracing::warn!(error = %err, "leaked allocations not freed this round"),
+        }
+        match self.mark_unmarked_objects(&report).await {
+            Ok(0) => {}
+            Ok(marked) => tracing::warn!(
+                marked,
+                "marked in the bitmaps the addresses IPAddress objects hold"
+            ),
+            Err(err) => {
+                tracing::warn!(error = %err, "bitmaps not brought to the IPAddress objects this round")
+            }
         }
         match self.repair_ip_addresses(&report).await {
             Ok(0) => {}
@@ -1765,6 +1916,7 @@ pub fn verify_dump(
     let mut ips_held = std::collections::BTreeMap::<IpAddr, usize>::new();
     let mut bitmap_ports = BTreeSet::new();
     let mut bitmap_ips = BTreeSet::new();
+    let mut reservations = BTreeSet::new();
     for kv in kvs {
         if kv.key == np_key {
             report.bitmap_revisions.0 = Some(kv.mod_revision);
@@ -1803,6 +1955,7 @@ pub fn verify_dump(
             } else {
                 // A user's reservation holds its address like a Service.
                 *ips_held.entry(ip).or_default() += 1;
+                reservations.insert(ip);
             }
         } else if kv.key == extra_key {
             report.extra_revision = Some(kv.mod_revision);
@@ -1844,6 +1997,10 @@ pub fn verify_dump(
         }
         if !bitmap_ips.contains(ip) {
             report.missing_ips.push(*ip);
+            let reserved = reservations.contains(ip);
+            if reserved || holders.get(ip).is_some_and(|h| objects.get(ip) == Some(h)) {
+                report.unmarked_objects.push(*ip);
+            }
         }
     }
     report.leaked_ports = bitmap_ports
@@ -1998,11 +2155,7 @@ fn apply_config(
             text("kind")
         )));
     }
-    let mut config = if kind == Kind::EventsV1 {
-        event::to_core(&config).0
-    } else {
-        config
-    };
+    let mut config = config;
     if let Some(Value::Object(meta)) = config.get_mut("metadata") {
         let given = meta.get("name").and_then(Value::as_str).unwrap_or("");
         if given != name {

@@ -291,7 +291,18 @@ impl Registry {
                 if options.dry_run {
                     txn.set_dry_run();
                 }
-                let object = Object::Namespace(ns.clone());
+                let mut object = Object::Namespace(ns.clone());
+                // kube-apiserver's field manager on the `finalize` subresource
+                // (`k8s.io/apiserver/pkg/endpoints/installer.go` gives every subresource's
+                // field manager its name; the finalize strategy resets `status` only): an
+                // Update entry with `subresource: finalize` for what it added or changed.
+                super::record_update_through(
+                    Kind::Namespace,
+                    Some(&super::decode_stored(&old.value, 0)?),
+                    &mut object,
+                    &options.manager,
+                    "finalize",
+                );
                 if ns.metadata.deletion_timestamp.is_some() && !held(&ns) {
                     txn.delete(key.clone());
                     return Ok((object.to_value(), old.mod_revision));

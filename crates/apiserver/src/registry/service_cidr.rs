@@ -55,6 +55,67 @@ pub fn default_service_cidr(ranges: &ServiceRanges, uid: String, now: Time) -> S
     }
 }
 
+/// The reason of the Warning Event kube-apiserver's default ServiceCIDR controller posts when
+/// the stored default ServiceCIDR differs from the flags (`syncStatus`, once per process).
+pub const INCONSISTENT_REASON: &str = "KubernetesDefaultServiceCIDRInconsistent";
+
+/// The component kube's default ServiceCIDR controller records its Events as (`controllerName`).
+pub const CONTROLLER_NAME: &str = "kubernetes-service-cidr-controller";
+
+/// The core/v1 Event kube-apiserver 1.33's default ServiceCIDR controller records when the
+/// stored default ServiceCIDR (`stored`, with `uid` at `resource_version`) differs from the
+/// flags' CIDRs (`flags`): `eventRecorder.Eventf(serviceCIDR, Warning,
+/// "KubernetesDefaultServiceCIDRInconsistent", "The default ServiceCIDR %v does not match the
+/// controller flag configurations %s", …)`, as client-go's `record` package builds it: named
+/// `<object>.<nanoseconds in hex>`, in `default` (the object is cluster-scoped), count 1, the
+/// controller as source and reporting controller.
+pub fn inconsistent_event(
+    uid: &str,
+    resource_version: &str,
+    stored: &[String],
+    flags: &[String],
+    now: std::time::SystemTime,
+) -> serde_json::Value {
+    let since_epoch = now
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let at = Time(
+        k8s_openapi::jiff::Timestamp::from_second(since_epoch.as_secs() as i64)
+            .unwrap_or(k8s_openapi::jiff::Timestamp::UNIX_EPOCH),
+    );
+    // Go's `%v` and `%s` of a []string: `[a b]`.
+    let go_list = |list: &[String]| format!("[{}]", list.join(" "));
+    serde_json::json!({
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {
+            "name": format!("{DEFAULT_NAME}.{:x}", since_epoch.as_nanos()),
+            "namespace": "default",
+        },
+        "involvedObject": {
+            "kind": "ServiceCIDR",
+            "name": DEFAULT_NAME,
+            "uid": uid,
+            "apiVersion": "networking.k8s.io/v1",
+            "resourceVersion": resource_version,
+        },
+        "reason": INCONSISTENT_REASON,
+        "message": format!(
+            "The default ServiceCIDR {} does not match the controller flag configurations {}",
+            go_list(stored),
+            go_list(flags)
+        ),
+        "source": {"component": CONTROLLER_NAME},
+        "firstTimestamp": at,
+        "lastTimestamp": at,
+        "count": 1,
+        "type": "Warning",
+        "eventTime": null,
+        "reportingComponent": CONTROLLER_NAME,
+        "reportingInstance": "",
+    })
+}
+
 /// The CIDRs a stored ServiceCIDR holds, for comparing with the flags.
 pub fn cidrs(cidr: &ServiceCIDR) -> Vec<String> {
     cidr.spec
