@@ -314,10 +314,16 @@ async fn a_namespace_finalize_records_an_update_entry_with_subresource_finalize(
     .await;
     assert_eq!(status, StatusCode::CREATED, "{bare}");
     assert_eq!(bare["spec"]["finalizers"], json!(["kubernetes"]));
+    // The name label is a decode-time default (kube's `SetDefaults_Namespace`), applied before
+    // the field manager runs: the creator owns it, as `kubectl create namespace` shows on kube.
     assert_eq!(
         entry(&bare, "creator", "Update")["fieldsV1"],
-        json!({"f:metadata": {"f:labels": {".": {}, "f:team": {}}}}),
+        json!({"f:metadata": {"f:labels": {".": {}, "f:kubernetes.io/metadata.name": {}, "f:team": {}}}}),
         "{bare}"
+    );
+    assert_eq!(
+        bare["metadata"]["labels"]["kubernetes.io/metadata.name"],
+        "bare"
     );
     let mut body = ns.clone();
     body["spec"]["finalizers"] = json!(["kubernetes", "example.com/hold"]);
@@ -892,4 +898,42 @@ spec:
     verify_consistent(&s).await;
     let (_, ranges) = call(&s, Method::GET, "/ranges", "", b"").await;
     assert_eq!(ranges["nodePorts"]["used"], 1, "{ranges}");
+}
+
+/// Every Namespace carries `kubernetes.io/metadata.name` with its own name (kube's
+/// `SetDefaults_Namespace`, GA in 1.22, what NetworkPolicy `namespaceSelector`s pick namespaces
+/// by): set on create whatever the body says, and put back by an update that drops or changes
+/// it.
+#[tokio::test]
+async fn every_namespace_carries_its_name_label_whatever_a_create_or_update_says() {
+    let s = server().await;
+    let (status, ns) = call(
+        &s,
+        Method::POST,
+        "/api/v1/namespaces",
+        "application/json",
+        br#"{"apiVersion":"v1","kind":"Namespace","metadata":{"name":"shop","labels":{"kubernetes.io/metadata.name":"other"}}}"#,
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED, "{ns}");
+    assert_eq!(
+        ns["metadata"]["labels"]["kubernetes.io/metadata.name"], "shop",
+        "{ns}"
+    );
+    let mut body = ns.clone();
+    body["metadata"]["labels"] = json!({"tier": "web"});
+    let (status, updated) = call(
+        &s,
+        Method::PUT,
+        "/api/v1/namespaces/shop",
+        "application/json",
+        &serde_json::to_vec(&body).unwrap(),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{updated}");
+    assert_eq!(
+        updated["metadata"]["labels"],
+        json!({"kubernetes.io/metadata.name": "shop", "tier": "web"}),
+        "{updated}"
+    );
 }

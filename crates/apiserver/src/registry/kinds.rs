@@ -2,7 +2,7 @@
 
 use std::net::IpAddr;
 
-use k8s_openapi::api::core::v1::{NamespaceSpec, NamespaceStatus};
+use k8s_openapi::api::core::v1::{Namespace, NamespaceSpec, NamespaceStatus};
 
 use super::object::Object;
 use super::validation::{self, NameRule};
@@ -52,6 +52,7 @@ pub fn prepare_create(object: &mut Object) {
             super::service::set_defaults(svc);
         }
         Object::Namespace(ns) => {
+            default_name_label(ns);
             // The namespace strategy adds the `kubernetes` finalizer and starts it Active.
             let spec = ns.spec.get_or_insert_with(NamespaceSpec::default);
             let finalizers = spec.finalizers.get_or_insert_with(Vec::new);
@@ -79,10 +80,24 @@ pub fn prepare_create(object: &mut Object) {
 /// Decode-time defaults that also apply to updates.
 pub fn set_defaults(object: &mut Object) {
     drop_zero_values(object);
-    if let Object::Service(svc) = object {
-        super::service::set_defaults(svc);
+    match object {
+        Object::Service(svc) => super::service::set_defaults(svc),
+        Object::Namespace(ns) => default_name_label(ns),
+        _ => {}
     }
     crate::authz::validation::set_defaults(object);
+}
+
+/// The label every Namespace carries with its own name, `kubernetes.io/metadata.name` (GA in
+/// 1.22, so that a NetworkPolicy's `namespaceSelector` can pick a namespace by name): kube's
+/// `SetDefaults_Namespace` sets it on every write, whatever the request says.
+fn default_name_label(ns: &mut Namespace) {
+    if let Some(name) = ns.metadata.name.clone().filter(|n| !n.is_empty()) {
+        ns.metadata
+            .labels
+            .get_or_insert_with(Default::default)
+            .insert("kubernetes.io/metadata.name".to_owned(), name);
+    }
 }
 
 fn valid_ip(s: &str) -> bool {
