@@ -4,9 +4,9 @@
 //!
 //! Every test runs once per proxy mode (`nftables::<test>` in the default flat layout,
 //! `nftables_kube_proxy_layout::<test>` and `iptables::<test>`, from [`in_every_mode!`]): the
-//! behaviour is the same, only the rules differ. Those the eBPF dataplane passes run in eBPF
-//! mode too (`ebpf::<test>`, from [`in_ebpf_mode!`], which names the features missing for the
-//! others).
+//! behaviour is the same, only the rules differ. They run in eBPF mode too (`ebpf::<test>`,
+//! from [`in_ebpf_mode!`]), where a client on the node or in a pod that the socket programs
+//! must serve runs in the node's cgroup ([`Cluster::get_in_node_cgroup`]).
 
 mod proxy_support;
 
@@ -286,22 +286,29 @@ fn localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropp
     // From a process on the node: a pod on this node (pod1) and one on another (pod2).
     for (port, want) in [(30093, "pod1"), (30094, "pod2")] {
         let to = format!("127.0.0.1:{port}");
-        let reply = eventually(&c.node, &to, "the localhost NodePort answers", |r| {
-            matches!(r, Reply::Pod { .. })
-        });
+        let reply =
+            c.eventually_in_node_cgroup(&c.node, &to, "the localhost NodePort answers", |r| {
+                matches!(r, Reply::Pod { .. })
+            });
         let Reply::Pod { pod, client } = reply else {
             unreachable!()
         };
         assert_eq!(pod, want);
-        // The loopback source cannot leave the node: masqueraded to the node's address.
+        // The loopback source cannot leave the node: masqueraded to the node's address. In
+        // eBPF mode the socket is connected to the pod at connect(), so the kernel picks the
+        // node's address towards the pod as its source: no 127.0.0.1 ever goes on the wire.
         assert!(client.starts_with("10.244."), "pod saw {client}");
     }
+    // kube-proxy turns route_localnet on to DNAT 127.0.0.1; the socket programs need not
+    // (Cilium's socket LB serves 127.0.0.1:<nodePort> the same way), so 127.0.0.0/8 stays
+    // unroutable from outside and needs no guard.
+    let route_localnet = if mode == Mode::Ebpf { "0" } else { "1" };
     assert_eq!(
         c.node
             .run(&["sysctl", "-n", "net.ipv4.conf.all.route_localnet"])
             .unwrap()
             .trim(),
-        "1"
+        route_localnet
     );
     // The rest of the mixed list: the private address answers, the other does not.
     eventually(
@@ -339,13 +346,26 @@ fn localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropp
              sysctl -qw net.ipv4.conf.all.route_localnet=1"
         ))
         .unwrap();
+    let short = Duration::from_millis(1500);
+    if mode == Mode::Ebpf {
+        // No tc frontend is ever loaded for a loopback address and route_localnet is off:
+        // the node drops 127.0.0.1 arriving from the LAN as martian, NodePort or not (in
+        // Cilium too, 127.0.0.1:<nodePort> is served to the node's own sockets only).
+        assert_eq!(get(&c.client, "127.0.0.1:30093", short), Reply::Timeout);
+        assert_eq!(get(&c.client, "127.0.0.1:18080", short), Reply::Timeout);
+        // A restart without localhost NodePorts takes them away from the node's sockets.
+        c.restart_proxy_with(&["--nodeport-addresses", "198.51.100.0/24"]);
+        c.eventually_in_node_cgroup(&c.node, "127.0.0.1:30093", "no localhost NodePort", |r| {
+            *r == Reply::Refused
+        });
+        return;
+    }
     // The trick works: a NodePort through 127.0.0.1 is DNATed first, which the guard
     // lets through (`! --ctstate DNAT`).
     eventually(&c.client, "127.0.0.1:30093", "127.0.0.1 via the LAN", |r| {
         matches!(r, Reply::Pod { .. })
     });
     // The node's own 127.0.0.1 service is not reachable from outside: dropped.
-    let short = Duration::from_millis(1500);
     assert_eq!(get(&c.client, "127.0.0.1:18080", short), Reply::Timeout);
     // Nor when conntrack does not track it: kube-proxy's guard drops everything that is
     // not RELATED, ESTABLISHED or DNAT, so UNTRACKED (and INVALID) packets too. A guard
@@ -372,7 +392,7 @@ fn localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropp
             "localnet-check",
         ],
         Mode::Iptables => &["iptables", "-t", "filter", "-F", "KUBE-FIREWALL"],
-        Mode::Ebpf => unreachable!("not run in eBPF mode: it has no localhost NodePorts"),
+        Mode::Ebpf => unreachable!("returned above: no guard in eBPF mode"),
     };
     c.node.run(cmd).unwrap();
     assert!(
@@ -905,7 +925,5 @@ in_ebpf_mode!(
     udp_conntrack_entries_to_a_removed_endpoint_are_cleaned,
     itp_local_clusterip_reaches_only_the_local_pod,
     a_rule_deleted_by_hand_is_restored_by_the_periodic_resync,
-    // Not in eBPF mode, for a feature the dataplane lacks:
-    // - localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropped:
-    //   no localhost NodePorts (nor the route_localnet guard) in eBPF mode.
+    localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropped,
 );
