@@ -767,22 +767,31 @@ fn a_dual_stack_nodeport_answers_over_both_families_and_so_do_its_cluster_ips(mo
     );
     let v4 = format!("{NODE_IP}:30120");
     let v6 = format!("[{NODE_IP6}]:30120");
-    for (to, pod_prefix) in [(&v4, "10.244."), (&v6, "fd00:10:244:")] {
+    // eTP=Cluster: masqueraded. kube-proxy's MASQUERADE takes the node's address towards
+    // the pod; the eBPF mode SNATs to the node's address of the family (its InternalIP), as
+    // Cilium's BPF NodePort does.
+    let (seen_v4, seen_v6) = if mode == Mode::Ebpf {
+        (NODE_IP, NODE_IP6)
+    } else {
+        ("10.244.", "fd00:10:244:")
+    };
+    for (to, seen_prefix) in [(&v4, seen_v4), (&v6, seen_v6)] {
         let reply = eventually(&c.client, to, "the NodePort answers", |r| {
             matches!(r, Reply::Pod { .. })
         });
         let Reply::Pod { client, .. } = reply else {
             unreachable!()
         };
-        // eTP=Cluster: masqueraded to the node's address of the family towards the pod.
         let seen = client.trim_start_matches('[');
         assert!(
-            seen.starts_with(pod_prefix),
+            seen.starts_with(seen_prefix),
             "{to}: client seen as {client}"
         );
     }
+    // From pod3, which is no endpoint (in eBPF mode a process of the node's cgroup, served
+    // by the socket programs at connect()).
     for to in [format!("{}:80", ips[0]), format!("[{}]:80", ips[1])] {
-        eventually(&c.pods[2], &to, "the ClusterIP answers from a pod", |r| {
+        c.eventually_in_node_cgroup(&c.pods[2], &to, "the ClusterIP answers from a pod", |r| {
             matches!(r, Reply::Pod { .. })
         });
     }
@@ -926,4 +935,5 @@ in_ebpf_mode!(
     itp_local_clusterip_reaches_only_the_local_pod,
     a_rule_deleted_by_hand_is_restored_by_the_periodic_resync,
     localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropped,
+    a_dual_stack_nodeport_answers_over_both_families_and_so_do_its_cluster_ips,
 );
