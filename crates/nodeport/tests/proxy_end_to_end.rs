@@ -28,6 +28,12 @@ fn privileged(test: &str, mode: Mode) -> bool {
 
 const T: Duration = Duration::from_secs(2);
 
+/// The address of a client the pod server saw (`X-Client-Address`: `ip:port`, `[ip]:port`).
+fn host_of(client: &str) -> &str {
+    let host = client.rsplit_once(':').map_or(client, |(host, _)| host);
+    host.trim_start_matches('[').trim_end_matches(']')
+}
+
 fn nodeport_reaches_all_three_pods_and_is_refused_once_endpoints_are_gone(mode: Mode) {
     if !privileged(
         "nodeport_reaches_all_three_pods_and_is_refused_once_endpoints_are_gone",
@@ -50,7 +56,7 @@ fn nodeport_reaches_all_three_pods_and_is_refused_once_endpoints_are_gone(mode: 
                 // mode SNATs to the node's address of the family (its InternalIP), as
                 // Cilium's BPF masquerading does, not to the outgoing interface's.
                 if mode == Mode::Ebpf {
-                    assert!(client.starts_with(NODE_IP), "client seen as {client}");
+                    assert_eq!(host_of(&client), NODE_IP);
                 } else {
                     assert!(client.starts_with("10.244."), "client seen as {client}");
                 }
@@ -413,6 +419,40 @@ fn localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropp
         *r == Reply::Timeout
     });
     assert_eq!(reply, Reply::Timeout);
+}
+
+fn clusterip_traffic_routed_from_outside_the_cluster_cidr_is_masqueraded(mode: Mode) {
+    if !privileged(
+        "clusterip_traffic_routed_from_outside_the_cluster_cidr_is_masqueraded",
+        mode,
+    ) {
+        return;
+    }
+    // The proxy runs with --cluster-cidr 10.244.0.0/16; the client (192.0.2.100) routes the
+    // service range to the node. kube-proxy masquerades such off-cluster traffic to a
+    // ClusterIP (`ip saddr != 10.244.0.0/16 ... mark for masquerade`), so the pod's reply
+    // comes back through the node even when the client has another way to the pod.
+    let c = Cluster::start(mode, &[]);
+    c.apply(&service_yaml("web", 30095, "", &[1])).unwrap();
+    c.client
+        .run(&["ip", "route", "add", "10.96.0.0/16", "via", NODE_IP])
+        .unwrap();
+    let to = format!("{}:80", c.cluster_ip("web"));
+    let reply = eventually(&c.client, &to, "the ClusterIP answers the client", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+    let Reply::Pod { pod, client } = reply else {
+        unreachable!()
+    };
+    assert_eq!(pod, "pod1");
+    // MASQUERADE takes the node's address towards the pod; the eBPF mode SNATs to the
+    // node's address of the family (tc, the routed ClusterIP frontend).
+    let seen = if mode == Mode::Ebpf {
+        NODE_IP
+    } else {
+        "10.244.1.1"
+    };
+    assert_eq!(host_of(&client), seen);
 }
 
 fn etp_local_drops_without_a_local_endpoint_and_keeps_the_client_ip_with_one(mode: Mode) {
@@ -783,10 +823,14 @@ fn a_dual_stack_nodeport_answers_over_both_families_and_so_do_its_cluster_ips(mo
             unreachable!()
         };
         let seen = client.trim_start_matches('[');
-        assert!(
-            seen.starts_with(seen_prefix),
-            "{to}: client seen as {client}"
-        );
+        if mode == Mode::Ebpf {
+            assert_eq!(host_of(&client), seen_prefix, "{to}");
+        } else {
+            assert!(
+                seen.starts_with(seen_prefix),
+                "{to}: client seen as {client}"
+            );
+        }
     }
     // From pod3, which is no endpoint (in eBPF mode a process of the node's cgroup, served
     // by the socket programs at connect()).
@@ -906,6 +950,7 @@ in_every_mode!(
     udp_conntrack_entries_to_a_removed_endpoint_are_cleaned,
     proxy_killed_and_restarted_during_a_stream_of_requests_fails_none,
     a_dual_stack_nodeport_answers_over_both_families_and_so_do_its_cluster_ips,
+    clusterip_traffic_routed_from_outside_the_cluster_cidr_is_masqueraded,
 );
 
 /// The same tests in eBPF mode (`ebpf::<test>`), one node cgroup and pin root each
@@ -936,4 +981,5 @@ in_ebpf_mode!(
     a_rule_deleted_by_hand_is_restored_by_the_periodic_resync,
     localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropped,
     a_dual_stack_nodeport_answers_over_both_families_and_so_do_its_cluster_ips,
+    clusterip_traffic_routed_from_outside_the_cluster_cidr_is_masqueraded,
 );

@@ -409,6 +409,17 @@ static __always_inline int np_source_allowed(const struct np_svc_val *svc, const
 	return bpf_map_lookup_elem(&np_src_ranges, &k) != 0;
 }
 
+/* Whether a source is inside the cluster CIDRs (NP_SVC_SNAT_OFF_CLUSTER). */
+static __always_inline int np_in_cluster(const struct np_addr *src)
+{
+	struct np_range_key k = {};
+
+	k.prefixlen = 32 + 128;
+	k.svc_id = NP_CLUSTER_CIDRS_ID;
+	k.addr = *src;
+	return bpf_map_lookup_elem(&np_src_ranges, &k) != 0;
+}
+
 /* Folds a 32-bit one's complement sum into the 16-bit checksum. */
 static __always_inline __u16 np_csum_fold(__s64 sum)
 {
@@ -649,7 +660,8 @@ static __always_inline int np_open(struct __sk_buff *skb, struct np_pkt *p,
 	rev.svc_id = svc->svc_id;
 	rev.last_seen = now;
 
-	if ((be->flags & NP_BE_REMOTE) || (svc->flags & NP_SVC_SNAT)) {
+	if ((be->flags & NP_BE_REMOTE) || (svc->flags & NP_SVC_SNAT) ||
+	    ((svc->flags & NP_SVC_SNAT_OFF_CLUSTER) && !np_in_cluster(&p->tuple.saddr))) {
 		__u32 idx = p->eth_proto == bpf_htons(ETH_P_IP) ? 0 : 1;
 		struct np_config_val *cfg = bpf_map_lookup_elem(&np_config, &idx);
 		int done = 0;
