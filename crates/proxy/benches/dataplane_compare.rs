@@ -1,6 +1,12 @@
-//! nftables versus iptables on the real kernel: first-connection latency through a NodePort
-//! and sync time, with 1 to 30,000 Services programmed (the comparison of the Kubernetes
-//! blog "NFTables mode for kube-proxy", 2025-02-28).
+//! nftables versus iptables (and the eBPF dataplane) on the real kernel: first-connection
+//! latency through a NodePort and sync time, with 1 to 30,000 Services programmed (the
+//! comparison of the Kubernetes blog "NFTables mode for kube-proxy", 2025-02-28).
+//!
+//! The eBPF mode loads its programs unpinned inside the node's namespace and attaches tc to
+//! the node's interfaces (no socket programs: the client is another host); the setup keeps
+//! its dataplane until the end, since unpinned programs detach when their owner is dropped
+//! (an earlier version dropped it after programming, and its NodePort was then refused by
+//! the node's stack).
 //!
 //! For every size and mode, in throwaway network namespaces:
 //!
@@ -34,7 +40,7 @@
 //! default `1 1000 10000 30000`). `NODEPORT_BENCH_CONNECTIONS` (default 20000),
 //! `NODEPORT_BENCH_ENDPOINTS` (default 3), `NODEPORT_BENCH_IPTABLES_NFT_MAX` (default 1000),
 //! `NODEPORT_BENCH_CSV` (another output file), `NODEPORT_BENCH_MODES` (a comma-separated subset of
-//! `nftables` (flat layout), `nftables-kube-proxy`, `iptables-legacy`, `iptables-nft`),
+//! `nftables` (flat layout), `nftables-kube-proxy`, `ebpf`, `iptables-legacy`, `iptables-nft`),
 //! `NODEPORT_BENCH_KUBE_PROXY_MAX` (default 10,000: kube-proxy's layout above it is skipped). Writes `docs/nft-vs-iptables.csv`, which
 //! `docs/plots/nft_vs_iptables.py` turns into `docs/nft-vs-iptables.png`.
 
@@ -42,10 +48,12 @@ mod support;
 
 use std::io::Write as _;
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use nix::sched::{CloneFlags, setns};
 use nodeport_proxy::backend::Backend;
 use nodeport_proxy::config::{NftablesLayout, NodeConfig};
 use nodeport_proxy::desired::{self, DesiredState, NodeView, StateConfig};
@@ -132,6 +140,9 @@ enum Mode {
     Nftables,
     /// nftables mode, kube-proxy's layout (a chain per Service port and endpoint).
     NftablesKubeProxy,
+    /// The eBPF dataplane (tc programs on the node's interfaces, no socket programs: the
+    /// client is another host).
+    Ebpf,
     /// iptables mode through `iptables-legacy-restore` (x_tables: one blob per table).
     IptablesLegacy,
     /// iptables mode through `iptables-nft-restore` (the machine's default `iptables`).
@@ -143,6 +154,7 @@ impl Mode {
         match self {
             Mode::Nftables => "nftables",
             Mode::NftablesKubeProxy => "nftables-kube-proxy",
+            Mode::Ebpf => "ebpf",
             Mode::IptablesLegacy => "iptables-legacy",
             Mode::IptablesNft => "iptables-nft",
         }
@@ -157,6 +169,9 @@ struct Setup {
     one_change: Duration,
     samples: Vec<Duration>,
     client: Netns,
+    /// Kept for the whole run: the eBPF dataplane's programs (not pinned here) detach when
+    /// it is dropped, unlike rules already in the kernel.
+    _backend: Box<dyn Backend>,
     _node: Netns,
     _pod: Netns,
     stop: Arc<AtomicBool>,
@@ -211,8 +226,70 @@ fn serve(pod: &Netns, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
     })
 }
 
+/// A backend that runs inside the node's namespace: the eBPF dataplane attaches to the
+/// interfaces and reads the addresses of the namespace it is called in, as `nodeport proxy`
+/// runs on its node. Each call enters the node's namespace on this thread and comes back.
+struct InNamespace {
+    node: std::fs::File,
+    home: std::fs::File,
+    inner: nodeport_proxy::ebpf::dataplane::Dataplane,
+}
+
+impl InNamespace {
+    fn start(node: &Netns) -> Self {
+        let node = std::fs::File::open(Path::new("/run/netns").join(node.name())).unwrap();
+        let home = std::fs::File::open("/proc/thread-self/ns/net").unwrap();
+        let enter = |ns: &std::fs::File| setns(ns, CloneFlags::CLONE_NEWNET).expect("setns");
+        enter(&node);
+        let inner = nodeport_proxy::ebpf::dataplane::Dataplane::start(
+            nodeport_proxy::ebpf::dataplane::Config {
+                render: nodeport_proxy::ebpf::render::RenderConfig {
+                    fib_forward: true,
+                    // As the NodeConfig the other modes get.
+                    cluster_cidrs: vec!["10.244.0.0/16".parse().unwrap()],
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        );
+        enter(&home);
+        InNamespace {
+            node,
+            home,
+            inner: inner.expect("load the eBPF dataplane"),
+        }
+    }
+}
+
+impl Backend for InNamespace {
+    fn mode(&self) -> nodeport_proxy::config::ProxyMode {
+        self.inner.mode()
+    }
+
+    fn sync(
+        &mut self,
+        desired: &DesiredState,
+        config: &NodeConfig,
+        changed: Option<&std::collections::BTreeSet<nodeport_proxy::model::ServicePortName>>,
+    ) -> Result<nodeport_proxy::backend::SyncReport, nodeport_proxy::backend::Error> {
+        setns(&self.node, CloneFlags::CLONE_NEWNET).expect("setns");
+        let r = Backend::sync(&mut self.inner, desired, config, changed);
+        setns(&self.home, CloneFlags::CLONE_NEWNET).expect("setns");
+        r
+    }
+
+    fn needs_full_sync(&self) -> bool {
+        Backend::needs_full_sync(&self.inner)
+    }
+
+    fn detects_drift(&self) -> bool {
+        Backend::detects_drift(&self.inner)
+    }
+}
+
 fn backend(mode: Mode, node: &Netns) -> Box<dyn Backend> {
     match mode {
+        Mode::Ebpf => Box::new(InNamespace::start(node)),
         Mode::Nftables | Mode::NftablesKubeProxy => {
             let nft = NftCommand::in_netns(node.name());
             let kernel = NetlinkKernel::in_namespace(
@@ -244,7 +321,7 @@ fn setup(mode: Mode, n: usize, endpoints: usize) -> Setup {
         // Each mode's default: the Node's IP (a set lookup) for nftables, every local
         // address (`-m addrtype --dst-type LOCAL`) for iptables.
         nodeport_addresses: match mode {
-            Mode::Nftables | Mode::NftablesKubeProxy => "primary".parse().unwrap(),
+            Mode::Nftables | Mode::NftablesKubeProxy | Mode::Ebpf => "primary".parse().unwrap(),
             Mode::IptablesLegacy | Mode::IptablesNft => "0.0.0.0/0".parse().unwrap(),
         },
     };
@@ -305,6 +382,7 @@ fn setup(mode: Mode, n: usize, endpoints: usize) -> Setup {
         one_change,
         samples: Vec::new(),
         client,
+        _backend: b,
         _node: node,
         _pod: pod,
         stop,
@@ -368,7 +446,7 @@ fn main() {
     // kube-proxy's nftables layout: a full sync at 30,000 Services takes minutes.
     let kube_proxy_max = env_usize("NODEPORT_BENCH_KUBE_PROXY_MAX", 10_000);
     let modes: Vec<String> = std::env::var("NODEPORT_BENCH_MODES")
-        .unwrap_or_else(|_| "nftables,nftables-kube-proxy,iptables-legacy,iptables-nft".into())
+        .unwrap_or_else(|_| "nftables,nftables-kube-proxy,ebpf,iptables-legacy,iptables-nft".into())
         .split(',')
         .map(str::to_owned)
         .collect();
@@ -382,6 +460,7 @@ fn main() {
         for mode in [
             Mode::Nftables,
             Mode::NftablesKubeProxy,
+            Mode::Ebpf,
             Mode::IptablesLegacy,
             Mode::IptablesNft,
         ] {
