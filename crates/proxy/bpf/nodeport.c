@@ -549,7 +549,6 @@ static __always_inline int np_forward(struct __sk_buff *skb, const struct np_pkt
 			return TC_ACT_OK;
 		fib.family = NP_AF_INET;
 		fib.tos = ip.tos;
-		fib.tot_len = bpf_ntohs(ip.tot_len);
 		fib.ipv4_src = ip.saddr;
 		fib.ipv4_dst = ip.daddr;
 	} else {
@@ -560,12 +559,15 @@ static __always_inline int np_forward(struct __sk_buff *skb, const struct np_pkt
 		if (ip6.hop_limit <= 1)
 			return TC_ACT_OK;
 		fib.family = NP_AF_INET6;
-		fib.tot_len = bpf_ntohs(ip6.payload_len) + sizeof(ip6);
 		__builtin_memcpy(fib.ipv6_src, &ip6.saddr, 16);
 		__builtin_memcpy(fib.ipv6_dst, &ip6.daddr, 16);
 	}
 	fib.sport = p->tuple.sport;
 	fib.dport = p->tuple.dport;
+	/* tot_len stays 0: the kernel then checks the skb itself against the egress device's
+	 * MTU (is_skb_forwardable, which knows GSO). A header's tot_len of a GSO packet (up to
+	 * 64 KiB from a veth with TSO) would fail the MTU check, and the translated packet,
+	 * sent up the stack instead, be dropped there (a SNATed source is the node's own). */
 	rc = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
 	if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH)
 		return TC_ACT_OK;
