@@ -41,7 +41,10 @@
 //! `NODEPORT_BENCH_ENDPOINTS` (default 3), `NODEPORT_BENCH_IPTABLES_NFT_MAX` (default 1000),
 //! `NODEPORT_BENCH_CSV` (another output file), `NODEPORT_BENCH_MODES` (a comma-separated subset of
 //! `nftables` (flat layout), `nftables-kube-proxy`, `ebpf`, `iptables-legacy`, `iptables-nft`),
-//! `NODEPORT_BENCH_KUBE_PROXY_MAX` (default 10,000: kube-proxy's layout above it is skipped). Writes `docs/nft-vs-iptables.csv`, which
+//! `NODEPORT_BENCH_KUBE_PROXY_MAX` (default 10,000: kube-proxy's layout above it is skipped),
+//! `NODEPORT_BENCH_THROUGHPUT_MB` (default 512, 0 skips it: after the latency rounds, each
+//! setup streams that much from the client to the pod through the NodePort three times and
+//! prints the median, generic veth figures). Writes `docs/nft-vs-iptables.csv`, which
 //! `docs/plots/nft_vs_iptables.py` turns into `docs/nft-vs-iptables.png`.
 
 mod support;
@@ -221,7 +224,12 @@ fn serve(pod: &Netns, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
             if stop.load(Ordering::Relaxed) {
                 break;
             }
-            drop(conn);
+            // Read until the client is done (a latency probe resets at once; a throughput
+            // stream ends with its FIN), then close.
+            if let Ok(mut conn) = conn {
+                let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
+                let _ = std::io::copy(&mut conn, &mut std::io::sink());
+            }
         }
     })
 }
@@ -368,7 +376,7 @@ fn setup(mode: Mode, n: usize, endpoints: usize) -> Setup {
     changes.sort();
     let one_change = changes[changes.len() / 2];
     println!(
-        "  {:<15} {:>6} Services: full sync {:>8.3} s, one change {:>8.1} ms",
+        "  {:<15} {:>6} Services: full sync {:>8.3} s, one change {:>8.3} ms",
         mode.as_str(),
         n,
         full_sync.as_secs_f64(),
@@ -418,6 +426,33 @@ impl Setup {
                         took
                     })
                     .collect()
+            })
+            .unwrap()
+    }
+}
+
+impl Setup {
+    /// Established-connection throughput through the NodePort: `bytes` written by the
+    /// client, until the pod has read them all and closed; Gbit/s.
+    fn throughput(&self, bytes: usize) -> f64 {
+        let to = SocketAddr::new(NODE_IP.parse().unwrap(), MEASURED_NODE_PORT);
+        self.client
+            .enter(|| {
+                use std::io::{Read as _, Write as _};
+                let chunk = vec![0x5au8; 64 * 1024];
+                let mut s = TcpStream::connect_timeout(&to, Duration::from_secs(2))
+                    .unwrap_or_else(|e| panic!("connect to {to}: {e}"));
+                let t = Instant::now();
+                let mut left = bytes;
+                while left > 0 {
+                    let n = left.min(chunk.len());
+                    s.write_all(&chunk[..n]).expect("write to the pod");
+                    left -= n;
+                }
+                s.shutdown(std::net::Shutdown::Write).unwrap();
+                let mut rest = Vec::new();
+                let _ = s.read_to_end(&mut rest);
+                bytes as f64 * 8.0 / t.elapsed().as_secs_f64() / 1e9
             })
             .unwrap()
     }
@@ -497,6 +532,21 @@ fn main() {
         }
     }
     let total = started.elapsed();
+    // Throughput: generic veth figures (one CPU's worth of softirq per direction), the
+    // median of three streams per setup.
+    let throughput_mb = env_usize("NODEPORT_BENCH_THROUGHPUT_MB", 512);
+    if throughput_mb > 0 {
+        println!();
+        println!(
+            "| mode | Services | throughput Gbit/s (median of 3 x {throughput_mb} MiB, veth) |"
+        );
+        println!("| --- | --- | --- |");
+        for s in &setups {
+            let mut runs: Vec<f64> = (0..3).map(|_| s.throughput(throughput_mb << 20)).collect();
+            runs.sort_by(f64::total_cmp);
+            println!("| {} | {} | {:.2} |", s.mode.as_str(), s.services, runs[1]);
+        }
+    }
 
     let csv_path = std::env::var("NODEPORT_BENCH_CSV").unwrap_or_else(|_| {
         concat!(
@@ -525,14 +575,14 @@ fn main() {
             .or_default()
             .push((s.services, p50));
         println!(
-            "| {} | {} | {p01:.0} | {p50:.0} | {p90:.0} | {p99:.0} | {:.2} s | {:.0} ms |",
+            "| {} | {} | {p01:.0} | {p50:.0} | {p90:.0} | {p99:.0} | {:.2} s | {:.2} ms |",
             s.mode.as_str(),
             s.services,
             s.full_sync.as_secs_f64(),
             s.one_change.as_secs_f64() * 1e3
         );
         csv.push_str(&format!(
-            "{},{},{endpoints},{},{p01:.1},{p50:.1},{p90:.1},{p99:.1},{:.3},{:.1}\n",
+            "{},{},{endpoints},{},{p01:.1},{p50:.1},{p90:.1},{p99:.1},{:.3},{:.3}\n",
             s.mode.as_str(),
             s.services,
             s.samples.len(),
