@@ -254,6 +254,10 @@ impl Applier {
     ) -> Result<usize, programs::Error> {
         let key = (name.clone(), family);
         let old = self.installed.remove(&key);
+        if name.protocol == crate::model::Protocol::Sctp && old.is_none() && fresh.is_some() {
+            // Rendered empty; said once per port and family.
+            tracing::warn!(service = %name, family = family.as_str(), "{}", super::render::SCTP_NOT_SERVED);
+        }
         let Some(fresh) = fresh else {
             return match old {
                 Some(old) => self.remove_all(&old),

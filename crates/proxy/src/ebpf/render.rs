@@ -32,6 +32,10 @@ use crate::desired::{DesiredState, EndpointTarget, FamilyState, ServicePortState
 use crate::model::{IpFamily, Protocol, ServicePortName};
 use crate::nodeaddr::Selection;
 
+/// What render and the proxy's log say of an SCTP service port in eBPF mode.
+pub const SCTP_NOT_SERVED: &str = "SCTP: not served in eBPF mode (the programs cannot rewrite \
+     SCTP, whose CRC32c checksum is not patched incrementally; use --proxy-mode nftables)";
+
 /// How backends are chosen (`--ebpf-lb-algorithm`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Algorithm {
@@ -339,7 +343,11 @@ impl Rendered {
     /// service's source ranges.
     pub fn lines(&self, algorithm: Algorithm) -> Vec<String> {
         let mut out = Vec::new();
-        for ((name, _), maps) in &self.services {
+        for ((name, family), maps) in &self.services {
+            if name.protocol == Protocol::Sctp {
+                out.push(format!("{name} ({}) {SCTP_NOT_SERVED}", family.as_str()));
+                continue;
+            }
             for (key, spec) in &maps.frontends {
                 let scope = match key.scope {
                     Scope::Internal => "internal",
