@@ -530,7 +530,7 @@ fn render_ebpf_prints_one_line_per_frontend_with_its_backends() {
     let text = render("ebpf");
     assert_eq!(
         text,
-        "10.96.132.141:80/TCP external (default/web) → 10.244.1.6:80, 10.244.2.7:80, 10.244.2.8:80 (random)\n\
+        "10.96.132.141:80/TCP external (default/web) → 10.244.1.6:80, 10.244.2.7:80, 10.244.2.8:80 (random, masquerade unless from 10.244.0.0/16)\n\
          10.96.132.141:80/TCP internal (default/web) → 10.244.1.6:80, 10.244.2.7:80, 10.244.2.8:80 (random)\n\
          192.0.2.4:30510/TCP external (default/web) → 10.244.1.6:80, 10.244.2.7:80, 10.244.2.8:80 (random, masquerade)\n\
          192.0.2.4:30510/TCP internal (default/web) → 10.244.1.6:80, 10.244.2.7:80, 10.244.2.8:80 (random)\n"

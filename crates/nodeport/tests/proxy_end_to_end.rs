@@ -4,9 +4,9 @@
 //!
 //! Every test runs once per proxy mode (`nftables::<test>` in the default flat layout,
 //! `nftables_kube_proxy_layout::<test>` and `iptables::<test>`, from [`in_every_mode!`]): the
-//! behaviour is the same, only the rules differ. Those the eBPF dataplane passes run in eBPF
-//! mode too (`ebpf::<test>`, from [`in_ebpf_mode!`], which names the features missing for the
-//! others).
+//! behaviour is the same, only the rules differ. They run in eBPF mode too (`ebpf::<test>`,
+//! from [`in_ebpf_mode!`]), where a client on the node or in a pod that the socket programs
+//! must serve runs in the node's cgroup ([`Cluster::get_in_node_cgroup`]).
 
 mod proxy_support;
 
@@ -27,6 +27,12 @@ fn privileged(test: &str, mode: Mode) -> bool {
 }
 
 const T: Duration = Duration::from_secs(2);
+
+/// The address of a client the pod server saw (`X-Client-Address`: `ip:port`, `[ip]:port`).
+fn host_of(client: &str) -> &str {
+    let host = client.rsplit_once(':').map_or(client, |(host, _)| host);
+    host.trim_start_matches('[').trim_end_matches(']')
+}
 
 fn nodeport_reaches_all_three_pods_and_is_refused_once_endpoints_are_gone(mode: Mode) {
     if !privileged(
@@ -50,7 +56,7 @@ fn nodeport_reaches_all_three_pods_and_is_refused_once_endpoints_are_gone(mode: 
                 // mode SNATs to the node's address of the family (its InternalIP), as
                 // Cilium's BPF masquerading does, not to the outgoing interface's.
                 if mode == Mode::Ebpf {
-                    assert!(client.starts_with(NODE_IP), "client seen as {client}");
+                    assert_eq!(host_of(&client), NODE_IP);
                 } else {
                     assert!(client.starts_with("10.244."), "client seen as {client}");
                 }
@@ -286,22 +292,29 @@ fn localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropp
     // From a process on the node: a pod on this node (pod1) and one on another (pod2).
     for (port, want) in [(30093, "pod1"), (30094, "pod2")] {
         let to = format!("127.0.0.1:{port}");
-        let reply = eventually(&c.node, &to, "the localhost NodePort answers", |r| {
-            matches!(r, Reply::Pod { .. })
-        });
+        let reply =
+            c.eventually_in_node_cgroup(&c.node, &to, "the localhost NodePort answers", |r| {
+                matches!(r, Reply::Pod { .. })
+            });
         let Reply::Pod { pod, client } = reply else {
             unreachable!()
         };
         assert_eq!(pod, want);
-        // The loopback source cannot leave the node: masqueraded to the node's address.
+        // The loopback source cannot leave the node: masqueraded to the node's address. In
+        // eBPF mode the socket is connected to the pod at connect(), so the kernel picks the
+        // node's address towards the pod as its source: no 127.0.0.1 ever goes on the wire.
         assert!(client.starts_with("10.244."), "pod saw {client}");
     }
+    // kube-proxy turns route_localnet on to DNAT 127.0.0.1; the socket programs need not
+    // (Cilium's socket LB serves 127.0.0.1:<nodePort> the same way), so 127.0.0.0/8 stays
+    // unroutable from outside and needs no guard.
+    let route_localnet = if mode == Mode::Ebpf { "0" } else { "1" };
     assert_eq!(
         c.node
             .run(&["sysctl", "-n", "net.ipv4.conf.all.route_localnet"])
             .unwrap()
             .trim(),
-        "1"
+        route_localnet
     );
     // The rest of the mixed list: the private address answers, the other does not.
     eventually(
@@ -339,13 +352,26 @@ fn localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropp
              sysctl -qw net.ipv4.conf.all.route_localnet=1"
         ))
         .unwrap();
+    let short = Duration::from_millis(1500);
+    if mode == Mode::Ebpf {
+        // No tc frontend is ever loaded for a loopback address and route_localnet is off:
+        // the node drops 127.0.0.1 arriving from the LAN as martian, NodePort or not (in
+        // Cilium too, 127.0.0.1:<nodePort> is served to the node's own sockets only).
+        assert_eq!(get(&c.client, "127.0.0.1:30093", short), Reply::Timeout);
+        assert_eq!(get(&c.client, "127.0.0.1:18080", short), Reply::Timeout);
+        // A restart without localhost NodePorts takes them away from the node's sockets.
+        c.restart_proxy_with(&["--nodeport-addresses", "198.51.100.0/24"]);
+        c.eventually_in_node_cgroup(&c.node, "127.0.0.1:30093", "no localhost NodePort", |r| {
+            *r == Reply::Refused
+        });
+        return;
+    }
     // The trick works: a NodePort through 127.0.0.1 is DNATed first, which the guard
     // lets through (`! --ctstate DNAT`).
     eventually(&c.client, "127.0.0.1:30093", "127.0.0.1 via the LAN", |r| {
         matches!(r, Reply::Pod { .. })
     });
     // The node's own 127.0.0.1 service is not reachable from outside: dropped.
-    let short = Duration::from_millis(1500);
     assert_eq!(get(&c.client, "127.0.0.1:18080", short), Reply::Timeout);
     // Nor when conntrack does not track it: kube-proxy's guard drops everything that is
     // not RELATED, ESTABLISHED or DNAT, so UNTRACKED (and INVALID) packets too. A guard
@@ -372,7 +398,7 @@ fn localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropp
             "localnet-check",
         ],
         Mode::Iptables => &["iptables", "-t", "filter", "-F", "KUBE-FIREWALL"],
-        Mode::Ebpf => unreachable!("not run in eBPF mode: it has no localhost NodePorts"),
+        Mode::Ebpf => unreachable!("returned above: no guard in eBPF mode"),
     };
     c.node.run(cmd).unwrap();
     assert!(
@@ -393,6 +419,40 @@ fn localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropp
         *r == Reply::Timeout
     });
     assert_eq!(reply, Reply::Timeout);
+}
+
+fn clusterip_traffic_routed_from_outside_the_cluster_cidr_is_masqueraded(mode: Mode) {
+    if !privileged(
+        "clusterip_traffic_routed_from_outside_the_cluster_cidr_is_masqueraded",
+        mode,
+    ) {
+        return;
+    }
+    // The proxy runs with --cluster-cidr 10.244.0.0/16; the client (192.0.2.100) routes the
+    // service range to the node. kube-proxy masquerades such off-cluster traffic to a
+    // ClusterIP (`ip saddr != 10.244.0.0/16 ... mark for masquerade`), so the pod's reply
+    // comes back through the node even when the client has another way to the pod.
+    let c = Cluster::start(mode, &[]);
+    c.apply(&service_yaml("web", 30095, "", &[1])).unwrap();
+    c.client
+        .run(&["ip", "route", "add", "10.96.0.0/16", "via", NODE_IP])
+        .unwrap();
+    let to = format!("{}:80", c.cluster_ip("web"));
+    let reply = eventually(&c.client, &to, "the ClusterIP answers the client", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+    let Reply::Pod { pod, client } = reply else {
+        unreachable!()
+    };
+    assert_eq!(pod, "pod1");
+    // MASQUERADE takes the node's address towards the pod; the eBPF mode SNATs to the
+    // node's address of the family (tc, the routed ClusterIP frontend).
+    let seen = if mode == Mode::Ebpf {
+        NODE_IP
+    } else {
+        "10.244.1.1"
+    };
+    assert_eq!(host_of(&client), seen);
 }
 
 fn etp_local_drops_without_a_local_endpoint_and_keeps_the_client_ip_with_one(mode: Mode) {
@@ -747,22 +807,35 @@ fn a_dual_stack_nodeport_answers_over_both_families_and_so_do_its_cluster_ips(mo
     );
     let v4 = format!("{NODE_IP}:30120");
     let v6 = format!("[{NODE_IP6}]:30120");
-    for (to, pod_prefix) in [(&v4, "10.244."), (&v6, "fd00:10:244:")] {
+    // eTP=Cluster: masqueraded. kube-proxy's MASQUERADE takes the node's address towards
+    // the pod; the eBPF mode SNATs to the node's address of the family (its InternalIP), as
+    // Cilium's BPF NodePort does.
+    let (seen_v4, seen_v6) = if mode == Mode::Ebpf {
+        (NODE_IP, NODE_IP6)
+    } else {
+        ("10.244.", "fd00:10:244:")
+    };
+    for (to, seen_prefix) in [(&v4, seen_v4), (&v6, seen_v6)] {
         let reply = eventually(&c.client, to, "the NodePort answers", |r| {
             matches!(r, Reply::Pod { .. })
         });
         let Reply::Pod { client, .. } = reply else {
             unreachable!()
         };
-        // eTP=Cluster: masqueraded to the node's address of the family towards the pod.
         let seen = client.trim_start_matches('[');
-        assert!(
-            seen.starts_with(pod_prefix),
-            "{to}: client seen as {client}"
-        );
+        if mode == Mode::Ebpf {
+            assert_eq!(host_of(&client), seen_prefix, "{to}");
+        } else {
+            assert!(
+                seen.starts_with(seen_prefix),
+                "{to}: client seen as {client}"
+            );
+        }
     }
+    // From pod3, which is no endpoint (in eBPF mode a process of the node's cgroup, served
+    // by the socket programs at connect()).
     for to in [format!("{}:80", ips[0]), format!("[{}]:80", ips[1])] {
-        eventually(&c.pods[2], &to, "the ClusterIP answers from a pod", |r| {
+        c.eventually_in_node_cgroup(&c.pods[2], &to, "the ClusterIP answers from a pod", |r| {
             matches!(r, Reply::Pod { .. })
         });
     }
@@ -887,6 +960,7 @@ in_every_mode!(
     udp_conntrack_entries_to_a_removed_endpoint_are_cleaned,
     proxy_killed_and_restarted_during_a_stream_of_requests_fails_none,
     a_dual_stack_nodeport_answers_over_both_families_and_so_do_its_cluster_ips,
+    clusterip_traffic_routed_from_outside_the_cluster_cidr_is_masqueraded,
 );
 
 /// The same tests in eBPF mode (`ebpf::<test>`), one node cgroup and pin root each
@@ -915,7 +989,7 @@ in_ebpf_mode!(
     udp_conntrack_entries_to_a_removed_endpoint_are_cleaned,
     itp_local_clusterip_reaches_only_the_local_pod,
     a_rule_deleted_by_hand_is_restored_by_the_periodic_resync,
-    // Not in eBPF mode, for a feature the dataplane lacks:
-    // - localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropped:
-    //   no localhost NodePorts (nor the route_localnet guard) in eBPF mode.
+    localhost_nodeports_reach_local_and_remote_pods_and_127_from_outside_is_dropped,
+    a_dual_stack_nodeport_answers_over_both_families_and_so_do_its_cluster_ips,
+    clusterip_traffic_routed_from_outside_the_cluster_cidr_is_masqueraded,
 );

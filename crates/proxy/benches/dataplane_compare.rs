@@ -1,6 +1,12 @@
-//! nftables versus iptables on the real kernel: first-connection latency through a NodePort
-//! and sync time, with 1 to 30,000 Services programmed (the comparison of the Kubernetes
-//! blog "NFTables mode for kube-proxy", 2025-02-28).
+//! nftables versus iptables (and the eBPF dataplane) on the real kernel: first-connection
+//! latency through a NodePort and sync time, with 1 to 30,000 Services programmed (the
+//! comparison of the Kubernetes blog "NFTables mode for kube-proxy", 2025-02-28).
+//!
+//! The eBPF mode loads its programs unpinned inside the node's namespace and attaches tc to
+//! the node's interfaces (no socket programs: the client is another host); the setup keeps
+//! its dataplane until the end, since unpinned programs detach when their owner is dropped
+//! (an earlier version dropped it after programming, and its NodePort was then refused by
+//! the node's stack).
 //!
 //! For every size and mode, in throwaway network namespaces:
 //!
@@ -34,18 +40,23 @@
 //! default `1 1000 10000 30000`). `NODEPORT_BENCH_CONNECTIONS` (default 20000),
 //! `NODEPORT_BENCH_ENDPOINTS` (default 3), `NODEPORT_BENCH_IPTABLES_NFT_MAX` (default 1000),
 //! `NODEPORT_BENCH_CSV` (another output file), `NODEPORT_BENCH_MODES` (a comma-separated subset of
-//! `nftables` (flat layout), `nftables-kube-proxy`, `iptables-legacy`, `iptables-nft`),
-//! `NODEPORT_BENCH_KUBE_PROXY_MAX` (default 10,000: kube-proxy's layout above it is skipped). Writes `docs/nft-vs-iptables.csv`, which
+//! `nftables` (flat layout), `nftables-kube-proxy`, `ebpf`, `iptables-legacy`, `iptables-nft`),
+//! `NODEPORT_BENCH_KUBE_PROXY_MAX` (default 10,000: kube-proxy's layout above it is skipped),
+//! `NODEPORT_BENCH_THROUGHPUT_MB` (default 512, 0 skips it: after the latency rounds, each
+//! setup streams that much from the client to the pod through the NodePort three times and
+//! prints the median, generic veth figures). Writes `docs/nft-vs-iptables.csv`, which
 //! `docs/plots/nft_vs_iptables.py` turns into `docs/nft-vs-iptables.png`.
 
 mod support;
 
 use std::io::Write as _;
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use nix::sched::{CloneFlags, setns};
 use nodeport_proxy::backend::Backend;
 use nodeport_proxy::config::{NftablesLayout, NodeConfig};
 use nodeport_proxy::desired::{self, DesiredState, NodeView, StateConfig};
@@ -132,6 +143,9 @@ enum Mode {
     Nftables,
     /// nftables mode, kube-proxy's layout (a chain per Service port and endpoint).
     NftablesKubeProxy,
+    /// The eBPF dataplane (tc programs on the node's interfaces, no socket programs: the
+    /// client is another host).
+    Ebpf,
     /// iptables mode through `iptables-legacy-restore` (x_tables: one blob per table).
     IptablesLegacy,
     /// iptables mode through `iptables-nft-restore` (the machine's default `iptables`).
@@ -143,6 +157,7 @@ impl Mode {
         match self {
             Mode::Nftables => "nftables",
             Mode::NftablesKubeProxy => "nftables-kube-proxy",
+            Mode::Ebpf => "ebpf",
             Mode::IptablesLegacy => "iptables-legacy",
             Mode::IptablesNft => "iptables-nft",
         }
@@ -157,6 +172,9 @@ struct Setup {
     one_change: Duration,
     samples: Vec<Duration>,
     client: Netns,
+    /// Kept for the whole run: the eBPF dataplane's programs (not pinned here) detach when
+    /// it is dropped, unlike rules already in the kernel.
+    _backend: Box<dyn Backend>,
     _node: Netns,
     _pod: Netns,
     stop: Arc<AtomicBool>,
@@ -206,13 +224,80 @@ fn serve(pod: &Netns, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
             if stop.load(Ordering::Relaxed) {
                 break;
             }
-            drop(conn);
+            // Read until the client is done (a latency probe resets at once; a throughput
+            // stream ends with its FIN), then close.
+            if let Ok(mut conn) = conn {
+                let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
+                let _ = std::io::copy(&mut conn, &mut std::io::sink());
+            }
         }
     })
 }
 
+/// A backend that runs inside the node's namespace: the eBPF dataplane attaches to the
+/// interfaces and reads the addresses of the namespace it is called in, as `nodeport proxy`
+/// runs on its node. Each call enters the node's namespace on this thread and comes back.
+struct InNamespace {
+    node: std::fs::File,
+    home: std::fs::File,
+    inner: nodeport_proxy::ebpf::dataplane::Dataplane,
+}
+
+impl InNamespace {
+    fn start(node: &Netns) -> Self {
+        let node = std::fs::File::open(Path::new("/run/netns").join(node.name())).unwrap();
+        let home = std::fs::File::open("/proc/thread-self/ns/net").unwrap();
+        let enter = |ns: &std::fs::File| setns(ns, CloneFlags::CLONE_NEWNET).expect("setns");
+        enter(&node);
+        let inner = nodeport_proxy::ebpf::dataplane::Dataplane::start(
+            nodeport_proxy::ebpf::dataplane::Config {
+                render: nodeport_proxy::ebpf::render::RenderConfig {
+                    fib_forward: true,
+                    // As the NodeConfig the other modes get.
+                    cluster_cidrs: vec!["10.244.0.0/16".parse().unwrap()],
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        );
+        enter(&home);
+        InNamespace {
+            node,
+            home,
+            inner: inner.expect("load the eBPF dataplane"),
+        }
+    }
+}
+
+impl Backend for InNamespace {
+    fn mode(&self) -> nodeport_proxy::config::ProxyMode {
+        self.inner.mode()
+    }
+
+    fn sync(
+        &mut self,
+        desired: &DesiredState,
+        config: &NodeConfig,
+        changed: Option<&std::collections::BTreeSet<nodeport_proxy::model::ServicePortName>>,
+    ) -> Result<nodeport_proxy::backend::SyncReport, nodeport_proxy::backend::Error> {
+        setns(&self.node, CloneFlags::CLONE_NEWNET).expect("setns");
+        let r = Backend::sync(&mut self.inner, desired, config, changed);
+        setns(&self.home, CloneFlags::CLONE_NEWNET).expect("setns");
+        r
+    }
+
+    fn needs_full_sync(&self) -> bool {
+        Backend::needs_full_sync(&self.inner)
+    }
+
+    fn detects_drift(&self) -> bool {
+        Backend::detects_drift(&self.inner)
+    }
+}
+
 fn backend(mode: Mode, node: &Netns) -> Box<dyn Backend> {
     match mode {
+        Mode::Ebpf => Box::new(InNamespace::start(node)),
         Mode::Nftables | Mode::NftablesKubeProxy => {
             let nft = NftCommand::in_netns(node.name());
             let kernel = NetlinkKernel::in_namespace(
@@ -244,7 +329,7 @@ fn setup(mode: Mode, n: usize, endpoints: usize) -> Setup {
         // Each mode's default: the Node's IP (a set lookup) for nftables, every local
         // address (`-m addrtype --dst-type LOCAL`) for iptables.
         nodeport_addresses: match mode {
-            Mode::Nftables | Mode::NftablesKubeProxy => "primary".parse().unwrap(),
+            Mode::Nftables | Mode::NftablesKubeProxy | Mode::Ebpf => "primary".parse().unwrap(),
             Mode::IptablesLegacy | Mode::IptablesNft => "0.0.0.0/0".parse().unwrap(),
         },
     };
@@ -291,7 +376,7 @@ fn setup(mode: Mode, n: usize, endpoints: usize) -> Setup {
     changes.sort();
     let one_change = changes[changes.len() / 2];
     println!(
-        "  {:<15} {:>6} Services: full sync {:>8.3} s, one change {:>8.1} ms",
+        "  {:<15} {:>6} Services: full sync {:>8.3} s, one change {:>8.3} ms",
         mode.as_str(),
         n,
         full_sync.as_secs_f64(),
@@ -305,6 +390,7 @@ fn setup(mode: Mode, n: usize, endpoints: usize) -> Setup {
         one_change,
         samples: Vec::new(),
         client,
+        _backend: b,
         _node: node,
         _pod: pod,
         stop,
@@ -345,6 +431,33 @@ impl Setup {
     }
 }
 
+impl Setup {
+    /// Established-connection throughput through the NodePort: `bytes` written by the
+    /// client, until the pod has read them all and closed; Gbit/s.
+    fn throughput(&self, bytes: usize) -> f64 {
+        let to = SocketAddr::new(NODE_IP.parse().unwrap(), MEASURED_NODE_PORT);
+        self.client
+            .enter(|| {
+                use std::io::{Read as _, Write as _};
+                let chunk = vec![0x5au8; 64 * 1024];
+                let mut s = TcpStream::connect_timeout(&to, Duration::from_secs(2))
+                    .unwrap_or_else(|e| panic!("connect to {to}: {e}"));
+                let t = Instant::now();
+                let mut left = bytes;
+                while left > 0 {
+                    let n = left.min(chunk.len());
+                    s.write_all(&chunk[..n]).expect("write to the pod");
+                    left -= n;
+                }
+                s.shutdown(std::net::Shutdown::Write).unwrap();
+                let mut rest = Vec::new();
+                let _ = s.read_to_end(&mut rest);
+                bytes as f64 * 8.0 / t.elapsed().as_secs_f64() / 1e9
+            })
+            .unwrap()
+    }
+}
+
 fn percentile(sorted: &[Duration], p: f64) -> f64 {
     let i = ((sorted.len() as f64 * p) as usize).min(sorted.len() - 1);
     sorted[i].as_secs_f64() * 1e6
@@ -368,7 +481,7 @@ fn main() {
     // kube-proxy's nftables layout: a full sync at 30,000 Services takes minutes.
     let kube_proxy_max = env_usize("NODEPORT_BENCH_KUBE_PROXY_MAX", 10_000);
     let modes: Vec<String> = std::env::var("NODEPORT_BENCH_MODES")
-        .unwrap_or_else(|_| "nftables,nftables-kube-proxy,iptables-legacy,iptables-nft".into())
+        .unwrap_or_else(|_| "nftables,nftables-kube-proxy,ebpf,iptables-legacy,iptables-nft".into())
         .split(',')
         .map(str::to_owned)
         .collect();
@@ -382,6 +495,7 @@ fn main() {
         for mode in [
             Mode::Nftables,
             Mode::NftablesKubeProxy,
+            Mode::Ebpf,
             Mode::IptablesLegacy,
             Mode::IptablesNft,
         ] {
@@ -418,6 +532,21 @@ fn main() {
         }
     }
     let total = started.elapsed();
+    // Throughput: generic veth figures (one CPU's worth of softirq per direction), the
+    // median of three streams per setup.
+    let throughput_mb = env_usize("NODEPORT_BENCH_THROUGHPUT_MB", 512);
+    if throughput_mb > 0 {
+        println!();
+        println!(
+            "| mode | Services | throughput Gbit/s (median of 3 x {throughput_mb} MiB, veth) |"
+        );
+        println!("| --- | --- | --- |");
+        for s in &setups {
+            let mut runs: Vec<f64> = (0..3).map(|_| s.throughput(throughput_mb << 20)).collect();
+            runs.sort_by(f64::total_cmp);
+            println!("| {} | {} | {:.2} |", s.mode.as_str(), s.services, runs[1]);
+        }
+    }
 
     let csv_path = std::env::var("NODEPORT_BENCH_CSV").unwrap_or_else(|_| {
         concat!(
@@ -446,14 +575,14 @@ fn main() {
             .or_default()
             .push((s.services, p50));
         println!(
-            "| {} | {} | {p01:.0} | {p50:.0} | {p90:.0} | {p99:.0} | {:.2} s | {:.0} ms |",
+            "| {} | {} | {p01:.0} | {p50:.0} | {p90:.0} | {p99:.0} | {:.2} s | {:.2} ms |",
             s.mode.as_str(),
             s.services,
             s.full_sync.as_secs_f64(),
             s.one_change.as_secs_f64() * 1e3
         );
         csv.push_str(&format!(
-            "{},{},{endpoints},{},{p01:.1},{p50:.1},{p90:.1},{p99:.1},{:.3},{:.1}\n",
+            "{},{},{endpoints},{},{p01:.1},{p50:.1},{p90:.1},{p99:.1},{:.3},{:.3}\n",
             s.mode.as_str(),
             s.services,
             s.samples.len(),

@@ -409,6 +409,17 @@ static __always_inline int np_source_allowed(const struct np_svc_val *svc, const
 	return bpf_map_lookup_elem(&np_src_ranges, &k) != 0;
 }
 
+/* Whether a source is inside the cluster CIDRs (NP_SVC_SNAT_OFF_CLUSTER). */
+static __always_inline int np_in_cluster(const struct np_addr *src)
+{
+	struct np_range_key k = {};
+
+	k.prefixlen = 32 + 128;
+	k.svc_id = NP_CLUSTER_CIDRS_ID;
+	k.addr = *src;
+	return bpf_map_lookup_elem(&np_src_ranges, &k) != 0;
+}
+
 /* Folds a 32-bit one's complement sum into the 16-bit checksum. */
 static __always_inline __u16 np_csum_fold(__s64 sum)
 {
@@ -538,7 +549,6 @@ static __always_inline int np_forward(struct __sk_buff *skb, const struct np_pkt
 			return TC_ACT_OK;
 		fib.family = NP_AF_INET;
 		fib.tos = ip.tos;
-		fib.tot_len = bpf_ntohs(ip.tot_len);
 		fib.ipv4_src = ip.saddr;
 		fib.ipv4_dst = ip.daddr;
 	} else {
@@ -549,12 +559,15 @@ static __always_inline int np_forward(struct __sk_buff *skb, const struct np_pkt
 		if (ip6.hop_limit <= 1)
 			return TC_ACT_OK;
 		fib.family = NP_AF_INET6;
-		fib.tot_len = bpf_ntohs(ip6.payload_len) + sizeof(ip6);
 		__builtin_memcpy(fib.ipv6_src, &ip6.saddr, 16);
 		__builtin_memcpy(fib.ipv6_dst, &ip6.daddr, 16);
 	}
 	fib.sport = p->tuple.sport;
 	fib.dport = p->tuple.dport;
+	/* tot_len stays 0: the kernel then checks the skb itself against the egress device's
+	 * MTU (is_skb_forwardable, which knows GSO). A header's tot_len of a GSO packet (up to
+	 * 64 KiB from a veth with TSO) would fail the MTU check, and the translated packet,
+	 * sent up the stack instead, be dropped there (a SNATed source is the node's own). */
 	rc = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
 	if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH)
 		return TC_ACT_OK;
@@ -649,7 +662,8 @@ static __always_inline int np_open(struct __sk_buff *skb, struct np_pkt *p,
 	rev.svc_id = svc->svc_id;
 	rev.last_seen = now;
 
-	if ((be->flags & NP_BE_REMOTE) || (svc->flags & NP_SVC_SNAT)) {
+	if ((be->flags & NP_BE_REMOTE) || (svc->flags & NP_SVC_SNAT) ||
+	    ((svc->flags & NP_SVC_SNAT_OFF_CLUSTER) && !np_in_cluster(&p->tuple.saddr))) {
 		__u32 idx = p->eth_proto == bpf_htons(ETH_P_IP) ? 0 : 1;
 		struct np_config_val *cfg = bpf_map_lookup_elem(&np_config, &idx);
 		int done = 0;

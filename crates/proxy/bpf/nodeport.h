@@ -33,7 +33,14 @@
 #define NP_SVC_MAGLEV 0x8    /* pick through np_maglev rather than at random */
 #define NP_SVC_RANGES 0x10   /* loadBalancerSourceRanges: the source must be in np_src_ranges */
 #define NP_SVC_SNAT 0x20     /* SNAT to the node whatever the backend (externalTrafficPolicy
-                              * Cluster: kube-proxy masquerades external traffic) */
+                              * Cluster: kube-proxy masquerades external traffic; ClusterIPs
+                              * under --masquerade-all) */
+#define NP_SVC_SNAT_OFF_CLUSTER 0x40 /* SNAT to the node when the source is outside the
+                                      * cluster CIDRs (--cluster-cidr: kube-proxy masquerades
+                                      * off-cluster traffic to ClusterIPs) */
+
+/* np_src_ranges holds the cluster CIDRs under this service id (frontends start at 1). */
+#define NP_CLUSTER_CIDRS_ID 0
 
 /* Backend flags. */
 #define NP_BE_REMOTE 0x1 /* on another node: SNAT to the node so that replies come back */

@@ -540,9 +540,13 @@ pub async fn run(
             config.iptables.clone(),
         )),
         ProxyMode::Ipvs => return Err(Error::IpvsNotProgrammed),
-        ProxyMode::Ebpf => Box::new(
-            crate::ebpf::dataplane::Dataplane::start(config.ebpf.clone()).map_err(Error::Ebpf)?,
-        ),
+        ProxyMode::Ebpf => {
+            // --masquerade-all and --cluster-cidr mean what they mean in the other modes.
+            let mut ebpf = config.ebpf.clone();
+            ebpf.render.masquerade_all = config.node.masquerade_all;
+            ebpf.render.cluster_cidrs = config.node.cluster_cidrs.clone();
+            Box::new(crate::ebpf::dataplane::Dataplane::start(ebpf).map_err(Error::Ebpf)?)
+        }
     };
     run_with_backend(client, config, backend, shutdown).await
 }

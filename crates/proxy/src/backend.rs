@@ -144,8 +144,8 @@ impl Backend for ebpf::dataplane::Dataplane {
         ProxyMode::Ebpf
     }
 
-    /// `config` is not read: masquerading follows the traffic policies (kube-proxy's
-    /// behaviour without `--masquerade-all` and local traffic detection).
+    /// `config` is not read: `--masquerade-all` and `--cluster-cidr` reach the dataplane
+    /// through its render configuration, set when `agent::run` starts it.
     fn sync(
         &mut self,
         desired: &DesiredState,

@@ -119,7 +119,9 @@ fn connect(from: Option<IpAddr>, to: SocketAddr, timeout: Duration) -> std::io::
     Ok(TcpStream::from(fd))
 }
 
-fn parse_answer(raw: &str) -> Option<HttpAnswer> {
+/// Parses a pod server's raw HTTP answer (status line, headers, body), as [`http_get`] does;
+/// for answers read by another client (`curl -i`).
+pub fn parse_answer(raw: &str) -> Option<HttpAnswer> {
     let (head, body) = raw.split_once("\r\n\r\n")?;
     let mut lines = head.lines();
     let status = lines.next()?.split_whitespace().nth(1)?.parse().ok()?;

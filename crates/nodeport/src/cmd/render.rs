@@ -229,6 +229,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 algorithm,
                 local_ips,
                 fib_forward: true,
+                masquerade_all: config.masquerade_all,
+                cluster_cidrs: config.cluster_cidrs.clone(),
             };
             for line in ebpf::render::render(&desired, &render_config).lines(algorithm) {
                 super::outln!("{line}");

@@ -215,6 +215,8 @@ impl Rendered {
                     algorithm: *algorithm,
                     local_ips: facts.local_ips.clone(),
                     fib_forward: true,
+                    masquerade_all: config.masquerade_all,
+                    cluster_cidrs: config.cluster_cidrs.clone(),
                 };
                 Rendered::Ebpf(ebpf::render::render(desired, &render_config))
             }

@@ -276,6 +276,68 @@ impl Cluster {
         });
     }
 
+    /// `GET /` from a process in `ns` as one of the node's pods or processes would send it.
+    /// In eBPF mode that process (curl) runs in the node's cgroup: the socket programs serve
+    /// the processes of `--ebpf-cgroup-root`, whose production default, the cgroup2 root,
+    /// holds every pod and process of the node (Cilium's socket LB under its
+    /// `--cgroup-root`). The other modes need no cgroup: [`get`].
+    pub fn get_in_node_cgroup(&self, ns: &Netns, to: &str, timeout: Duration) -> Reply {
+        let Some(ebpf) = &self.ebpf else {
+            return get(ns, to, timeout);
+        };
+        let procs = ebpf.cgroup.join("cgroup.procs");
+        let secs = format!("{:.1}", timeout.as_secs_f64());
+        let out = ns
+            .command("sh")
+            .args([
+                "-c",
+                "echo $$ > \"$0\" && exec curl -s -i --max-time \"$1\" \"http://$2/\"",
+            ])
+            .arg(&procs)
+            .args([&secs, to])
+            .output()
+            .expect("running curl");
+        match out.status.code() {
+            Some(0) => {
+                match nodeport_testbed::probe::parse_answer(&String::from_utf8_lossy(&out.stdout)) {
+                    Some(a) => Reply::Pod {
+                        pod: a.pod,
+                        client: a.client,
+                    },
+                    None => Reply::Other(String::from_utf8_lossy(&out.stdout).into_owned()),
+                }
+            }
+            // curl: 7 could not connect (refused), 28 timed out.
+            Some(7) => Reply::Refused,
+            Some(28) => Reply::Timeout,
+            _ => Reply::Other(format!(
+                "curl in the node's cgroup: {} {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr)
+            )),
+        }
+    }
+
+    /// [`eventually`] with [`Cluster::get_in_node_cgroup`].
+    pub fn eventually_in_node_cgroup(
+        &self,
+        ns: &Netns,
+        to: &str,
+        what: &str,
+        mut want: impl FnMut(&Reply) -> bool,
+    ) -> Reply {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        let mut last = Reply::Other("never tried".into());
+        while Instant::now() < deadline {
+            last = self.get_in_node_cgroup(ns, to, Duration::from_millis(700));
+            if want(&last) {
+                return last;
+            }
+            std::thread::sleep(Duration::from_millis(150));
+        }
+        panic!("{what}: last reply {last:?}");
+    }
+
     /// Deletes, by hand, the rule that sends service traffic to the services' chains (what
     /// an operator's mistake or another tool might do): `nft flush chain ip kube-proxy
     /// services`, or `iptables -t nat -F KUBE-SERVICES`.

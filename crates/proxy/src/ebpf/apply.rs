@@ -21,6 +21,8 @@
 //! entries, Maglev tables and ranges the applier did not write are deleted. On its first sync
 //! the applier reads the frontends already in the maps (pinned by an earlier run) and keeps
 //! their service ids, so that affinity survives a restart; set ids start above any found.
+//! Full syncs also write the cluster CIDRs (`--cluster-cidr`) into the source-range trie
+//! under service id 0 (`CLUSTER_CIDRS_ID`), which the routed ClusterIP frontends consult.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::IpAddr;
@@ -29,7 +31,9 @@ use std::time::Duration;
 use ipnet::IpNet;
 
 use super::maglev;
-use super::maps::{BackendEntry, CT_CLOSING, CT_REPLY, Frontend, FrontendKey, Tuple};
+use super::maps::{
+    BackendEntry, CLUSTER_CIDRS_ID, CT_CLOSING, CT_REPLY, Frontend, FrontendKey, Tuple,
+};
 use super::programs::{self, Maps};
 use super::render::{Algorithm, RenderConfig, ServiceMaps, SetKey, render_service};
 use crate::desired::DesiredState;
@@ -182,6 +186,13 @@ impl Applier {
                 self.snat.insert(fam.family, ip);
             }
         }
+        if full {
+            // The cluster CIDRs (`SVC_SNAT_OFF_CLUSTER`) before any frontend that needs them;
+            // written again on every full sync (a handful of entries), the sweep removes others.
+            for net in &self.config.cluster_cidrs {
+                self.maps.add_source_range(CLUSTER_CIDRS_ID, net.trunc())?;
+            }
+        }
         let mut todo: BTreeSet<(ServicePortName, IpFamily)> = BTreeSet::new();
         if full {
             todo.extend(self.installed.keys().cloned());
@@ -243,6 +254,10 @@ impl Applier {
     ) -> Result<usize, programs::Error> {
         let key = (name.clone(), family);
         let old = self.installed.remove(&key);
+        if name.protocol == crate::model::Protocol::Sctp && old.is_none() && fresh.is_some() {
+            // Rendered empty; said once per port and family.
+            tracing::warn!(service = %name, family = family.as_str(), "{}", super::render::SCTP_NOT_SERVED);
+        }
         let Some(fresh) = fresh else {
             return match old {
                 Some(old) => self.remove_all(&old),
@@ -467,6 +482,12 @@ impl Applier {
             .installed
             .values()
             .flat_map(|i| ranges_of(i).into_iter().map(|n| (i.svc_id, n)))
+            .chain(
+                self.config
+                    .cluster_cidrs
+                    .iter()
+                    .map(|n| (CLUSTER_CIDRS_ID, n.trunc())),
+            )
             .collect();
         for (svc_id, net) in self.maps.source_ranges()? {
             if !ranges.contains(&(svc_id, net)) {

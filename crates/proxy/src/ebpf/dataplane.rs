@@ -17,7 +17,7 @@ use super::apply::{self, Applier, Timeouts};
 use super::programs::{self, MapSizes, Programs};
 use super::render::{RenderConfig, nodeport_ips};
 use crate::desired::DesiredState;
-use crate::model::ServicePortName;
+use crate::model::{Protocol, ServicePortName};
 
 /// How the dataplane is set up.
 #[derive(Debug, Clone)]
@@ -81,6 +81,9 @@ pub struct Dataplane {
     udp_backends: BTreeSet<std::net::SocketAddr>,
     /// The interface each local endpoint is routed through (`None`: no route, or local).
     routes: std::collections::BTreeMap<IpAddr, Option<String>>,
+    /// The device each remote endpoint is routed through, since the last full sync (which
+    /// reads the routes again).
+    remote_routes: std::collections::BTreeMap<IpAddr, Option<String>>,
     sizes: Vec<(&'static str, u32)>,
 }
 
@@ -106,6 +109,7 @@ impl Dataplane {
             config,
             attached: std::collections::BTreeMap::new(),
             routes: std::collections::BTreeMap::new(),
+            remote_routes: std::collections::BTreeMap::new(),
             udp_backends: BTreeSet::new(),
             last_collect: None,
             sizes,
@@ -141,11 +145,16 @@ impl Dataplane {
         render.local_ips.dedup();
         self.applier.set_local_ips(render.local_ips.clone());
         let report = self.applier.sync(desired, changed).map_err(Error::Apply)?;
-        // UDP sockets connected to a backend that left: closed, so that they connect again.
-        let udp = self.applier.udp_backends();
-        let gone: BTreeSet<std::net::SocketAddr> =
-            self.udp_backends.difference(&udp).copied().collect();
-        self.udp_backends = udp;
+        // UDP sockets connected to a backend that left: closed, so that they connect again
+        // (looked for only when a UDP service port was written).
+        let udp_written =
+            report.full || changed.is_none_or(|c| c.iter().any(|n| n.protocol == Protocol::Udp));
+        let mut gone: BTreeSet<std::net::SocketAddr> = BTreeSet::new();
+        if udp_written {
+            let udp = self.applier.udp_backends();
+            gone = self.udp_backends.difference(&udp).copied().collect();
+            self.udp_backends = udp;
+        }
         if !gone.is_empty() {
             let closed = match &self.config.cgroup_root {
                 Some(cgroup) => super::sockets::destroy_in_cgroup(cgroup, &gone),
@@ -170,14 +179,30 @@ impl Dataplane {
             .filter(|(_, ip)| wanted.contains(ip))
             .map(|(name, _)| name)
             .collect();
-        let local_endpoints: BTreeSet<IpAddr> = desired
-            .families
-            .iter()
-            .flat_map(|f| f.services.values())
-            .flat_map(|s| s.cluster_endpoints.iter().chain(&s.local_endpoints))
-            .filter(|e| e.local)
-            .map(|e| e.ip)
-            .collect();
+        // Endpoints of the service ports this sync wrote: all of them on a full sync, the
+        // changed ones otherwise (a change costs the same whatever the number of Services).
+        if report.full {
+            self.remote_routes.clear();
+        }
+        let mut local_endpoints: BTreeSet<IpAddr> = BTreeSet::new();
+        let mut remote: BTreeSet<IpAddr> = BTreeSet::new();
+        for fam in &desired.families {
+            let written: Vec<&std::sync::Arc<crate::desired::ServicePortState>> = match changed {
+                Some(names) if !report.full => {
+                    names.iter().filter_map(|n| fam.services.get(n)).collect()
+                }
+                _ => fam.services.values().collect(),
+            };
+            for svc in written {
+                for e in svc.cluster_endpoints.iter().chain(&svc.local_endpoints) {
+                    if e.local {
+                        local_endpoints.insert(e.ip);
+                    } else if !self.remote_routes.contains_key(&e.ip) {
+                        remote.insert(e.ip);
+                    }
+                }
+            }
+        }
         for ip in local_endpoints {
             let via = self.routes.entry(ip).or_insert_with(|| route_interface(ip));
             if let Some(name) = via {
@@ -187,18 +212,15 @@ impl Dataplane {
         // Replies of connections SNATed to a remote backend come back through the device
         // that backend is routed through (a tunnel device, a pod network's link): the tc
         // programs go there too, found by longest prefix match in the main routing tables
-        // (one dump per family and sync, not one lookup per endpoint).
-        let remote: BTreeSet<IpAddr> = desired
-            .families
-            .iter()
-            .flat_map(|f| f.services.values())
-            .flat_map(|s| s.cluster_endpoints.iter().chain(&s.local_endpoints))
-            .filter(|e| !e.local)
-            .map(|e| e.ip)
-            .collect();
+        // (one dump per family when endpoints not seen since the last full sync appear, not
+        // one lookup per endpoint).
         if !remote.is_empty() {
             let table = route_table();
-            interfaces.extend(remote.iter().filter_map(|ip| route_device(&table, *ip)));
+            for ip in remote {
+                let via = route_device(&table, ip);
+                interfaces.extend(via.clone());
+                self.remote_routes.insert(ip, via);
+            }
         }
         if self
             .last_collect

@@ -64,8 +64,14 @@ pub const SVC_MAGLEV: u16 = 0x8;
 /// Frontend flag: `loadBalancerSourceRanges` apply.
 pub const SVC_RANGES: u16 = 0x10;
 /// Frontend flag: SNAT to the node whatever the backend (external traffic under the Cluster
-/// policy, which kube-proxy masquerades).
+/// policy, which kube-proxy masquerades; ClusterIPs under `--masquerade-all`).
 pub const SVC_SNAT: u16 = 0x20;
+/// Frontend flag: SNAT to the node when the source is outside the cluster CIDRs
+/// (`--cluster-cidr`: kube-proxy masquerades off-cluster traffic to ClusterIPs).
+pub const SVC_SNAT_OFF_CLUSTER: u16 = 0x40;
+/// The service id under which `np_src_ranges` holds the cluster CIDRs
+/// (`NP_CLUSTER_CIDRS_ID`; frontends' ids start at 1).
+pub const CLUSTER_CIDRS_ID: u32 = 0;
 
 /// Dataplane flag: forward packets translated at ingress with `bpf_fib_lookup` and
 /// `bpf_redirect_neigh` rather than up the stack.

@@ -10,8 +10,9 @@
 //!   excepted: loopback traffic never crosses tc), external IP and load-balancer IP, with
 //!   the external traffic policy's endpoints, SNATed to the node under the Cluster policy
 //!   (kube-proxy's masquerade); load-balancer IPs carry the source ranges; and the
-//!   ClusterIP, for routed traffic, with the internal policy's endpoints (SNATed only to
-//!   remote backends, so that their replies come back).
+//!   ClusterIP, for routed traffic, with the internal policy's endpoints (SNATed to remote
+//!   backends, so that their replies come back; to every backend under `--masquerade-all`,
+//!   or when the source is outside `--cluster-cidr`, as kube-proxy masquerades them).
 //!
 //! No endpoints at all: reject (ICMP port unreachable; `ECONNREFUSED` for sockets). A Local
 //! policy without local endpoints while others exist: drop (sockets: refused too, a socket
@@ -25,11 +26,15 @@ use ipnet::IpNet;
 
 use super::maps::{
     BackendEntry, FrontendKey, SVC_AFFINITY, SVC_DROP, SVC_MAGLEV, SVC_RANGES, SVC_REJECT,
-    SVC_SNAT, Scope, ip_proto,
+    SVC_SNAT, SVC_SNAT_OFF_CLUSTER, Scope, ip_proto,
 };
 use crate::desired::{DesiredState, EndpointTarget, FamilyState, ServicePortState};
 use crate::model::{IpFamily, Protocol, ServicePortName};
 use crate::nodeaddr::Selection;
+
+/// What render and the proxy's log say of an SCTP service port in eBPF mode.
+pub const SCTP_NOT_SERVED: &str = "SCTP: not served in eBPF mode (the programs cannot rewrite \
+     SCTP, whose CRC32c checksum is not patched incrementally; use --proxy-mode nftables)";
 
 /// How backends are chosen (`--ebpf-lb-algorithm`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -72,6 +77,22 @@ pub struct RenderConfig {
     /// source address, which the stack would drop as martian). Off only for program tests
     /// on crafted packets, whose verdicts must not depend on the host's routes.
     pub fib_forward: bool,
+    /// `--masquerade-all`: routed traffic to a ClusterIP is SNATed to the node.
+    pub masquerade_all: bool,
+    /// `--cluster-cidr`: routed traffic to a ClusterIP from outside these is SNATed to the
+    /// node (kube-proxy's `ip saddr != <cluster CIDR>` masquerade).
+    pub cluster_cidrs: Vec<IpNet>,
+}
+
+impl RenderConfig {
+    /// The cluster CIDRs of a family.
+    pub fn cluster_cidrs_of(&self, family: IpFamily) -> Vec<IpNet> {
+        self.cluster_cidrs
+            .iter()
+            .filter(|net| IpFamily::of(net.addr()) == family)
+            .copied()
+            .collect()
+    }
 }
 
 /// A backend set: one service port's endpoints under one policy.
@@ -98,6 +119,8 @@ pub struct FrontendSpec {
     pub affinity_timeout: u32,
     /// Admitted sources (`loadBalancerSourceRanges`), empty: any.
     pub source_ranges: Vec<IpNet>,
+    /// With `SVC_SNAT_OFF_CLUSTER`: the cluster CIDRs whose sources keep their address.
+    pub cluster_cidrs: Vec<IpNet>,
 }
 
 /// Everything one service port of one family puts in the maps.
@@ -316,6 +339,7 @@ pub fn render_service(
         },
         affinity_timeout,
         source_ranges: ranges.to_vec(),
+        cluster_cidrs: Vec::new(),
     };
     let key = |addr: IpAddr, port: u16, scope: Scope| FrontendKey {
         addr,
@@ -327,10 +351,20 @@ pub fn render_service(
         key(svc.cluster_ip, port.port, Scope::Internal),
         spec(internal.clone(), internal_flags, &[]),
     );
-    out.frontends.insert(
-        key(svc.cluster_ip, port.port, Scope::External),
-        spec(internal, internal_flags, &[]),
-    );
+    // Routed traffic to the ClusterIP (tc): masqueraded as kube-proxy's ClusterIP rules do,
+    // under --masquerade-all, or from outside --cluster-cidr when it is set.
+    let mut routed = spec(internal.clone(), internal_flags, &[]);
+    if internal.is_some() {
+        let cidrs = config.cluster_cidrs_of(fam.family);
+        if config.masquerade_all {
+            routed.flags |= SVC_SNAT;
+        } else if !cidrs.is_empty() {
+            routed.flags |= SVC_SNAT_OFF_CLUSTER;
+            routed.cluster_cidrs = cidrs;
+        }
+    }
+    out.frontends
+        .insert(key(svc.cluster_ip, port.port, Scope::External), routed);
     let mut externals: Vec<(IpAddr, u16, &[IpNet])> = Vec::new();
     if let Some(node_port) = port.node_port {
         for ip in nodeport_ips(fam, config) {
@@ -373,7 +407,11 @@ impl Rendered {
     /// service's source ranges.
     pub fn lines(&self, algorithm: Algorithm) -> Vec<String> {
         let mut out = Vec::new();
-        for ((name, _), maps) in &self.services {
+        for ((name, family), maps) in &self.services {
+            if name.protocol == Protocol::Sctp {
+                out.push(format!("{name} ({}) {SCTP_NOT_SERVED}", family.as_str()));
+                continue;
+            }
             for (key, spec) in &maps.frontends {
                 let scope = match key.scope {
                     Scope::Internal => "internal",
@@ -396,6 +434,11 @@ impl Rendered {
                         }
                         if spec.flags & SVC_SNAT != 0 {
                             line.push_str(", masquerade");
+                        }
+                        if spec.flags & SVC_SNAT_OFF_CLUSTER != 0 {
+                            let cidrs: Vec<String> =
+                                spec.cluster_cidrs.iter().map(|c| c.to_string()).collect();
+                            let _ = write!(line, ", masquerade unless from {}", cidrs.join(", "));
                         }
                         line.push(')');
                     }

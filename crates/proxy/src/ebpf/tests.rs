@@ -162,12 +162,17 @@ fn load_balancer_ips_carry_source_ranges_and_affinity_its_timeout() {
 }
 
 #[test]
-fn sctp_ports_are_not_rendered() {
+fn sctp_ports_are_not_rendered_and_render_says_why() {
     let yaml = service_yaml(
         "  ports: [{name: s, port: 9, protocol: SCTP}]",
         &["10.244.1.5@node-a"],
     );
-    assert!(lines(&yaml, Algorithm::Random).is_empty());
+    let got = lines(&yaml, Algorithm::Random);
+    assert_eq!(got.len(), 1, "{got:#?}");
+    assert!(
+        got[0].contains("SCTP: not served in eBPF mode") && got[0].contains("CRC32c"),
+        "{got:#?}"
+    );
 }
 
 fn traced(yaml: &str, algorithm: Algorithm, packet: Packet) -> Trace {

@@ -8,7 +8,8 @@
 //! policy; `ECONNREFUSED` for a socket either way. Then `loadBalancerSourceRanges` (tc
 //! only), then the backend: each with probability `1/count` (random), or its share of the
 //! Maglev table's slots. tc SNATs to the node when the frontend says so (external traffic
-//! under the Cluster policy) or the backend is on another node; sockets are never SNATed.
+//! under the Cluster policy; a ClusterIP under `--masquerade-all`, or from outside
+//! `--cluster-cidr`) or the backend is on another node; sockets are never SNATed.
 //! Session affinity is not evaluated: it only repeats an earlier choice.
 
 use std::collections::BTreeMap;
@@ -16,8 +17,8 @@ use std::net::SocketAddr;
 
 use super::maglev;
 use super::maps::{
-    BackendEntry, FrontendKey, MAGLEV_M, SVC_MAGLEV, SVC_RANGES, SVC_REJECT, SVC_SNAT, Scope,
-    ip_proto,
+    BackendEntry, FrontendKey, MAGLEV_M, SVC_MAGLEV, SVC_RANGES, SVC_REJECT, SVC_SNAT,
+    SVC_SNAT_OFF_CLUSTER, Scope, ip_proto,
 };
 use super::render::{FrontendSpec, Rendered};
 use crate::trace::{Env, Fate, Origin, Packet, Trace};
@@ -94,7 +95,10 @@ fn decide(
         .zip(shares)
         .filter(|(_, p)| *p > 0.0)
         .map(|(b, p)| {
-            let masqueraded = scope == Scope::External && (b.remote || spec.flags & SVC_SNAT != 0);
+            let off_cluster = spec.flags & SVC_SNAT_OFF_CLUSTER != 0
+                && !spec.cluster_cidrs.iter().any(|c| c.contains(&packet.src));
+            let masqueraded =
+                scope == Scope::External && (b.remote || spec.flags & SVC_SNAT != 0 || off_cluster);
             let fate = Fate::Delivered {
                 dnat: Some(SocketAddr::new(b.addr, b.port)),
                 masqueraded,

@@ -503,7 +503,7 @@ fn masquerade_reason(
                     come back through it"
                 .into();
         }
-        if frontend == Frontend::ClusterIP && ctx.masquerade_all && !ebpf {
+        if frontend == Frontend::ClusterIP && ctx.masquerade_all {
             return "--masquerade-all".into();
         }
         if frontend == Frontend::ClusterIP && !ctx.cluster_cidrs.is_empty() && !in_cluster {
@@ -527,7 +527,7 @@ fn masquerade_reason(
         return "externalTrafficPolicy Local keeps the client's address".into();
     }
     if frontend == Frontend::ClusterIP {
-        if ebpf {
+        if ebpf && ctx.cluster_cidrs.is_empty() {
             return "the endpoint is on this node: no SNAT needed".into();
         }
         if !ctx.cluster_cidrs.is_empty() && in_cluster {
