@@ -197,6 +197,16 @@ pub fn from_maps(
                     .filter(|(id, _)| *id == fe.svc_id)
                     .map(|(_, net)| *net)
                     .collect(),
+                // The cluster CIDRs are kept under service id 0 (see `apply`).
+                cluster_cidrs: if fe.flags & SVC_SNAT_OFF_CLUSTER != 0 {
+                    ranges
+                        .iter()
+                        .filter(|(id, _)| *id == 0)
+                        .map(|(_, net)| *net)
+                        .collect()
+                } else {
+                    Vec::new()
+                },
             },
         );
     }
