@@ -89,6 +89,15 @@ fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mod
     eventually(&c.client, &empty, "the empty Service is refused", |r| {
         *r == Reply::Refused
     });
+    // Applied last: until the proxy has synced it, the node refuses the port (no listener);
+    // once synced, its packets are dropped (no local endpoint). Traced before that, the kernel
+    // rightly differed from the render, and the test failed now and then.
+    eventually(
+        &c.client,
+        &format!("{NODE_IP}:30070"),
+        "the Local Service without a local endpoint drops",
+        |r| *r == Reply::Timeout,
+    );
 
     let web_to = format!("{web}/tcp");
     let empty_to = format!("{empty}/tcp");
