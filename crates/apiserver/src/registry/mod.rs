@@ -1566,7 +1566,62 @@ impl Registry {
     }
 }
 
+/// The allocation documents a verification read (NodePort and ClusterIP bitmaps, the secondary
+/// family's, the added ServiceCIDRs' allocations) with their revisions then: a repair based on
+/// that verification commits only if none of them changed since, or another writer allocated
+/// meanwhile and the report is out of date.
+#[derive(Clone)]
+struct CheckedAllocations {
+    node_ports: String,
+    cluster_ips: String,
+    secondary_cluster_ips: Option<String>,
+    service_cidrs: String,
+    revisions: AllocationRevisions,
+}
+
+/// The revisions of the documents of [`CheckedAllocations`], in its order (NodePort and
+/// ClusterIP bitmaps together, as [`Verification::bitmap_revisions`]).
+type AllocationRevisions = (
+    (Option<Revision>, Option<Revision>),
+    Option<Revision>,
+    Option<Revision>,
+);
+
+impl CheckedAllocations {
+    /// Refuses when any of the documents changed since the verification.
+    fn still_current(&self, txn: &Txn<'_>) -> Result<(), ApiError> {
+        let revision = |key: &str| txn.get(key).map(|e| e.mod_revision);
+        let now = (
+            (revision(&self.node_ports), revision(&self.cluster_ips)),
+            self.secondary_cluster_ips.as_deref().and_then(revision),
+            revision(&self.service_cidrs),
+        );
+        if now != self.revisions {
+            return Err(ApiError::internal(
+                "the allocations changed since they were checked",
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl Registry {
+    /// What `report` read of the allocations, to repair by it only while it is current.
+    fn checked_allocations(&self, report: &Verification) -> CheckedAllocations {
+        let prefix = self.store.prefix();
+        CheckedAllocations {
+            node_ports: storage::keys::node_port_range(prefix),
+            cluster_ips: storage::keys::service_ip_range(prefix),
+            secondary_cluster_ips: self.secondary_ip_key(),
+            service_cidrs: storage::keys::service_cidr_ranges(prefix),
+            revisions: (
+                report.bitmap_revisions,
+                report.secondary_bitmap_revision,
+                report.extra_revision,
+            ),
+        }
+    }
+
     /// Frees the bits `report` found leaked (set in a bitmap, held by no Service), if the bitmap
     /// has not changed since the check; never touches a Service, and leaves missing or doubled
     /// allocations alone (they are reported). Returns how many bits were freed.
@@ -1574,34 +1629,12 @@ impl Registry {
         if report.leaked_ports.is_empty() && report.leaked_ips.is_empty() {
             return Ok(0);
         }
-        let np_key = storage::keys::node_port_range(self.store.prefix());
-        let ip_key = storage::keys::service_ip_range(self.store.prefix());
         let (ports, ips) = (report.leaked_ports.clone(), report.leaked_ips.clone());
-        let expected = report.bitmap_revisions;
-        let expected_secondary = report.secondary_bitmap_revision;
-        let expected_extra = report.extra_revision;
-        let extra_key = storage::keys::service_cidr_ranges(self.store.prefix());
-        let secondary_key = self.secondary_ip_key();
+        let checked = self.checked_allocations(report);
         let done = self
             .store
             .mutate(Vec::new(), move |txn| {
-                let now = (
-                    txn.get(&np_key).map(|e| e.mod_revision),
-                    txn.get(&ip_key).map(|e| e.mod_revision),
-                );
-                let secondary_now = secondary_key
-                    .as_ref()
-                    .and_then(|k| txn.get(k))
-                    .map(|e| e.mod_revision);
-                let extra_now = txn.get(&extra_key).map(|e| e.mod_revision);
-                if now != expected
-                    || secondary_now != expected_secondary
-                    || extra_now != expected_extra
-                {
-                    return Err(ApiError::internal(
-                        "the allocation bitmaps changed since they were checked",
-                    ));
-                }
+                checked.still_current(txn)?;
                 let allocators = txn.allocators()?;
                 for port in &ports {
                     allocators.ports.release(*port);
@@ -1622,38 +1655,12 @@ impl Registry {
         if report.unmarked_objects.is_empty() {
             return Ok(0);
         }
-        let prefix: Arc<str> = self.store.prefix().into();
-        let keys = (
-            storage::keys::node_port_range(&prefix),
-            storage::keys::service_ip_range(&prefix),
-            self.secondary_ip_key(),
-            storage::keys::service_cidr_ranges(&prefix),
-        );
-        let expected = (
-            report.bitmap_revisions,
-            report.secondary_bitmap_revision,
-            report.extra_revision,
-        );
+        let checked = self.checked_allocations(report);
         let unmarked = report.unmarked_objects.clone();
         let done = self
             .store
             .mutate(Vec::new(), move |txn| {
-                let now = (
-                    (
-                        txn.get(&keys.0).map(|e| e.mod_revision),
-                        txn.get(&keys.1).map(|e| e.mod_revision),
-                    ),
-                    keys.2
-                        .as_ref()
-                        .and_then(|k| txn.get(k))
-                        .map(|e| e.mod_revision),
-                    txn.get(&keys.3).map(|e| e.mod_revision),
-                );
-                if now != expected {
-                    return Err(ApiError::internal(
-                        "the allocations changed since they were checked",
-                    ));
-                }
+                checked.still_current(txn)?;
                 let allocators = txn.allocators()?;
                 let mut marked = 0;
                 for ip in &unmarked {
@@ -1674,17 +1681,7 @@ impl Registry {
             return Ok(0);
         }
         let prefix: Arc<str> = self.store.prefix().into();
-        let keys = (
-            storage::keys::node_port_range(&prefix),
-            storage::keys::service_ip_range(&prefix),
-            self.secondary_ip_key(),
-            storage::keys::service_cidr_ranges(&prefix),
-        );
-        let expected = (
-            report.bitmap_revisions,
-            report.secondary_bitmap_revision,
-            report.extra_revision,
-        );
+        let checked = self.checked_allocations(report);
         let (missing, stale) = (
             report.missing_ip_addresses.clone(),
             report.stale_ip_addresses.clone(),
@@ -1696,22 +1693,7 @@ impl Registry {
         let done = self
             .store
             .mutate(stale_keys, move |txn| {
-                let now = (
-                    (
-                        txn.get(&keys.0).map(|e| e.mod_revision),
-                        txn.get(&keys.1).map(|e| e.mod_revision),
-                    ),
-                    keys.2
-                        .as_ref()
-                        .and_then(|k| txn.get(k))
-                        .map(|e| e.mod_revision),
-                    txn.get(&keys.3).map(|e| e.mod_revision),
-                );
-                if now != expected {
-                    return Err(ApiError::internal(
-                        "the allocations changed since they were checked",
-                    ));
-                }
+                checked.still_current(txn)?;
                 for ip in &stale {
                     let key = Kind::IpAddress.key(&prefix, None, &ip.to_string());
                     if txn.get(&key).is_some() {
