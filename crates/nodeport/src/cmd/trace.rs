@@ -132,6 +132,24 @@ fn usage(message: impl Into<String>) -> anyhow::Error {
     UsageError(message.into()).into()
 }
 
+/// The pinned maps of the ebpf mode could not be read (for `what`: `--rules kernel`,
+/// `--live`): exit 3, with every cause.
+fn unreadable_pinned_maps(
+    what: &str,
+    pin_root: &std::path::Path,
+    e: nodeport_proxy::ebpf::programs::Error,
+) -> anyhow::Error {
+    untraceable(format!(
+        "{what}: reading the ebpf mode's maps pinned under {}: {}",
+        pin_root.display(),
+        anyhow::Error::from(e)
+            .chain()
+            .map(|c| c.to_string())
+            .collect::<Vec<_>>()
+            .join(": ")
+    ))
+}
+
 fn untraceable(message: impl Into<String>) -> anyhow::Error {
     Exit {
         code: EXIT_UNTRACEABLE,
@@ -479,17 +497,8 @@ impl KernelRules {
                     let maps = ebpf::programs::Maps::open_pinned(pin_root)?;
                     Ok((maps.frontends()?, maps.backends()?, maps.source_ranges()?))
                 };
-                let (frontends, backends, ranges) = read().map_err(|e| {
-                    untraceable(format!(
-                        "--rules kernel: reading the ebpf mode's maps pinned under {}: {}",
-                        pin_root.display(),
-                        anyhow::Error::from(e)
-                            .chain()
-                            .map(|c| c.to_string())
-                            .collect::<Vec<_>>()
-                            .join(": ")
-                    ))
-                })?;
+                let (frontends, backends, ranges) =
+                    read().map_err(|e| unreadable_pinned_maps("--rules kernel", pin_root, e))?;
                 Ok(KernelRules::Ebpf {
                     pin_root: pin_root.to_path_buf(),
                     maps: ebpf::render::from_maps(&frontends, &backends, &ranges, named),

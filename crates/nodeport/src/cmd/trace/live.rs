@@ -27,7 +27,9 @@ use nodeport_proxy::trace::explain::{Explanation, Verdict as Fate};
 use nodeport_proxy::trace::{Origin, Packet};
 use serde::Serialize;
 
-use super::{EXIT_NOT_DELIVERED, Exit, Tracing, trace_packet, untraceable, usage};
+use super::{
+    EXIT_NOT_DELIVERED, Exit, Tracing, trace_packet, unreadable_pinned_maps, untraceable, usage,
+};
 
 /// A packet is finished when no event came for it this long (its last hook is behind it).
 const QUIET: Duration = Duration::from_millis(300);
@@ -602,17 +604,8 @@ fn run_ebpf(
 ) -> anyhow::Result<()> {
     use nodeport_proxy::ebpf::maps::{CT_REPLY, CT_SNAT, Tuple, ip_proto};
     use nodeport_proxy::ebpf::programs::Maps;
-    let failed_to_read = |e: nodeport_proxy::ebpf::programs::Error| {
-        untraceable(format!(
-            "--live: reading the ebpf mode's maps pinned under {}: {}",
-            pin_root.display(),
-            anyhow::Error::from(e)
-                .chain()
-                .map(|c| c.to_string())
-                .collect::<Vec<_>>()
-                .join(": ")
-        ))
-    };
+    let failed_to_read =
+        |e: nodeport_proxy::ebpf::programs::Error| unreadable_pinned_maps("--live", pin_root, e);
     let maps = Maps::open_pinned(pin_root).map_err(failed_to_read)?;
     let before: std::collections::HashSet<Tuple> = maps
         .conntrack()
