@@ -13,7 +13,6 @@ use http::{Method, Request};
 use tower::ServiceExt;
 
 use crate::resource::Kind;
-use crate::rest::AppState;
 use crate::{Config, router};
 
 /// The kinds an input's first byte picks from (its low four bits). New kinds are appended,
@@ -62,7 +61,10 @@ const WEB: &str = r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"web
 /// An in-memory API server, built once per fuzzing process.
 pub struct Api {
     runtime: tokio::runtime::Runtime,
-    state: AppState,
+    /// The routes, built once as a server builds them at start: building them again for
+    /// each input took more than half of the harness's time (perf, docs/FUZZING.md). A clone
+    /// per request shares the table.
+    router: axum::Router,
 }
 
 impl Default for Api {
@@ -81,7 +83,10 @@ impl Api {
         let state = runtime
             .block_on(crate::in_memory(&Config::default()))
             .expect("an in-memory server");
-        let api = Api { runtime, state };
+        let api = Api {
+            runtime,
+            router: router(state),
+        };
         let status = api.send(
             Method::POST,
             "/api/v1/namespaces/default/services".into(),
@@ -209,7 +214,9 @@ impl Api {
             return 0; // not a request a client could send (an invalid URI)
         };
         self.runtime.block_on(async {
-            let response = router(self.state.clone())
+            let response = self
+                .router
+                .clone()
                 .oneshot(request)
                 .await
                 .expect("the router is infallible");
