@@ -12,6 +12,8 @@ use axum::body::Body;
 use http::{Method, Request};
 use tower::ServiceExt;
 
+use nodeport_alloc::{PortRange, ip, port};
+
 use crate::resource::Kind;
 use crate::{Config, router};
 
@@ -225,6 +227,46 @@ impl Api {
             let _ = http_body_util::BodyExt::collect(response.into_body()).await;
             status
         })
+    }
+}
+
+/// `--service-node-port-range` (first byte even) or `--service-cluster-ip-range` (odd) as
+/// given on the command line; returns whether it parsed. What parses must also make an
+/// allocator, print back as a value that parses to the same range, and hand out an address
+/// or port inside it.
+pub fn flags(data: &[u8]) -> bool {
+    let Some((&selector, text)) = data.split_first() else {
+        return false;
+    };
+    // A command-line argument is a string; clap refuses one that is not UTF-8.
+    let Ok(text) = std::str::from_utf8(text) else {
+        return false;
+    };
+    if selector & 1 == 0 {
+        let Ok(range) = PortRange::parse(text) else {
+            return false;
+        };
+        let printed = range.to_string();
+        assert_eq!(
+            PortRange::parse(&printed).ok(),
+            Some(range),
+            "{text:?} parsed as {printed}, which does not parse back"
+        );
+        let mut ports = port::Allocator::with_seed(range, 1);
+        let port = ports.allocate_next().expect("a new range has a free port");
+        assert!(range.contains(port), "{port} is outside {range}");
+        true
+    } else {
+        let Ok((primary, secondary)) = crate::flags::cluster_ip_ranges(text) else {
+            return false;
+        };
+        for net in std::iter::once(primary).chain(secondary) {
+            let mut ips = ip::Allocator::with_seed(net, 1).expect("checked by the parser");
+            if let Ok(address) = ips.allocate_next() {
+                assert!(net.contains(&address), "{address} is outside {net}");
+            }
+        }
+        true
     }
 }
 
