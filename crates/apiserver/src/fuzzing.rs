@@ -270,6 +270,34 @@ pub fn flags(data: &[u8]) -> bool {
     }
 }
 
+/// A `--token-auth-file`'s text; returns whether it parsed. Every token the file lists must
+/// authenticate as its row's user, and nothing else than a listed token may authenticate.
+pub fn token_file(data: &[u8]) -> bool {
+    // The file is read as UTF-8 text (`Tokens::load`); other bytes are a read error.
+    let Ok(text) = std::str::from_utf8(data) else {
+        return false;
+    };
+    let Ok(tokens) = crate::auth::Tokens::parse(std::path::Path::new("tokens.csv"), text) else {
+        return false;
+    };
+    for (token, user) in tokens.users() {
+        assert_eq!(
+            tokens.authenticate(token),
+            Some(user),
+            "listed token {token:?} does not authenticate as its user"
+        );
+    }
+    for line in text.lines() {
+        if tokens.users().all(|(token, _)| token != line) {
+            assert!(
+                tokens.authenticate(line).is_none(),
+                "the unlisted token {line:?} authenticated"
+            );
+        }
+    }
+    true
+}
+
 /// The collection path of `kind` (in namespace `default` when namespaced).
 fn collection(kind: Kind) -> String {
     let prefix = match kind.group() {

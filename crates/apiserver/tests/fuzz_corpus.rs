@@ -71,3 +71,8 @@ fn replay_checked(target: &str, run: impl Fn(&[u8]) -> bool) {
 fn the_flags_corpus_replays_without_a_panic_and_its_seeds_are_accepted() {
     replay_checked("flags", nodeport_apiserver::fuzzing::flags);
 }
+
+#[test]
+fn the_token_file_corpus_replays_without_a_panic_and_its_seeds_are_accepted() {
+    replay_checked("token_file", nodeport_apiserver::fuzzing::token_file);
+}
