@@ -298,6 +298,73 @@ pub fn token_file(data: &[u8]) -> bool {
     true
 }
 
+/// A stored `RangeAllocation` document restored into an allocator, as the store does when it
+/// loads the bitmaps (`data[0] % 5`: the default NodePort range, an IPv4 and an IPv6 ClusterIP
+/// range, an allocator over the document's own range, or the ServiceCIDR document); returns
+/// whether it was restored. A restored bitmap must encode, decode and restore again to the
+/// same snapshot.
+pub fn range_allocation(data: &[u8]) -> bool {
+    let Some((&selector, document)) = data.split_first() else {
+        return false;
+    };
+    if selector % 5 == 4 {
+        let Ok(extra) = crate::cidr_ranges::ExtraRanges::decode(document) else {
+            return false;
+        };
+        let again = crate::cidr_ranges::ExtraRanges::decode(&extra.encode())
+            .expect("an encoded document decodes");
+        assert_eq!(again, extra, "the ServiceCIDR document does not round-trip");
+        return true;
+    }
+    let Ok(snapshot) = crate::store::decode_range(document) else {
+        return false;
+    };
+    let restored = match selector % 5 {
+        0 => {
+            let mut ports = port::Allocator::new(PortRange::default());
+            ports
+                .restore(&snapshot.range, &snapshot.data)
+                .map(|()| ports.snapshot())
+                .ok()
+        }
+        1 | 2 => {
+            let cidr = if selector % 5 == 1 {
+                "10.96.0.0/16"
+            } else {
+                "fd00:10:96::/108"
+            };
+            let mut ips =
+                ip::Allocator::new(cidr.parse().expect("a CIDR")).expect("a usable range");
+            ips.restore(&snapshot.range, &snapshot.data)
+                .map(|()| ips.snapshot())
+                .ok()
+        }
+        _ => {
+            // The document's own range: a port range, else a CIDR.
+            match port::Allocator::from_snapshot(&snapshot) {
+                Ok(ports) => Some(ports.snapshot()),
+                Err(_) => ip::Allocator::from_snapshot(&snapshot)
+                    .ok()
+                    .map(|ips| ips.snapshot()),
+            }
+        }
+    };
+    let Some(restored) = restored else {
+        return false;
+    };
+    let decoded = crate::store::decode_range(&crate::store::encode_range(&restored))
+        .expect("an encoded snapshot decodes");
+    assert_eq!(decoded, restored, "a restored snapshot does not round-trip");
+    let again = match port::Allocator::from_snapshot(&decoded) {
+        Ok(ports) => ports.snapshot(),
+        Err(_) => ip::Allocator::from_snapshot(&decoded)
+            .expect("a restored snapshot restores again")
+            .snapshot(),
+    };
+    assert_eq!(again, restored, "a restored snapshot restores differently");
+    true
+}
+
 /// The collection path of `kind` (in namespace `default` when namespaced).
 fn collection(kind: Kind) -> String {
     let prefix = match kind.group() {

@@ -76,3 +76,11 @@ fn the_flags_corpus_replays_without_a_panic_and_its_seeds_are_accepted() {
 fn the_token_file_corpus_replays_without_a_panic_and_its_seeds_are_accepted() {
     replay_checked("token_file", nodeport_apiserver::fuzzing::token_file);
 }
+
+#[test]
+fn the_range_allocation_corpus_replays_without_a_panic_and_its_seeds_are_accepted() {
+    replay_checked(
+        "range_allocation",
+        nodeport_apiserver::fuzzing::range_allocation,
+    );
+}
