@@ -1,7 +1,7 @@
 //! Entry points for fuzzing what the proxy reads: its configuration (`KubeProxyConfiguration`,
-//! `--nodeport-addresses`). The fuzz targets under `fuzz/` (cargo-fuzz, nightly) and the
-//! replay of their corpora in `cargo test` (`tests/fuzz_corpus.rs`, stable) both call these,
-//! so that a finding stays a regression test without nightly.
+//! `--nodeport-addresses`) and the objects `nodeport render` takes. The fuzz targets under `fuzz/` (cargo-fuzz, nightly) and the replay of their
+//! corpora in `cargo test` (`tests/fuzz_corpus.rs`, stable) both call these, so that a
+//! finding stays a regression test without nightly.
 //!
 //! Each call must return normally whatever the bytes are; a panic or a hang is a finding.
 //! Where the code promises more than not crashing (a value that prints back as itself), the
@@ -9,9 +9,11 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
-use crate::config::{KubeProxyConfiguration, NftablesLayout, ProxyMode};
+use crate::config::{KubeProxyConfiguration, NftablesLayout, NodeConfig, ProxyMode};
+use crate::desired::{self, NodeView, StateConfig};
 use crate::model::IpFamily;
 use crate::nodeaddr::{NodeFacts, NodePortAddresses};
+use crate::{ebpf, iptables, ipvs, nftables, objects};
 
 /// A node with one address of each family and the loopback addresses, for selections.
 fn sample_facts() -> NodeFacts {
@@ -81,6 +83,102 @@ pub fn proxy_config(data: &[u8]) -> bool {
         if let Ok(parsed) = NodePortAddresses::from_entries(list.iter().map(String::as_str), &whole)
         {
             nodeport_addresses(&parsed, &whole);
+        }
+    }
+    true
+}
+
+/// `nodeport render`'s input, a multi-document YAML file of Services, EndpointSlices,
+/// ServiceCIDRs and Nodes, through to the rendered rules. `data[0]` picks the mode (bits 0
+/// and 1: nftables, iptables, IPVS, eBPF), the nftables layout (bit 2: flat or kube-proxy's),
+/// `--masquerade-all` (bit 3) and the eBPF backend choice (bit 4: random or Maglev); the node
+/// is the file's Node (its addresses are the node's, with loopback). The nftables ruleset is
+/// also encoded as the netlink batch the proxy would send. Returns whether the file loaded
+/// and was rendered.
+pub fn render(data: &[u8]) -> bool {
+    let Some((&selector, rest)) = data.split_first() else {
+        return false;
+    };
+    // `render` reads the file with `read_to_string`.
+    let Ok(text) = std::str::from_utf8(rest) else {
+        return false;
+    };
+    let Ok(loaded) = objects::load(text) else {
+        return false;
+    };
+    let mode = [
+        ProxyMode::Nftables,
+        ProxyMode::Iptables,
+        ProxyMode::Ipvs,
+        ProxyMode::Ebpf,
+    ][usize::from(selector & 0x03)];
+    let node = loaded.node.clone().unwrap_or_default();
+    let mut local_ips = node.addresses.clone();
+    local_ips.extend([
+        IpAddr::V4(Ipv4Addr::LOCALHOST),
+        IpAddr::V6(Ipv6Addr::LOCALHOST),
+    ]);
+    local_ips.sort();
+    local_ips.dedup();
+    let facts = NodeFacts {
+        node_ips: node.addresses.clone(),
+        local_ips,
+        default_route_ips: Vec::new(),
+    };
+    // The mode's default `--nodeport-addresses`, as `render` takes it.
+    let nodeport_addresses: NodePortAddresses = match mode {
+        ProxyMode::Iptables | ProxyMode::Ipvs => "0.0.0.0/0,::/0",
+        ProxyMode::Nftables | ProxyMode::Ebpf => "primary",
+    }
+    .parse()
+    .expect("a valid default");
+    let state_config = StateConfig {
+        families: IpFamily::ALL.to_vec(),
+        nodeport_addresses,
+    };
+    let view = NodeView {
+        name: &node.name,
+        zone: node.zone.as_deref(),
+    };
+    let desired = desired::build(&loaded.cluster, view, &facts, &state_config);
+    let config = NodeConfig {
+        nftables_layout: if selector & 0x04 == 0 {
+            NftablesLayout::Flat
+        } else {
+            NftablesLayout::KubeProxy
+        },
+        masquerade_all: selector & 0x08 != 0,
+        ..NodeConfig::default()
+    };
+    match mode {
+        ProxyMode::Nftables => {
+            let ruleset = nftables::render(&desired, &config);
+            let transaction = nftables::ruleset::create_all(&ruleset);
+            let _ = transaction.to_nft();
+            // What the kernel would receive: forms the encoder does not produce go through
+            // `nft -f` instead, which is not an error.
+            let _ = nftables::netlink::encode(&transaction, 1);
+        }
+        ProxyMode::Iptables => {
+            for family in &iptables::render(&desired, &config).families {
+                let _ = iptables::ruleset::create_all(family, true).text();
+            }
+        }
+        ProxyMode::Ipvs => {
+            let _ = ipvs::render(&desired, &config).text();
+        }
+        ProxyMode::Ebpf => {
+            let algorithm = if selector & 0x10 == 0 {
+                ebpf::render::Algorithm::Random
+            } else {
+                ebpf::render::Algorithm::Maglev
+            };
+            let render_config = ebpf::render::RenderConfig {
+                algorithm,
+                local_ips: facts.local_ips.clone(),
+                fib_forward: true,
+            };
+            let _ = ebpf::render::render(&desired, &render_config).lines(algorithm);
         }
     }
     true

@@ -41,3 +41,8 @@ fn replay_checked(target: &str, run: impl Fn(&[u8]) -> bool) {
 fn the_proxy_config_corpus_replays_without_a_panic_and_its_seeds_are_accepted() {
     replay_checked("proxy_config", nodeport_proxy::fuzzing::proxy_config);
 }
+
+#[test]
+fn the_render_corpus_replays_without_a_panic_and_its_seeds_are_accepted() {
+    replay_checked("render", nodeport_proxy::fuzzing::render);
+}

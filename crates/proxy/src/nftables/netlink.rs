@@ -295,7 +295,7 @@ fn ip_bytes(ip: IpAddr) -> Vec<u8> {
 
 /// An operation this encoder does not produce (anonymous sets).
 #[derive(Debug)]
-struct Unsupported;
+pub(crate) struct Unsupported;
 
 /// Offsets of `ip saddr`/`ip daddr` (and IPv6) in the network header, and the length.
 fn addr_field(family: IpFamily, dst: bool) -> (u32, u32) {
@@ -1138,7 +1138,7 @@ fn encode_elements(b: &mut Buf, fam: u8, set: &str, elements: &[Element], seq: u
 }
 
 /// The encoded batch and, per sequence number, what it was (for error messages).
-struct Batch {
+pub(crate) struct Batch {
     buf: Buf,
     /// `(first seq, op index)` of each message, in order.
     seqs: Vec<(u32, usize)>,
@@ -1208,7 +1208,7 @@ fn batch_marker(buf: &mut Buf, ty: u16, seq: u32) {
 
 /// Encodes a transaction; only its last message asks for an acknowledgement, which the kernel
 /// sends after every error of the batch.
-fn encode(tx: &Transaction, first_seq: u32) -> Result<Batch, Unsupported> {
+pub(crate) fn encode(tx: &Transaction, first_seq: u32) -> Result<Batch, Unsupported> {
     let mut buf = Buf {
         b: Vec::with_capacity(tx.ops.len() * 160 + 64),
     };
