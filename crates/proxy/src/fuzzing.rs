@@ -1,5 +1,6 @@
 //! Entry points for fuzzing what the proxy reads: its configuration (`KubeProxyConfiguration`,
-//! `--nodeport-addresses`) and the objects `nodeport render` takes. The fuzz targets under `fuzz/` (cargo-fuzz, nightly) and the replay of their
+//! `--nodeport-addresses`), the objects `nodeport render` takes, and the kernel's netlink
+//! replies. The fuzz targets under `fuzz/` (cargo-fuzz, nightly) and the replay of their
 //! corpora in `cargo test` (`tests/fuzz_corpus.rs`, stable) both call these, so that a
 //! finding stays a regression test without nightly.
 //!
@@ -7,7 +8,11 @@
 //! Where the code promises more than not crashing (a value that prints back as itself), the
 //! entry point asserts it.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use netlink_packet_core::{NetlinkMessage, NetlinkPayload};
+use netlink_packet_route::RouteNetlinkMessage;
 
 use crate::config::{KubeProxyConfiguration, NftablesLayout, NodeConfig, ProxyMode};
 use crate::desired::{self, NodeView, StateConfig};
@@ -182,4 +187,110 @@ pub fn render(data: &[u8]) -> bool {
         }
     }
     true
+}
+
+/// What the proxy reads back from the kernel. `data[0] % 5` picks the reader, the rest is
+/// one received datagram of netlink messages (or, for the last, `nft -j list table` output):
+/// 0. an nf_tables dump of chains, sets or tables (`NetlinkKernel::list`), or the ruleset
+///    generation;
+/// 1. the nf_tables replies to a batch (acknowledgements and errors);
+/// 2. an rtnetlink address and route dump (`--nodeport-addresses` CIDRs and
+///    `default-route`);
+/// 3. a ctnetlink conntrack dump (the UDP clean-up);
+/// 4. `nft -j list table` (`nodeport trace --rules kernel`).
+///
+/// Returns whether the reader accepted the bytes.
+pub fn netlink(data: &[u8]) -> bool {
+    let Some((&selector, buf)) = data.split_first() else {
+        return false;
+    };
+    match selector % 5 {
+        0 => nftables::netlink::walk_replies(buf, &mut |_, _, _, payload| {
+            if payload.len() >= 4 {
+                let attrs = &payload[4..];
+                let _ = nftables::netlink::dumped_chain(attrs);
+                let _ = nftables::netlink::dumped_set(attrs);
+                let _ = nftables::netlink::dumped_table_is_ours(attrs);
+                let _ = nftables::netlink::generation_id(attrs);
+            }
+            false
+        })
+        .is_ok(),
+        1 => {
+            let mut errors = Vec::new();
+            let walked = nftables::netlink::walk_replies(buf, &mut |_, seq, errno, _| {
+                if errno != 0 {
+                    errors.push((seq, std::io::Error::from_raw_os_error(-errno).to_string()));
+                }
+                false
+            });
+            walked.is_ok()
+        }
+        2 => route_dump(buf),
+        3 => {
+            let mut flows = Vec::new();
+            crate::conntrack::parse_replies(buf, &mut |attrs| {
+                flows.extend(crate::conntrack::udp_flow(attrs));
+            })
+            .is_ok()
+        }
+        _ => {
+            let Ok(text) = std::str::from_utf8(buf) else {
+                return false;
+            };
+            IpFamily::ALL
+                .into_iter()
+                .all(|family| nftables::listing::parse(text, family).is_ok())
+        }
+    }
+}
+
+/// An rtnetlink datagram of address and route messages, decoded as the `rtnetlink` crate
+/// decodes it and read as [`crate::addrs`] reads a dump.
+fn route_dump(mut buf: &[u8]) -> bool {
+    let mut addrs = Vec::new();
+    let mut routes: [BTreeMap<u32, BTreeSet<u32>>; 2] = Default::default();
+    let mut decoded = false;
+    while !buf.is_empty() {
+        let Ok(msg) = NetlinkMessage::<RouteNetlinkMessage>::deserialize(buf) else {
+            break;
+        };
+        decoded = true;
+        let len = msg.header.length as usize;
+        if let NetlinkPayload::InnerMessage(inner) = msg.payload {
+            match inner {
+                RouteNetlinkMessage::NewAddress(address) => {
+                    addrs.extend(crate::addrs::interface_address(&address));
+                }
+                RouteNetlinkMessage::NewRoute(route) => {
+                    let oifs = crate::addrs::default_route_oifs(&route);
+                    if !oifs.is_empty() {
+                        let v6 = usize::from(
+                            route.header.address_family
+                                == netlink_packet_route::AddressFamily::Inet6,
+                        );
+                        routes[v6]
+                            .entry(crate::addrs::route_metric(&route))
+                            .or_default()
+                            .extend(oifs);
+                    }
+                }
+                _ => {}
+            }
+        }
+        if len == 0 || len > buf.len() {
+            break;
+        }
+        buf = &buf[len..];
+    }
+    for (family, by_metric) in IpFamily::ALL.into_iter().zip(&routes) {
+        let chosen = crate::addrs::choose_default_route_ips(family, by_metric, &addrs);
+        for ip in chosen {
+            assert!(
+                addrs.iter().any(|(_, a)| *a == ip) && IpFamily::of(ip) == family,
+                "default-route chose {ip}, not a {family:?} address of the dump"
+            );
+        }
+    }
+    decoded
 }

@@ -46,3 +46,8 @@ fn the_proxy_config_corpus_replays_without_a_panic_and_its_seeds_are_accepted() 
 fn the_render_corpus_replays_without_a_panic_and_its_seeds_are_accepted() {
     replay_checked("render", nodeport_proxy::fuzzing::render);
 }
+
+#[test]
+fn the_netlink_corpus_replays_without_a_panic_and_its_seeds_are_accepted() {
+    replay_checked("netlink", nodeport_proxy::fuzzing::netlink);
+}
