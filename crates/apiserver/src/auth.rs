@@ -189,6 +189,13 @@ impl Tokens {
         Ok(Tokens { users })
     }
 
+    /// Every token with its user, in no particular order.
+    pub fn users(&self) -> impl Iterator<Item = (&str, &User)> {
+        self.users
+            .iter()
+            .map(|(token, user)| (token.as_str(), user))
+    }
+
     /// The user a token authenticates as. Every listed token is compared, each in constant
     /// time, so the answer's timing does not tell how much of a token was right.
     pub fn authenticate(&self, token: &str) -> Option<&User> {

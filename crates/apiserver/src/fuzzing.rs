@@ -12,8 +12,9 @@ use axum::body::Body;
 use http::{Method, Request};
 use tower::ServiceExt;
 
+use nodeport_alloc::{PortRange, ip, port};
+
 use crate::resource::Kind;
-use crate::rest::AppState;
 use crate::{Config, router};
 
 /// The kinds an input's first byte picks from (its low four bits). New kinds are appended,
@@ -62,7 +63,10 @@ const WEB: &str = r#"{"apiVersion":"v1","kind":"Service","metadata":{"name":"web
 /// An in-memory API server, built once per fuzzing process.
 pub struct Api {
     runtime: tokio::runtime::Runtime,
-    state: AppState,
+    /// The routes, built once as a server builds them at start: building them again for
+    /// each input took more than half of the harness's time (perf, docs/FUZZING.md). A clone
+    /// per request shares the table.
+    router: axum::Router,
 }
 
 impl Default for Api {
@@ -81,7 +85,10 @@ impl Api {
         let state = runtime
             .block_on(crate::in_memory(&Config::default()))
             .expect("an in-memory server");
-        let api = Api { runtime, state };
+        let api = Api {
+            runtime,
+            router: router(state),
+        };
         let status = api.send(
             Method::POST,
             "/api/v1/namespaces/default/services".into(),
@@ -209,7 +216,9 @@ impl Api {
             return 0; // not a request a client could send (an invalid URI)
         };
         self.runtime.block_on(async {
-            let response = router(self.state.clone())
+            let response = self
+                .router
+                .clone()
                 .oneshot(request)
                 .await
                 .expect("the router is infallible");
@@ -219,6 +228,141 @@ impl Api {
             status
         })
     }
+}
+
+/// `--service-node-port-range` (first byte even) or `--service-cluster-ip-range` (odd) as
+/// given on the command line; returns whether it parsed. What parses must also make an
+/// allocator, print back as a value that parses to the same range, and hand out an address
+/// or port inside it.
+pub fn flags(data: &[u8]) -> bool {
+    let Some((&selector, text)) = data.split_first() else {
+        return false;
+    };
+    // A command-line argument is a string; clap refuses one that is not UTF-8.
+    let Ok(text) = std::str::from_utf8(text) else {
+        return false;
+    };
+    if selector & 1 == 0 {
+        let Ok(range) = PortRange::parse(text) else {
+            return false;
+        };
+        let printed = range.to_string();
+        assert_eq!(
+            PortRange::parse(&printed).ok(),
+            Some(range),
+            "{text:?} parsed as {printed}, which does not parse back"
+        );
+        let mut ports = port::Allocator::with_seed(range, 1);
+        let port = ports.allocate_next().expect("a new range has a free port");
+        assert!(range.contains(port), "{port} is outside {range}");
+        true
+    } else {
+        let Ok((primary, secondary)) = crate::flags::cluster_ip_ranges(text) else {
+            return false;
+        };
+        for net in std::iter::once(primary).chain(secondary) {
+            let mut ips = ip::Allocator::with_seed(net, 1).expect("checked by the parser");
+            if let Ok(address) = ips.allocate_next() {
+                assert!(net.contains(&address), "{address} is outside {net}");
+            }
+        }
+        true
+    }
+}
+
+/// A `--token-auth-file`'s text; returns whether it parsed. Every token the file lists must
+/// authenticate as its row's user, and nothing else than a listed token may authenticate.
+pub fn token_file(data: &[u8]) -> bool {
+    // The file is read as UTF-8 text (`Tokens::load`); other bytes are a read error.
+    let Ok(text) = std::str::from_utf8(data) else {
+        return false;
+    };
+    let Ok(tokens) = crate::auth::Tokens::parse(std::path::Path::new("tokens.csv"), text) else {
+        return false;
+    };
+    for (token, user) in tokens.users() {
+        assert_eq!(
+            tokens.authenticate(token),
+            Some(user),
+            "listed token {token:?} does not authenticate as its user"
+        );
+    }
+    for line in text.lines() {
+        if tokens.users().all(|(token, _)| token != line) {
+            assert!(
+                tokens.authenticate(line).is_none(),
+                "the unlisted token {line:?} authenticated"
+            );
+        }
+    }
+    true
+}
+
+/// A stored `RangeAllocation` document restored into an allocator, as the store does when it
+/// loads the bitmaps (`data[0] % 5`: the default NodePort range, an IPv4 and an IPv6 ClusterIP
+/// range, an allocator over the document's own range, or the ServiceCIDR document); returns
+/// whether it was restored. A restored bitmap must encode, decode and restore again to the
+/// same snapshot.
+pub fn range_allocation(data: &[u8]) -> bool {
+    let Some((&selector, document)) = data.split_first() else {
+        return false;
+    };
+    if selector % 5 == 4 {
+        let Ok(extra) = crate::cidr_ranges::ExtraRanges::decode(document) else {
+            return false;
+        };
+        let again = crate::cidr_ranges::ExtraRanges::decode(&extra.encode())
+            .expect("an encoded document decodes");
+        assert_eq!(again, extra, "the ServiceCIDR document does not round-trip");
+        return true;
+    }
+    let Ok(snapshot) = crate::store::decode_range(document) else {
+        return false;
+    };
+    let restored = match selector % 5 {
+        0 => {
+            let mut ports = port::Allocator::new(PortRange::default());
+            ports
+                .restore(&snapshot.range, &snapshot.data)
+                .map(|()| ports.snapshot())
+                .ok()
+        }
+        1 | 2 => {
+            let cidr = if selector % 5 == 1 {
+                "10.96.0.0/16"
+            } else {
+                "fd00:10:96::/108"
+            };
+            let mut ips =
+                ip::Allocator::new(cidr.parse().expect("a CIDR")).expect("a usable range");
+            ips.restore(&snapshot.range, &snapshot.data)
+                .map(|()| ips.snapshot())
+                .ok()
+        }
+        _ => {
+            // The document's own range: a port range, else a CIDR.
+            match port::Allocator::from_snapshot(&snapshot) {
+                Ok(ports) => Some(ports.snapshot()),
+                Err(_) => ip::Allocator::from_snapshot(&snapshot)
+                    .ok()
+                    .map(|ips| ips.snapshot()),
+            }
+        }
+    };
+    let Some(restored) = restored else {
+        return false;
+    };
+    let decoded = crate::store::decode_range(&crate::store::encode_range(&restored))
+        .expect("an encoded snapshot decodes");
+    assert_eq!(decoded, restored, "a restored snapshot does not round-trip");
+    let again = match port::Allocator::from_snapshot(&decoded) {
+        Ok(ports) => ports.snapshot(),
+        Err(_) => ip::Allocator::from_snapshot(&decoded)
+            .expect("a restored snapshot restores again")
+            .snapshot(),
+    };
+    assert_eq!(again, restored, "a restored snapshot restores differently");
+    true
 }
 
 /// The collection path of `kind` (in namespace `default` when namespaced).

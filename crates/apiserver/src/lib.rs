@@ -48,6 +48,7 @@ pub mod auth;
 pub mod authz;
 pub mod cidr_ranges;
 pub mod error;
+pub mod flags;
 pub mod fuzzing;
 pub mod ranges;
 pub mod registry;

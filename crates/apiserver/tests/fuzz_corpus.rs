@@ -51,3 +51,36 @@ fn the_api_patch_corpus_replays_without_a_panic_or_an_internal_error() {
 fn the_api_query_corpus_replays_without_a_panic_or_an_internal_error() {
     replay("api_query", Api::query);
 }
+
+/// Replays a corpus through an entry point that tells whether it accepted the input: every
+/// input must return (a panic is a finding), and the hand-written or captured seeds
+/// (`seed-*`), valid inputs all, must be accepted, so that a harness that stopped reaching
+/// the code under test fails here.
+fn replay_checked(target: &str, run: impl Fn(&[u8]) -> bool) {
+    for (path, data) in corpus(target) {
+        let accepted = run(&data);
+        let seed = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("seed-"));
+        assert!(accepted || !seed, "{}: a seed was refused", path.display());
+    }
+}
+
+#[test]
+fn the_flags_corpus_replays_without_a_panic_and_its_seeds_are_accepted() {
+    replay_checked("flags", nodeport_apiserver::fuzzing::flags);
+}
+
+#[test]
+fn the_token_file_corpus_replays_without_a_panic_and_its_seeds_are_accepted() {
+    replay_checked("token_file", nodeport_apiserver::fuzzing::token_file);
+}
+
+#[test]
+fn the_range_allocation_corpus_replays_without_a_panic_and_its_seeds_are_accepted() {
+    replay_checked(
+        "range_allocation",
+        nodeport_apiserver::fuzzing::range_allocation,
+    );
+}

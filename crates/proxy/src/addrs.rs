@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use futures::{Stream, TryStreamExt};
-use netlink_packet_route::address::AddressAttribute;
+use netlink_packet_route::address::{AddressAttribute, AddressMessage};
 use netlink_packet_route::route::{RouteAttribute, RouteHeader, RouteMessage, RouteType};
 use rtnetlink::RouteMessageBuilder;
 
@@ -69,18 +69,7 @@ async fn dump(handle: &rtnetlink::Handle) -> Result<NodeAddresses, Error> {
     let mut addrs: Vec<(u32, IpAddr)> = Vec::new();
     let mut stream = handle.address().get().execute();
     while let Some(msg) = stream.try_next().await.map_err(Error::Dump)? {
-        // IFA_LOCAL is the address itself on point-to-point links; IFA_ADDRESS otherwise.
-        let local = msg.attributes.iter().find_map(|a| match a {
-            AddressAttribute::Local(ip) => Some(*ip),
-            _ => None,
-        });
-        let addr = msg.attributes.iter().find_map(|a| match a {
-            AddressAttribute::Address(ip) => Some(*ip),
-            _ => None,
-        });
-        if let Some(ip) = local.or(addr) {
-            addrs.push((msg.header.index, ip));
-        }
+        addrs.extend(interface_address(&msg));
     }
     drop(stream);
 
@@ -106,6 +95,20 @@ async fn dump(handle: &rtnetlink::Handle) -> Result<NodeAddresses, Error> {
         local_ips,
         default_route_ips,
     })
+}
+
+/// The interface index and the address of an address dump's message: `IFA_LOCAL`, the
+/// address itself on point-to-point links, else `IFA_ADDRESS`.
+pub(crate) fn interface_address(msg: &AddressMessage) -> Option<(u32, IpAddr)> {
+    let local = msg.attributes.iter().find_map(|a| match a {
+        AddressAttribute::Local(ip) => Some(*ip),
+        _ => None,
+    });
+    let addr = msg.attributes.iter().find_map(|a| match a {
+        AddressAttribute::Address(ip) => Some(*ip),
+        _ => None,
+    });
+    local.or(addr).map(|ip| (msg.header.index, ip))
 }
 
 /// The output interfaces of the default routes of one family in a route dump, by metric
@@ -163,7 +166,7 @@ pub fn choose_default_route_ips(
 }
 
 /// A route's metric (`RTA_PRIORITY`; absent means 0, as `ip route` shows it).
-fn route_metric(route: &RouteMessage) -> u32 {
+pub(crate) fn route_metric(route: &RouteMessage) -> u32 {
     route
         .attributes
         .iter()
@@ -176,7 +179,7 @@ fn route_metric(route: &RouteMessage) -> u32 {
 
 /// The output interfaces of a route if it is a usable default route of the main table
 /// (`default via ... dev X`, `default dev X`, or a multipath default); none otherwise.
-fn default_route_oifs(route: &RouteMessage) -> Vec<u32> {
+pub(crate) fn default_route_oifs(route: &RouteMessage) -> Vec<u32> {
     let table = route
         .attributes
         .iter()

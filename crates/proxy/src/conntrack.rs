@@ -124,34 +124,73 @@ fn receive(s: &Socket, mut each: impl FnMut(&[ConntrackAttribute])) -> Result<()
     let mut buf = vec![0u8; 1 << 16];
     loop {
         let n = s.recv(&mut &mut buf[..], 0).map_err(Error::Socket)?;
-        let mut off = 0;
-        while off < n {
-            let msg = NetlinkMessage::<NetfilterMessage>::deserialize(&buf[off..n])
-                .map_err(Error::Decode)?;
-            let len = msg.header.length as usize;
-            match msg.payload {
-                NetlinkPayload::Done(_) => return Ok(()),
-                NetlinkPayload::Error(e) => {
-                    return match e.code {
-                        None => Ok(()),
-                        Some(_) => Err(Error::Kernel(e.to_io())),
-                    };
-                }
-                NetlinkPayload::InnerMessage(m) => {
-                    if let netlink_packet_netfilter::NetfilterMessageInner::Conntrack(
-                        ConntrackMessage::New(attrs),
-                    ) = m.inner
-                    {
-                        each(&attrs);
-                    }
-                }
-                _ => {}
-            }
-            if len == 0 {
-                break;
-            }
-            off += len;
+        if parse_replies(&buf[..n], &mut each)? {
+            return Ok(());
         }
+    }
+}
+
+/// Decodes the ctnetlink messages of one received datagram, calling `each` with the
+/// attributes of every conntrack entry; returns whether the exchange is over (the dump's
+/// `NLMSG_DONE`, or the acknowledgement or error that ends a request).
+pub(crate) fn parse_replies(
+    buf: &[u8],
+    each: &mut impl FnMut(&[ConntrackAttribute]),
+) -> Result<bool, Error> {
+    let mut off = 0;
+    while off < buf.len() {
+        let msg =
+            NetlinkMessage::<NetfilterMessage>::deserialize(&buf[off..]).map_err(Error::Decode)?;
+        let len = msg.header.length as usize;
+        match msg.payload {
+            NetlinkPayload::Done(_) => return Ok(true),
+            NetlinkPayload::Error(e) => {
+                return match e.code {
+                    None => Ok(true),
+                    Some(_) => Err(Error::Kernel(e.to_io())),
+                };
+            }
+            NetlinkPayload::InnerMessage(m) => {
+                if let netlink_packet_netfilter::NetfilterMessageInner::Conntrack(
+                    ConntrackMessage::New(attrs),
+                ) = m.inner
+                {
+                    each(&attrs);
+                }
+            }
+            _ => {}
+        }
+        if len == 0 {
+            break;
+        }
+        off += len;
+    }
+    Ok(false)
+}
+
+/// The UDP flow an entry's attributes describe, if they hold both tuples.
+pub(crate) fn udp_flow(attrs: &[ConntrackAttribute]) -> Option<Flow> {
+    let mut orig = None;
+    let mut reply = None;
+    for a in attrs {
+        match a {
+            ConntrackAttribute::CtaTupleOrig(t) => orig = Some(tuple_fields(t)),
+            ConntrackAttribute::CtaTupleReply(t) => reply = Some(tuple_fields(t)),
+            _ => {}
+        }
+    }
+    if let (Some((Some(os), Some(od), Some(17), Some(sp), Some(dp))), Some((Some(rs), ..))) =
+        (orig, reply)
+    {
+        Some(Flow {
+            orig_src: os,
+            orig_dst: od,
+            orig_sport: sp,
+            orig_dport: dp,
+            reply_src: rs,
+        })
+    } else {
+        None
     }
 }
 
@@ -204,28 +243,7 @@ pub fn dump_udp(family: IpFamily) -> Result<Vec<Flow>, Error> {
         ConntrackMessage::Get(vec![]),
     )?;
     let mut flows = Vec::new();
-    receive(&s, |attrs| {
-        let mut orig = None;
-        let mut reply = None;
-        for a in attrs {
-            match a {
-                ConntrackAttribute::CtaTupleOrig(t) => orig = Some(tuple_fields(t)),
-                ConntrackAttribute::CtaTupleReply(t) => reply = Some(tuple_fields(t)),
-                _ => {}
-            }
-        }
-        if let (Some((Some(os), Some(od), Some(17), Some(sp), Some(dp))), Some((Some(rs), ..))) =
-            (orig, reply)
-        {
-            flows.push(Flow {
-                orig_src: os,
-                orig_dst: od,
-                orig_sport: sp,
-                orig_dport: dp,
-                reply_src: rs,
-            });
-        }
-    })?;
+    receive(&s, |attrs| flows.extend(udp_flow(attrs)))?;
     Ok(flows)
 }
 

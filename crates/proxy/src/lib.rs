@@ -27,6 +27,7 @@ pub mod convert;
 pub mod desired;
 pub mod ebpf;
 pub mod events;
+pub mod fuzzing;
 pub mod health;
 pub mod iptables;
 pub mod ipvs;

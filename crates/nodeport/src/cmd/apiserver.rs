@@ -104,36 +104,10 @@ fn duration(text: &str) -> Option<std::time::Duration> {
     Some(std::time::Duration::from_secs(seconds))
 }
 
-/// `--service-cluster-ip-range`: one CIDR, or two of different families (`v4,v6` or `v6,v4`,
-/// the first the primary family), checked as kube-apiserver's `validateClusterIPFlags` checks
-/// them, in its words.
+/// `--service-cluster-ip-range`, as [`nodeport_apiserver::flags::cluster_ip_ranges`] checks
+/// it; its error is a usage error.
 pub(crate) fn cluster_ip_ranges(text: &str) -> anyhow::Result<(IpNet, Option<IpNet>)> {
-    let entries: Vec<&str> = text.split(',').map(str::trim).collect();
-    if entries.len() > 2 {
-        return Err(usage(
-            "--service-cluster-ip-range must not contain more than two entries",
-        ));
-    }
-    let mut nets = Vec::new();
-    for entry in &entries {
-        let net: IpNet = entry.parse().map_err(|_| {
-            usage(format!(
-                "--service-cluster-ip-range {entry:?} is not a CIDR"
-            ))
-        })?;
-        if let Err(e) = nodeport_alloc::ip::Allocator::new(net) {
-            return Err(usage(format!("--service-cluster-ip-range: {e}")));
-        }
-        nets.push(net);
-    }
-    if let [first, second] = nets[..]
-        && first.addr().is_ipv6() == second.addr().is_ipv6()
-    {
-        return Err(usage(
-            "--service-cluster-ip-range[0] and --service-cluster-ip-range[1] must be of different IP family",
-        ));
-    }
-    Ok((nets[0], nets.get(1).copied()))
+    nodeport_apiserver::flags::cluster_ip_ranges(text).map_err(|e| usage(e.to_string()))
 }
 
 /// Turns the flags into a [`Config`], or a one-line usage error.

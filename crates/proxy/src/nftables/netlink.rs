@@ -311,7 +311,7 @@ fn ip_bytes(ip: IpAddr) -> Vec<u8> {
 
 /// An operation this encoder does not produce (anonymous sets).
 #[derive(Debug)]
-struct Unsupported;
+pub(crate) struct Unsupported;
 
 /// Offsets of `ip saddr`/`ip daddr` (and IPv6) in the network header, and the length.
 fn addr_field(family: IpFamily, dst: bool) -> (u32, u32) {
@@ -1166,7 +1166,7 @@ fn encode_elements<'e>(
 }
 
 /// The encoded batch and, per sequence number, what it was (for error messages).
-struct Batch {
+pub(crate) struct Batch {
     buf: Buf,
     /// `(first seq, op index)` of each message, in order.
     seqs: Vec<(u32, usize)>,
@@ -1233,7 +1233,7 @@ fn batch_marker(buf: &mut Buf, ty: u16, seq: u32) {
 
 /// Encodes a transaction; only its last message asks for an acknowledgement, which the kernel
 /// sends after every error of the batch.
-fn encode(tx: &Transaction, first_seq: u32) -> Result<Batch, Unsupported> {
+pub(crate) fn encode(tx: &Transaction, first_seq: u32) -> Result<Batch, Unsupported> {
     let mut buf = Buf {
         b: Vec::with_capacity(tx.ops.len() * 160 + 64),
     };
@@ -1458,25 +1458,8 @@ impl NetlinkKernel {
                     ),
                     _ => io_err("receive", e),
                 })?;
-            let mut off = 0;
-            while off + 16 <= n {
-                let len =
-                    u32::from_ne_bytes(buf[off..off + 4].try_into().expect("4 bytes")) as usize;
-                let ty = u16::from_ne_bytes(buf[off + 4..off + 6].try_into().expect("2 bytes"));
-                let seq = u32::from_ne_bytes(buf[off + 8..off + 12].try_into().expect("4 bytes"));
-                if len < 16 || off + len > n {
-                    return Err(io_err("receive", "truncated message"));
-                }
-                let payload = &buf[off + 16..off + len];
-                let errno = if ty == NLMSG_ERROR && payload.len() >= 4 {
-                    i32::from_ne_bytes(payload[..4].try_into().expect("4 bytes"))
-                } else {
-                    0
-                };
-                if until(ty, seq, errno, payload) {
-                    return Ok(());
-                }
-                off += align4(len);
+            if walk_replies(&buf[..n], &mut until)? {
+                return Ok(());
             }
         }
     }
@@ -1547,6 +1530,91 @@ impl NetlinkKernel {
             _ => Ok(()),
         }
     }
+}
+
+/// Walks the netlink messages of one received datagram, calling `until(type, seq, errno,
+/// payload)` for each (`errno` is an `NLMSG_ERROR`'s code, else 0); returns whether `until`
+/// said stop. A message whose length runs past the datagram is an error.
+pub(crate) fn walk_replies(
+    buf: &[u8],
+    until: &mut impl FnMut(u16, u32, i32, &[u8]) -> bool,
+) -> Result<bool, KernelError> {
+    let n = buf.len();
+    let mut off = 0;
+    while off + 16 <= n {
+        let len = u32::from_ne_bytes(buf[off..off + 4].try_into().expect("4 bytes")) as usize;
+        let ty = u16::from_ne_bytes(buf[off + 4..off + 6].try_into().expect("2 bytes"));
+        let seq = u32::from_ne_bytes(buf[off + 8..off + 12].try_into().expect("4 bytes"));
+        if len < 16 || len > n - off {
+            return Err(io_err("receive", "truncated message"));
+        }
+        let payload = &buf[off + 16..off + len];
+        let errno = if ty == NLMSG_ERROR && payload.len() >= 4 {
+            i32::from_ne_bytes(payload[..4].try_into().expect("4 bytes"))
+        } else {
+            0
+        };
+        if until(ty, seq, errno, payload) {
+            return Ok(true);
+        }
+        off += align4(len);
+    }
+    Ok(false)
+}
+
+/// The name of a chain of our table in a `NFT_MSG_NEWCHAIN` dump message's attributes.
+pub(crate) fn dumped_chain(payload: &[u8]) -> Option<String> {
+    let a = attrs(payload);
+    let table = a
+        .iter()
+        .find(|(t, _)| *t == NFTA_CHAIN_TABLE)
+        .map(|(_, v)| attr_str(v));
+    if table.as_deref() != Some(TABLE) {
+        return None;
+    }
+    a.iter()
+        .find(|(t, _)| *t == NFTA_CHAIN_NAME)
+        .map(|(_, name)| attr_str(name))
+}
+
+/// The name of a named set of our table in a `NFT_MSG_NEWSET` dump message's attributes, and
+/// whether it is a map (anonymous sets, `__set%d`, are left out).
+pub(crate) fn dumped_set(payload: &[u8]) -> Option<(String, bool)> {
+    let a = attrs(payload);
+    let table = a
+        .iter()
+        .find(|(t, _)| *t == NFTA_SET_TABLE)
+        .map(|(_, v)| attr_str(v));
+    if table.as_deref() != Some(TABLE) {
+        return None;
+    }
+    let name = a
+        .iter()
+        .find(|(t, _)| *t == NFTA_SET_NAME)
+        .map(|(_, v)| attr_str(v))?;
+    let flags = a
+        .iter()
+        .find(|(t, _)| *t == NFTA_SET_FLAGS)
+        .and_then(|(_, v)| v.get(..4))
+        .map(|v| u32::from_be_bytes(v.try_into().expect("4 bytes")))
+        .unwrap_or(0);
+    (!name.starts_with("__")).then_some((name, flags & NFT_SET_MAP != 0))
+}
+
+/// Whether a `NFT_MSG_NEWTABLE` dump message names our table.
+pub(crate) fn dumped_table_is_ours(payload: &[u8]) -> bool {
+    attrs(payload)
+        .iter()
+        .any(|(t, v)| *t == NFTA_TABLE_NAME && attr_str(v) == TABLE)
+}
+
+/// The ruleset generation in a `NFT_MSG_NEWGEN` message's attributes (`NFTA_GEN_ID`).
+pub(crate) fn generation_id(payload: &[u8]) -> Option<u32> {
+    attrs(payload)
+        .iter()
+        .find(|(t, _)| *t == 1) // NFTA_GEN_ID
+        .and_then(|(_, v)| v.get(..4))
+        .map(|v| u32::from_be_bytes(v.try_into().expect("4 bytes")))
 }
 
 /// Walks top-level attributes: `(type, value)`.
@@ -1648,11 +1716,7 @@ impl Kernel for NetlinkKernel {
                 return false;
             }
             if ty == (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWGEN && payload.len() >= 4 {
-                id = attrs(&payload[4..])
-                    .iter()
-                    .find(|(t, _)| *t == 1) // NFTA_GEN_ID
-                    .and_then(|(_, v)| v.get(..4))
-                    .map(|v| u32::from_be_bytes(v.try_into().expect("4 bytes")));
+                id = generation_id(&payload[4..]);
             }
             true
         })
@@ -1664,50 +1728,20 @@ impl Kernel for NetlinkKernel {
         let mut existing = Existing::default();
         let mut table_seen = false;
         self.dump(family, NFT_MSG_GETCHAIN, |payload| {
-            let a = attrs(payload);
-            let table = a
-                .iter()
-                .find(|(t, _)| *t == NFTA_CHAIN_TABLE)
-                .map(|(_, v)| attr_str(v));
-            if table.as_deref() == Some(TABLE)
-                && let Some((_, name)) = a.iter().find(|(t, _)| *t == NFTA_CHAIN_NAME)
-            {
-                existing.chains.insert(attr_str(name));
+            if let Some(name) = dumped_chain(payload) {
+                existing.chains.insert(name);
             }
         })?;
         self.dump(family, NFT_MSG_GETSET, |payload| {
-            let a = attrs(payload);
-            let table = a
-                .iter()
-                .find(|(t, _)| *t == NFTA_SET_TABLE)
-                .map(|(_, v)| attr_str(v));
-            if table.as_deref() != Some(TABLE) {
-                return;
-            }
-            let name = a
-                .iter()
-                .find(|(t, _)| *t == NFTA_SET_NAME)
-                .map(|(_, v)| attr_str(v));
-            let flags = a
-                .iter()
-                .find(|(t, _)| *t == NFTA_SET_FLAGS)
-                .and_then(|(_, v)| v.get(..4))
-                .map(|v| u32::from_be_bytes(v.try_into().expect("4 bytes")))
-                .unwrap_or(0);
-            if let Some(name) = name
-                && !name.starts_with("__")
-            {
-                existing.sets.insert(name, flags & NFT_SET_MAP != 0);
+            if let Some((name, map)) = dumped_set(payload) {
+                existing.sets.insert(name, map);
             }
         })?;
         if existing.chains.is_empty() && existing.sets.is_empty() {
             // Either no table or an empty one: ask for the tables (over netlink too; `nft
             // list tables` would fetch every table's sets and elements first).
             self.dump(family, NFT_MSG_GETTABLE, |payload| {
-                let a = attrs(payload);
-                if a.iter()
-                    .any(|(t, v)| *t == NFTA_TABLE_NAME && attr_str(v) == TABLE)
-                {
+                if dumped_table_is_ours(payload) {
                     table_seen = true;
                 }
             })?;
