@@ -182,6 +182,8 @@ pub fn render(data: &[u8]) -> bool {
                 algorithm,
                 local_ips: facts.local_ips.clone(),
                 fib_forward: true,
+                masquerade_all: config.masquerade_all,
+                cluster_cidrs: config.cluster_cidrs.clone(),
             };
             let _ = ebpf::render::render(&desired, &render_config).lines(algorithm);
         }
