@@ -419,11 +419,19 @@ fn real_packets_are_traced_named_by_conntrack_and_the_tracers_table_never_outliv
     assert!(!out.contains("path        inet nodeport-trace-"), "{out}");
     no_table_left(&c.node, "two traces");
 
-    // Ctrl-C and SIGKILL: the kernel removes the table with the process's socket.
+    // Ctrl-C ends the trace as its timeout would, with 130 as a shell reports it (also when
+    // the trace was started with SIGINT ignored, as a background job is: it handles the signal
+    // itself); SIGKILL: the kernel removes the table with the process's socket.
     let t = LiveTrace::start(&c.node, &["--to", ":30080/tcp", "--timeout", "60s"]);
+    let asked = Instant::now();
     t.signal(nix::sys::signal::Signal::SIGINT);
-    let (_, _, code) = t.finish();
-    assert_eq!(code, None, "ended by the signal");
+    let (_, err, code) = t.finish();
+    assert_eq!(code, Some(130), "ended by the signal: {err}");
+    assert!(err.contains("interrupted by SIGINT"), "{err}");
+    assert!(
+        asked.elapsed() < Duration::from_secs(30),
+        "the trace ended at Ctrl-C, not at its 60 s timeout"
+    );
     no_table_left(&c.node, "Ctrl-C");
     let t = LiveTrace::start(&c.node, &["--to", ":30080/tcp", "--timeout", "60s"]);
     t.signal(nix::sys::signal::Signal::SIGKILL);

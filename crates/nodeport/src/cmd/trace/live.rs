@@ -193,9 +193,45 @@ pub(super) fn run(
     fallback: (Option<IpAddr>, Option<(SocketAddr, Protocol)>),
     pin_root: &std::path::Path,
 ) -> anyhow::Result<()> {
+    // Ctrl-C or SIGTERM ends the trace as its timeout does (the table removed, what was traced
+    // printed), with 128 plus the signal as the exit code, as a shell reports it; a second one
+    // exits at once (the kernel still removes the table with the socket). A handler of our own
+    // also when the shell started us with SIGINT ignored (a background job).
+    let interrupt = crate::lab::interrupt::Interrupt::install(|name| {
+        eprintln!("nodeport trace: {name} again; ending at once");
+        std::process::exit(if name == "SIGTERM" { 143 } else { 130 });
+    })?;
+    let result = match tracing.prepared.mode {
+        ProxyMode::Ebpf => run_ebpf(
+            tracing, selector, count, timeout, json, pin_root, &interrupt,
+        ),
+        _ => run_nftables(
+            tracing, selector, count, timeout, json, fallback, &interrupt,
+        ),
+    };
+    match interrupt.check() {
+        Ok(()) => result,
+        Err(interrupted) => Err(Exit {
+            code: u8::try_from(128 + interrupted.number).unwrap_or(u8::MAX),
+            message: Some(format!("nodeport trace: {interrupted}")),
+        }
+        .into()),
+    }
+}
+
+/// [`run`] through nf_tables trace events (nftables, iptables-nft; iptables-legacy falls back
+/// to tracing `fallback` through the kernel's rules).
+fn run_nftables(
+    tracing: &Tracing,
+    selector: &Selector,
+    count: usize,
+    timeout: Duration,
+    json: bool,
+    fallback: (Option<IpAddr>, Option<(SocketAddr, Protocol)>),
+    interrupt: &crate::lab::interrupt::Interrupt,
+) -> anyhow::Result<()> {
     match tracing.prepared.mode {
         ProxyMode::Nftables => {}
-        ProxyMode::Ebpf => return run_ebpf(tracing, selector, count, timeout, json, pin_root),
         ProxyMode::Iptables => {
             use nodeport_proxy::iptables::apply::{Variant, detect_variant};
             if detect_variant(&[]).variant == Variant::Legacy {
@@ -265,7 +301,7 @@ pub(super) fn run(
         }
         packets.push(p);
     };
-    while packets.len() < count {
+    while packets.len() < count && interrupt.check().is_ok() {
         let now = Instant::now();
         if now >= deadline {
             break;
@@ -601,6 +637,7 @@ fn run_ebpf(
     timeout: Duration,
     json: bool,
     pin_root: &std::path::Path,
+    interrupt: &crate::lab::interrupt::Interrupt,
 ) -> anyhow::Result<()> {
     use nodeport_proxy::ebpf::maps::{CT_REPLY, CT_SNAT, Tuple, ip_proto};
     use nodeport_proxy::ebpf::programs::Maps;
@@ -636,7 +673,7 @@ fn run_ebpf(
     let mut done: std::collections::HashSet<Tuple> = Default::default();
     let mut packets: Vec<LivePacket> = Vec::new();
     let mut failed = false;
-    while packets.len() < count {
+    while packets.len() < count && interrupt.check().is_ok() {
         let now = Instant::now();
         let ct = maps.conntrack().map_err(failed_to_read)?;
         let nat = maps.nat().map_err(failed_to_read)?;
