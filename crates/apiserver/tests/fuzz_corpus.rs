@@ -3,26 +3,8 @@
 //! through the same entry point as in the fuzz target, so a regression fails `cargo test`
 //! without nightly.
 
-use std::path::PathBuf;
-
 use nodeport_apiserver::fuzzing::Api;
-
-fn corpus(target: &str) -> Vec<(PathBuf, Vec<u8>)> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fuzz/corpus")
-        .join(target);
-    let mut inputs: Vec<_> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
-        .map(|entry| {
-            let path = entry.unwrap().path();
-            let data = std::fs::read(&path).unwrap();
-            (path, data)
-        })
-        .collect();
-    inputs.sort();
-    assert!(!inputs.is_empty(), "no corpus in {}", dir.display());
-    inputs
-}
+use nodeport_testbed::fuzz_corpus::{corpus, replay_checked};
 
 fn replay(target: &str, run: impl Fn(&Api, &[u8]) -> u16) {
     let api = Api::new();
@@ -50,21 +32,6 @@ fn the_api_patch_corpus_replays_without_a_panic_or_an_internal_error() {
 #[test]
 fn the_api_query_corpus_replays_without_a_panic_or_an_internal_error() {
     replay("api_query", Api::query);
-}
-
-/// Replays a corpus through an entry point that tells whether it accepted the input: every
-/// input must return (a panic is a finding), and the hand-written or captured seeds
-/// (`seed-*`), valid inputs all, must be accepted, so that a harness that stopped reaching
-/// the code under test fails here.
-fn replay_checked(target: &str, run: impl Fn(&[u8]) -> bool) {
-    for (path, data) in corpus(target) {
-        let accepted = run(&data);
-        let seed = path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .is_some_and(|n| n.starts_with("seed-"));
-        assert!(accepted || !seed, "{}: a seed was refused", path.display());
-    }
 }
 
 #[test]

@@ -20,6 +20,7 @@
 //! ```
 
 pub mod etcd;
+pub mod fuzz_corpus;
 mod lan;
 mod netns;
 mod privileged;
