@@ -1604,7 +1604,10 @@ fn full_table(
         ops += tx.len();
         sink.add(tx)
     };
-    let base = render_base(state, config);
+    // What the Service ports may put into the flat sets: sizes the sets, and is the record's
+    // running sum from here on.
+    let bounds = SetBounds::of_state(state);
+    let base = render_base_sized(state, config, &bounds);
 
     let mut tx = Transaction::default();
     tx.push(family, Op::AddTable);
@@ -1728,8 +1731,8 @@ fn full_table(
     };
     // The claims of every Service port: about one per destination, NodePort and endpoint
     // (reserved at once rather than grown, which would rehash a million entries in steps).
-    let bounds = SetBounds::of_state(state);
     applied.claims.reserve(bounds.claims());
+    applied.bounds = bounds;
     applied.base_elements = base.elements.clone();
     let base_last = state.services.is_empty();
     owner_piece(
@@ -1752,7 +1755,6 @@ fn full_table(
             &mut pending,
             i + 1 == count,
         )?;
-        applied.bounds.add(&SetBounds::of_port(svc));
     }
     applied.context = Some(Context::of(state, config));
 
