@@ -1048,8 +1048,8 @@ impl<K: Kernel> Applier<K> {
         });
         let mut full =
             self.need_full || changed.is_none() || drifted || unknown_family || context_changed;
-        // The static objects of a partial sync, rendered once (in the flat layout their sets'
-        // sizes come from a pass over every Service port).
+        // The static objects of a partial sync, rendered once, with the flat sets' bounds
+        // once the changed ports are applied (the record's sum from then on).
         let mut bases = Vec::new();
         if !full {
             bases = desired
@@ -1057,7 +1057,7 @@ impl<K: Kernel> Applier<K> {
                 .iter()
                 .map(|state| {
                     let bounds = self.bounds_after(state, changed.expect("partial"));
-                    render_base_sized(state, config, &bounds)
+                    (render_base_sized(state, config, &bounds), bounds)
                 })
                 .collect();
             if self.shared_sets_changed(desired, &bases) {
@@ -1144,21 +1144,29 @@ impl<K: Kernel> Applier<K> {
 
     /// Whether a shared (static) set's definition (`bases`, one per desired family) differs
     /// from what was applied.
-    fn shared_sets_changed(&self, desired: &DesiredState, bases: &[BaseObjects]) -> bool {
-        desired.families.iter().zip(bases).any(|(state, base)| {
-            let Some(unit) = self
-                .tables
-                .get(&state.family)
-                .and_then(|t| t.units.get(&Owner::Base))
-            else {
-                return true;
-            };
-            let sets = &base.sets;
-            sets.len() != unit.sets.len()
-                || sets
-                    .iter()
-                    .any(|s| unit.sets.get(&s.name) != Some(&hash_of(s)))
-        })
+    fn shared_sets_changed(
+        &self,
+        desired: &DesiredState,
+        bases: &[(BaseObjects, SetBounds)],
+    ) -> bool {
+        desired
+            .families
+            .iter()
+            .zip(bases)
+            .any(|(state, (base, _))| {
+                let Some(unit) = self
+                    .tables
+                    .get(&state.family)
+                    .and_then(|t| t.units.get(&Owner::Base))
+                else {
+                    return true;
+                };
+                let sets = &base.sets;
+                sets.len() != unit.sets.len()
+                    || sets
+                        .iter()
+                        .any(|s| unit.sets.get(&s.name) != Some(&hash_of(s)))
+            })
     }
 
     /// Deletes flushed stale chains in their own transaction.
@@ -1271,13 +1279,14 @@ impl<K: Kernel> Applier<K> {
         desired: &DesiredState,
         config: &NodeConfig,
         changed: &BTreeSet<ServicePortName>,
-        bases: Vec<BaseObjects>,
+        bases: Vec<(BaseObjects, SetBounds)>,
     ) -> (Transaction, Vec<(IpFamily, String)>) {
         let mut tx = Transaction::default();
         let mut stale = Vec::new();
-        for (state, base) in desired.families.iter().zip(bases) {
+        for (state, (base, bounds)) in desired.families.iter().zip(bases) {
             let family = state.family;
             let applied = self.tables.get_mut(&family).expect("checked above");
+            applied.bounds = bounds;
             let mut plan = Plan::default();
             let base = objects_of_base(base);
             // Every changed owner's elements before and after (the static objects always:
@@ -1290,11 +1299,10 @@ impl<K: Kernel> Applier<K> {
             changes.push((Owner::Base, old_base, new_base));
             for name in changed {
                 let owner = Owner::Service(Arc::new(name.clone()));
-                let old = applied.units.get(&owner).and_then(|u| u.source.clone());
-                if let Some(old) = &old {
-                    applied.bounds.remove(&SetBounds::of_port(old));
-                }
-                let old = old
+                let old = applied
+                    .units
+                    .get(&owner)
+                    .and_then(|u| u.source.clone())
                     .map(|old| Claimed::new(render_service(&old, state, config).elements))
                     .unwrap_or_default();
                 let svc = state.services.get(name);
@@ -1304,9 +1312,6 @@ impl<K: Kernel> Applier<K> {
                     .map(|o| Claimed::new(std::mem::take(&mut o.elements)))
                     .unwrap_or_default();
                 plan.unit(applied, owner.clone(), objs, svc.cloned(), false);
-                if let Some(svc) = svc {
-                    applied.bounds.add(&SetBounds::of_port(svc));
-                }
                 changes.push((owner, old, new));
             }
             plan.settle_elements(applied, changes, state, config);
