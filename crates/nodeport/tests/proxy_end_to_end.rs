@@ -550,6 +550,51 @@ fn session_affinity_sends_a_client_to_one_pod(mode: Mode) {
             other => panic!("request failed: {other:?}"),
         }
     }
+    if mode != Mode::Ebpf {
+        // A pod's ClusterIP connections stick too (its own affinity entry).
+        let cip = format!("{}:80", c.cluster_ip("web"));
+        let from = &c.pods[0];
+        let Reply::Pod { pod: mine, .. } = eventually(from, &cip, "the ClusterIP answers", |r| {
+            matches!(r, Reply::Pod { .. })
+        }) else {
+            unreachable!()
+        };
+        for _ in 0..10 {
+            match get(from, &cip, T) {
+                Reply::Pod { pod, .. } => assert_eq!(pod, mine, "ClusterIP affinity broken"),
+                other => panic!("request failed: {other:?}"),
+            }
+        }
+    }
+    // The client's pod leaves the endpoints (it keeps running): the client's affinity to it
+    // goes with it (kube-proxy deletes the endpoint's affinity set), so the client moves to
+    // another pod and sticks to that one.
+    let rest: Vec<u8> = [1u8, 2, 3]
+        .into_iter()
+        .filter(|i| format!("pod{i}") != first)
+        .collect();
+    c.apply(&service_yaml(
+        "web",
+        30083,
+        "  sessionAffinity: ClientIP",
+        &rest,
+    ))
+    .unwrap();
+    let moved = eventually(
+        &c.client,
+        &to,
+        "the client leaves the removed pod",
+        |r| matches!(r, Reply::Pod { pod, .. } if *pod != first),
+    );
+    let Reply::Pod { pod: second, .. } = moved else {
+        unreachable!()
+    };
+    for _ in 0..15 {
+        match get(&c.client, &to, T) {
+            Reply::Pod { pod, .. } => assert_eq!(pod, second, "affinity to the new pod broken"),
+            other => panic!("request failed: {other:?}"),
+        }
+    }
 }
 
 fn nodeport_addresses_limit_which_node_ip_answers(mode: Mode) {

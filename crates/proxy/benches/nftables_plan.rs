@@ -59,6 +59,22 @@ impl Kernel for NullKernel {
         Ok(None)
     }
 
+    /// Holds nothing: no client was ever sent anywhere.
+    fn affinity_entries(
+        &mut self,
+        _family: IpFamily,
+        _map: &str,
+        _key: nodeport_proxy::nftables::ruleset::KeyType,
+    ) -> Result<
+        Vec<(
+            nodeport_proxy::nftables::ruleset::ElemKey,
+            std::net::SocketAddr,
+        )>,
+        KernelError,
+    > {
+        Ok(Vec::new())
+    }
+
     fn batch(&mut self) -> Box<dyn TransactionSink + '_> {
         Box::new(NullSink(&mut self.ops))
     }

@@ -473,6 +473,21 @@ impl<K: Kernel> Kernel for Timed<K> {
     > {
         self.inner.list(family)
     }
+
+    fn affinity_entries(
+        &mut self,
+        family: IpFamily,
+        map: &str,
+        key: nodeport_proxy::nftables::ruleset::KeyType,
+    ) -> Result<
+        Vec<(
+            nodeport_proxy::nftables::ruleset::ElemKey,
+            std::net::SocketAddr,
+        )>,
+        nodeport_proxy::nftables::apply::KernelError,
+    > {
+        self.inner.affinity_entries(family, map, key)
+    }
 }
 
 /// One Service's endpoints replaced, from the tracker update (what a watch event does) to

@@ -14,7 +14,7 @@
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::hash::{Hash, Hasher};
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -23,8 +23,8 @@ use super::flat::SetBounds;
 use super::names::is_affinity_set;
 use super::render::{render_base, render_base_sized, render_service};
 use super::ruleset::{
-    BaseHook, BaseObjects, Chain, ElemKey, Element, Expr, Op, Rule, Ruleset, ServiceObjects, Set,
-    Table, Transaction, Verdict,
+    BaseHook, BaseObjects, Chain, ElemKey, Element, Expr, KeyType, Op, Rule, Ruleset,
+    ServiceObjects, Set, Table, Transaction, Verdict,
 };
 use crate::config::NodeConfig;
 use crate::desired::{DesiredState, FamilyState, ServicePortState};
@@ -90,6 +90,15 @@ pub trait Kernel: Send {
 
     /// Lists the `kube-proxy` table of `family` (`None`: no such table).
     fn list(&mut self, family: IpFamily) -> Result<Option<Existing>, KernelError>;
+
+    /// The entries the kernel holds in the flat layout's session-affinity map `map` (of key
+    /// type `key`): each client key with the endpoint it was sent to. No such map: an error.
+    fn affinity_entries(
+        &mut self,
+        family: IpFamily,
+        map: &str,
+        key: KeyType,
+    ) -> Result<Vec<(ElemKey, SocketAddr)>, KernelError>;
 
     /// The network namespace's nf_tables generation, bumped by every commit of anyone
     /// (`None`: this kernel interface cannot tell, so drift must be assumed).
@@ -159,6 +168,15 @@ impl Kernel for Box<dyn Kernel> {
 
     fn list(&mut self, family: IpFamily) -> Result<Option<Existing>, KernelError> {
         (**self).list(family)
+    }
+
+    fn affinity_entries(
+        &mut self,
+        family: IpFamily,
+        map: &str,
+        key: KeyType,
+    ) -> Result<Vec<(ElemKey, SocketAddr)>, KernelError> {
+        (**self).affinity_entries(family, map, key)
     }
 
     fn generation(&mut self) -> Option<u32> {
@@ -271,6 +289,33 @@ impl Kernel for NftCommand {
         }
         Ok(Some(existing))
     }
+
+    fn affinity_entries(
+        &mut self,
+        family: IpFamily,
+        map: &str,
+        _key: KeyType,
+    ) -> Result<Vec<(ElemKey, SocketAddr)>, KernelError> {
+        let fam = super::ruleset::nft_family(family);
+        let text = self.run(
+            &["-j", "list", "map", fam, super::ruleset::TABLE, map],
+            None,
+        )?;
+        let listed = super::listing::parse(&text, family).map_err(|e| match e {
+            super::listing::Error::Json(source) => KernelError::BadListing {
+                program: self.describe(),
+                source,
+            },
+        })?;
+        Ok(listed
+            .table
+            .base
+            .elements
+            .into_iter()
+            .filter(|e| e.set == map)
+            .filter_map(|e| Some((e.key, e.data?)))
+            .collect())
+    }
 }
 
 /// What the fake kernel holds of one table.
@@ -328,6 +373,8 @@ fn sets_of_rule(rule: &Rule) -> Vec<&str> {
             | Expr::UpdateSaddr(s)
             | Expr::Lookup { set: s, .. }
             | Expr::DnatMap { map: s, .. }
+            | Expr::AffinityDnat { map: s, .. }
+            | Expr::AffinityUpdate { map: s, .. }
             | Expr::VerdictMap { map: s, .. } => out.push(s.as_str()),
             _ => {}
         }
@@ -532,6 +579,24 @@ impl Kernel for FakeKernel {
         Some(self.generation)
     }
 
+    fn affinity_entries(
+        &mut self,
+        family: IpFamily,
+        map: &str,
+        _key: KeyType,
+    ) -> Result<Vec<(ElemKey, SocketAddr)>, KernelError> {
+        let set = self
+            .tables
+            .get(&family)
+            .and_then(|t| t.sets.get(map))
+            .ok_or_else(|| KernelError::Fake(format!("list map {map}: no such map")))?;
+        Ok(set
+            .1
+            .values()
+            .filter_map(|e| Some((e.key, e.data?)))
+            .collect())
+    }
+
     fn list(&mut self, family: IpFamily) -> Result<Option<Existing>, KernelError> {
         Ok(self.tables.get(&family).map(|t| Existing {
             chains: t.chains.keys().cloned().collect(),
@@ -543,6 +608,40 @@ impl Kernel for FakeKernel {
             other_spec: BTreeSet::new(),
         }))
     }
+}
+
+/// A destination with session affinity, as the flat layout's affinity maps key it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum AffinityDest {
+    /// A ClusterIP, external or load-balancer IP and port.
+    Dst(IpAddr, Protocol, u16),
+    /// A NodePort.
+    NodePort(Protocol, u16),
+}
+
+impl AffinityDest {
+    /// The affinity destinations of a port (none without `sessionAffinity: ClientIP`).
+    fn of(svc: &ServicePortState) -> impl Iterator<Item = AffinityDest> + '_ {
+        let port = &svc.port;
+        let proto = port.name.protocol;
+        let on = port.session_affinity_seconds.is_some();
+        std::iter::once(&svc.cluster_ip)
+            .chain(&svc.external_ips)
+            .chain(&svc.load_balancer_ips)
+            .map(move |ip| AffinityDest::Dst(*ip, proto, port.port))
+            .chain(port.node_port.map(|np| AffinityDest::NodePort(proto, np)))
+            .filter(move |_| on)
+    }
+}
+
+/// Which session-affinity entries a sync may have made stale.
+#[derive(Debug)]
+enum AffinityScope {
+    /// Any (a full sync).
+    All,
+    /// Those of these destinations (a partial sync's changed ports, before and after), and
+    /// the names of those ports.
+    Some(HashSet<AffinityDest>, BTreeSet<ServicePortName>),
 }
 
 /// Who contributes an element: the static objects first, then service ports in order. When
@@ -622,6 +721,7 @@ impl Claim {
         };
         match *key {
             ElemKey::AddrProtoPort(ip, proto, port)
+            | ElemKey::AddrAddrProtoPort(_, ip, proto, port)
             | ElemKey::AddrProtoPortNet(ip, proto, port, _)
             | ElemKey::AddrProtoPortSlot(ip, proto, port, _) => Claim::Dst(ip, proto, port),
             ElemKey::ProtoPort(proto, port) | ElemKey::ProtoPortSlot(proto, port, _) => {
@@ -933,6 +1033,9 @@ pub struct SyncReport {
     pub deleted_chains: usize,
     /// The clean-up transaction failed; its chains are retried next sync.
     pub cleanup_failed: bool,
+    /// Session-affinity entries deleted because they sent a client to an endpoint its
+    /// destination no longer uses (flat layout).
+    pub affinity_deleted: usize,
 }
 
 /// A failed sync.
@@ -1071,6 +1174,27 @@ impl<K: Kernel> Applier<K> {
             full,
             ..Default::default()
         };
+        // The session-affinity destinations this sync may leave with stale entries (read
+        // before a partial sync updates the record).
+        let affinity_scope: Vec<(IpFamily, AffinityScope)> =
+            if config.nftables_layout == crate::config::NftablesLayout::Flat {
+                desired
+                    .families
+                    .iter()
+                    .map(|state| {
+                        let scope = match changed {
+                            Some(changed) if !full => AffinityScope::Some(
+                                self.affinity_dests_of(state, changed),
+                                changed.clone(),
+                            ),
+                            _ => AffinityScope::All,
+                        };
+                        (state.family, scope)
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            };
         report.deleted_chains = self.cleanup(&mut report);
 
         let result = if full {
@@ -1113,6 +1237,11 @@ impl<K: Kernel> Applier<K> {
                 // Delete what became unreferenced right away; a kernel older than 6.2 may
                 // still see references and refuse, then the next sync retries.
                 report.deleted_chains += self.cleanup(&mut report);
+                for (family, scope) in &affinity_scope {
+                    if let Some(state) = desired.family(*family) {
+                        report.affinity_deleted += self.clean_affinity(state, scope);
+                    }
+                }
                 self.generation = self.kernel.generation();
                 Ok(report)
             }
@@ -1124,13 +1253,144 @@ impl<K: Kernel> Applier<K> {
         }
     }
 
+    /// The session-affinity destinations of the `changed` ports, as applied and as wanted.
+    fn affinity_dests_of(
+        &self,
+        state: &FamilyState,
+        changed: &BTreeSet<ServicePortName>,
+    ) -> HashSet<AffinityDest> {
+        let mut out = HashSet::new();
+        let table = self.tables.get(&state.family);
+        for name in changed {
+            let old = table
+                .and_then(|t| t.units.get(&Owner::Service(Arc::new(name.clone()))))
+                .and_then(|u| u.source.as_deref());
+            for svc in old
+                .into_iter()
+                .chain(state.services.get(name).map(|s| &**s))
+            {
+                out.extend(AffinityDest::of(svc));
+            }
+        }
+        out
+    }
+
+    /// Deletes the session-affinity entries in `scope` that send a client to an endpoint
+    /// its destination no longer uses, or that belong to a destination without affinity
+    /// now (kube-proxy deletes an endpoint's affinity set with its chain). Entries are
+    /// written by the kernel, so they are read back first; an entry that expires between
+    /// the read and the deletion fails the deletion, which is then retried on a new read.
+    /// Failures are logged and left to the next sync touching that destination (or the
+    /// periodic full sync). Returns the entries deleted.
+    fn clean_affinity(&mut self, state: &FamilyState, scope: &AffinityScope) -> usize {
+        let family = state.family;
+        let Some(timeouts) = self
+            .tables
+            .get(&family)
+            .map(|t| t.bounds.affinity_timeouts().collect::<Vec<_>>())
+        else {
+            return 0;
+        };
+        if timeouts.is_empty() || matches!(scope, AffinityScope::Some(d, _) if d.is_empty()) {
+            return 0;
+        }
+        // What each destination in scope may keep: its timeout and endpoints.
+        let mut wanted: HashMap<AffinityDest, (u32, HashSet<SocketAddr>)> = HashMap::new();
+        let mut want = |svc: &ServicePortState| {
+            let Some(t) = svc.port.session_affinity_seconds else {
+                return;
+            };
+            let eps: HashSet<SocketAddr> = svc
+                .cluster_endpoints
+                .iter()
+                .chain(&svc.local_endpoints)
+                .map(|e| e.socket())
+                .collect();
+            for d in AffinityDest::of(svc) {
+                let entry = wanted.entry(d).or_insert_with(|| (t, HashSet::new()));
+                if entry.0 == t {
+                    entry.1.extend(eps.iter().copied());
+                }
+            }
+        };
+        match scope {
+            AffinityScope::All => state.services.values().for_each(|s| want(s)),
+            // The changed ports as they are now (a destination another, unchanged port also
+            // claims loses its clients' entries once: harmless, and rare).
+            AffinityScope::Some(_, changed) => changed
+                .iter()
+                .filter_map(|name| state.services.get(name))
+                .for_each(|s| want(s)),
+        }
+        let mut deleted = 0;
+        for t in timeouts {
+            let names = super::names::AffinityNames::new(t);
+            for (map, key) in [
+                (names.dst_map, KeyType::AffinityDst),
+                (names.nodeport_map, KeyType::AffinityNodePort),
+            ] {
+                for attempt in 0..3 {
+                    let entries = match self.kernel.affinity_entries(family, map, key) {
+                        Ok(e) => e,
+                        Err(e) => {
+                            tracing::warn!(error = %e, map, "reading session-affinity entries failed");
+                            break;
+                        }
+                    };
+                    let mut tx = Transaction::default();
+                    for (k, to) in entries {
+                        let dest = match k {
+                            ElemKey::AddrAddrProtoPort(_, ip, p, port) => {
+                                AffinityDest::Dst(ip, p, port)
+                            }
+                            ElemKey::AddrProtoPort(_, p, port) => AffinityDest::NodePort(p, port),
+                            _ => continue,
+                        };
+                        if let AffinityScope::Some(dests, _) = scope
+                            && !dests.contains(&dest)
+                        {
+                            continue;
+                        }
+                        let keep = wanted
+                            .get(&dest)
+                            .is_some_and(|(wt, eps)| *wt == t && eps.contains(&to));
+                        if !keep {
+                            tx.push(family, Op::DeleteElement(map, k));
+                        }
+                    }
+                    if tx.is_empty() {
+                        break;
+                    }
+                    let n = tx.len();
+                    match self.kernel.apply(&tx) {
+                        Ok(()) => {
+                            deleted += n;
+                            break;
+                        }
+                        Err(e) if attempt < 2 => {
+                            tracing::debug!(error = %e, map, "an affinity entry went meanwhile; reading again");
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, map, "deleting stale session-affinity entries failed");
+                        }
+                    }
+                }
+            }
+        }
+        if deleted > 0 {
+            // Our own commit: not drift.
+            self.generation = self.kernel.generation();
+        }
+        deleted
+    }
+
     /// The flat sets' bounds of `state`'s table once the `changed` ports are applied: the
     /// applied sum, moved by those ports only.
     fn bounds_after(&self, state: &FamilyState, changed: &BTreeSet<ServicePortName>) -> SetBounds {
         let Some(table) = self.tables.get(&state.family) else {
             return SetBounds::of_state(state);
         };
-        let mut bounds = table.bounds;
+        let mut bounds = table.bounds.clone();
         for name in changed {
             if let Some(unit) = table.units.get(&Owner::Service(Arc::new(name.clone()))) {
                 bounds.remove(&unit.bounds());
@@ -1161,11 +1421,11 @@ impl<K: Kernel> Applier<K> {
                 else {
                     return true;
                 };
-                let sets = &base.sets;
-                sets.len() != unit.sets.len()
-                    || sets
-                        .iter()
-                        .any(|s| unit.sets.get(&s.name) != Some(&hash_of(s)))
+                // A set that is new or gone (the flat layout's per-timeout affinity sets) is
+                // added or deleted by the partial sync; one whose definition changed is not.
+                base.sets
+                    .iter()
+                    .any(|s| unit.sets.get(&s.name).is_some_and(|h| *h != hash_of(s)))
             })
     }
 

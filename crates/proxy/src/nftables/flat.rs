@@ -53,12 +53,39 @@
 //!
 //! # Session affinity
 //!
-//! A Service port with `sessionAffinity: ClientIP` keeps kube-proxy's chains (`service-`,
-//! `external-`, `endpoint-` and `affinity-` sets), reached through `service-ips` /
-//! `service-nodeports`, which in this layout hold only these ports' `goto` elements (as
-//! kube-proxy 1.36 keeps per-endpoint chains only for affinity Services). Their chain count
-//! therefore grows with the affinity Service ports, and a change to one costs a validation
-//! walk over them; every other port costs none.
+//! Per distinct `sessionAffinityConfig.clientIP.timeoutSeconds` `T` (a handful at most), two
+//! plain sets name the destinations and NodePorts with `sessionAffinity: ClientIP`
+//! (`sticky-ips-T`, `sticky-nodeports-T`) and two dynamic maps with
+//! timeout `T` remember, per client, the endpoint it was sent to:
+//!
+//! ```text
+//! affinity-ips-T:       client . daddr . proto . port : endpoint addr . port
+//! affinity-nodeports-T: client . proto . nodePort     : endpoint addr . port
+//! ```
+//!
+//! Each `pick-` chain first jumps to `session-affinity-ips` (or `-nodeports`), which tries
+//! `dnat ip to ip saddr . ip daddr . meta l4proto . th dport map @affinity-ips-T` for the
+//! ports in the set (no entry: the rule does not match, the chain returns and the random
+//! choice follows). The endpoint of a new connection is recorded after DNAT, from
+//! `nat-postrouting` and `filter-input`, in `session-affinity-record`, with the original
+//! destination from conntrack (`ct original ip daddr`, `ct original proto-dst`); each record
+//! also refreshes the timeout, as kube-proxy's `update @affinity-…` does. So affinity adds
+//! chains and rules per timeout, never per Service: a Service port switching affinity on or
+//! off is element operations. The applier deletes the entries that point to an endpoint a
+//! port no longer uses (kube-proxy deletes that endpoint's affinity set).
+//!
+//! IPv6 keeps kube-proxy's per-endpoint chains for affinity ports (reached through the
+//! `service-ips`/`service-nodeports` verdict maps, which hold only their `goto` elements):
+//! nft 1.0.6 aborts on any IPv6 `update @map { … : ip6 daddr . th dport }` (an assertion in
+//! its register allocation, `netlink_linearize.c`), so such a rule could be neither rendered
+//! for `nft -f` nor checked against nft's own encoding. There, each affinity port costs
+//! chains and a validation walk over them, as before.
+//!
+//! One difference with kube-proxy, kept on purpose: kube-proxy shares a client's affinity
+//! across all destinations of a Service port (its affinity sets hang on the endpoint
+//! chains); here a client's ClusterIP, each external or load-balancer IP, and the NodePort
+//! (whatever the node address used) keep their own entry, as nothing in a packet names the
+//! Service port it is bound for once the destinations differ.
 //!
 //! # Comments
 //!
@@ -75,12 +102,12 @@ use super::render::{
     loopback,
 };
 use super::ruleset::{
-    AddrMatch, BaseObjects, Chain, CtKey, ElemKey, Element, Expr, KeyType, LookupKey, MapKey, Rule,
-    ServiceObjects, Set, Verdict, ct_status,
+    AddrMatch, AffinityKey, BaseObjects, Chain, CtKey, ElemKey, Element, Expr, KeyType, LookupKey,
+    MapKey, Rule, ServiceObjects, Set, Verdict, ct_status,
 };
 use crate::config::NodeConfig;
 use crate::desired::{EndpointTarget, FamilyState, ServicePortState};
-use crate::model::{IpFamily, ServicePortName};
+use crate::model::{IpFamily, Protocol, ServicePortName};
 use crate::nodeaddr::Selection;
 
 /// Endpoint counts up to this get exactly `1/n` each.
@@ -203,7 +230,7 @@ pub fn set_size(bound: usize, max: u32) -> u32 {
 /// ([`SetBounds::of_port`]) add up to a table's ([`SetBounds::of_state`]); the applier keeps
 /// the sum and moves it by the changed ports only, so that sizing the sets does not walk every
 /// Service port on every change.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct SetBounds {
     /// Destinations (ClusterIP, external and load-balancer IPs).
     dsts: u32,
@@ -221,6 +248,8 @@ pub struct SetBounds {
     hairpin: u32,
     /// `firewall-allow` entries.
     allow: u32,
+    /// Session-affinity timeouts and the number of ports with each.
+    affinity: std::collections::BTreeMap<u32, u32>,
 }
 
 impl SetBounds {
@@ -244,7 +273,20 @@ impl SetBounds {
             hairpin: n(svc.cluster_endpoints.len() + svc.local_endpoints.len()),
             allow: n(svc.load_balancer_ips.len()
                 * (svc.source_ranges.len() + svc.load_balancer_ips.len())),
+            // IPv4 only: IPv6 affinity keeps kube-proxy's chains (see the module's notes).
+            affinity: svc
+                .port
+                .session_affinity_seconds
+                .filter(|_| svc.cluster_ip.is_ipv4())
+                .map(|t| (t, 1))
+                .into_iter()
+                .collect(),
         }
+    }
+
+    /// The session-affinity timeouts some port has, smallest first.
+    pub fn affinity_timeouts(&self) -> impl Iterator<Item = u32> + '_ {
+        self.affinity.keys().copied()
     }
 
     /// What every Service port of `state` may put into each set.
@@ -277,17 +319,28 @@ impl SetBounds {
 
     /// Adds a port's bounds.
     pub fn add(&mut self, other: &SetBounds) {
-        let mut other = *other;
+        let mut other = other.clone();
         for (a, b) in self.fields().into_iter().zip(other.fields()) {
             *a = a.saturating_add(*b);
+        }
+        for (t, n) in other.affinity {
+            *self.affinity.entry(t).or_default() += n;
         }
     }
 
     /// Removes a port's bounds (added before).
     pub fn remove(&mut self, other: &SetBounds) {
-        let mut other = *other;
+        let mut other = other.clone();
         for (a, b) in self.fields().into_iter().zip(other.fields()) {
             *a = a.saturating_sub(*b);
+        }
+        for (t, n) in other.affinity {
+            if let Some(have) = self.affinity.get_mut(&t) {
+                *have = have.saturating_sub(n);
+                if *have == 0 {
+                    self.affinity.remove(&t);
+                }
+            }
         }
     }
 
@@ -312,6 +365,8 @@ impl SetBounds {
             NODEPORT_ENDPOINTS => self.ep_nodeports,
             SERVICE_CLUSTER_ENDPOINTS => self.cluster_dsts,
             NODEPORT_CLUSTER_ENDPOINTS => self.cluster_nodeports,
+            s if s.starts_with("sticky-ips-") => self.dsts,
+            s if s.starts_with("sticky-nodeports-") => self.nodeports,
             _ => return None,
         };
         Some(n as usize)
@@ -436,6 +491,47 @@ pub fn render_base_sized(
         ),
     ]);
 
+    let timeouts: Vec<u32> = bounds.affinity_timeouts().collect();
+    for &t in &timeouts {
+        let names = AffinityNames::new(t);
+        sets.push(set(
+            names.dsts,
+            KeyType::AddrProtoPort,
+            &format!("destinations with sessionAffinity ClientIP, timeout {t}s"),
+        ));
+        sets.push(set(
+            names.nodeports,
+            KeyType::ProtoPort,
+            &format!("nodeports with sessionAffinity ClientIP, timeout {t}s"),
+        ));
+        for (name, key, what) in [
+            (names.dst_map, KeyType::AffinityDst, "destination"),
+            (names.nodeport_map, KeyType::AffinityNodePort, "nodeport"),
+        ] {
+            sets.push(Set {
+                timeout: Some(t),
+                size: Some(AFFINITY_MAP_SIZE.min(config.flat_max_set_size)),
+                ..set(
+                    name,
+                    key,
+                    &format!("the endpoint of each client of a {what}"),
+                )
+            });
+        }
+    }
+    // After DNAT: a new connection to a session-affinity destination records its endpoint.
+    let record = || {
+        Rule::new(vec![
+            Expr::CtStateNew,
+            Expr::Ct {
+                key: CtKey::Status,
+                negate: false,
+                bits: ct_status::DNAT,
+            },
+            jump(SESSION_AFFINITY_RECORD),
+        ])
+    };
+
     let mut filter_input = Vec::new();
     if localnet_guard {
         filter_input.push(Rule::new(vec![jump(LOCALNET_CHECK)]));
@@ -444,7 +540,11 @@ pub fn render_base_sized(
         new_jump(NODEPORT_ENDPOINTS_CHECK),
         new_jump(SERVICE_ENDPOINTS_CHECK),
     ]);
+    filter_input.push(record());
     let mut chains = base_chains(filter_input);
+    if let Some(post) = chains.iter_mut().find(|c| c.name == NAT_POSTROUTING) {
+        post.rules.insert(0, record());
+    }
 
     let cluster_ips_check = cluster_ips_check_rules(state, true);
     // The NodePort destination test, as in kube-proxy's layout.
@@ -568,19 +668,48 @@ pub fn render_base_sized(
         &mut services,
     );
 
+    // A client the affinity maps remember goes back to its endpoint; the others (and every
+    // port without affinity) are spread by the slot rules. The affinity rules live in chains
+    // of their own, so that a timeout coming or going rewrites those, never the `pick-`
+    // chains (nft 1.0.6 cannot re-add a `pick-` rule whose `typeof` map it reads from the
+    // kernel; see `Set::has_endpoint_data`).
+    let affinity_rules = |key: AffinityKey| -> Vec<Rule> {
+        timeouts
+            .iter()
+            .map(|&t| {
+                let names = AffinityNames::new(t);
+                let (dsts, k, map) = match key {
+                    AffinityKey::Dst => (lookup(dst, names.dsts), key, names.dst_map),
+                    AffinityKey::NodePort => {
+                        (lookup(port, names.nodeports), key, names.nodeport_map)
+                    }
+                };
+                Rule::new(vec![
+                    dsts,
+                    Expr::AffinityDnat {
+                        key: k,
+                        map: map.to_string(),
+                    },
+                ])
+            })
+            .collect()
+    };
     let pick = |name: &str, key: MapKey, map: &str| {
+        let affinity = match key {
+            MapKey::DaddrProtoPort => SESSION_AFFINITY_IPS,
+            MapKey::ProtoPort => SESSION_AFFINITY_NODEPORTS,
+        };
         Chain::regular(
             name,
-            dispatch_rules()
-                .into_iter()
-                .map(|(modulus, offset)| {
+            std::iter::once(Rule::new(vec![jump(affinity)]))
+                .chain(dispatch_rules().into_iter().map(|(modulus, offset)| {
                     Rule::new(vec![Expr::DnatMap {
                         key,
                         modulus,
                         offset,
                         map: map.to_string(),
                     }])
-                })
+                }))
                 .collect(),
         )
     };
@@ -673,6 +802,14 @@ pub fn render_base_sized(
     if localnet_guard {
         chains.push(localnet_check());
     }
+    chains.extend([
+        Chain::regular(SESSION_AFFINITY_IPS, affinity_rules(AffinityKey::Dst)),
+        Chain::regular(
+            SESSION_AFFINITY_NODEPORTS,
+            affinity_rules(AffinityKey::NodePort),
+        ),
+        Chain::regular(SESSION_AFFINITY_RECORD, affinity_record_rules(&timeouts)),
+    ]);
     // Sizes with headroom (`nodeport-ips` holds the node's addresses, no Service's).
     for s in &mut sets {
         if let Some(bound) = bounds.of_set(&s.name) {
@@ -700,7 +837,50 @@ pub fn render_base_sized(
     }
 }
 
-/// One service port's elements (and, with session affinity, kube-proxy's chains for it).
+/// The most clients each session-affinity map remembers (per timeout, over all its ports):
+/// a full map records no more clients until entries expire, which costs those clients their
+/// affinity, never their connection.
+pub const AFFINITY_MAP_SIZE: u32 = 1 << 20;
+
+/// `session-affinity-record`: per timeout and protocol (nft needs the protocol to type
+/// `th dport` in the map's data), the client key of a DNATed new connection and the endpoint
+/// it went to. A NodePort connection is one whose original destination is no ClusterIP and
+/// no external destination.
+fn affinity_record_rules(timeouts: &[u32]) -> Vec<Rule> {
+    let mut rules = Vec::new();
+    for &t in timeouts {
+        let names = AffinityNames::new(t);
+        for proto in [Protocol::Tcp, Protocol::Udp, Protocol::Sctp] {
+            rules.push(Rule::new(vec![
+                Expr::L4proto(proto),
+                lookup(LookupKey::OrigDaddrProtoPort, names.dsts),
+                Expr::AffinityUpdate {
+                    key: AffinityKey::Dst,
+                    map: names.dst_map.to_string(),
+                },
+            ]));
+            let not_in = |key, set: &str| Expr::Lookup {
+                key,
+                negate: true,
+                set: set.to_string(),
+            };
+            rules.push(Rule::new(vec![
+                Expr::L4proto(proto),
+                not_in(LookupKey::OrigDaddr, CLUSTER_IPS),
+                not_in(LookupKey::OrigDaddrProtoPort, MASQUERADE_IPS),
+                not_in(LookupKey::OrigDaddrProtoPort, LOCAL_POLICY_IPS),
+                lookup(LookupKey::ProtoOrigPort, names.nodeports),
+                Expr::AffinityUpdate {
+                    key: AffinityKey::NodePort,
+                    map: names.nodeport_map.to_string(),
+                },
+            ]));
+        }
+    }
+    rules
+}
+
+/// One service port's elements.
 pub fn render_service(
     svc: &ServicePortState,
     state: &FamilyState,
@@ -717,8 +897,14 @@ pub fn render_service(
     let endpoints = svc.cluster_endpoints.len().max(svc.local_endpoints.len());
     out.elements
         .reserve(4 + (3 + svc.external_ips.len() + svc.load_balancer_ips.len()) * endpoints);
-    let affinity = port.session_affinity_seconds.is_some();
-    if affinity {
+    // Session affinity through the maps in IPv4; IPv6 keeps kube-proxy's chains (see the
+    // module's notes: nft 1.0.6 cannot write an IPv6 `update` with `addr . port` data).
+    let affinity = port
+        .session_affinity_seconds
+        .filter(|_| state.family == IpFamily::V4)
+        .map(AffinityNames::new);
+    let chains_affinity = port.session_affinity_seconds.is_some() && affinity.is_none();
+    if chains_affinity {
         // kube-proxy's chains and affinity sets, reached through the `goto` elements of
         // `service-ips`/`service-nodeports`; everything the filter chains use comes below.
         let kp = kube_proxy_service(svc, state, config);
@@ -750,6 +936,21 @@ pub fn render_service(
     };
 
     el(CLUSTER_IPS, ElemKey::Addr(svc.cluster_ip), None);
+    if let Some(names) = affinity {
+        for ip in std::iter::once(&svc.cluster_ip)
+            .chain(&svc.external_ips)
+            .chain(&svc.load_balancer_ips)
+        {
+            el(
+                names.dsts,
+                ElemKey::AddrProtoPort(*ip, proto, port.port),
+                None,
+            );
+        }
+        if let Some(np) = port.node_port {
+            el(names.nodeports, ElemKey::ProtoPort(proto, np), None);
+        }
+    }
 
     let has_internal = svc.has_internal_endpoints();
     let has_external = svc.has_external_endpoints();
@@ -787,7 +988,7 @@ pub fn render_service(
     // ClusterIP.
     let cip = ElemKey::AddrProtoPort(svc.cluster_ip, proto, port.port);
     if has_internal {
-        if !affinity {
+        if !chains_affinity {
             endpoints(
                 internal_list,
                 &|s| ElemKey::AddrProtoPortSlot(svc.cluster_ip, proto, port.port, s),
@@ -803,7 +1004,7 @@ pub fn render_service(
     let external_dst =
         |ip: IpAddr, el: &mut dyn FnMut(&'static str, ElemKey, Option<SocketAddr>)| {
             let key = ElemKey::AddrProtoPort(ip, proto, port.port);
-            if svc.has_endpoints && !affinity {
+            if svc.has_endpoints && !chains_affinity {
                 el(
                     if etp_local {
                         LOCAL_POLICY_IPS
@@ -866,7 +1067,7 @@ pub fn render_service(
     // NodePort.
     if let Some(np) = port.node_port {
         let key = ElemKey::ProtoPort(proto, np);
-        if svc.has_endpoints && !affinity {
+        if svc.has_endpoints && !chains_affinity {
             el(
                 if etp_local {
                     LOCAL_POLICY_NODEPORTS
@@ -900,18 +1101,16 @@ pub fn render_service(
 
     // Hairpin: every endpoint this port may DNAT to (kube-proxy's `allReachable`; in the
     // order of the lists, not sorted as kube-proxy's endpoint chains are: a set has no order).
-    if !affinity {
-        let cluster = svc.uses_cluster_chain();
-        if cluster {
-            for e in &svc.cluster_endpoints {
-                el(HAIRPIN_IPS, ElemKey::AddrAddr(e.ip, e.ip), None);
-            }
+    let cluster = svc.uses_cluster_chain() && !chains_affinity;
+    if cluster {
+        for e in &svc.cluster_endpoints {
+            el(HAIRPIN_IPS, ElemKey::AddrAddr(e.ip, e.ip), None);
         }
-        if svc.uses_local_chain() {
-            for e in &svc.local_endpoints {
-                if !(cluster && svc.cluster_endpoints.iter().any(|c| c.ip == e.ip)) {
-                    el(HAIRPIN_IPS, ElemKey::AddrAddr(e.ip, e.ip), None);
-                }
+    }
+    if svc.uses_local_chain() && !chains_affinity {
+        for e in &svc.local_endpoints {
+            if !(cluster && svc.cluster_endpoints.iter().any(|c| c.ip == e.ip)) {
+                el(HAIRPIN_IPS, ElemKey::AddrAddr(e.ip, e.ip), None);
             }
         }
     }

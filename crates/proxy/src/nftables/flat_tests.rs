@@ -32,6 +32,13 @@ fn flat_rendered_transaction_matches_the_golden_text() {
         "- {addresses: [10.244.1.1], nodeName: node-a}\n- {addresses: [10.244.2.1], nodeName: node-b}",
     );
     let text = create_all(&World::flat(&yaml).ruleset()).to_nft();
+    if std::env::var_os("NODEPORT_BLESS").is_some() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/src/nftables/testdata/web-nodeport-flat.nft"
+        );
+        std::fs::write(path, &text).unwrap();
+    }
     let golden = include_str!("testdata/web-nodeport-flat.nft");
     assert_eq!(text, golden, "golden mismatch; got:\n{text}");
 }
@@ -197,44 +204,130 @@ fn flat_itp_local_clusterip_reaches_only_local_endpoints_or_is_dropped() {
 }
 
 #[test]
-fn flat_session_affinity_keeps_kube_proxys_chains_for_that_port_and_sends_a_known_client_back() {
+fn flat_session_affinity_records_each_new_client_and_sends_a_known_one_back_per_destination() {
     let w = World::flat(&web(
         "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {clientIP: {timeoutSeconds: 600}}",
         THREE_ENDPOINTS,
     ));
-    let rules = w.ruleset();
-    let first = trace(&rules, &tcp(CLIENT, NODE_IP, 30080), &w.env());
-    assert_eq!(first.endpoints().len(), 3, "{first}");
-    assert!(first.all_masqueraded(true), "{first}");
-    for (fate, _) in &first.fates {
-        let Fate::Delivered { affinity, .. } = fate else {
-            panic!("{first}")
-        };
-        assert_eq!(affinity.len(), 1, "{first}");
+    let mut rules = w.ruleset();
+    let names = AffinityNames::new(600);
+    // A new client is spread as without affinity, and its endpoint is recorded after DNAT.
+    for (dst, port, map) in [
+        (NODE_IP, 30080, names.nodeport_map),
+        ("10.96.0.10", 80, names.dst_map),
+    ] {
+        let first = trace(&rules, &tcp(CLIENT, dst, port), &w.env());
+        assert_eq!(first.endpoints().len(), 3, "{first}");
+        for (fate, _) in &first.fates {
+            let Fate::Delivered { affinity, .. } = fate else {
+                panic!("{first}")
+            };
+            assert_eq!(affinity, &vec![map.to_string()], "{first}");
+        }
     }
-    let set = EndpointNames::new(
-        &crate::model::ServicePortName::new("default", "web", "", Protocol::Tcp),
-        "10.244.3.1".parse().unwrap(),
-        8080,
-    )
-    .affinity;
-    let mut env = w.env();
-    env.affinity.push((set, CLIENT.parse().unwrap()));
-    for dst in ["10.96.0.10", NODE_IP] {
-        let port = if dst == NODE_IP { 30080 } else { 80 };
-        let again = trace(&rules, &tcp(CLIENT, dst, port), &env);
-        assert_eq!(
-            again.endpoints(),
-            BTreeSet::from(["10.244.3.1:8080".parse().unwrap()]),
-            "{again}"
-        );
-    }
+    // The client known for the ClusterIP goes back to its endpoint there; its NodePort
+    // connections are spread until the NodePort entry exists too (each destination keeps
+    // its own entry: see the module's notes on kube-proxy's shared affinity).
+    let endpoint: std::net::SocketAddr = "10.244.3.1:8080".parse().unwrap();
+    let client: std::net::IpAddr = CLIENT.parse().unwrap();
+    let table = rules
+        .tables
+        .iter_mut()
+        .find(|t| t.family == IpFamily::V4)
+        .unwrap();
+    table.base.elements.push(super::ruleset::Element {
+        set: names.dst_map,
+        key: super::ruleset::ElemKey::AddrAddrProtoPort(
+            client,
+            "10.96.0.10".parse().unwrap(),
+            Protocol::Tcp,
+            80,
+        ),
+        value: None,
+        data: Some(endpoint),
+        comment: None,
+    });
+    let known = BTreeSet::from([endpoint]);
+    assert_eq!(
+        trace(&rules, &tcp(CLIENT, "10.96.0.10", 80), &w.env()).endpoints(),
+        known
+    );
+    assert_eq!(
+        trace(&rules, &tcp(CLIENT, NODE_IP, 30080), &w.env())
+            .endpoints()
+            .len(),
+        3
+    );
+    let table = rules
+        .tables
+        .iter_mut()
+        .find(|t| t.family == IpFamily::V4)
+        .unwrap();
+    table.base.elements.push(super::ruleset::Element {
+        set: names.nodeport_map,
+        key: super::ruleset::ElemKey::AddrProtoPort(client, Protocol::Tcp, 30080),
+        value: None,
+        data: Some(endpoint),
+        comment: None,
+    });
+    let again = trace(&rules, &tcp(CLIENT, NODE_IP, 30080), &w.env());
+    assert_eq!(again.endpoints(), known, "{again}");
+    assert!(again.all_masqueraded(true), "{again}");
+    // Another client is not affected.
+    let other = trace(&rules, &tcp("203.0.113.77", NODE_IP, 30080), &w.env());
+    assert_eq!(other.endpoints().len(), 3, "{other}");
     // Without endpoints the port is rejected like any other.
     let w = World::flat(&web("  sessionAffinity: ClientIP", "  []"));
     assert_eq!(
         w.trace(tcp(CLIENT, NODE_IP, 30080)).only(),
         &Fate::Rejected(NODEPORT_ENDPOINTS_CHECK.into())
     );
+}
+
+#[test]
+fn flat_session_affinity_adds_chains_and_rules_per_timeout_not_per_service() {
+    let count = |w: &World| {
+        let r = w.ruleset();
+        let t = r.table(IpFamily::V4).unwrap();
+        (
+            t.chains().count(),
+            t.chains().map(|c| c.rules.len()).sum::<usize>(),
+            t.sets().count(),
+        )
+    };
+    let affinity = |timeout: u32| {
+        format!(
+            "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {{clientIP: {{timeoutSeconds: {timeout}}}}}"
+        )
+    };
+    let services = |n: usize, timeout: &dyn Fn(usize) -> u32| -> String {
+        (0..n)
+            .map(|i| {
+                web(&affinity(timeout(i)), THREE_ENDPOINTS)
+                    .replace("name: web,", &format!("name: web{i},"))
+                    .replace("name: web-1,", &format!("name: web{i}-1,"))
+                    .replace("service-name: web}", &format!("service-name: web{i}}}"))
+                    .replace("10.96.0.10", &format!("10.96.1.{i}"))
+                    .replace("30080", &format!("{}", 31000 + i))
+            })
+            .collect::<Vec<_>>()
+            .join("---\n")
+    };
+    let plain = count(&World::flat(&web("", THREE_ENDPOINTS)));
+    let one = count(&World::flat(&services(1, &|_| 600)));
+    let fifty = count(&World::flat(&services(50, &|_| 600)));
+    assert_eq!(one, fifty, "one timeout: the same chains, rules and sets");
+    // One timeout: 6 record rules (3 protocols x destination/NodePort), one rule in each of
+    // the two lookup chains; 2 sets and 2 maps. The chains are there without affinity too.
+    assert_eq!(one.0, plain.0);
+    assert_eq!(one.1, plain.1 + 6 + 2);
+    assert_eq!(one.2, plain.2 + 4);
+    let two = count(&World::flat(&services(50, &|i| {
+        if i % 2 == 0 { 600 } else { 60 }
+    })));
+    assert_eq!(two.0, one.0);
+    assert_eq!(two.1, one.1 + 6 + 2);
+    assert_eq!(two.2, one.2 + 4);
 }
 
 #[test]
@@ -654,4 +747,119 @@ fn flat_a_refused_transaction_keeps_the_old_rules_and_the_retry_is_a_full_sync()
         kernel_trace(&a, &w, tcp(CLIENT, NODE_IP, 30080)).only(),
         &delivered("10.244.9.1:8080", true)
     );
+}
+
+/// `web` with session affinity of `timeout` seconds.
+fn sticky(timeout: u32) -> String {
+    format!(
+        "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {{clientIP: {{timeoutSeconds: {timeout}}}}}"
+    )
+}
+
+/// Plays the kernel recording `client` → `to` in the NodePort affinity map of `timeout`.
+fn record(a: &mut Applier<FakeKernel>, timeout: u32, client: &str, to: &str) {
+    let map = AffinityNames::new(timeout).nodeport_map;
+    let key = super::ruleset::ElemKey::AddrProtoPort(client.parse().unwrap(), Protocol::Tcp, 30080);
+    a.kernel_mut()
+        .tables
+        .get_mut(&IpFamily::V4)
+        .unwrap()
+        .sets
+        .get_mut(map)
+        .expect("the map exists")
+        .1
+        .insert(
+            key,
+            super::ruleset::Element {
+                set: map,
+                key,
+                value: None,
+                data: Some(to.parse().unwrap()),
+                comment: None,
+            },
+        );
+}
+
+fn recorded(a: &Applier<FakeKernel>, timeout: u32) -> BTreeSet<(String, String)> {
+    let map = AffinityNames::new(timeout).nodeport_map;
+    a.kernel().tables[&IpFamily::V4]
+        .sets
+        .get(map)
+        .map(|(_, els)| {
+            els.values()
+                .map(|e| match e.key {
+                    super::ruleset::ElemKey::AddrProtoPort(c, ..) => {
+                        (c.to_string(), e.data.unwrap().to_string())
+                    }
+                    other => panic!("{other:?}"),
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn flat_affinity_entries_of_a_removed_endpoint_go_with_it_and_the_others_stay() {
+    let mut w = World::flat(&web(&sticky(600), THREE_ENDPOINTS));
+    let (mut a, mut d) = applier_with(&w);
+    record(&mut a, 600, "203.0.113.5", "10.244.1.1:8080");
+    record(&mut a, 600, "203.0.113.6", "10.244.2.1:8080");
+    // The kernel sends the known client back.
+    assert_eq!(
+        kernel_trace(&a, &w, tcp("203.0.113.6", NODE_IP, 30080)).endpoints(),
+        BTreeSet::from(["10.244.2.1:8080".parse().unwrap()])
+    );
+    let touched = change_endpoints(
+        &mut w,
+        &mut d,
+        "- {addresses: [10.244.2.1], nodeName: node-b}\n- {addresses: [10.244.3.1], nodeName: node-c}",
+    );
+    let r = a.sync(&d, &w.config, Some(&touched)).unwrap();
+    assert!(!r.full);
+    assert_eq!(r.affinity_deleted, 1);
+    assert_eq!(
+        recorded(&a, 600),
+        BTreeSet::from([("203.0.113.6".into(), "10.244.2.1:8080".into())])
+    );
+    // A full resync keeps what is still valid.
+    a.request_full_sync();
+    let r = a.sync(&d, &w.config, Some(&BTreeSet::new())).unwrap();
+    assert!(r.full);
+    assert_eq!(r.affinity_deleted, 0);
+    assert_eq!(recorded(&a, 600).len(), 1);
+}
+
+#[test]
+fn flat_affinity_switched_on_and_off_with_a_timeout_in_use_is_element_operations_only() {
+    // `api` keeps the 600 s timeout in use; `web` switches affinity on and off.
+    let api = web(&sticky(600), "- {addresses: [10.244.5.5]}")
+        .replace("web", "api")
+        .replace("10.96.0.10", "10.96.0.11")
+        .replace("30080", "30081");
+    let both = |web_extra: &str| format!("{}---\n{api}", web(web_extra, THREE_ENDPOINTS));
+    let mut w = World::flat(&both(""));
+    let (mut a, mut d) = applier_with(&w);
+    for extra in [sticky(600), String::new()] {
+        let loaded = objects::load(&both(&extra)).unwrap().cluster;
+        let name = ServiceName::new("default", "web");
+        w.cluster
+            .update_service(name.clone(), loaded.services.get(&name).cloned());
+        let changes = w.cluster.take_changes();
+        let touched = d.refresh_services(&w.cluster, NodeView::named(NODE), &changes.services);
+        if extra.is_empty() {
+            // Switched off: the client recorded for it goes.
+            record(&mut a, 600, "203.0.113.5", "10.244.1.1:8080");
+        }
+        let r = a.sync(&d, &w.config, Some(&touched)).unwrap();
+        assert!(!r.full);
+        only_elements(
+            &a.kernel().history[a.kernel().history.len() - 1 - r.affinity_deleted.min(1)],
+        );
+        if extra.is_empty() {
+            assert_eq!(r.affinity_deleted, 1);
+            assert!(recorded(&a, 600).is_empty());
+        }
+        let p = tcp(CLIENT, NODE_IP, 30080);
+        assert_eq!(kernel_trace(&a, &w, p.clone()).fates, w.trace(p).fates);
+    }
 }

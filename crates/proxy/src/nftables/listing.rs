@@ -9,16 +9,15 @@
 //! not evaluate. Elements name their set by `&'static str` ([`Element::set`]): set names
 //! read here are interned once per process (a table has a few dozen).
 
-use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::Mutex;
 
 use ipnet::IpNet;
 use serde_json::Value;
 
+use super::names::intern;
 use super::ruleset::{
-    AddrMatch, BaseHook, BaseObjects, Chain, ChainType, CtKey, ElemKey, Element, Expr, Hook,
-    KeyType, LookupKey, MapKey, Rule, Set, Table, Verdict, ct_state, ct_status,
+    AddrMatch, AffinityKey, BaseHook, BaseObjects, Chain, ChainType, CtKey, ElemKey, Element, Expr,
+    Hook, KeyType, LookupKey, MapKey, Rule, Set, Table, Verdict, ct_state, ct_status,
 };
 use crate::model::{IpFamily, Protocol};
 
@@ -91,19 +90,6 @@ pub fn parse(json: &str, family: IpFamily) -> Result<Listed, Error> {
     })
 }
 
-/// A set name as `&'static str`, leaked once per distinct name.
-fn intern(name: &str) -> &'static str {
-    static NAMES: Mutex<Option<HashSet<&'static str>>> = Mutex::new(None);
-    let mut names = NAMES.lock().unwrap_or_else(|e| e.into_inner());
-    let names = names.get_or_insert_with(HashSet::new);
-    if let Some(n) = names.get(name) {
-        return n;
-    }
-    let leaked: &'static str = Box::leak(name.to_string().into_boxed_str());
-    names.insert(leaked);
-    leaked
-}
-
 fn base_hook(c: &Value) -> Option<BaseHook> {
     let hook = match c["hook"].as_str()? {
         "prerouting" => Hook::Prerouting,
@@ -124,7 +110,7 @@ fn base_hook(c: &Value) -> Option<BaseHook> {
     })
 }
 
-fn key_type(t: &Value, interval: bool) -> Option<KeyType> {
+fn key_type(t: &Value, interval: bool, endpoint_data: bool) -> Option<KeyType> {
     let parts: Vec<&str> = match t {
         Value::String(s) => vec![s.as_str()],
         Value::Array(a) => a.iter().filter_map(Value::as_str).collect(),
@@ -132,6 +118,10 @@ fn key_type(t: &Value, interval: bool) -> Option<KeyType> {
     };
     let addr = |s: &str| s == "ipv4_addr" || s == "ipv6_addr";
     Some(match parts.as_slice() {
+        [a, b, "inet_proto", "inet_service"] if addr(a) && addr(b) && endpoint_data => {
+            KeyType::AffinityDst
+        }
+        [a, "inet_proto", "inet_service"] if addr(a) && endpoint_data => KeyType::AffinityNodePort,
         [a] if addr(a) => KeyType::Addr,
         [a, "inet_proto", "inet_service"] if addr(a) => KeyType::AddrProtoPort,
         ["inet_proto", "inet_service"] => KeyType::ProtoPort,
@@ -150,7 +140,11 @@ fn set(s: &Value) -> Option<(Set, Vec<Element>)> {
     let interval = s["flags"]
         .as_array()
         .is_some_and(|f| f.iter().any(|x| x == "interval"));
-    let key = key_type(&s["type"], interval)?;
+    // A map to `addr . port` that is not keyed by a slot: a session-affinity map.
+    let endpoint_data = s["map"]
+        .as_str()
+        .is_some_and(|m| m.ends_with("_addr . inet_service"));
+    let key = key_type(&s["type"], interval, endpoint_data)?;
     let verdict_map = s["map"] == "verdict";
     let spec = Set {
         name: name.to_string(),
@@ -224,6 +218,12 @@ fn elem_key(t: KeyType, v: &Value) -> Option<ElemKey> {
         (KeyType::ProtoPortSlot, [p, n, s]) => {
             ElemKey::ProtoPortSlot(proto(p)?, port(n)?, s.as_u64()? as u32)
         }
+        (KeyType::AffinityDst, [c, a, p, n]) => {
+            ElemKey::AddrAddrProtoPort(ip(c)?, ip(a)?, proto(p)?, port(n)?)
+        }
+        (KeyType::AffinityNodePort, [c, p, n]) => {
+            ElemKey::AddrProtoPort(ip(c)?, proto(p)?, port(n)?)
+        }
         _ => return None,
     })
 }
@@ -255,6 +255,8 @@ enum Field {
     L4proto,
     Dport,
     Numgen { modulus: u32, offset: u32 },
+    CtOrigDaddr,
+    CtOrigProtoDst,
 }
 
 fn field(v: &Value) -> Option<Field> {
@@ -268,6 +270,15 @@ fn field(v: &Value) -> Option<Field> {
     }
     if v["meta"]["key"] == "l4proto" {
         return Some(Field::L4proto);
+    }
+    if let Some(ct) = v.get("ct")
+        && ct["dir"] == "original"
+    {
+        return match ct["key"].as_str()? {
+            "ip daddr" | "ip6 daddr" => Some(Field::CtOrigDaddr),
+            "proto-dst" => Some(Field::CtOrigProtoDst),
+            _ => None,
+        };
     }
     if let Some(n) = v.get("numgen") {
         if n["mode"] != "random" {
@@ -379,7 +390,9 @@ fn rule(exprs: &[Value]) -> Option<Vec<Expr>> {
         if let Some(m) = e.get("match") {
             let (left, right) = (&m["left"], &m["right"]);
             let negate = m["op"] == "!=";
-            if let Some(ct) = left.get("ct") {
+            if let Some(ct) = left.get("ct")
+                && ct.get("dir").is_none()
+            {
                 let key = match ct["key"].as_str()? {
                     "state" => CtKey::State,
                     "status" => CtKey::Status,
@@ -451,6 +464,11 @@ fn rule(exprs: &[Value]) -> Option<Vec<Expr>> {
                             [Field::Daddr, Field::L4proto, Field::Dport, Field::Saddr] => {
                                 LookupKey::DaddrProtoPortSaddr
                             }
+                            [Field::CtOrigDaddr] => LookupKey::OrigDaddr,
+                            [Field::CtOrigDaddr, Field::L4proto, Field::CtOrigProtoDst] => {
+                                LookupKey::OrigDaddrProtoPort
+                            }
+                            [Field::L4proto, Field::CtOrigProtoDst] => LookupKey::ProtoOrigPort,
                             _ => return None,
                         };
                         out.push(Expr::Lookup {
@@ -481,6 +499,61 @@ fn rule(exprs: &[Value]) -> Option<Vec<Expr>> {
                 }),
                 _ => return None,
             }
+        } else if let Some(d) = e.get("dnat")
+            && let Some(m) = d["addr"].get("map")
+            && let Some(key) = match fields(&m["key"])?.as_slice() {
+                [Field::Saddr, Field::Daddr, Field::L4proto, Field::Dport] => {
+                    Some(AffinityKey::Dst)
+                }
+                [Field::Saddr, Field::L4proto, Field::Dport] => Some(AffinityKey::NodePort),
+                _ => None,
+            }
+        {
+            out.push(Expr::AffinityDnat {
+                key,
+                map: set_ref(&m["data"])?,
+            });
+        } else if let Some(text) = e.as_str()
+            && let Some(rest) = text.strip_prefix("update @")
+        {
+            // nft has no JSON form for a map update (`stmt ops map have no json callback`)
+            // and prints it as text: `update @m { ct original ip saddr . [ct original ip
+            // daddr . ]meta l4proto . ct original proto-dst : ip daddr . tcp dport }`. Its
+            // `meta l4proto tcp` (the data's dependency) is left out of the listing: put back
+            // where the rule has it, before the first `ct original` lookup.
+            let (map, body) = rest.split_once(' ')?;
+            let key = if body.contains("ct original ip daddr")
+                || body.contains("ct original ip6 daddr")
+            {
+                AffinityKey::Dst
+            } else {
+                AffinityKey::NodePort
+            };
+            let proto = body
+                .trim_end_matches([' ', '}'])
+                .strip_suffix(" dport")?
+                .rsplit(' ')
+                .next()?;
+            let proto = Protocol::parse(&proto.to_ascii_uppercase())?;
+            let at = out
+                .iter()
+                .position(|x| {
+                    matches!(
+                        x,
+                        Expr::Lookup {
+                            key: LookupKey::OrigDaddr
+                                | LookupKey::OrigDaddrProtoPort
+                                | LookupKey::ProtoOrigPort,
+                            ..
+                        }
+                    )
+                })
+                .unwrap_or(out.len());
+            out.insert(at, Expr::L4proto(proto));
+            out.push(Expr::AffinityUpdate {
+                key,
+                map: map.to_string(),
+            });
         } else if let Some(d) = e.get("dnat") {
             let m = d["addr"].get("map")?;
             let mut f = fields(&m["key"])?;
@@ -605,6 +678,84 @@ mod tests {
             listed.skipped[0].starts_with("services: "),
             "{:?}",
             listed.skipped
+        );
+    }
+
+    #[test]
+    fn the_flat_layouts_affinity_maps_entries_and_rules_read_back_as_rendered() {
+        // `nft -j list table ip kube-proxy` of the affinity objects (nft 1.0.6), with one
+        // client recorded in each map.
+        let listed = parse(
+            include_str!("testdata/flat-affinity-listing.json"),
+            IpFamily::V4,
+        )
+        .unwrap();
+        assert!(listed.skipped.is_empty(), "{:?}", listed.skipped);
+        let sets = &listed.table.base.sets;
+        let map = sets.iter().find(|s| s.name == "affinity-ips-600").unwrap();
+        assert_eq!(
+            (map.key, map.timeout, map.is_map()),
+            (KeyType::AffinityDst, Some(600), true)
+        );
+        let np = sets
+            .iter()
+            .find(|s| s.name == "affinity-nodeports-600")
+            .unwrap();
+        assert_eq!(np.key, KeyType::AffinityNodePort);
+        let client: IpAddr = "203.0.113.5".parse().unwrap();
+        let to: SocketAddr = "10.244.3.1:8080".parse().unwrap();
+        let entries: Vec<(ElemKey, Option<SocketAddr>)> = listed
+            .table
+            .base
+            .elements
+            .iter()
+            .filter(|e| e.set.starts_with("affinity-"))
+            .map(|e| (e.key, e.data))
+            .collect();
+        assert_eq!(
+            entries,
+            vec![
+                (
+                    ElemKey::AddrAddrProtoPort(
+                        client,
+                        "10.96.0.10".parse().unwrap(),
+                        Protocol::Tcp,
+                        80
+                    ),
+                    Some(to)
+                ),
+                (
+                    ElemKey::AddrProtoPort(client, Protocol::Tcp, 30080),
+                    Some(to)
+                ),
+            ]
+        );
+        let rules = |chain: &str| -> Vec<String> {
+            listed
+                .table
+                .base
+                .chains
+                .iter()
+                .find(|c| c.name == chain)
+                .unwrap()
+                .rules
+                .iter()
+                .map(|r| r.text(IpFamily::V4))
+                .collect()
+        };
+        assert_eq!(
+            rules("session-affinity-ips"),
+            [
+                "ip daddr . meta l4proto . th dport @sticky-ips-600 dnat ip to ip saddr . ip daddr . meta l4proto . th dport map @affinity-ips-600"
+            ]
+        );
+        // nft leaves out the `meta l4proto` the map's data depends on; it is put back.
+        assert_eq!(
+            rules("session-affinity-record"),
+            [
+                "meta l4proto udp ct original ip daddr . meta l4proto . ct original proto-dst @sticky-ips-600 update @affinity-ips-600 { ct original ip saddr . ct original ip daddr . meta l4proto . ct original proto-dst : ip daddr . th dport }",
+                "meta l4proto tcp ct original ip daddr != @cluster-ips ct original ip daddr . meta l4proto . ct original proto-dst != @masquerade-ips ct original ip daddr . meta l4proto . ct original proto-dst != @local-policy-ips meta l4proto . ct original proto-dst @sticky-nodeports-600 update @affinity-nodeports-600 { ct original ip saddr . meta l4proto . ct original proto-dst : ip daddr . th dport }",
+            ]
         );
     }
 }

@@ -114,6 +114,14 @@ pub const EXTERNAL_LOCAL_POLICY: &str = "external-local-policy";
 pub const NODEPORT_CLUSTER_POLICY: &str = "nodeport-cluster-policy";
 /// Flat layout, chain: a NodePort with `externalTrafficPolicy: Local`.
 pub const NODEPORT_LOCAL_POLICY: &str = "nodeport-local-policy";
+/// Flat layout, chain: records the endpoint of each new connection to a session-affinity
+/// destination (after DNAT, from `nat-postrouting` and `filter-input`).
+pub const SESSION_AFFINITY_RECORD: &str = "session-affinity-record";
+/// Flat layout, chain: sends a client back to the endpoint remembered for it, first thing in
+/// the `pick-service…` chains (empty without session affinity).
+pub const SESSION_AFFINITY_IPS: &str = "session-affinity-ips";
+/// Flat layout, chain: the same for the `pick-nodeport…` chains.
+pub const SESSION_AFFINITY_NODEPORTS: &str = "session-affinity-nodeports";
 
 /// The chain names of one service port.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -170,4 +178,48 @@ pub fn is_service_chain(name: &str) -> bool {
 /// kube-proxy's `isAffinitySetName`.
 pub fn is_affinity_set(name: &str) -> bool {
     name.starts_with("affinity-")
+}
+
+/// `name` as a `&'static str` (set names of elements, [`Element::set`](super::ruleset::Element)):
+/// names made at run time (read from a listing, or the flat layout's per-timeout affinity
+/// sets) are leaked once per process; a table has a few dozen.
+pub fn intern(name: &str) -> &'static str {
+    static NAMES: std::sync::Mutex<Option<std::collections::HashSet<&'static str>>> =
+        std::sync::Mutex::new(None);
+    let mut names = NAMES.lock().unwrap_or_else(|e| e.into_inner());
+    let names = names.get_or_insert_with(std::collections::HashSet::new);
+    if let Some(n) = names.get(name) {
+        return n;
+    }
+    let leaked: &'static str = Box::leak(name.to_string().into_boxed_str());
+    names.insert(leaked);
+    leaked
+}
+
+/// The flat layout's session-affinity objects of one timeout: which destinations and
+/// NodePorts have `sessionAffinity: ClientIP` with it, and the dynamic maps from a client to
+/// the endpoint it was sent to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AffinityNames {
+    /// Set of `addr . proto . port`.
+    pub dsts: &'static str,
+    /// Set of `proto . port`.
+    pub nodeports: &'static str,
+    /// Map `client . addr . proto . port : endpoint`.
+    pub dst_map: &'static str,
+    /// Map `client . proto . port : endpoint`.
+    pub nodeport_map: &'static str,
+}
+
+impl AffinityNames {
+    /// The names for `timeout` seconds. The maps start with `affinity-`, as kube-proxy's
+    /// affinity sets: a full sync keeps what the kernel recorded in them ([`is_affinity_set`]).
+    pub fn new(timeout: u32) -> Self {
+        AffinityNames {
+            dsts: intern(&format!("sticky-ips-{timeout}")),
+            nodeports: intern(&format!("sticky-nodeports-{timeout}")),
+            dst_map: intern(&format!("affinity-ips-{timeout}")),
+            nodeport_map: intern(&format!("affinity-nodeports-{timeout}")),
+        }
+    }
 }

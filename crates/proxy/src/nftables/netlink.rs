@@ -30,8 +30,8 @@ use netlink_sys::{Socket, SocketAddr, protocols::NETLINK_NETFILTER};
 
 use super::apply::{Existing, Kernel, KernelError, NftCommand, TransactionSink};
 use super::ruleset::{
-    AddrMatch, ChainType, CtKey, ElemKey, Element, Expr, Hook, KeyType, LookupKey, MapKey, Op,
-    Rule, Set, TABLE, TABLE_COMMENT, Transaction, Verdict, ct_state,
+    AddrMatch, AffinityKey, ChainType, CtKey, ElemKey, Element, Expr, Hook, KeyType, LookupKey,
+    MapKey, Op, Rule, Set, TABLE, TABLE_COMMENT, Transaction, Verdict, ct_state,
 };
 use crate::model::{IpFamily, Protocol};
 
@@ -51,6 +51,7 @@ const NFT_MSG_NEWSET: u16 = 9;
 const NFT_MSG_GETSET: u16 = 10;
 const NFT_MSG_DELSET: u16 = 11;
 const NFT_MSG_NEWSETELEM: u16 = 12;
+const NFT_MSG_GETSETELEM: u16 = 13;
 const NFT_MSG_DELSETELEM: u16 = 14;
 const NFT_MSG_NEWGEN: u16 = 15;
 const NFT_MSG_GETGEN: u16 = 16;
@@ -371,8 +372,14 @@ fn bitwise(b: &mut Buf, reg: u32, mask: &[u8], xor: &[u8]) {
 
 const NFTA_CT_DREG: u16 = 1;
 const NFTA_CT_KEY: u16 = 2;
+const NFTA_CT_DIRECTION: u16 = 3;
 const NFT_CT_STATE: u32 = 0;
 const NFT_CT_STATUS: u32 = 2;
+const NFT_CT_PROTO_DST: u32 = 12;
+const NFT_CT_SRC_IP: u32 = 19;
+const NFT_CT_DST_IP: u32 = 20;
+const NFT_CT_SRC_IP6: u32 = 21;
+const NFT_CT_DST_IP6: u32 = 22;
 
 const NFTA_META_DREG: u16 = 1;
 const NFTA_META_KEY: u16 = 2;
@@ -490,6 +497,21 @@ enum Field {
     Dport,
     /// `numgen random mod <m> offset <o>`.
     Numgen(u32, u32),
+    /// `ct original ip saddr`.
+    CtOrigSaddr,
+    /// `ct original ip daddr`.
+    CtOrigDaddr,
+    /// `ct original proto-dst`.
+    CtOrigProtoDst,
+}
+
+/// `ct load <key> => reg, dir original`.
+fn ct_original(b: &mut Buf, key: u32, reg: u32) {
+    b.expr("ct", |b| {
+        b.u32be(NFTA_CT_DREG, reg);
+        b.u32be(NFTA_CT_KEY, key);
+        b.attr(NFTA_CT_DIRECTION, &[0]); // IP_CT_DIR_ORIGINAL
+    });
 }
 
 /// Loads `fields` as nft does for a concatenation: the first at reg 1, each next one in
@@ -528,6 +550,21 @@ fn load_fields(b: &mut Buf, family: IpFamily, fields: &[Field]) {
                     b.u32be(3, 1); // NFTA_NG_TYPE = NFT_NG_RANDOM
                     b.u32be(4, *offset); // NFTA_NG_OFFSET
                 });
+                4
+            }
+            Field::CtOrigSaddr | Field::CtOrigDaddr => {
+                let src = matches!(f, Field::CtOrigSaddr);
+                let key = match (family, src) {
+                    (IpFamily::V4, true) => NFT_CT_SRC_IP,
+                    (IpFamily::V4, false) => NFT_CT_DST_IP,
+                    (IpFamily::V6, true) => NFT_CT_SRC_IP6,
+                    (IpFamily::V6, false) => NFT_CT_DST_IP6,
+                };
+                ct_original(b, key, reg);
+                addr_field(family, true).1
+            }
+            Field::CtOrigProtoDst => {
+                ct_original(b, NFT_CT_PROTO_DST, reg);
                 4
             }
         };
@@ -627,6 +664,11 @@ fn rule_exprs(b: &mut Buf, family: IpFamily, rule: &Rule) -> Result<(), Unsuppor
                         Field::Dport,
                         Field::Saddr,
                     ],
+                    LookupKey::OrigDaddr => vec![Field::CtOrigDaddr],
+                    LookupKey::OrigDaddrProtoPort => {
+                        vec![Field::CtOrigDaddr, Field::L4proto, Field::CtOrigProtoDst]
+                    }
+                    LookupKey::ProtoOrigPort => vec![Field::L4proto, Field::CtOrigProtoDst],
                 };
                 load_fields(b, family, &fields);
                 lookup(b, set, REG_1, None, *negate);
@@ -683,6 +725,57 @@ fn rule_exprs(b: &mut Buf, family: IpFamily, rule: &Rule) -> Result<(), Unsuppor
                     b.u32be(3, REG_1); // NFTA_NAT_REG_ADDR_MIN
                     b.u32be(5, REG_2); // NFTA_NAT_REG_PROTO_MIN
                     b.u32be(7, 2); // NFTA_NAT_FLAGS = NF_NAT_RANGE_PROTO_SPECIFIED
+                });
+            }
+            Expr::L4proto(p) => {
+                meta_load(b, NFT_META_L4PROTO, REG_1);
+                cmp(b, REG_1, false, &[proto_number(*p)]);
+            }
+            Expr::AffinityDnat { key, map } => {
+                let mut fields = vec![Field::Saddr];
+                if *key == AffinityKey::Dst {
+                    fields.push(Field::Daddr);
+                }
+                fields.extend([Field::L4proto, Field::Dport]);
+                load_fields(b, family, &fields);
+                lookup(b, map, REG_1, Some(REG_1), false);
+                let port_reg = REG32_00 + addr_field(family, true).1 / 4;
+                b.expr("nat", |b| {
+                    b.u32be(1, 1); // NFTA_NAT_TYPE = NFT_NAT_DNAT
+                    b.u32be(2, u32::from(nfproto(family))); // NFTA_NAT_FAMILY
+                    b.u32be(3, REG_1); // NFTA_NAT_REG_ADDR_MIN
+                    b.u32be(4, REG_1); // NFTA_NAT_REG_ADDR_MAX
+                    b.u32be(5, port_reg); // NFTA_NAT_REG_PROTO_MIN
+                    b.u32be(6, port_reg); // NFTA_NAT_REG_PROTO_MAX
+                    b.u32be(7, 3); // NFTA_NAT_FLAGS
+                });
+            }
+            Expr::AffinityUpdate { key, map } => {
+                let mut fields = vec![Field::CtOrigSaddr];
+                if *key == AffinityKey::Dst {
+                    fields.push(Field::CtOrigDaddr);
+                }
+                fields.extend([Field::L4proto, Field::CtOrigProtoDst]);
+                load_fields(b, family, &fields);
+                // nft puts the data in the first 16-byte register after the key's.
+                let addr_len = addr_field(family, true).1;
+                let key_len: u32 = fields
+                    .iter()
+                    .map(|f| match f {
+                        Field::CtOrigSaddr | Field::CtOrigDaddr => addr_len,
+                        _ => 4,
+                    })
+                    .sum();
+                let data_reg = REG_1 + key_len.div_ceil(16);
+                let data_reg32 = REG32_00 + (data_reg - REG_1) * 4;
+                let (offset, len) = addr_field(family, true);
+                payload(b, data_reg, NFT_PAYLOAD_NETWORK_HEADER, offset, len);
+                payload(b, data_reg32 + len / 4, NFT_PAYLOAD_TRANSPORT_HEADER, 2, 2);
+                b.expr("dynset", |b| {
+                    b.str(1, map); // NFTA_DYNSET_SET_NAME
+                    b.u32be(3, 1); // NFTA_DYNSET_OP = NFT_DYNSET_OP_UPDATE
+                    b.u32be(4, REG_1); // NFTA_DYNSET_SREG_KEY
+                    b.u32be(5, data_reg); // NFTA_DYNSET_SREG_DATA
                 });
             }
             Expr::UpdateSaddr(set) => {
@@ -751,6 +844,19 @@ fn key_spec(key: KeyType, family: IpFamily) -> (u32, u32, Vec<u32>) {
             12,
             vec![],
         ),
+        // Dynamic maps: nft sends no field lengths.
+        KeyType::AffinityDst => (
+            (((((addr_type << TYPE_BITS) | addr_type) << TYPE_BITS) | TYPE_INET_PROTOCOL)
+                << TYPE_BITS)
+                | TYPE_INET_SERVICE,
+            2 * addr_len + 8,
+            vec![],
+        ),
+        KeyType::AffinityNodePort => (
+            (((addr_type << TYPE_BITS) | TYPE_INET_PROTOCOL) << TYPE_BITS) | TYPE_INET_SERVICE,
+            addr_len + 8,
+            vec![],
+        ),
     }
 }
 
@@ -801,6 +907,11 @@ fn key_bytes(key: &ElemKey) -> ElemBytes {
         ElemKey::ProtoPortSlot(p, port, slot) => {
             push_proto_port(&mut v, p, port);
             v.extend_from_slice(&slot.to_ne_bytes());
+        }
+        ElemKey::AddrAddrProtoPort(a, b, p, port) => {
+            push_ip(&mut v, a);
+            push_ip(&mut v, b);
+            push_proto_port(&mut v, p, port);
         }
     }
     v
@@ -1060,7 +1171,7 @@ fn encode_set(b: &mut Buf, family: IpFamily, set: &Set, seq: u32, flags: u16) {
     );
     let (key_type, key_len, fields) = key_spec(set.key, family);
     let mut set_flags = 0;
-    if set.verdict_map || set.key.is_slot() {
+    if set.is_map() {
         set_flags |= NFT_SET_MAP;
     }
     if set.key.is_interval() {
@@ -1081,7 +1192,7 @@ fn encode_set(b: &mut Buf, family: IpFamily, set: &Set, seq: u32, flags: u16) {
         b.u32be(NFTA_SET_DATA_TYPE, NFT_DATA_VERDICT);
         b.u32be(NFTA_SET_DATA_LEN, 0);
     }
-    if set.key.is_slot() {
+    if set.key.is_slot() || set.key.is_affinity() {
         // `<ip> daddr . th dport`: ipv4_addr or ipv6_addr, then inet_service.
         let (addr_type, addr_len) = match family {
             IpFamily::V4 => (TYPE_IPADDR, 4),
@@ -1120,6 +1231,18 @@ fn encode_set(b: &mut Buf, family: IpFamily, set: &Set, seq: u32, flags: u16) {
             NFTA_SET_USERDATA,
             &slot_map_udata(family, set.key, set.comment.as_deref()),
         );
+    } else if set.key.is_affinity() {
+        // What nft writes for a `type` map with concatenations: byte orders, empty `typeof`
+        // concatenations for key and data, no interval data.
+        let mut v = ud_u32(UDATA_SET_KEYBYTEORDER, 0);
+        v.extend(ud_u32(UDATA_SET_DATABYTEORDER, 0));
+        v.extend(ud_concat(UDATA_SET_KEY_TYPEOF, &[]));
+        v.extend(ud_concat(UDATA_SET_DATA_TYPEOF, &[]));
+        v.extend(ud_u32(UDATA_SET_DATA_INTERVAL, 0));
+        if let Some(c) = &set.comment {
+            v.extend(udata_comment(UDATA_SET_COMMENT, c));
+        }
+        b.attr(NFTA_SET_USERDATA, &v);
     } else if let Some(c) = &set.comment {
         b.attr(NFTA_SET_USERDATA, &udata_comment(UDATA_SET_COMMENT, c));
     }
@@ -1498,12 +1621,28 @@ impl NetlinkKernel {
         &mut self,
         family: IpFamily,
         msg: u16,
+        each: impl FnMut(&[u8]),
+    ) -> Result<(), KernelError> {
+        self.dump_of(family, msg, None, each)
+    }
+
+    /// [`Self::dump`], of one object's contents when `named` gives its (table, name)
+    /// attribute types and name (a set's elements).
+    fn dump_of(
+        &mut self,
+        family: IpFamily,
+        msg: u16,
+        named: Option<((u16, u16), &str)>,
         mut each: impl FnMut(&[u8]),
     ) -> Result<(), KernelError> {
         self.seq += 1;
         let seq = self.seq;
         let mut b = Buf { b: Vec::new() };
-        let m = b.begin_nft(msg, NLM_F_REQUEST | NLM_F_DUMP, seq, nfproto(family));
+        let flags = NLM_F_REQUEST | NLM_F_DUMP;
+        let m = match named {
+            Some((attrs, name)) => b.begin_named(msg, flags, seq, nfproto(family), attrs, name),
+            None => b.begin_nft(msg, flags, seq, nfproto(family)),
+        };
         b.end(m);
         self.send(&b.b)?;
         let mut failed = None;
@@ -1599,6 +1738,83 @@ pub(crate) fn dumped_set(payload: &[u8]) -> Option<(String, bool)> {
         .map(|v| u32::from_be_bytes(v.try_into().expect("4 bytes")))
         .unwrap_or(0);
     (!name.starts_with("__")).then_some((name, flags & NFT_SET_MAP != 0))
+}
+
+/// The elements of a session-affinity map in a `NFT_MSG_NEWSETELEM` dump message's
+/// attributes, read as `key` describes them: `(client key, endpoint)`.
+pub(crate) fn dumped_affinity_entries(
+    payload: &[u8],
+    key: KeyType,
+    family: IpFamily,
+    out: &mut Vec<(ElemKey, std::net::SocketAddr)>,
+) {
+    let addr_len = addr_field(family, true).1 as usize;
+    let ip_at = |v: &[u8], at: usize| -> Option<IpAddr> {
+        let b = v.get(at..at + addr_len)?;
+        Some(match family {
+            IpFamily::V4 => IpAddr::from(<[u8; 4]>::try_from(b).ok()?),
+            IpFamily::V6 => IpAddr::from(<[u8; 16]>::try_from(b).ok()?),
+        })
+    };
+    let port_at = |v: &[u8], at: usize| -> Option<u16> {
+        Some(u16::from_be_bytes(v.get(at..at + 2)?.try_into().ok()?))
+    };
+    let proto_at = |v: &[u8], at: usize| -> Option<Protocol> {
+        match v.get(at)? {
+            6 => Some(Protocol::Tcp),
+            17 => Some(Protocol::Udp),
+            132 => Some(Protocol::Sctp),
+            _ => None,
+        }
+    };
+    let value = |nested: &[u8]| -> Option<Vec<u8>> {
+        attrs(nested)
+            .into_iter()
+            .find(|(t, _)| *t == NFTA_DATA_VALUE)
+            .map(|(_, v)| v.to_vec())
+    };
+    for (t, list) in attrs(payload) {
+        if t != NFTA_SET_ELEM_LIST_ELEMENTS {
+            continue;
+        }
+        for (t, elem) in attrs(list) {
+            if t != NFTA_LIST_ELEM {
+                continue;
+            }
+            let a = attrs(elem);
+            let k = a
+                .iter()
+                .find(|(t, _)| *t == NFTA_SET_ELEM_KEY)
+                .and_then(|(_, v)| value(v));
+            let d = a
+                .iter()
+                .find(|(t, _)| *t == NFTA_SET_ELEM_DATA)
+                .and_then(|(_, v)| value(v));
+            let (Some(k), Some(d)) = (k, d) else {
+                continue;
+            };
+            let parsed = (|| {
+                let client = ip_at(&k, 0)?;
+                let key = match key {
+                    KeyType::AffinityDst => ElemKey::AddrAddrProtoPort(
+                        client,
+                        ip_at(&k, addr_len)?,
+                        proto_at(&k, 2 * addr_len)?,
+                        port_at(&k, 2 * addr_len + 4)?,
+                    ),
+                    KeyType::AffinityNodePort => ElemKey::AddrProtoPort(
+                        client,
+                        proto_at(&k, addr_len)?,
+                        port_at(&k, addr_len + 4)?,
+                    ),
+                    _ => return None,
+                };
+                let to = std::net::SocketAddr::new(ip_at(&d, 0)?, port_at(&d, addr_len)?);
+                Some((key, to))
+            })();
+            out.extend(parsed);
+        }
+    }
 }
 
 /// Whether a `NFT_MSG_NEWTABLE` dump message names our table.
@@ -1750,6 +1966,22 @@ impl Kernel for NetlinkKernel {
             return Ok(None);
         }
         Ok(Some(existing))
+    }
+
+    fn affinity_entries(
+        &mut self,
+        family: IpFamily,
+        map: &str,
+        key: KeyType,
+    ) -> Result<Vec<(ElemKey, std::net::SocketAddr)>, KernelError> {
+        let mut out = Vec::new();
+        self.dump_of(
+            family,
+            NFT_MSG_GETSETELEM,
+            Some(((NFTA_SET_ELEM_LIST_TABLE, NFTA_SET_ELEM_LIST_SET), map)),
+            |payload| dumped_affinity_entries(payload, key, family, &mut out),
+        )?;
+        Ok(out)
     }
 }
 

@@ -90,6 +90,23 @@ pub enum LookupKey {
     /// `ip daddr . meta l4proto . th dport . ip saddr` (an interval set: the source is
     /// matched against prefixes).
     DaddrProtoPortSaddr,
+    /// `ct original ip daddr`: the destination before DNAT (flat layout's affinity record).
+    OrigDaddr,
+    /// `ct original ip daddr . meta l4proto . ct original proto-dst`.
+    OrigDaddrProtoPort,
+    /// `meta l4proto . ct original proto-dst`.
+    ProtoOrigPort,
+}
+
+/// Which of the flat layout's session-affinity maps a rule reads or writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AffinityKey {
+    /// `ip saddr . ip daddr . meta l4proto . th dport`: a client of a ClusterIP, external or
+    /// load-balancer IP.
+    Dst,
+    /// `ip saddr . meta l4proto . th dport`: a client of a NodePort, whatever the node
+    /// address it used.
+    NodePort,
 }
 
 /// The conntrack field a [`Expr::Ct`] match tests.
@@ -238,6 +255,24 @@ pub enum Expr {
     Dnat(Protocol, SocketAddr),
     /// `update @<set> { ip saddr }`: remember the client for session affinity.
     UpdateSaddr(String),
+    /// `meta l4proto <p>`.
+    L4proto(Protocol),
+    /// `dnat ip to <client key> map @<map>`: DNAT to the endpoint the flat layout's affinity
+    /// map remembers for this client and destination; no match when it remembers none.
+    AffinityDnat {
+        /// The key.
+        key: AffinityKey,
+        /// The dynamic map.
+        map: String,
+    },
+    /// `update @<map> { <client key from ct original> : ip daddr . th dport }`: remember the
+    /// endpoint a new connection was DNATed to (in a chain after DNAT).
+    AffinityUpdate {
+        /// The key.
+        key: AffinityKey,
+        /// The dynamic map.
+        map: String,
+    },
     /// A verdict.
     Verdict(Verdict),
 }
@@ -378,6 +413,16 @@ fn write_expr(out: &mut String, e: &Expr, family: IpFamily) {
                 LookupKey::DaddrProtoPortSaddr => {
                     let _ = write!(out, "{ip} daddr . meta l4proto . th dport . {ip} saddr");
                 }
+                LookupKey::OrigDaddr => {
+                    let _ = write!(out, "ct original {ip} daddr");
+                }
+                LookupKey::OrigDaddrProtoPort => {
+                    let _ = write!(
+                        out,
+                        "ct original {ip} daddr . meta l4proto . ct original proto-dst"
+                    );
+                }
+                LookupKey::ProtoOrigPort => out.push_str("meta l4proto . ct original proto-dst"),
             }
             let _ = write!(out, " {}@{set}", if *negate { "!= " } else { "" });
         }
@@ -422,6 +467,26 @@ fn write_expr(out: &mut String, e: &Expr, family: IpFamily) {
         }
         Expr::UpdateSaddr(set) => {
             let _ = write!(out, "update @{set} {{ {ip} saddr }}");
+        }
+        Expr::L4proto(p) => {
+            let _ = write!(out, "meta l4proto {}", p.as_lower());
+        }
+        Expr::AffinityDnat { key, map } => {
+            let _ = write!(out, "dnat {ip} to {ip} saddr . ");
+            if *key == AffinityKey::Dst {
+                let _ = write!(out, "{ip} daddr . ");
+            }
+            let _ = write!(out, "meta l4proto . th dport map @{map}");
+        }
+        Expr::AffinityUpdate { key, map } => {
+            let _ = write!(out, "update @{map} {{ ct original {ip} saddr . ");
+            if *key == AffinityKey::Dst {
+                let _ = write!(out, "ct original {ip} daddr . ");
+            }
+            let _ = write!(
+                out,
+                "meta l4proto . ct original proto-dst : {ip} daddr . th dport }}"
+            );
         }
         Expr::Verdict(v) => {
             let _ = write!(out, "{v}");
@@ -540,12 +605,23 @@ pub enum KeyType {
     AddrProtoPortSlot,
     /// `typeof meta l4proto . th dport . numgen random mod 1` (flat layout, NodePorts).
     ProtoPortSlot,
+    /// `ipv4_addr . ipv4_addr . inet_proto . inet_service : ipv4_addr . inet_service`: a
+    /// client and a destination, to the endpoint it was sent to (flat layout's affinity).
+    AffinityDst,
+    /// `ipv4_addr . inet_proto . inet_service : ipv4_addr . inet_service`: a client and a
+    /// NodePort, to its endpoint.
+    AffinityNodePort,
 }
 
 impl KeyType {
     /// Whether this key is written with `typeof` (a map to endpoints, `addr . port` data).
     pub fn is_slot(self) -> bool {
         matches!(self, KeyType::AddrProtoPortSlot | KeyType::ProtoPortSlot)
+    }
+
+    /// Whether this is a session-affinity map (`addr . port` data, filled by the kernel).
+    pub fn is_affinity(self) -> bool {
+        matches!(self, KeyType::AffinityDst | KeyType::AffinityNodePort)
     }
 
     /// Whether the set holds intervals (`flags interval`).
@@ -603,6 +679,15 @@ impl Set {
             KeyType::ProtoPortSlot => {
                 format!("meta l4proto . th dport . numgen random mod 1 : {ip} daddr . th dport")
             }
+            // `type`, not `typeof`: nft 1.0.6 cannot add the `dnat ... map` rule when it reads
+            // a `typeof` map's definition from the kernel (see `has_endpoint_data`), and
+            // these maps are kept across full syncs, not re-created.
+            KeyType::AffinityDst => {
+                format!("{addr} . {addr} . inet_proto . inet_service : {addr} . inet_service")
+            }
+            KeyType::AffinityNodePort => {
+                format!("{addr} . inet_proto . inet_service : {addr} . inet_service")
+            }
         };
         let mut out = if self.key.is_slot() {
             format!("{{ typeof {key}")
@@ -636,7 +721,7 @@ impl Set {
 
     /// A map (verdict or data), listed and flushed as `map`.
     pub fn is_map(&self) -> bool {
-        self.verdict_map || self.key.is_slot()
+        self.verdict_map || self.key.is_slot() || self.key.is_affinity()
     }
 }
 
@@ -657,6 +742,8 @@ pub enum ElemKey {
     AddrProtoPortSlot(IpAddr, Protocol, u16, u32),
     /// `proto . port . slot`.
     ProtoPortSlot(Protocol, u16, u32),
+    /// `addr . addr . proto . port` (a client and a destination).
+    AddrAddrProtoPort(IpAddr, IpAddr, Protocol, u16),
 }
 
 impl fmt::Display for ElemKey {
@@ -679,6 +766,9 @@ impl fmt::Display for ElemKey {
             }
             ElemKey::ProtoPortSlot(p, port, slot) => {
                 write!(f, "{} . {port} . {slot}", p.as_lower())
+            }
+            ElemKey::AddrAddrProtoPort(a, b, p, port) => {
+                write!(f, "{a} . {b} . {} . {port}", p.as_lower())
             }
         }
     }

@@ -12,8 +12,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
 
 use super::ruleset::{
-    AddrMatch, ChainType, CtKey, ElemKey, Element, Expr, Hook, LookupKey, MapKey, Ruleset, Table,
-    Verdict, ct_state, ct_status,
+    AddrMatch, AffinityKey, ChainType, CtKey, ElemKey, Element, Expr, Hook, LookupKey, MapKey,
+    Ruleset, Table, Verdict, ct_state, ct_status,
 };
 use crate::model::IpFamily;
 use crate::trace::{Env, Fate, Origin, Packet, Trace};
@@ -395,6 +395,35 @@ impl Tracer<'_> {
                     return RuleResult::Branches(vec![(1.0, state, Step::End(End::Accept))]);
                 }
                 Expr::UpdateSaddr(set) => state.affinity.push(set.clone()),
+                Expr::L4proto(p) => {
+                    if *p != self.packet.proto {
+                        return RuleResult::NoMatch;
+                    }
+                }
+                Expr::AffinityDnat { key, map } => {
+                    // The endpoint the map remembers for this client, if any (a kernel's
+                    // listing holds what traffic recorded; a rendered table holds none).
+                    let (src, proto) = (self.packet.src, self.packet.proto);
+                    let k = match key {
+                        AffinityKey::Dst => {
+                            ElemKey::AddrAddrProtoPort(src, state.dst, proto, state.dport)
+                        }
+                        AffinityKey::NodePort => ElemKey::AddrProtoPort(src, proto, state.dport),
+                    };
+                    let Some(to) = self.index.get(&(map.as_str(), k)).and_then(|e| e.data) else {
+                        return RuleResult::NoMatch;
+                    };
+                    state.dnat = Some(to);
+                    state.dst = to.ip();
+                    state.dport = to.port();
+                    state.affinity.push(map.clone());
+                    return RuleResult::Branches(vec![(1.0, state, Step::End(End::Accept))]);
+                }
+                Expr::AffinityUpdate { map, .. } => {
+                    if !state.affinity.contains(map) {
+                        state.affinity.push(map.clone());
+                    }
+                }
                 Expr::Verdict(v) => return self.verdict(chain, v, state, depth),
             }
             let _ = family;
@@ -451,6 +480,12 @@ impl Tracer<'_> {
             LookupKey::DaddrProtoPort => ElemKey::AddrProtoPort(state.dst, proto, state.dport),
             LookupKey::ProtoPort => ElemKey::ProtoPort(proto, state.dport),
             LookupKey::SaddrDaddr => ElemKey::AddrAddr(src, state.dst),
+            // `ct original`: the destination as the packet arrived, before any DNAT.
+            LookupKey::OrigDaddr => ElemKey::Addr(self.packet.dst),
+            LookupKey::OrigDaddrProtoPort => {
+                ElemKey::AddrProtoPort(self.packet.dst, proto, self.packet.dport)
+            }
+            LookupKey::ProtoOrigPort => ElemKey::ProtoPort(proto, self.packet.dport),
             LookupKey::DaddrProtoPortSaddr => {
                 return self.elements.iter().any(|e| {
                     e.set == set
