@@ -173,6 +173,7 @@ fn bench_flat(n: usize) {
         "bench process RSS with this state: {} MiB",
         rss_kib() / 1024
     );
+    affinity_costs(&mut c, &mut d, &config, &mut applier);
     drop(applier);
     drop(ns);
     // What the element comments cost: the same rules without them.
@@ -488,6 +489,86 @@ impl<K: Kernel> Kernel for Timed<K> {
     > {
         self.inner.affinity_entries(family, map, key)
     }
+}
+
+/// Clients the affinity bench records for one Service.
+const AFFINITY_CLIENTS: u32 = 100_000;
+
+/// Session affinity in the flat layout on the loaded table: the first affinity Service (its
+/// timeout's sets, maps and rules are new), then, with [`AFFINITY_CLIENTS`] clients recorded
+/// for it, one of its endpoints removed (the applier reads the map back and deletes that
+/// endpoint's entries), against the same change on a Service without affinity.
+fn affinity_costs<K: Kernel>(
+    c: &mut Cluster,
+    d: &mut DesiredState,
+    config: &NodeConfig,
+    applier: &mut Applier<K>,
+) {
+    use nodeport_proxy::nftables::names::AffinityNames;
+    use nodeport_proxy::nftables::ruleset::{ElemKey, Element, Op, Transaction};
+    let sync = |c: &mut Cluster, d: &mut DesiredState, applier: &mut Applier<K>| {
+        let changes = c.take_changes();
+        let changed = d.refresh_services(c, NodeView::named("node-0"), &changes.services);
+        let t = Instant::now();
+        let r = applier
+            .sync(d, config, Some(&changed))
+            .expect("partial sync");
+        (t.elapsed(), r)
+    };
+    let (sk, mut s, ek, e) = service(0, 0);
+    let port = std::sync::Arc::make_mut(&mut s.ports[0]);
+    port.session_affinity_seconds = Some(10_800);
+    let (cluster_ip, svc_port) = (port.cluster_ips[0], port.port);
+    c.update_service(sk, Some(s));
+    let (first, r) = sync(c, d, applier);
+    println!(
+        "flat: the first Service with session affinity (new timeout: its sets, maps and rules): {:.2} ms{}",
+        first.as_secs_f64() * 1e3,
+        if r.full { " (full sync)" } else { "" }
+    );
+    // Clients recorded as the kernel would, each sent to one of the ten endpoints.
+    let map = AffinityNames::new(10_800).dst_map;
+    let targets: Vec<std::net::SocketAddr> = e
+        .endpoints
+        .iter()
+        .map(|ep| std::net::SocketAddr::new(ep.ip, e.ports[0].port))
+        .collect();
+    let mut tx = Transaction::default();
+    for k in 0..AFFINITY_CLIENTS {
+        tx.push(
+            IpFamily::V4,
+            Op::AddElement(Element {
+                set: map,
+                key: ElemKey::AddrAddrProtoPort(
+                    ip(0x6400_0000 + k),
+                    cluster_ip,
+                    Protocol::Tcp,
+                    svc_port,
+                ),
+                value: None,
+                data: Some(targets[k as usize % targets.len()]),
+                comment: None,
+            }),
+        );
+    }
+    applier.kernel_mut().apply(&tx).expect("clients recorded");
+    let mut fewer = e.clone();
+    fewer.endpoints.pop();
+    c.update_slice(ek, Some(fewer));
+    let (took, r) = sync(c, d, applier);
+    println!(
+        "flat: one endpoint of it removed with {AFFINITY_CLIENTS} clients recorded: {:.2} ms ({} entries deleted)",
+        took.as_secs_f64() * 1e3,
+        r.affinity_deleted
+    );
+    let (_, _, ek, mut e) = service(1, 0);
+    e.endpoints.pop();
+    c.update_slice(ek, Some(e));
+    let (took, _) = sync(c, d, applier);
+    println!(
+        "flat: the same change on a Service without affinity: {:.2} ms",
+        took.as_secs_f64() * 1e3
+    );
 }
 
 /// One Service's endpoints replaced, from the tracker update (what a watch event does) to

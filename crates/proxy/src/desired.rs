@@ -12,7 +12,8 @@ use std::sync::Arc;
 use ipnet::IpNet;
 
 use crate::model::{
-    Endpoint, EndpointSlice, IpFamily, Node, Service, ServiceName, ServicePort, ServicePortName,
+    Endpoint, EndpointSlice, IpFamily, Node, Protocol, Service, ServiceName, ServicePort,
+    ServicePortName,
 };
 use crate::nodeaddr::{NodeFacts, NodePortAddresses, Selection};
 
@@ -59,9 +60,11 @@ pub struct ServicePortState {
     pub local_endpoints: Vec<EndpointTarget>,
     /// Some usable endpoint exists anywhere (kube-proxy's `hasAnyEndpoints`).
     pub has_endpoints: bool,
-    /// Every endpoint with `serving` set, whatever its node or policy: the replies that
-    /// conntrack entries may legitimately carry (kube-proxy's conntrack cleanup uses these).
-    /// Sorted, without duplicates (a boxed slice: a set's node has room for eleven).
+    /// UDP ports: every endpoint with `serving` set, whatever its node or policy: the replies
+    /// that conntrack entries may legitimately carry (kube-proxy's conntrack cleanup, which
+    /// only looks at UDP, uses these). Sorted, without duplicates (a boxed slice: a set's node
+    /// has room for eleven). Empty for other protocols, which nothing cleans: the ten
+    /// addresses of a TCP port would be about 170 bytes kept for nothing.
     pub serving_ips: Box<[IpAddr]>,
     /// Distinct IPs of local endpoints that are ready (not terminating): the count the
     /// health-check node port reports.
@@ -341,7 +344,9 @@ pub fn service_port_state(
         cluster_endpoints: Vec::new(),
         local_endpoints: Vec::new(),
         has_endpoints: false,
-        serving_ips: {
+        serving_ips: if port.name.protocol != Protocol::Udp {
+            Box::default()
+        } else {
             let mut ips: Vec<IpAddr> = endpoints
                 .iter()
                 .filter(|e| e.serving)
