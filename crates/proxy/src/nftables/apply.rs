@@ -344,6 +344,8 @@ pub struct FakeKernel {
     /// The generation: bumped by every successful transaction (tests bump it to play
     /// another tool changing the ruleset).
     pub generation: u32,
+    /// Session-affinity maps read back ([`Kernel::affinity_entries`]), in order.
+    pub affinity_reads: Vec<String>,
 }
 
 fn refs_of_rule(rule: &Rule) -> Vec<&str> {
@@ -585,6 +587,7 @@ impl Kernel for FakeKernel {
         map: &str,
         _key: KeyType,
     ) -> Result<Vec<(ElemKey, SocketAddr)>, KernelError> {
+        self.affinity_reads.push(map.to_string());
         let set = self
             .tables
             .get(&family)
@@ -1064,6 +1067,10 @@ pub struct Applier<K: Kernel> {
     relist: bool,
     /// The nf_tables generation right after our last successful sync.
     generation: Option<u32>,
+    /// The flat layout's session-affinity maps may hold entries of endpoints that are gone
+    /// (at start: an earlier run's; after a failed sync or clean-up): the next sync reads
+    /// every affinity map back, not only the changed ports' entries.
+    affinity_unclean: bool,
 }
 
 impl<K: Kernel> Applier<K> {
@@ -1077,6 +1084,7 @@ impl<K: Kernel> Applier<K> {
             stale: BTreeMap::new(),
             relist: true,
             generation: None,
+            affinity_unclean: true,
         }
     }
 
@@ -1176,20 +1184,25 @@ impl<K: Kernel> Applier<K> {
         };
         // The session-affinity destinations this sync may leave with stale entries (read
         // before a partial sync updates the record).
+        // Reading an affinity map back costs the kernel a walk that grows with the square of
+        // its entries (each dump message re-walks the hash table from the start), so it is
+        // done only when entries may be stale: the changed ports' destinations that lost an
+        // endpoint (or their affinity), or every map when the record cannot tell.
         let affinity_scope: Vec<(IpFamily, AffinityScope)> =
             if config.nftables_layout == crate::config::NftablesLayout::Flat {
                 desired
                     .families
                     .iter()
-                    .map(|state| {
+                    .filter_map(|state| {
                         let scope = match changed {
-                            Some(changed) if !full => AffinityScope::Some(
+                            _ if self.affinity_unclean => AffinityScope::All,
+                            Some(changed) => AffinityScope::Some(
                                 self.affinity_dests_of(state, changed),
                                 changed.clone(),
                             ),
-                            _ => AffinityScope::All,
+                            None => return None,
                         };
-                        (state.family, scope)
+                        Some((state.family, scope))
                     })
                     .collect()
             } else {
@@ -1237,10 +1250,17 @@ impl<K: Kernel> Applier<K> {
                 // Delete what became unreferenced right away; a kernel older than 6.2 may
                 // still see references and refuse, then the next sync retries.
                 report.deleted_chains += self.cleanup(&mut report);
+                let mut clean = true;
                 for (family, scope) in &affinity_scope {
                     if let Some(state) = desired.family(*family) {
-                        report.affinity_deleted += self.clean_affinity(state, scope);
+                        match self.clean_affinity(state, scope) {
+                            Some(n) => report.affinity_deleted += n,
+                            None => clean = false,
+                        }
                     }
+                }
+                if !affinity_scope.is_empty() {
+                    self.affinity_unclean = !clean;
                 }
                 self.generation = self.kernel.generation();
                 Ok(report)
@@ -1248,12 +1268,15 @@ impl<K: Kernel> Applier<K> {
             Err(e) => {
                 self.need_full = true;
                 self.relist = true;
+                self.affinity_unclean = true;
                 Err(e)
             }
         }
     }
 
-    /// The session-affinity destinations of the `changed` ports, as applied and as wanted.
+    /// The session-affinity destinations of the `changed` ports whose entries may have gone
+    /// stale: those that lost an endpoint, or their affinity (switched off, another timeout,
+    /// the port or the destination gone). Added endpoints make nothing stale.
     fn affinity_dests_of(
         &self,
         state: &FamilyState,
@@ -1262,14 +1285,31 @@ impl<K: Kernel> Applier<K> {
         let mut out = HashSet::new();
         let table = self.tables.get(&state.family);
         for name in changed {
-            let old = table
+            let Some(old) = table
                 .and_then(|t| t.units.get(&Owner::Service(Arc::new(name.clone()))))
-                .and_then(|u| u.source.as_deref());
-            for svc in old
-                .into_iter()
-                .chain(state.services.get(name).map(|s| &**s))
-            {
-                out.extend(AffinityDest::of(svc));
+                .and_then(|u| u.source.as_deref())
+                .filter(|old| old.port.session_affinity_seconds.is_some())
+            else {
+                continue;
+            };
+            let endpoints = |s: &ServicePortState| -> HashSet<SocketAddr> {
+                s.cluster_endpoints
+                    .iter()
+                    .chain(&s.local_endpoints)
+                    .map(|e| e.socket())
+                    .collect()
+            };
+            match state.services.get(name) {
+                Some(new)
+                    if new.port.session_affinity_seconds == old.port.session_affinity_seconds =>
+                {
+                    let kept: HashSet<AffinityDest> = AffinityDest::of(new).collect();
+                    let lost_endpoint = !endpoints(old).is_subset(&endpoints(new));
+                    out.extend(
+                        AffinityDest::of(old).filter(|d| lost_endpoint || !kept.contains(d)),
+                    );
+                }
+                _ => out.extend(AffinityDest::of(old)),
             }
         }
         out
@@ -1280,19 +1320,19 @@ impl<K: Kernel> Applier<K> {
     /// now (kube-proxy deletes an endpoint's affinity set with its chain). Entries are
     /// written by the kernel, so they are read back first; an entry that expires between
     /// the read and the deletion fails the deletion, which is then retried on a new read.
-    /// Failures are logged and left to the next sync touching that destination (or the
-    /// periodic full sync). Returns the entries deleted.
-    fn clean_affinity(&mut self, state: &FamilyState, scope: &AffinityScope) -> usize {
+    /// Returns the entries deleted, or `None` when reading or deleting failed (logged; the
+    /// next sync then reads every map).
+    fn clean_affinity(&mut self, state: &FamilyState, scope: &AffinityScope) -> Option<usize> {
         let family = state.family;
         let Some(timeouts) = self
             .tables
             .get(&family)
             .map(|t| t.bounds.affinity_timeouts().collect::<Vec<_>>())
         else {
-            return 0;
+            return Some(0);
         };
         if timeouts.is_empty() || matches!(scope, AffinityScope::Some(d, _) if d.is_empty()) {
-            return 0;
+            return Some(0);
         }
         // What each destination in scope may keep: its timeout and endpoints.
         let mut wanted: HashMap<AffinityDest, (u32, HashSet<SocketAddr>)> = HashMap::new();
@@ -1323,6 +1363,7 @@ impl<K: Kernel> Applier<K> {
                 .for_each(|s| want(s)),
         }
         let mut deleted = 0;
+        let mut failed = false;
         for t in timeouts {
             let names = super::names::AffinityNames::new(t);
             for (map, key) in [
@@ -1334,6 +1375,7 @@ impl<K: Kernel> Applier<K> {
                         Ok(e) => e,
                         Err(e) => {
                             tracing::warn!(error = %e, map, "reading session-affinity entries failed");
+                            failed = true;
                             break;
                         }
                     };
@@ -1372,6 +1414,7 @@ impl<K: Kernel> Applier<K> {
                         }
                         Err(e) => {
                             tracing::warn!(error = %e, map, "deleting stale session-affinity entries failed");
+                            failed = true;
                         }
                     }
                 }
@@ -1381,7 +1424,7 @@ impl<K: Kernel> Applier<K> {
             // Our own commit: not drift.
             self.generation = self.kernel.generation();
         }
-        deleted
+        (!failed).then_some(deleted)
     }
 
     /// The flat sets' bounds of `state`'s table once the `changed` ports are applied: the

@@ -809,6 +809,17 @@ fn flat_affinity_entries_of_a_removed_endpoint_go_with_it_and_the_others_stay() 
         kernel_trace(&a, &w, tcp("203.0.113.6", NODE_IP, 30080)).endpoints(),
         BTreeSet::from(["10.244.2.1:8080".parse().unwrap()])
     );
+    // An endpoint added makes nothing stale: no map is read back (a read costs the kernel a
+    // walk that grows with the square of the entries).
+    let reads = a.kernel().affinity_reads.len();
+    let touched = change_endpoints(
+        &mut w,
+        &mut d,
+        &format!("{THREE_ENDPOINTS}\n- {{addresses: [10.244.4.1], nodeName: node-d}}"),
+    );
+    let r = a.sync(&d, &w.config, Some(&touched)).unwrap();
+    assert_eq!((r.full, r.affinity_deleted), (false, 0));
+    assert_eq!(a.kernel().affinity_reads.len(), reads);
     let touched = change_endpoints(
         &mut w,
         &mut d,
@@ -818,14 +829,27 @@ fn flat_affinity_entries_of_a_removed_endpoint_go_with_it_and_the_others_stay() 
     assert!(!r.full);
     assert_eq!(r.affinity_deleted, 1);
     assert_eq!(
+        a.kernel().affinity_reads[reads..],
+        ["affinity-ips-600", "affinity-nodeports-600"]
+    );
+    assert_eq!(
         recorded(&a, 600),
         BTreeSet::from([("203.0.113.6".into(), "10.244.2.1:8080".into())])
     );
-    // A full resync keeps what is still valid.
+    // The periodic full resync reads no map (nothing it changes makes an entry stale).
+    let reads = a.kernel().affinity_reads.len();
     a.request_full_sync();
     let r = a.sync(&d, &w.config, Some(&BTreeSet::new())).unwrap();
     assert!(r.full);
     assert_eq!(r.affinity_deleted, 0);
+    assert_eq!(a.kernel().affinity_reads.len(), reads);
+    assert_eq!(recorded(&a, 600).len(), 1);
+    // After a failed sync every map is read back, and what is still valid stays.
+    a.kernel_mut().fail_next = 1;
+    assert!(a.sync(&d, &w.config, Some(&BTreeSet::new())).is_err());
+    let r = a.sync(&d, &w.config, Some(&BTreeSet::new())).unwrap();
+    assert_eq!(r.affinity_deleted, 0);
+    assert_eq!(a.kernel().affinity_reads.len(), reads + 2);
     assert_eq!(recorded(&a, 600).len(), 1);
 }
 
