@@ -1184,10 +1184,10 @@ impl<K: Kernel> Applier<K> {
         };
         // The session-affinity destinations this sync may leave with stale entries (read
         // before a partial sync updates the record).
-        // Reading an affinity map back costs the kernel a walk that grows with the square of
-        // its entries (each dump message re-walks the hash table from the start), so it is
-        // done only when entries may be stale: the changed ports' destinations that lost an
-        // endpoint (or their affinity), or every map when the record cannot tell.
+        // Reading an affinity map back costs the kernel about 10 µs per entry (1.3 s at
+        // 100,000 clients, docs/BENCHMARKS.md), so it is done only when entries may be
+        // stale: the changed ports' destinations that lost an endpoint (or their affinity),
+        // or every map when the record cannot tell.
         let affinity_scope: Vec<(IpFamily, AffinityScope)> =
             if config.nftables_layout == crate::config::NftablesLayout::Flat {
                 desired
