@@ -43,21 +43,23 @@ fn flat_rendered_transaction_matches_the_golden_text() {
     assert_eq!(text, golden, "golden mismatch; got:\n{text}");
 }
 
-#[test]
-fn flat_chains_and_rules_do_not_depend_on_the_number_of_services_or_endpoints() {
-    let count = |w: &World| {
-        let r = w.ruleset();
-        let t = r.table(IpFamily::V4).unwrap();
-        (
-            t.chains().count(),
-            t.chains().map(|c| c.rules.len()).sum::<usize>(),
-            t.sets().count(),
-        )
-    };
-    let one = World::flat(&web("", "- {addresses: [10.244.1.1]}"));
-    let many: String = (0..50)
+/// The IPv4 table's chains, rules and sets.
+fn count(w: &World) -> (usize, usize, usize) {
+    let r = w.ruleset();
+    let t = r.table(IpFamily::V4).unwrap();
+    (
+        t.chains().count(),
+        t.chains().map(|c| c.rules.len()).sum::<usize>(),
+        t.sets().count(),
+    )
+}
+
+/// `n` copies of `web` (three endpoints), each with its own name, ClusterIP and NodePort, the
+/// `i`th with `spec_extra(i)`.
+fn numbered_webs(n: usize, spec_extra: &dyn Fn(usize) -> String) -> String {
+    (0..n)
         .map(|i| {
-            web("", THREE_ENDPOINTS)
+            web(&spec_extra(i), THREE_ENDPOINTS)
                 .replace("name: web,", &format!("name: web{i},"))
                 .replace("name: web-1,", &format!("name: web{i}-1,"))
                 .replace("service-name: web}", &format!("service-name: web{i}}}"))
@@ -65,8 +67,13 @@ fn flat_chains_and_rules_do_not_depend_on_the_number_of_services_or_endpoints() 
                 .replace("30080", &format!("{}", 31000 + i))
         })
         .collect::<Vec<_>>()
-        .join("---\n");
-    let many = World::flat(&many);
+        .join("---\n")
+}
+
+#[test]
+fn flat_chains_and_rules_do_not_depend_on_the_number_of_services_or_endpoints() {
+    let one = World::flat(&web("", "- {addresses: [10.244.1.1]}"));
+    let many = World::flat(&numbered_webs(50, &|_| String::new()));
     assert_eq!(count(&one), count(&many));
     assert!(count(&one).0 < 30, "{:?}", count(&one));
 }
@@ -286,32 +293,8 @@ fn flat_session_affinity_records_each_new_client_and_sends_a_known_one_back_per_
 
 #[test]
 fn flat_session_affinity_adds_chains_and_rules_per_timeout_not_per_service() {
-    let count = |w: &World| {
-        let r = w.ruleset();
-        let t = r.table(IpFamily::V4).unwrap();
-        (
-            t.chains().count(),
-            t.chains().map(|c| c.rules.len()).sum::<usize>(),
-            t.sets().count(),
-        )
-    };
-    let affinity = |timeout: u32| {
-        format!(
-            "  sessionAffinity: ClientIP\n  sessionAffinityConfig: {{clientIP: {{timeoutSeconds: {timeout}}}}}"
-        )
-    };
     let services = |n: usize, timeout: &dyn Fn(usize) -> u32| -> String {
-        (0..n)
-            .map(|i| {
-                web(&affinity(timeout(i)), THREE_ENDPOINTS)
-                    .replace("name: web,", &format!("name: web{i},"))
-                    .replace("name: web-1,", &format!("name: web{i}-1,"))
-                    .replace("service-name: web}", &format!("service-name: web{i}}}"))
-                    .replace("10.96.0.10", &format!("10.96.1.{i}"))
-                    .replace("30080", &format!("{}", 31000 + i))
-            })
-            .collect::<Vec<_>>()
-            .join("---\n")
+        numbered_webs(n, &|i| sticky(timeout(i)))
     };
     let plain = count(&World::flat(&web("", THREE_ENDPOINTS)));
     let one = count(&World::flat(&services(1, &|_| 600)));

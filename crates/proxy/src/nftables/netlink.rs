@@ -572,6 +572,24 @@ fn load_fields(b: &mut Buf, family: IpFamily, fields: &[Field]) {
     }
 }
 
+/// `dnat <ip> to <fields> map @<map>`: the key loaded, looked up into reg 1, and the data
+/// (`addr . port`: the address in reg 1, the port in the 32-bit register after it) DNATed to.
+fn dnat_to_map_data(b: &mut Buf, family: IpFamily, fields: &[Field], map: &str) {
+    load_fields(b, family, fields);
+    lookup(b, map, REG_1, Some(REG_1), false);
+    let port_reg = REG32_00 + addr_field(family, true).1 / 4;
+    b.expr("nat", |b| {
+        b.u32be(1, 1); // NFTA_NAT_TYPE = NFT_NAT_DNAT
+        b.u32be(2, u32::from(nfproto(family))); // NFTA_NAT_FAMILY
+        b.u32be(3, REG_1); // NFTA_NAT_REG_ADDR_MIN
+        b.u32be(4, REG_1); // NFTA_NAT_REG_ADDR_MAX
+        b.u32be(5, port_reg); // NFTA_NAT_REG_PROTO_MIN
+        b.u32be(6, port_reg); // NFTA_NAT_REG_PROTO_MAX
+        // NF_NAT_RANGE_MAP_IPS | NF_NAT_RANGE_PROTO_SPECIFIED
+        b.u32be(7, 3); // NFTA_NAT_FLAGS
+    });
+}
+
 /// Encodes a rule's expressions as nft does.
 fn rule_exprs(b: &mut Buf, family: IpFamily, rule: &Rule) -> Result<(), Unsupported> {
     for e in &rule.exprs {
@@ -684,21 +702,7 @@ fn rule_exprs(b: &mut Buf, family: IpFamily, rule: &Rule) -> Result<(), Unsuppor
                     MapKey::ProtoPort => vec![Field::L4proto, Field::Dport],
                 };
                 fields.push(Field::Numgen(*modulus, *offset));
-                load_fields(b, family, &fields);
-                lookup(b, map, REG_1, Some(REG_1), false);
-                // The data is `addr . port`: the address from reg 1, the port from the
-                // 32-bit register after it.
-                let port_reg = REG32_00 + addr_field(family, true).1 / 4;
-                b.expr("nat", |b| {
-                    b.u32be(1, 1); // NFTA_NAT_TYPE = NFT_NAT_DNAT
-                    b.u32be(2, u32::from(nfproto(family))); // NFTA_NAT_FAMILY
-                    b.u32be(3, REG_1); // NFTA_NAT_REG_ADDR_MIN
-                    b.u32be(4, REG_1); // NFTA_NAT_REG_ADDR_MAX
-                    b.u32be(5, port_reg); // NFTA_NAT_REG_PROTO_MIN
-                    b.u32be(6, port_reg); // NFTA_NAT_REG_PROTO_MAX
-                    // NF_NAT_RANGE_MAP_IPS | NF_NAT_RANGE_PROTO_SPECIFIED
-                    b.u32be(7, 3); // NFTA_NAT_FLAGS
-                });
+                dnat_to_map_data(b, family, &fields, map);
             }
             Expr::MarkSetOr(bits) | Expr::MarkSetXor(bits) => {
                 meta_load(b, NFT_META_MARK, REG_1);
@@ -737,18 +741,7 @@ fn rule_exprs(b: &mut Buf, family: IpFamily, rule: &Rule) -> Result<(), Unsuppor
                     fields.push(Field::Daddr);
                 }
                 fields.extend([Field::L4proto, Field::Dport]);
-                load_fields(b, family, &fields);
-                lookup(b, map, REG_1, Some(REG_1), false);
-                let port_reg = REG32_00 + addr_field(family, true).1 / 4;
-                b.expr("nat", |b| {
-                    b.u32be(1, 1); // NFTA_NAT_TYPE = NFT_NAT_DNAT
-                    b.u32be(2, u32::from(nfproto(family))); // NFTA_NAT_FAMILY
-                    b.u32be(3, REG_1); // NFTA_NAT_REG_ADDR_MIN
-                    b.u32be(4, REG_1); // NFTA_NAT_REG_ADDR_MAX
-                    b.u32be(5, port_reg); // NFTA_NAT_REG_PROTO_MIN
-                    b.u32be(6, port_reg); // NFTA_NAT_REG_PROTO_MAX
-                    b.u32be(7, 3); // NFTA_NAT_FLAGS
-                });
+                dnat_to_map_data(b, family, &fields, map);
             }
             Expr::AffinityUpdate { key, map } => {
                 let mut fields = vec![Field::CtOrigSaddr];
