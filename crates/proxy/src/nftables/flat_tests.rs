@@ -237,23 +237,31 @@ fn flat_session_affinity_records_each_new_client_and_sends_a_known_one_back_per_
     // its own entry: see the module's notes on kube-proxy's shared affinity).
     let endpoint: std::net::SocketAddr = "10.244.3.1:8080".parse().unwrap();
     let client: std::net::IpAddr = CLIENT.parse().unwrap();
-    let table = rules
-        .tables
-        .iter_mut()
-        .find(|t| t.family == IpFamily::V4)
-        .unwrap();
-    table.base.elements.push(super::ruleset::Element {
-        set: names.dst_map,
-        key: super::ruleset::ElemKey::AddrAddrProtoPort(
+    // An entry of an affinity map, as the kernel records it.
+    let remember = |rules: &mut super::ruleset::Ruleset, set, key| {
+        let table = rules
+            .tables
+            .iter_mut()
+            .find(|t| t.family == IpFamily::V4)
+            .unwrap();
+        table.base.elements.push(super::ruleset::Element {
+            set,
+            key,
+            value: None,
+            data: Some(endpoint),
+            comment: None,
+        });
+    };
+    remember(
+        &mut rules,
+        names.dst_map,
+        super::ruleset::ElemKey::AddrAddrProtoPort(
             client,
             "10.96.0.10".parse().unwrap(),
             Protocol::Tcp,
             80,
         ),
-        value: None,
-        data: Some(endpoint),
-        comment: None,
-    });
+    );
     let known = BTreeSet::from([endpoint]);
     assert_eq!(
         trace(&rules, &tcp(CLIENT, "10.96.0.10", 80), &w.env()).endpoints(),
@@ -265,18 +273,11 @@ fn flat_session_affinity_records_each_new_client_and_sends_a_known_one_back_per_
             .len(),
         3
     );
-    let table = rules
-        .tables
-        .iter_mut()
-        .find(|t| t.family == IpFamily::V4)
-        .unwrap();
-    table.base.elements.push(super::ruleset::Element {
-        set: names.nodeport_map,
-        key: super::ruleset::ElemKey::AddrProtoPort(client, Protocol::Tcp, 30080),
-        value: None,
-        data: Some(endpoint),
-        comment: None,
-    });
+    remember(
+        &mut rules,
+        names.nodeport_map,
+        super::ruleset::ElemKey::AddrProtoPort(client, Protocol::Tcp, 30080),
+    );
     let again = trace(&rules, &tcp(CLIENT, NODE_IP, 30080), &w.env());
     assert_eq!(again.endpoints(), known, "{again}");
     assert!(again.all_masqueraded(true), "{again}");
