@@ -693,9 +693,10 @@ fn every_unanswered_connection_of_the_end_to_end_suite_is_explained_with_its_cau
             Reply::Refused,
             "fate        not a NodePort address: 198.51.100.10 is not selected by --nodeport-addresses 192.0.2.0/24, so NodePort 30084 of default/web:80/TCP does not answer there",
             // No rule of the proxy touches it: the node's own stack refuses it, with a reset
-            // that ends the connection's conntrack entry at once.
+            // (which ends the connection's conntrack entry at once) the live trace sees.
             Some(
-                "seen        accepted by every rule, but conntrack holds no entry for it: refused",
+                "seen        passed on untranslated, not masqueraded; refused: 198.51.100.10 \
+                 answered with a TCP reset (nothing listens on that port there",
             ),
         ),
         (
@@ -761,8 +762,13 @@ fn every_unanswered_connection_of_the_end_to_end_suite_is_explained_with_its_cau
     assert!(!matches!(got, Reply::Pod { .. }), "{got:?}");
     assert_eq!(code, Some(1), "{live_out}{err}");
     assert!(!live_out.contains("filter-forward"), "{live_out}");
-    assert!(
-        seen(&live_out)[0].contains("gone nowhere after the last rule (no route"),
+    // The node's ICMP error comes back on the connection: the live trace sees the refusal.
+    assert_eq!(
+        seen(&live_out),
+        [
+            "seen        accepted by every rule, then refused: this node (10.244.3.1) answered \
+             with ICMP network unreachable (code 0) (no route to the address)"
+        ],
         "{live_out}"
     );
     // With a route (toward the client), the proxy's drop decides.
@@ -859,4 +865,182 @@ fn in_the_ebpf_mode_live_sees_the_connections_the_programs_translate_in_their_ma
             "{out} ({client})"
         );
     }
+}
+
+/// A NodePort Service (TCP `node_port` → `tcp_target`, UDP `node_port + 100` → `udp_target`)
+/// whose one endpoint is `address` on this node.
+fn one_endpoint_yaml(
+    name: &str,
+    node_port: u16,
+    address: &str,
+    tcp_target: u16,
+    udp_target: u16,
+) -> String {
+    format!(
+        r#"apiVersion: v1
+kind: Service
+metadata: {{name: {name}, namespace: default}}
+spec:
+  type: NodePort
+  selector: {{app: {name}}}
+  ports:
+  - {{name: http, port: 80, targetPort: {tcp_target}, nodePort: {node_port}}}
+  - {{name: dns, port: 53, targetPort: {udp_target}, protocol: UDP, nodePort: {udp}}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: {name}-1, namespace: default, labels: {{kubernetes.io/service-name: {name}}}}}
+addressType: IPv4
+ports: [{{name: http, port: {tcp_target}}}, {{name: dns, port: {udp_target}, protocol: UDP}}]
+endpoints:
+- {{addresses: [{address}], nodeName: node-a}}
+"#,
+        udp = node_port + 100
+    )
+}
+
+/// An endpoint that does not answer, with real packets: one that drops them silently (a drop
+/// rule in the pod's own namespace) and an address no host has are told from one that refuses
+/// them (nothing listens: a TCP reset, or for UDP ICMP port unreachable, which the tracer's
+/// table marks on their way back and conntrack's id ties to the traced packet).
+#[test]
+fn an_endpoint_that_does_not_answer_is_told_apart_from_one_that_refuses_with_real_packets() {
+    if !require_tools(
+        "an_endpoint_that_does_not_answer_is_told_apart_from_one_that_refuses_with_real_packets",
+        &["kubectl", "nft"],
+    ) {
+        return;
+    }
+    let c = Cluster::start(Mode::Nftables, &[]);
+    c.apply(&one_endpoint_yaml(
+        "silent",
+        30080,
+        "10.244.1.2",
+        8080,
+        5353,
+    ))
+    .unwrap();
+    // Nothing listens on 8081/tcp and 5354/udp in pod1.
+    c.apply(&one_endpoint_yaml(
+        "closed",
+        30081,
+        "10.244.1.2",
+        8081,
+        5354,
+    ))
+    .unwrap();
+    // No host has 10.244.1.9 (on pod1's link).
+    c.apply(&one_endpoint_yaml("ghost", 30082, "10.244.1.9", 8080, 5353))
+        .unwrap();
+    let silent = format!("{NODE_IP}:30080");
+    let closed = format!("{NODE_IP}:30081");
+    let ghost = format!("{NODE_IP}:30082");
+    eventually(&c.client, &silent, "the NodePort answers", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+    eventually(&c.client, &closed, "the closed port is refused", |r| {
+        *r == Reply::Refused
+    });
+    // From now on pod1 drops what comes to 8080/tcp, answering nothing.
+    c.pods[0]
+        .run_with_stdin(
+            &["nft", "-f", "-"],
+            b"table inet silent {\n chain input {\n type filter hook input priority 0;\n \
+              tcp dport 8080 drop\n }\n}\n",
+        )
+        .unwrap();
+
+    // Went nowhere: delivered to the endpoint's link, nothing came back.
+    let t = LiveTrace::start(&c.node, &["--to", ":30080/tcp", "--timeout", "20s"]);
+    assert_eq!(
+        get(&c.client, &silent, Duration::from_millis(1500)),
+        Reply::Timeout
+    );
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(1), "{out}{err}");
+    assert_eq!(
+        seen(&out),
+        [
+            "seen        DNAT to 10.244.1.2:8080 (conntrack), masqueraded to 10.244.1.1; it has \
+             not answered within 1s and nothing came back (no TCP reset, no ICMP error): the \
+             packet went nowhere after this node sent it out on vpod1; the endpoint, or \
+             something between, drops it silently"
+        ],
+        "{out}"
+    );
+
+    // Went nowhere because no host has the address: its neighbour entry says so.
+    let t = LiveTrace::start(
+        &c.node,
+        &["--to", ":30082/tcp", "--timeout", "20s", "-o", "json"],
+    );
+    assert_eq!(
+        get(&c.client, &ghost, Duration::from_millis(1500)),
+        Reply::Timeout
+    );
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(1), "{out}{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let s = &v["packets"][0]["seen"];
+    assert_eq!(s["verdict"], "dnat", "{out}");
+    assert_eq!(s["reason"], "not_answering", "{out}");
+    assert_eq!(s["endpoint"], "10.244.1.9:8080", "{out}");
+    assert_eq!(s["answered"], false, "{out}");
+    assert_eq!(s["sent_on"], "vpod1", "{out}");
+    assert!(
+        s["message"]
+            .as_str()
+            .unwrap()
+            .ends_with("no host answers for 10.244.1.9 on vpod1 (its neighbour entry is INCOMPLETE): the address is not there"),
+        "{out}"
+    );
+
+    // Refused over TCP: the endpoint's reset (which ends conntrack's entry at once) names it.
+    let t = LiveTrace::start(&c.node, &["--to", ":30081/tcp", "--timeout", "20s"]);
+    assert_eq!(
+        get(&c.client, &closed, Duration::from_millis(1500)),
+        Reply::Refused
+    );
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(1), "{out}{err}");
+    assert_eq!(
+        seen(&out),
+        [
+            "seen        DNAT to 10.244.1.2:8081 (its reset), masqueraded to 10.244.1.1; \
+             refused: 10.244.1.2 answered with a TCP reset (nothing listens on that port \
+             there, or a firewall rejects with a reset)"
+        ],
+        "{out}"
+    );
+
+    // Refused over UDP: ICMP port unreachable from the endpoint.
+    let t = LiveTrace::start(
+        &c.node,
+        &["--to", ":30181/udp", "--timeout", "20s", "-o", "json"],
+    );
+    let udp = nodeport_testbed::probe::udp_query(
+        &c.client,
+        format!("{NODE_IP}:30181").parse().unwrap(),
+        b"ping",
+        Duration::from_millis(1500),
+    );
+    assert!(udp.is_err(), "{udp:?}");
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(1), "{out}{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let p = &v["packets"][0];
+    assert_eq!(p["service"]["port"], "default/closed:53/UDP", "{out}");
+    let s = &p["seen"];
+    assert_eq!(s["verdict"], "dnat", "{out}");
+    assert_eq!(s["reason"], "refused", "{out}");
+    assert_eq!(s["refused_with"], "icmp_unreachable", "{out}");
+    assert_eq!(s["refused_by"], "10.244.1.2", "{out}");
+    assert_eq!(s["endpoint"], "10.244.1.2:5354", "{out}");
+    assert_eq!(
+        s["message"],
+        "DNAT to 10.244.1.2:5354 (conntrack), masqueraded to 10.244.1.1; refused: 10.244.1.2 \
+         answered with ICMP port unreachable (code 3) (nothing listens on that port there)",
+        "{out}"
+    );
+    no_table_left(&c.node, "the last trace");
 }

@@ -107,7 +107,7 @@ struct Step {
 }
 
 /// What the kernel did with a real packet.
-#[derive(Serialize)]
+#[derive(Serialize, Default)]
 struct Seen {
     /// `dnat`, `reject` or `drop` (by the proxy's rules), `drop` (`reason: other_table`),
     /// `pass` (not translated) or `unknown` (no conntrack entry).
@@ -129,6 +129,15 @@ struct Seen {
     /// The rule that dropped it: `family table chain [rule N]`.
     #[serde(skip_serializing_if = "Option::is_none")]
     at: Option<String>,
+    /// Refused: what came back (`tcp_reset`, `icmp_unreachable`, `icmpv6_unreachable`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    refused_with: Option<&'static str>,
+    /// Refused: who sent it (the endpoint, or a router or node on the way).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    refused_by: Option<IpAddr>,
+    /// Not answered, nothing came back: the interface this node sent the packet out on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    sent_on: Option<String>,
 }
 
 /// One real packet: its source port and trace id, the explanation of the same packet, its
@@ -456,10 +465,8 @@ fn explain_packet(tracing: &Tracing, traced: Traced, protocol: Protocol) -> Opti
                 verdict,
                 reason,
                 message,
-                endpoint: None,
-                source_seen_by_endpoint: None,
-                answered: None,
                 at: Some(e.describe()),
+                ..Seen::default()
             }
         }
         Some(e) => Seen {
@@ -469,12 +476,10 @@ fn explain_packet(tracing: &Tracing, traced: Traced, protocol: Protocol) -> Opti
                 "drop by table {} {}, not by the proxy's rules",
                 e.family, e.table
             ),
-            endpoint: None,
-            source_seen_by_endpoint: None,
-            answered: None,
             at: Some(e.describe()),
+            ..Seen::default()
         },
-        None => delivered(&h, packet.proto),
+        None => delivered(&h, packet.proto, &traced, &tracing.prepared.facts.local_ips),
     };
     Some(LivePacket {
         source_port: h.sport,
@@ -510,8 +515,10 @@ fn reason_name(o: &nodeport_proxy::trace::explain::Outcome) -> &'static str {
 }
 
 /// A packet no rule dropped: conntrack's entry for it names the endpoint, the source the
-/// endpoint sees, and whether it answered (waited for up to [`ANSWER_WAIT`]).
-fn delivered(h: &nftrace::Headers, protocol: Protocol) -> Seen {
+/// endpoint sees, and whether it answered (waited for up to [`ANSWER_WAIT`]). What came back
+/// to refuse it (a TCP reset, which also ends the conntrack entry, or an ICMP error) tells a
+/// refusal from a packet that went nowhere.
+fn delivered(h: &nftrace::Headers, protocol: Protocol, traced: &Traced, local: &[IpAddr]) -> Seen {
     let deadline = Instant::now() + ANSWER_WAIT;
     let mut entry = None;
     loop {
@@ -529,56 +536,132 @@ fn delivered(h: &nftrace::Headers, protocol: Protocol) -> Seen {
                     verdict: "unknown",
                     reason: "unknown",
                     message: format!("accepted; conntrack could not be read: {e}"),
-                    endpoint: None,
-                    source_seen_by_endpoint: None,
-                    answered: None,
-                    at: None,
+                    ..Seen::default()
                 };
             }
         }
-        if Instant::now() >= deadline {
+        // A refusal came back already: nothing more to wait for.
+        if traced.refusal.is_some() || Instant::now() >= deadline {
             break;
         }
         std::thread::sleep(Duration::from_millis(50));
+    }
+    // Where the packet left this node (its last event's output interface).
+    let sent_on = traced.events.iter().rev().find_map(|e| e.oif);
+    let source_text = |seen_by: IpAddr| {
+        if seen_by != h.src {
+            format!("masqueraded to {seen_by}")
+        } else {
+            "not masqueraded".to_string()
+        }
+    };
+    if let Some(r) = traced.refusal {
+        // conntrack's entry names the endpoint when it is still there (an ICMP error);
+        // a reset ended it, and names the endpoint itself (its source, before the node
+        // reverses the DNAT).
+        let named = match (&entry, r.kind) {
+            (Some(c), _) => Some((
+                SocketAddr::new(c.reply_src, c.reply_sport),
+                c.reply_dst,
+                "conntrack",
+            )),
+            (None, nftrace::RefusalKind::TcpReset) => {
+                Some((SocketAddr::new(r.from, r.from_port), r.to, "its reset"))
+            }
+            // An ICMP error about a packet that left no entry (routing refused it before
+            // conntrack confirmed it): where it was headed is unknown.
+            (None, _) => None,
+        };
+        let sender = if named.is_some_and(|(e, _, _)| e.ip() == r.from) {
+            format!("{} answered", r.from)
+        } else if local.contains(&r.from) {
+            format!("this node ({}) answered", r.from)
+        } else {
+            format!("{} (on the way, not the endpoint) answered", r.from)
+        };
+        let refused = format!(
+            "refused: {sender} with {} ({})",
+            r.kind.describe(),
+            r.kind.cause()
+        );
+        let Some((endpoint, seen_by, named_by)) = named else {
+            return Seen {
+                verdict: "unknown",
+                reason: "refused",
+                message: format!("accepted by every rule, then {refused}"),
+                answered: Some(false),
+                refused_with: Some(r.kind.as_str()),
+                refused_by: Some(r.from),
+                ..Seen::default()
+            };
+        };
+        let untranslated = endpoint == SocketAddr::new(h.dst, h.dport);
+        let head = if untranslated {
+            format!("passed on untranslated, {}", source_text(seen_by))
+        } else {
+            format!("DNAT to {endpoint} ({named_by}), {}", source_text(seen_by))
+        };
+        return Seen {
+            verdict: if untranslated { "pass" } else { "dnat" },
+            reason: "refused",
+            message: format!("{head}; {refused}"),
+            endpoint: (!untranslated).then_some(endpoint),
+            source_seen_by_endpoint: Some(seen_by),
+            answered: Some(false),
+            refused_with: Some(r.kind.as_str()),
+            refused_by: Some(r.from),
+            ..Seen::default()
+        };
     }
     let Some(c) = entry else {
         return Seen {
             verdict: "unknown",
             reason: "unknown",
-            message: "accepted by every rule, but conntrack holds no entry for it: refused \
-                      (a TCP reset as the only answer ends the entry at once) or gone nowhere \
-                      after the last rule (no route, forwarding off, reverse-path filter)"
+            message: "accepted by every rule, but conntrack holds no entry for it and nothing \
+                      came back: gone nowhere after the last rule (no route, forwarding off, \
+                      reverse-path filter), or taken by a local socket that closed at once"
                 .into(),
-            endpoint: None,
-            source_seen_by_endpoint: None,
-            answered: None,
-            at: None,
+            ..Seen::default()
         };
     };
     let endpoint = SocketAddr::new(c.reply_src, c.reply_sport);
-    let masqueraded = c.reply_dst != h.src;
-    let source = if masqueraded {
-        format!("masqueraded to {}", c.reply_dst)
-    } else {
-        "not masqueraded".to_string()
-    };
+    let source = source_text(c.reply_dst);
     if endpoint == SocketAddr::new(h.dst, h.dport) {
         return Seen {
             verdict: "pass",
             reason: "not_a_service",
             message: format!("passed on untranslated, {source}"),
-            endpoint: None,
             source_seen_by_endpoint: Some(c.reply_dst),
             answered: Some(c.seen_reply),
-            at: None,
+            ..Seen::default()
         };
     }
+    let sent_on_name = interface_name(sent_on);
     let (reason, answer) = if c.seen_reply {
         ("endpoint", "it answered".to_string())
     } else {
+        let on = sent_on_name
+            .as_deref()
+            .map_or_else(String::new, |i| format!(" out on {i}"));
+        let why = match sent_on_name
+            .as_deref()
+            .and_then(|i| neighbour_missing(endpoint.ip(), i))
+        {
+            Some(state) => format!(
+                "no host answers for {} on {} (its neighbour entry is {state}): the \
+                 address is not there",
+                endpoint.ip(),
+                sent_on_name.as_deref().unwrap_or("?")
+            ),
+            None => "the endpoint, or something between, drops it silently".to_string(),
+        };
         (
             "not_answering",
-            format!("it has not answered within {ANSWER_WAIT:?}"),
+            format!(
+                "it has not answered within {ANSWER_WAIT:?} and nothing came back (no TCP \
+                 reset, no ICMP error): the packet went nowhere after this node sent it{on}; \
+                 {why}"
+            ),
         )
     };
     Seen {
@@ -588,8 +671,34 @@ fn delivered(h: &nftrace::Headers, protocol: Protocol) -> Seen {
         endpoint: Some(endpoint),
         source_seen_by_endpoint: Some(c.reply_dst),
         answered: Some(c.seen_reply),
-        at: None,
+        sent_on: if c.seen_reply { None } else { sent_on_name },
+        ..Seen::default()
     }
+}
+
+/// The state of the neighbour entry of `ip` on `interface` when it says no host has the
+/// address (`INCOMPLETE`: asked, no answer yet; `FAILED`: no answer), from `ip -j neigh`.
+fn neighbour_missing(ip: IpAddr, interface: &str) -> Option<String> {
+    let out = std::process::Command::new("ip")
+        .args([
+            "-j",
+            "neigh",
+            "show",
+            "to",
+            &ip.to_string(),
+            "dev",
+            interface,
+        ])
+        .output()
+        .ok()?;
+    let entries: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+    entries
+        .as_array()?
+        .iter()
+        .flat_map(|e| e["state"].as_array().into_iter().flatten())
+        .filter_map(|s| s.as_str())
+        .find(|s| matches!(*s, "INCOMPLETE" | "FAILED"))
+        .map(str::to_string)
 }
 
 /// One packet for people: its header line, the explanation, its path, what the kernel did.
@@ -745,7 +854,7 @@ fn run_ebpf(
                     endpoint: Some(endpoint),
                     source_seen_by_endpoint: Some(fwd.saddr),
                     answered: Some(answered),
-                    at: None,
+                    ..Seen::default()
                 },
             };
             if !json {
