@@ -1044,3 +1044,129 @@ fn an_endpoint_that_does_not_answer_is_told_apart_from_one_that_refuses_with_rea
     );
     no_table_left(&c.node, "the last trace");
 }
+
+/// A live trace (from the client) of a connection to `to` whose reply `want` accepts, whose
+/// explanation equals `--rules kernel`'s: (stdout, stderr, exit code).
+fn live_from_client(
+    c: &Cluster,
+    to: &str,
+    want: impl Fn(&Reply) -> bool,
+) -> (String, String, Option<i32>) {
+    let t = LiveTrace::start(
+        &c.node,
+        &[
+            "--to",
+            &format!("{to}/tcp"),
+            "--from",
+            CLIENT_IP,
+            "--timeout",
+            "20s",
+        ],
+    );
+    let got = get(&c.client, to, Duration::from_millis(1500));
+    assert!(want(&got), "{to}: {got:?}");
+    let (out, err, code) = t.finish();
+    assert_eq!(
+        explanation(&out),
+        kernel_trace(c, CLIENT_IP, &format!("{to}/tcp")),
+        "{out}"
+    );
+    (out, err, code)
+}
+
+/// `127.0.0.1` from outside the node, with real packets (the end-to-end suite's client that
+/// routes 127.0.0.1 to the node): with localhost NodePorts the NodePort is DNATed and answers
+/// (kube-proxy's guard lets DNATed connections through) and a service of the node's own on
+/// 127.0.0.1 is dropped by the CVE-2020-8558 guard; with route_localnet off (no localhost
+/// NodePorts) the kernel drops 127.0.0.1 from the network as a martian destination. The live
+/// trace and `--rules kernel` name the same cause.
+#[test]
+fn loopback_destinations_from_outside_the_node_are_traced_live_to_the_localnet_guard_or_the_martian_drop()
+ {
+    if !require_tools(
+        "loopback_destinations_from_outside_the_node_are_traced_live_to_the_localnet_guard_or_the_martian_drop",
+        &["kubectl", "nft"],
+    ) {
+        return;
+    }
+    let mut c = Cluster::start(
+        Mode::Nftables,
+        &["--nodeport-addresses", "127.0.0.0/8,198.51.100.0/24"],
+    );
+    c.apply(&service_yaml("here", 30093, "", &[1])).unwrap();
+    let _node_local = nodeport_testbed::server::Server::start_in(
+        &c.node,
+        nodeport_testbed::server::ServerConfig {
+            bind: "127.0.0.1".parse().unwrap(),
+            ..nodeport_testbed::server::ServerConfig::http("node-lo", 18080)
+        },
+    )
+    .unwrap();
+    // The client sends 127.0.0.1 to the node over the LAN and accepts answers from it.
+    c.client
+        .sh(&format!(
+            "ip rule add pref 100 lookup local && ip rule del pref 0 && \
+             ip rule add pref 10 to 127.0.0.1/32 lookup 100 && \
+             ip route add 127.0.0.1/32 via {NODE_IP} dev eth0 table 100 && \
+             sysctl -qw net.ipv4.conf.all.route_localnet=1"
+        ))
+        .unwrap();
+    eventually(&c.client, "127.0.0.1:30093", "127.0.0.1 via the LAN", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+
+    // The localhost NodePort: DNATed before the guard looks, answered.
+    let (out, err, code) = live_from_client(
+        &c,
+        "127.0.0.1:30093",
+        |r| matches!(r, Reply::Pod { pod, .. } if pod == "pod1"),
+    );
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert_eq!(
+        seen(&out),
+        ["seen        DNAT to 10.244.1.2:8080 (conntrack), masqueraded to 10.244.1.1; it answered"],
+        "{out}"
+    );
+
+    // The node's own 127.0.0.1 service: the guard drops it.
+    let (out, err, code) = live_from_client(&c, "127.0.0.1:18080", |r| *r == Reply::Timeout);
+    assert_eq!(code, Some(1), "{out}{err}");
+    let guard = "drop: 127.0.0.1 from the network, not DNATed to a Service: route_localnet is on \
+                 (localhost NodePorts) and the guard against CVE-2020-8558 drops it (kube-proxy's \
+                 \"block incoming localnet connections\")";
+    assert!(out.contains(&format!("fate        {guard}\n")), "{out}");
+    assert!(
+        seen(&out)[0].starts_with(&format!(
+            "seen        {guard} (at ip kube-proxy localnet-check rule "
+        )),
+        "{out}"
+    );
+
+    // Without localhost NodePorts and with route_localnet off: the kernel's martian drop,
+    // after every rule accepted it.
+    c.node
+        .run(&["sysctl", "-qw", "net.ipv4.conf.all.route_localnet=0"])
+        .unwrap();
+    c.restart_proxy_with(&["--nodeport-addresses", "198.51.100.0/24"]);
+    eventually(
+        &c.client,
+        &format!("{NODE_IP2}:30093"),
+        "the proxy is back",
+        |r| matches!(r, Reply::Pod { .. }),
+    );
+    let (out, err, code) = live_from_client(&c, "127.0.0.1:30093", |r| *r == Reply::Timeout);
+    assert_eq!(code, Some(1), "{out}{err}");
+    let martian = "drop: 127.0.0.1 from the network is a martian destination: with route_localnet \
+                   off the kernel's routing drops it, NodePort or not";
+    assert!(out.contains(&format!("fate        {martian}\n")), "{out}");
+    assert_eq!(
+        seen(&out),
+        [format!(
+            "seen        {martian}: every rule accepted it, no conntrack entry is left and \
+             nothing came back"
+        )
+        .as_str()],
+        "{out}"
+    );
+    no_table_left(&c.node, "the last trace");
+}

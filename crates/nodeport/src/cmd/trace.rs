@@ -751,6 +751,16 @@ fn strict_rp_filter(iface: &str) -> bool {
     read("all").max(read(iface)) == 1
 }
 
+/// Whether the kernel routes 127.0.0.0/8 from the network to local sockets:
+/// `net.ipv4.conf.{all,<interface>}.route_localnet`, either on (as the kernel reads it).
+fn route_localnet(interface: Option<&str>) -> bool {
+    let read = |name: &str| {
+        std::fs::read_to_string(format!("/proc/sys/net/ipv4/conf/{name}/route_localnet"))
+            .is_ok_and(|v| v.trim() == "1")
+    };
+    read("all") || interface.is_some_and(read)
+}
+
 /// This network namespace's addresses (the node's, when run on the node).
 fn local_addresses() -> anyhow::Result<Vec<IpAddr>> {
     let runtime = tokio::runtime::Runtime::new()
@@ -813,6 +823,12 @@ impl Tracing {
             nodeport_addresses: p.nodeport_addresses.clone(),
             local_addrs: &p.facts.local_ips,
             maglev: p.mode == ProxyMode::Ebpf && p.algorithm == ebpf::render::Algorithm::Maglev,
+            // What the node holds, for a packet from the network to 127.0.0.0/8.
+            route_localnet: (self.kernel.is_some()
+                && packet.origin == Origin::Remote
+                && packet.dst.is_loopback()
+                && packet.dst.is_ipv4())
+            .then(|| route_localnet(self.in_interface.as_deref())),
         };
         let mut explanation = explain::explain(&p.desired, &ctx, &trace);
         if packet.origin == Origin::Remote {

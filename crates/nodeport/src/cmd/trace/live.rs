@@ -23,7 +23,7 @@ use nodeport_proxy::model::Protocol;
 use nodeport_proxy::nftables::netlink::nftrace::{
     self, Collector, Event, Selector, Session, Traced,
 };
-use nodeport_proxy::trace::explain::{Explanation, Verdict as Fate};
+use nodeport_proxy::trace::explain::{Explanation, Reason, Verdict as Fate};
 use nodeport_proxy::trace::{Origin, Packet};
 use serde::Serialize;
 
@@ -479,7 +479,24 @@ fn explain_packet(tracing: &Tracing, traced: Traced, protocol: Protocol) -> Opti
             at: Some(e.describe()),
             ..Seen::default()
         },
-        None => delivered(&h, packet.proto, &traced, &tracing.prepared.facts.local_ips),
+        None => {
+            let seen = delivered(&h, packet.proto, &traced, &tracing.prepared.facts.local_ips);
+            // Every rule accepted it and it left no trace: when the kernel's drop of a
+            // loopback destination from the network explains that, say so.
+            match explanation.outcomes.first() {
+                Some(o) if seen.reason == "unknown" && o.reason == Reason::Localnet => Seen {
+                    verdict: "drop",
+                    reason: "localnet",
+                    message: format!(
+                        "{}: every rule accepted it, no conntrack entry is left and nothing \
+                         came back",
+                        o.message
+                    ),
+                    ..Seen::default()
+                },
+                _ => seen,
+            }
+        }
     };
     Some(LivePacket {
         source_port: h.sport,
@@ -500,7 +517,6 @@ fn verdict_name(v: Fate) -> &'static str {
 }
 
 fn reason_name(o: &nodeport_proxy::trace::explain::Outcome) -> &'static str {
-    use nodeport_proxy::trace::explain::Reason;
     match o.reason {
         Reason::Endpoint => "endpoint",
         Reason::NoEndpoints => "no_endpoints",
@@ -510,6 +526,7 @@ fn reason_name(o: &nodeport_proxy::trace::explain::Outcome) -> &'static str {
         Reason::NotNodePortAddress => "not_node_port_address",
         Reason::NotAService => "not_a_service",
         Reason::UnallocatedClusterIp => "unallocated_cluster_ip",
+        Reason::Localnet => "localnet",
         Reason::Other => "other",
     }
 }
