@@ -301,6 +301,9 @@ struct ForeignChain {
     policy_drop: bool,
     /// Drop and reject rules in the chain and the regular chains it jumps to.
     drops: usize,
+    /// Its table read back (`nftables::listing`) when every rule of the chain and the chains
+    /// it reaches is one the tracer models: then the chain is evaluated for the packet.
+    rules: Option<nftables::ruleset::Table>,
 }
 
 impl ForeignChain {
@@ -322,6 +325,175 @@ impl ForeignChain {
             self.priority,
             what.join(" and ")
         )
+    }
+}
+
+/// One way the proxy's rules let a packet through, for another table's chains: its
+/// probability, where the DNAT sent it (`None`: untranslated) and whether it ends at a
+/// socket of this node (input) or leaves it (forward, postrouting).
+struct Branch {
+    probability: f64,
+    dnat: Option<SocketAddr>,
+    to_node: bool,
+}
+
+/// The ways the explained packet gets through the proxy's rules.
+fn branches(packet: &Packet, e: &Explanation, local: &[IpAddr]) -> Vec<Branch> {
+    let mut out: Vec<Branch> = e
+        .endpoints
+        .iter()
+        .map(|c| Branch {
+            probability: c.probability,
+            dnat: Some(c.endpoint),
+            // A pod on this node is forwarded to; only the node's own address is input.
+            to_node: local.contains(&c.endpoint.ip()),
+        })
+        .collect();
+    out.extend(
+        e.outcomes
+            .iter()
+            .filter(|o| o.verdict == explain::Verdict::Pass)
+            .map(|o| Branch {
+                probability: o.probability,
+                dnat: None,
+                to_node: local.contains(&packet.dst),
+            }),
+    );
+    out
+}
+
+impl ForeignChain {
+    /// Whether a packet from `origin` on `branch` crosses this chain's hook.
+    fn crossed_by(&self, origin: Origin, branch: &Branch) -> bool {
+        match (origin, self.hook.as_str()) {
+            (Origin::Remote, "prerouting") | (Origin::Local, "output" | "postrouting") => true,
+            (_, "input") => branch.to_node,
+            (Origin::Remote, "forward" | "postrouting") => !branch.to_node,
+            _ => false,
+        }
+    }
+
+    /// Evaluates the chain for each branch that crosses it: the probability that it drops
+    /// (or rejects) the packet, whether it rejects, and the endpoints concerned; `None` when
+    /// it cannot be evaluated (rules the tracer does not model).
+    fn evaluate(
+        &self,
+        packet: &Packet,
+        branches: &[Branch],
+        env: &Env,
+    ) -> Option<(f64, bool, Vec<Option<SocketAddr>>)> {
+        let table = self.rules.as_ref()?;
+        // Before the proxy's DNAT (its nat chains at priority -100 of prerouting and
+        // output) the packet still has its own destination.
+        let before_dnat =
+            matches!(self.hook.as_str(), "prerouting" | "output") && self.priority < -100;
+        let mut dropped = 0.0;
+        let mut rejects = false;
+        let mut concerned = Vec::new();
+        for b in branches
+            .iter()
+            .filter(|b| self.crossed_by(packet.origin, b))
+        {
+            let dnat = if before_dnat { None } else { b.dnat };
+            let ends = nftables::tracer::evaluate_chain(
+                table,
+                (&self.chain, self.policy_drop),
+                packet,
+                dnat,
+                env,
+            )?;
+            let p: f64 = ends
+                .iter()
+                .filter(|(e, _)| *e != nftables::tracer::ChainEnd::Continue)
+                .map(|(_, p)| p)
+                .sum();
+            if p > 0.0 {
+                dropped += b.probability * p;
+                rejects |= ends
+                    .iter()
+                    .any(|(e, _)| *e == nftables::tracer::ChainEnd::Reject);
+                concerned.push(b.dnat);
+            }
+        }
+        Some((dropped, rejects, concerned))
+    }
+
+    /// Applies what the chain does to `packet` to the explanation: its drop becomes the fate
+    /// (or an `or`) when it drops what the proxy lets through; otherwise a note.
+    fn apply(&self, packet: &Packet, e: &mut Explanation, env: &Env, local: &[IpAddr]) {
+        let all = branches(packet, e, local);
+        // Nothing the proxy lets through crosses it (the proxy drops the packet; which of
+        // the two comes first is not evaluated): the note only.
+        let crossing = all.iter().any(|b| self.crossed_by(packet.origin, b));
+        let evaluated = crossing.then(|| self.evaluate(packet, &all, env)).flatten();
+        let Some((dropped, rejects, concerned)) = evaluated else {
+            e.notes.push(self.describe());
+            return;
+        };
+        let at = format!(
+            "table {} {} chain {} (hook {}, priority {})",
+            self.family, self.table, self.chain, self.hook, self.priority
+        );
+        if dropped <= 1e-12 {
+            e.notes.push(format!(
+                "{at} holds drop or reject rules; evaluated, none of them drops this packet"
+            ));
+            return;
+        }
+        // Take the dropped share off the ways through.
+        for b in all.iter().filter(|b| concerned.contains(&b.dnat)) {
+            let verdict = if b.dnat.is_some() {
+                explain::Verdict::Dnat
+            } else {
+                explain::Verdict::Pass
+            };
+            if let Some(o) = e.outcomes.iter_mut().find(|o| o.verdict == verdict) {
+                o.probability = (o.probability - b.probability).max(0.0);
+            }
+        }
+        // What the chain let through of the concerned branches goes back.
+        let concerned_total: f64 = all
+            .iter()
+            .filter(|b| concerned.contains(&b.dnat))
+            .map(|b| b.probability)
+            .sum();
+        let kept = concerned_total - dropped;
+        if kept > 1e-12 {
+            let verdict = if concerned.iter().any(Option::is_some) {
+                explain::Verdict::Dnat
+            } else {
+                explain::Verdict::Pass
+            };
+            if let Some(o) = e.outcomes.iter_mut().find(|o| o.verdict == verdict) {
+                o.probability += kept;
+            }
+        }
+        e.outcomes.retain(|o| o.probability > 1e-12);
+        let toward: Vec<String> = concerned.iter().flatten().map(|a| a.to_string()).collect();
+        let some_endpoints = !toward.is_empty() && toward.len() < e.endpoints.len();
+        let which = if some_endpoints {
+            format!(" on its way to {}", toward.join(", "))
+        } else {
+            String::new()
+        };
+        let verb = if rejects { "reject" } else { "drop" };
+        e.outcomes.push(explain::Outcome {
+            verdict: if rejects {
+                explain::Verdict::Reject
+            } else {
+                explain::Verdict::Drop
+            },
+            reason: explain::Reason::OtherTable,
+            message: format!(
+                "{verb} by table {} {}, not by the proxy's rules: its chain {} (hook {}, \
+                 priority {}) {verb}s it{which}",
+                self.family, self.table, self.chain, self.hook, self.priority
+            ),
+            at: Some(format!("{} {} {}", self.family, self.table, self.chain)),
+            probability: dropped,
+        });
+        e.outcomes
+            .sort_by(|a, b| b.probability.total_cmp(&a.probability));
     }
 }
 
@@ -397,6 +569,34 @@ fn foreign_chains(listing: &str) -> Vec<ForeignChain> {
             todo.extend(jumps.get(&key).into_iter().flatten().cloned());
         }
         let policy_drop = chain["policy"] == "drop";
+        // The table read back as the tracer models it, when no rule the chain can reach
+        // was left out.
+        let rules = (count > 0 || policy_drop)
+            .then(|| {
+                let own: Vec<serde_json::Value> = items
+                    .iter()
+                    .filter(|i| {
+                        ["chain", "rule", "set", "map"]
+                            .iter()
+                            .any(|k| i[*k]["family"] == family && i[*k]["table"] == table)
+                    })
+                    .cloned()
+                    .collect();
+                let json = serde_json::json!({ "nftables": own }).to_string();
+                let as_family = if family == "ip6" {
+                    IpFamily::V6
+                } else {
+                    IpFamily::V4
+                };
+                nftables::listing::parse(&json, as_family).ok()
+            })
+            .flatten()
+            .filter(|l| {
+                l.skipped
+                    .iter()
+                    .all(|s| s.split_once(": ").is_none_or(|(c, _)| !seen.contains(c)))
+            })
+            .map(|l| l.table);
         if count > 0 || policy_drop {
             out.push(ForeignChain {
                 family: family.to_string(),
@@ -406,6 +606,7 @@ fn foreign_chains(listing: &str) -> Vec<ForeignChain> {
                 priority: chain["prio"].as_i64().unwrap_or(0),
                 policy_drop,
                 drops: count,
+                rules,
             });
         }
     }
@@ -429,15 +630,14 @@ fn hooks_crossed(packet: &Packet, e: &Explanation, local: &[IpAddr]) -> Vec<&'st
         .outcomes
         .iter()
         .any(|o| o.verdict == explain::Verdict::Pass);
-    let here = e
-        .endpoints
-        .iter()
-        .any(|c| c.local || local.contains(&c.endpoint.ip()))
+    // A pod on this node is forwarded to like any other; only the node's own address is
+    // delivered through input.
+    let here = e.endpoints.iter().any(|c| local.contains(&c.endpoint.ip()))
         || (untranslated && local.contains(&packet.dst));
     let away = e
         .endpoints
         .iter()
-        .any(|c| !c.local && !local.contains(&c.endpoint.ip()))
+        .any(|c| !local.contains(&c.endpoint.ip()))
         || (untranslated && !local.contains(&packet.dst));
     let mut hooks = Vec::new();
     match packet.origin {
@@ -862,7 +1062,7 @@ impl Tracing {
             };
             for c in &self.foreign {
                 if (c.family == family || c.family == "inet") && hooks.contains(&c.hook.as_str()) {
-                    explanation.notes.push(c.describe());
+                    c.apply(packet, &mut explanation, &env, &p.facts.local_ips);
                 }
             }
         }

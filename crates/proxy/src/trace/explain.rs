@@ -142,6 +142,9 @@ pub enum Reason {
     /// A loopback destination from the network, not translated: the CVE-2020-8558 guard
     /// drops it, or the kernel does (a martian destination with `route_localnet` off).
     Localnet,
+    /// Dropped or rejected by another table than the proxy's (`nodeport trace --rules kernel`
+    /// evaluates the node's other nftables tables; see `at`).
+    OtherTable,
     /// Decided by a rule no Service setting explains (see `at`).
     Other,
 }

@@ -527,6 +527,7 @@ fn reason_name(o: &nodeport_proxy::trace::explain::Outcome) -> &'static str {
         Reason::NotAService => "not_a_service",
         Reason::UnallocatedClusterIp => "unallocated_cluster_ip",
         Reason::Localnet => "localnet",
+        Reason::OtherTable => "other_table",
         Reason::Other => "other",
     }
 }
