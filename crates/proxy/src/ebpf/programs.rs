@@ -425,6 +425,11 @@ impl Maps {
         self.maps.get(name).ok_or(Error::Missing(name))
     }
 
+    /// Takes one map out (the trace event maps, which a tracer owns).
+    pub(super) fn take(&mut self, name: &'static str) -> Result<aya::maps::Map, Error> {
+        self.maps.remove(name).ok_or(Error::Missing(name))
+    }
+
     fn map_mut(&mut self, name: &'static str) -> Result<&mut aya::maps::Map, Error> {
         self.maps.get_mut(name).ok_or(Error::Missing(name))
     }
