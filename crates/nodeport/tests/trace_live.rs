@@ -792,9 +792,9 @@ fn every_unanswered_connection_of_the_end_to_end_suite_is_explained_with_its_cau
 }
 
 #[test]
-fn in_the_ebpf_mode_live_sees_the_connections_the_programs_translate_in_their_maps() {
+fn in_the_ebpf_mode_live_sees_what_the_programs_decide_for_each_new_connection_and_socket() {
     if !require_tools(
-        "in_the_ebpf_mode_live_sees_the_connections_the_programs_translate_in_their_maps",
+        "in_the_ebpf_mode_live_sees_what_the_programs_decide_for_each_new_connection_and_socket",
         &["kubectl", "bpftool"],
     ) {
         return;
@@ -825,7 +825,18 @@ fn in_the_ebpf_mode_live_sees_the_connections_the_programs_translate_in_their_ma
     };
     let n = pod.trim_start_matches("pod");
     assert!(
-        out.contains("as np_tc_ingress records them in np_ct"),
+        out.contains("as np_tc_ingress and the connect hook report them in np_trace_events"),
+        "{out}"
+    );
+    // The programs' steps.
+    assert!(
+        out.contains("path        ebpf np_tc_ingress frontend: 192.0.2.10:30080/tcp is default/web:80/TCP (NodePort, frontend "),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!(
+            "path        ebpf np_tc_ingress backend: 10.244.{n}.2:8080 chosen\n"
+        )),
         "{out}"
     );
     // Explained as the kernel's maps explain the same packet.
@@ -852,7 +863,9 @@ fn in_the_ebpf_mode_live_sees_the_connections_the_programs_translate_in_their_ma
     // The backend the maps name is the pod that answered, and the source it saw.
     let seen_line = seen(&out).join("\n");
     assert!(
-        seen_line.starts_with(&format!("seen        DNAT to 10.244.{n}.2:8080 (np_ct), ")),
+        seen_line.starts_with(&format!(
+            "seen        DNAT to 10.244.{n}.2:8080 (np_tc_ingress), "
+        )),
         "{out}"
     );
     assert!(seen_line.ends_with("; it answered"), "{out}");
@@ -865,6 +878,106 @@ fn in_the_ebpf_mode_live_sees_the_connections_the_programs_translate_in_their_ma
             "{out} ({client})"
         );
     }
+
+    // What the programs drop or reject, from their trace events: no endpoints (rejected),
+    // externalTrafficPolicy Local without a local endpoint (dropped); a retransmitted SYN is
+    // one connection.
+    c.apply(&service_yaml("empty", 30090, "", &[])).unwrap();
+    c.apply(&service_yaml(
+        "local",
+        30081,
+        "  externalTrafficPolicy: Local",
+        &[2],
+    ))
+    .unwrap();
+    eventually(
+        &c.client,
+        &format!("{NODE_IP}:30090"),
+        "the empty Service is refused",
+        |r| *r == Reply::Refused,
+    );
+    eventually(
+        &c.client,
+        &format!("{NODE_IP}:30081"),
+        "the Local Service drops",
+        |r| *r == Reply::Timeout,
+    );
+    for (port, want, seen_line) in [
+        (
+            30090,
+            Reply::Refused,
+            "seen        reject: default/empty:80/TCP has no endpoints (at ebpf np_tc_ingress)",
+        ),
+        (
+            30081,
+            Reply::Timeout,
+            "seen        drop: externalTrafficPolicy Local and default/local:80/TCP has no endpoint on this node (at ebpf np_tc_ingress)",
+        ),
+    ] {
+        let t = LiveTrace::start_ebpf(
+            &c,
+            &[
+                "--to",
+                &format!(":{port}/tcp"),
+                "--count",
+                "2",
+                "--timeout",
+                "4s",
+            ],
+        );
+        let to = format!("{NODE_IP}:{port}");
+        assert_eq!(get(&c.client, &to, Duration::from_millis(1500)), want);
+        let (out, err, code) = t.finish();
+        // One connection within the timeout (the second never comes): exit 1 for the drop.
+        assert_eq!(code, Some(1), "{out}{err}");
+        assert_eq!(seen(&out), [seen_line], "{out}");
+        assert!(
+            out.contains("path        ebpf np_tc_ingress verdict: "),
+            "{out}"
+        );
+    }
+
+    // The connect hook: a process on the node connecting to a ClusterIP, translated at
+    // connect(), and refused when the Service has no endpoints.
+    let web_ip = c.cluster_ip("web");
+    let t = LiveTrace::start_ebpf(
+        &c,
+        &["--to", &format!("{web_ip}:80/tcp"), "--timeout", "20s"],
+    );
+    assert!(matches!(
+        c.get_in_node_cgroup(&c.node, &format!("{web_ip}:80"), Duration::from_secs(3)),
+        Reply::Pod { .. }
+    ));
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.contains("from this node (output path)"), "{out}");
+    let seen_line = seen(&out).join("\n");
+    assert!(
+        seen_line.starts_with("seen        connected to 10.244."),
+        "{out}"
+    );
+    assert!(
+        seen_line.contains(":8080 at connect() (np_connect4)"),
+        "{out}"
+    );
+    let empty_ip = c.cluster_ip("empty");
+    let t = LiveTrace::start_ebpf(
+        &c,
+        &["--to", &format!("{empty_ip}:80/tcp"), "--timeout", "20s"],
+    );
+    assert_eq!(
+        c.get_in_node_cgroup(&c.node, &format!("{empty_ip}:80"), Duration::from_secs(3)),
+        Reply::Refused
+    );
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(1), "{out}{err}");
+    assert_eq!(
+        seen(&out),
+        [
+            "seen        reject: default/empty:80/TCP has no endpoints: connect() refused with ECONNREFUSED (at ebpf np_connect4)"
+        ],
+        "{out}"
+    );
 }
 
 /// A NodePort Service (TCP `node_port` → `tcp_target`, UDP `node_port + 100` → `udp_target`)
