@@ -960,6 +960,28 @@ fn in_the_ebpf_mode_live_sees_what_the_programs_decide_for_each_new_connection_a
         seen_line.contains(":8080 at connect() (np_connect4)"),
         "{out}"
     );
+    // The tracer withdrew its deadline: the programs report nothing more.
+    let until = c
+        .node
+        .command("bpftool")
+        .args(["-j", "map", "lookup", "pinned"])
+        .arg(
+            c.ebpf
+                .as_ref()
+                .unwrap()
+                .pin_root
+                .join("maps/np_trace_until"),
+        )
+        .args(["key", "0", "0", "0", "0"])
+        .output()
+        .unwrap();
+    let until: serde_json::Value = serde_json::from_slice(&until.stdout).unwrap();
+    assert!(
+        until["value"]
+            .as_array()
+            .is_some_and(|v| v.iter().all(|b| b.as_str() == Some("0x00"))),
+        "{until}"
+    );
     let empty_ip = c.cluster_ip("empty");
     let t = LiveTrace::start_ebpf(
         &c,
