@@ -825,7 +825,7 @@ fn in_the_ebpf_mode_live_sees_what_the_programs_decide_for_each_new_connection_a
     };
     let n = pod.trim_start_matches("pod");
     assert!(
-        out.contains("as np_tc_ingress and the connect hook report them in np_trace_events"),
+        out.contains("as np_tc_ingress and the connect hook record them in np_trace_log"),
         "{out}"
     );
     // The programs' steps.
@@ -876,6 +876,32 @@ fn in_the_ebpf_mode_live_sees_what_the_programs_decide_for_each_new_connection_a
         assert!(
             seen_line.contains(&format!("masqueraded to {client_ip}")),
             "{out} ({client})"
+        );
+    }
+
+    // Two traces at once each see the connection (each reads the whole log).
+    let one = LiveTrace::start_ebpf(&c, &["--to", ":30080/tcp", "--timeout", "20s"]);
+    let two = LiveTrace::start_ebpf(
+        &c,
+        &[
+            "--to",
+            &format!("{web}/tcp"),
+            "--from",
+            CLIENT_IP,
+            "--timeout",
+            "20s",
+        ],
+    );
+    assert!(matches!(
+        get(&c.client, &web, Duration::from_secs(3)),
+        Reply::Pod { .. }
+    ));
+    for t in [one, two] {
+        let (out, err, code) = t.finish();
+        assert_eq!(code, Some(0), "{out}{err}");
+        assert!(
+            out.contains(&format!("live        packet 1: {CLIENT_IP} → {web}/tcp")),
+            "{out}"
         );
     }
 

@@ -702,29 +702,17 @@ static __always_inline int np_open(struct __sk_buff *skb, struct np_pkt *p,
 }
 
 /* Trace events for `nodeport trace --live` in the ebpf mode. A tracer sets np_trace_until[0]
- * to the CLOCK_MONOTONIC time its trace ends: until then the programs report the decision
+ * to the CLOCK_MONOTONIC time its trace ends: until then the programs record the decision
  * they take for each new connection (tc: translated, dropped or rejected, and why; the
- * connect hook: translated or refused) in np_trace_events. The deadline lapses by itself,
- * so a tracer that dies leaves nothing switched on. */
+ * connect hook: translated or refused) in np_trace_log, by tuple, the latest kept. Every
+ * tracer reads the whole log, so tracers at once each see every event. The deadline lapses
+ * by itself, so a tracer that dies leaves nothing switched on. */
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, 1);
 	__type(key, __u32);
 	__type(value, __u64);
 } np_trace_until SEC(".maps");
-
-struct {
-	__uint(type, BPF_MAP_TYPE_RINGBUF);
-	__uint(max_entries, 256 * 1024);
-} np_trace_events SEC(".maps");
-
-#define NP_TRACE_DNAT 1		/* tc: a new connection translated (to, snat) */
-#define NP_TRACE_REJECT 2	/* tc: no endpoints, rejected */
-#define NP_TRACE_DROP_NO_ENDPOINTS 3 /* tc: no endpoints (policy Local), dropped */
-#define NP_TRACE_DROP_SOURCE 4	/* tc: source outside loadBalancerSourceRanges */
-#define NP_TRACE_DROP_OTHER 5	/* tc: no backend chosen, or a map full */
-#define NP_TRACE_SOCK_DNAT 6	/* connect hook: the socket connected to `to` */
-#define NP_TRACE_SOCK_REFUSED 7	/* connect hook: no endpoints, ECONNREFUSED */
 
 /* One event, 104 bytes; ports in network order. The Rust side reads this layout
  * (ebpf::trace_events). */
@@ -743,6 +731,22 @@ struct np_trace_event {
 	__u16 snat_port;
 	__u32 pad3;
 };
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct np_ct_key);
+	__type(value, struct np_trace_event);
+} np_trace_log SEC(".maps");
+
+#define NP_TRACE_DNAT 1		/* tc: a new connection translated (to, snat) */
+#define NP_TRACE_REJECT 2	/* tc: no endpoints, rejected */
+#define NP_TRACE_DROP_NO_ENDPOINTS 3 /* tc: no endpoints (policy Local), dropped */
+#define NP_TRACE_DROP_SOURCE 4	/* tc: source outside loadBalancerSourceRanges */
+#define NP_TRACE_DROP_OTHER 5	/* tc: no backend chosen, or a map full */
+#define NP_TRACE_SOCK_DNAT 6	/* connect hook: the socket connected to `to` */
+#define NP_TRACE_SOCK_REFUSED 7	/* connect hook: no endpoints, ECONNREFUSED */
+
 
 static __always_inline int np_tracing(__u64 now)
 {
@@ -782,19 +786,25 @@ static __always_inline void np_trace_tc(struct __sk_buff *skb, const struct np_p
 			ev.snat_port = ct->sport;
 		}
 	}
-	bpf_ringbuf_output(&np_trace_events, &ev, sizeof(ev), 0);
+	bpf_map_update_elem(&np_trace_log, &ev.tuple, &ev, BPF_ANY);
 }
 
-/* The connect hook: `be` chosen for the socket's connection to `key`, or refused (NULL). */
-static __always_inline void np_trace_sock(const struct np_svc_key *key,
+/* The connect hook: `be` chosen for the socket's connection to `key`, or refused (NULL).
+ * No source is known at connect(): the tuple's source holds the socket's cookie, which
+ * keeps sockets apart in the log. */
+static __always_inline void np_trace_sock(struct bpf_sock_addr *ctx,
+					  const struct np_svc_key *key,
 					  const struct np_svc_val *svc,
 					  const struct np_be_val *be)
 {
 	struct np_trace_event ev = {};
+	__u64 cookie;
 
 	ev.time = bpf_ktime_get_ns();
 	if (!np_tracing(ev.time))
 		return;
+	cookie = bpf_get_socket_cookie(ctx);
+	__builtin_memcpy(&ev.tuple.saddr, &cookie, sizeof(cookie));
 	ev.kind = be ? NP_TRACE_SOCK_DNAT : NP_TRACE_SOCK_REFUSED;
 	ev.svc_id = svc->svc_id;
 	ev.tuple.daddr = key->addr;
@@ -804,7 +814,7 @@ static __always_inline void np_trace_sock(const struct np_svc_key *key,
 		ev.to = be->addr;
 		ev.to_port = be->port;
 	}
-	bpf_ringbuf_output(&np_trace_events, &ev, sizeof(ev), 0);
+	bpf_map_update_elem(&np_trace_log, &ev.tuple, &ev, BPF_ANY);
 }
 
 /* Whether a known connection must choose a backend again: a TCP SYN reusing the tuple of a
@@ -903,14 +913,14 @@ static __always_inline int np_sock_connect(struct bpf_sock_addr *ctx, struct np_
 	if (!svc)
 		return -1;
 	if (svc->count == 0) {
-		np_trace_sock(&key, svc, 0);
+		np_trace_sock(ctx, &key, svc, 0);
 		np_set_retval(-ECONNREFUSED);
 		return 0;
 	}
 	netns = bpf_get_netns_cookie(ctx);
 	__builtin_memcpy(&client, &netns, sizeof(netns));
 	be = np_select(svc, &client, np_mix((__u32)netns, (__u32)(netns >> 32), (__u32)now), now);
-	np_trace_sock(&key, svc, be);
+	np_trace_sock(ctx, &key, svc, be);
 	if (!be) {
 		np_set_retval(-ECONNREFUSED);
 		return 0;

@@ -2192,12 +2192,12 @@ fn the_dataplane_closes_udp_sockets_of_a_backend_that_left_in_every_namespace_of
 }
 
 /// `nodeport trace --live` in the ebpf mode: while the deadline a tracer set lies ahead,
-/// `np_tc_ingress` reports the decision it takes for each new connection (translated,
+/// `np_tc_ingress` records the decision it takes for each new connection (translated,
 /// rejected, dropped for no endpoints or for the source ranges), not for a connection's
 /// later packets; before the deadline is set, and after it is withdrawn, nothing.
 #[test]
 fn while_a_tracer_asks_the_tc_program_reports_each_new_connections_decision() {
-    use nodeport_proxy::ebpf::trace_events::{EventKind, TraceEvents};
+    use nodeport_proxy::ebpf::trace_events::{EventKind, TraceEvent, TraceEvents};
     let Some(mut progs) = load("while_a_tracer_asks_the_tc_program_reports") else {
         return;
     };
@@ -2238,15 +2238,27 @@ fn while_a_tracer_asks_the_tc_program_reports_each_new_connections_decision() {
         .unwrap();
     let mut events = TraceEvents::take(&mut progs.maps).unwrap();
     let syn = |sport, dst: &str, dport| Packet::new(TCP, "203.0.113.7", sport, dst, dport);
+    // What one packet made the programs record.
+    let after = |events: &TraceEvents, send: &dyn Fn()| -> Vec<TraceEvent> {
+        let t0 = monotonic_now_ns();
+        send();
+        events.since(t0)
+    };
 
-    ingress(&progs, &syn(40000, "192.168.1.10", 30080));
-    assert_eq!(events.next_event(), None, "no tracer asked");
+    let none = after(&events, &|| {
+        ingress(&progs, &syn(40000, "192.168.1.10", 30080));
+    });
+    assert_eq!(none, [], "no tracer asked");
 
     let deadline = monotonic_now_ns() + 60_000_000_000;
     events.report_until(deadline).unwrap();
     let first = syn(40001, "192.168.1.10", 30080);
-    ingress(&progs, &first);
-    let e = events.next_event().expect("the translation");
+    let got = after(&events, &|| {
+        ingress(&progs, &first);
+    });
+    let [e] = got.as_slice() else {
+        panic!("one translation: {got:?}")
+    };
     assert_eq!(e.kind, EventKind::Dnat);
     assert_eq!(e.svc_id, 1);
     assert_eq!(
@@ -2256,8 +2268,10 @@ fn while_a_tracer_asks_the_tc_program_reports_each_new_connections_decision() {
     assert_eq!(e.to, Some("10.244.1.5:8080".parse().unwrap()));
     assert_eq!(e.flags & u16::from(CT_SNAT), 0);
     // The connection's next packet is no new decision.
-    ingress(&progs, &first.clone().flags(ACK));
-    assert_eq!(events.next_event(), None);
+    let next = after(&events, &|| {
+        ingress(&progs, &first.clone().flags(ACK));
+    });
+    assert_eq!(next, []);
 
     for (packet, kind, svc) in [
         (syn(40002, "192.168.1.10", 30090), EventKind::Reject, 2),
@@ -2272,17 +2286,19 @@ fn while_a_tracer_asks_the_tc_program_reports_each_new_connections_decision() {
             6,
         ),
     ] {
-        run(&progs, TC_INGRESS, &frame(&packet));
-        let e = events.next_event().unwrap_or_else(|| panic!("{kind:?}"));
+        let got = after(&events, &|| {
+            run(&progs, TC_INGRESS, &frame(&packet));
+        });
+        let [e] = got.as_slice() else {
+            panic!("{kind:?}: {got:?}")
+        };
         assert_eq!((e.kind, e.svc_id, e.to), (kind, svc, None), "{packet:?}");
         assert_eq!(e.tuple.sport, packet.sport);
     }
 
     events.stop(deadline).unwrap();
-    ingress(&progs, &syn(40005, "192.168.1.10", 30080));
-    assert_eq!(
-        events.next_event(),
-        None,
-        "the tracer withdrew its deadline"
-    );
+    let withdrawn = after(&events, &|| {
+        ingress(&progs, &syn(40005, "192.168.1.10", 30080));
+    });
+    assert_eq!(withdrawn, [], "the tracer withdrew its deadline");
 }

@@ -35,8 +35,8 @@ pub mod names {
     pub const FLAGS: &str = "np_flags";
     /// Until when the programs report trace events (`CLOCK_MONOTONIC` nanoseconds).
     pub const TRACE_UNTIL: &str = "np_trace_until";
-    /// The programs' trace events (ring buffer), for `nodeport trace --live`.
-    pub const TRACE_EVENTS: &str = "np_trace_events";
+    /// The programs' trace events by tuple (LRU), for `nodeport trace --live`.
+    pub const TRACE_LOG: &str = "np_trace_log";
 
     /// Every map, in the order the metrics list them.
     pub const ALL: [&str; 13] = [
@@ -52,7 +52,7 @@ pub mod names {
         SOCK_REV,
         FLAGS,
         TRACE_UNTIL,
-        TRACE_EVENTS,
+        TRACE_LOG,
     ];
 }
 

@@ -36,7 +36,13 @@ pub const SOCK_PROGRAMS: [&str; 8] = [
 
 /// The LRU maps: full, they evict their least recently used entries (live connections,
 /// affinities) instead of refusing new ones.
-pub const LRU_MAPS: [&str; 4] = [names::CT, names::NAT, names::AFFINITY, names::SOCK_REV];
+pub const LRU_MAPS: [&str; 5] = [
+    names::CT,
+    names::NAT,
+    names::AFFINITY,
+    names::SOCK_REV,
+    names::TRACE_LOG,
+];
 
 /// Map sizes (`--ebpf-*-map-size`). The defaults hold the
 /// benchmark's 100,000 Services × 10 endpoints, with Cilium's conntrack size.

@@ -1,14 +1,15 @@
 //! The eBPF programs' trace events, for `nodeport trace --live` in the ebpf mode: while
-//! `np_trace_until` holds a time ahead (`CLOCK_MONOTONIC`), `np_tc_ingress` reports what it
+//! `np_trace_until` holds a time ahead (`CLOCK_MONOTONIC`), `np_tc_ingress` records what it
 //! decides for each new connection (translated, rejected, dropped and why) and the connect
-//! hook what it does with each socket's connection, in the `np_trace_events` ring buffer.
-//! A tracer only sets the deadline (the end of its trace): nothing stays switched on when it
-//! dies.
+//! hook what it does with each socket's connection, in the `np_trace_log` map (by tuple, the
+//! latest kept, LRU). Every tracer reads the whole map, so tracers at once each see every
+//! event. A tracer only sets the deadline (the end of its trace): nothing stays switched on
+//! when it dies.
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 
-use aya::maps::{Array, Map, MapData, RingBuf};
+use aya::maps::{Array, HashMap, Map, MapData};
 
 use super::maps::{Tuple, addr_from, names};
 use super::programs::{Error, Maps};
@@ -45,7 +46,8 @@ pub struct TraceEvent {
     pub svc_id: u32,
     /// `np_tc_ingress`: the interface it arrived on.
     pub ifindex: u32,
-    /// The packet's tuple as it arrived (the connect hook knows no source: unspecified).
+    /// The packet's tuple as it arrived (the connect hook knows no source: its source holds
+    /// the socket's cookie, and its source port is 0).
     pub tuple: Tuple,
     /// The backend (translated).
     pub to: Option<SocketAddr>,
@@ -94,10 +96,10 @@ impl TraceEvent {
     }
 }
 
-/// The deadline map and the ring buffer, opened.
+/// The deadline map and the log, opened.
 pub struct TraceEvents {
     until: Array<MapData, u64>,
-    ring: RingBuf<MapData>,
+    log: HashMap<MapData, [u8; 40], [u8; EVENT_SIZE]>,
 }
 
 impl std::fmt::Debug for TraceEvents {
@@ -118,20 +120,20 @@ impl TraceEvents {
             let data = MapData::from_pin(dir.join(name)).map_err(map_err(name))?;
             Map::from_map_data(data).map_err(map_err(name))
         };
-        Self::from_maps(open(names::TRACE_UNTIL)?, open(names::TRACE_EVENTS)?)
+        Self::from_maps(open(names::TRACE_UNTIL)?, open(names::TRACE_LOG)?)
     }
 
     /// Takes the two maps out of maps loaded with the programs.
     pub fn take(maps: &mut Maps) -> Result<Self, Error> {
         let until = maps.take(names::TRACE_UNTIL)?;
-        let events = maps.take(names::TRACE_EVENTS)?;
-        Self::from_maps(until, events)
+        let log = maps.take(names::TRACE_LOG)?;
+        Self::from_maps(until, log)
     }
 
-    fn from_maps(until: Map, events: Map) -> Result<Self, Error> {
+    fn from_maps(until: Map, log: Map) -> Result<Self, Error> {
         Ok(TraceEvents {
             until: Array::try_from(until).map_err(map_err(names::TRACE_UNTIL))?,
-            ring: RingBuf::try_from(events).map_err(map_err(names::TRACE_EVENTS))?,
+            log: HashMap::try_from(log).map_err(map_err(names::TRACE_LOG))?,
         })
     }
 
@@ -155,14 +157,18 @@ impl TraceEvents {
         self.until.set(0, 0, 0).map_err(map_err(names::TRACE_UNTIL))
     }
 
-    /// The next event reported, if any (events that do not decode are skipped).
-    pub fn next_event(&mut self) -> Option<TraceEvent> {
-        loop {
-            let item = self.ring.next()?;
-            if let Some(e) = TraceEvent::decode(&item) {
-                return Some(e);
-            }
-        }
+    /// The events recorded at or after `since_ns` (`CLOCK_MONOTONIC`), oldest first (entries
+    /// that vanish during the walk, LRU evictions, are skipped).
+    pub fn since(&self, since_ns: u64) -> Vec<TraceEvent> {
+        let mut out: Vec<TraceEvent> = self
+            .log
+            .iter()
+            .filter_map(Result::ok)
+            .filter_map(|(_, v)| TraceEvent::decode(&v))
+            .filter(|e| e.time_ns >= since_ns)
+            .collect();
+        out.sort_by_key(|e| e.time_ns);
+        out
     }
 }
 

@@ -752,8 +752,9 @@ fn print_packet(n: usize, p: &LivePacket) {
 
 /// `--live` in the ebpf mode, from the programs' trace events
 /// ([`trace_events`](nodeport_proxy::ebpf::trace_events)): the tracer sets the deadline
-/// until which `np_tc_ingress` and the connect hook report what they decide for each new
-/// connection (it lapses by itself if the tracer dies; the tracer withdraws it at its end);
+/// until which `np_tc_ingress` and the connect hook record what they decide for each new
+/// connection in `np_trace_log` (it lapses by itself if the tracer dies; the tracer
+/// withdraws it at its end; tracers at once each read the whole log);
 /// each event matching the selector is a new connection, explained as `--rules kernel`
 /// explains its first packet, with the programs' steps as its path. A translated
 /// connection's answer is read from `np_nat` (its reply entry records one).
@@ -788,37 +789,41 @@ fn run_ebpf(
                 selector.from.is_none_or(|n| n.contains(&t.saddr))
             }
     };
-    let table = nodeport_proxy::ebpf::maps::names::TRACE_EVENTS.to_string();
+    let table = nodeport_proxy::ebpf::maps::names::TRACE_LOG.to_string();
     let (to, from) = described(selector);
     if !json {
         println!("{}", tracing.rules_line());
         println!(
             "live        the next {count} new connection(s) to {to}/{} from {from}, within \
-             {timeout:?}, as np_tc_ingress and the connect hook report them in {table} (while \
+             {timeout:?}, as np_tc_ingress and the connect hook record them in {table} (while \
              this trace runs)",
             selector.protocol.as_lower()
         );
     }
     let deadline = Instant::now() + timeout;
+    let started_ns = monotonic_now_ns();
     let mut reported: std::collections::HashSet<Tuple> = Default::default();
     let mut packets: Vec<LivePacket> = Vec::new();
     let mut failed = false;
-    while packets.len() < count && interrupt.check().is_ok() && Instant::now() < deadline {
-        let Some(e) = events.next_event() else {
-            std::thread::sleep(Duration::from_millis(20));
-            continue;
-        };
-        let socket = matches!(e.kind, EventKind::SockDnat | EventKind::SockRefused);
-        // A dropped connection's retransmissions are reported again: once is enough.
-        if !wanted(&e.tuple, socket) || !reported.insert(e.tuple) {
-            continue;
+    'polling: while packets.len() < count && interrupt.check().is_ok() && Instant::now() < deadline
+    {
+        for e in events.since(started_ns) {
+            let socket = matches!(e.kind, EventKind::SockDnat | EventKind::SockRefused);
+            // A dropped connection's retransmissions are recorded again: once is enough.
+            if !wanted(&e.tuple, socket) || !reported.insert(e.tuple) {
+                continue;
+            }
+            let p = ebpf_packet(tracing, (&maps, pin_root), &e, selector.protocol)?;
+            failed |= !matches!(p.seen.reason, "endpoint");
+            if !json {
+                print_packet(packets.len() + 1, &p);
+            }
+            packets.push(p);
+            if packets.len() >= count {
+                break 'polling;
+            }
         }
-        let p = ebpf_packet(tracing, (&maps, pin_root), &e, selector.protocol)?;
-        failed |= !matches!(p.seen.reason, "endpoint");
-        if !json {
-            print_packet(packets.len() + 1, &p);
-        }
-        packets.push(p);
+        std::thread::sleep(Duration::from_millis(50));
     }
     events.stop(deadline_ns).map_err(failed_to_read)?;
     finish(tracing, selector, timeout, json, table, packets, 0, failed)
@@ -845,7 +850,11 @@ fn ebpf_packet(
             .iter()
             .copied()
             .find(|ip| ip.is_ipv4() == t.daddr.is_ipv4() && !ip.is_loopback())
-            .unwrap_or(t.saddr)
+            .unwrap_or(if t.daddr.is_ipv4() {
+                IpAddr::from([0u8; 4])
+            } else {
+                IpAddr::from([0u8; 16])
+            })
     } else {
         t.saddr
     };
