@@ -252,12 +252,14 @@ fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mod
         assert!(!to_node.contains("chain forward"), "{mode:?}: {to_node}");
         assert!(!to_node.contains("chain odd"), "{mode:?}: {to_node}");
 
-        // A chain after the DNAT that drops the way to one endpoint only: that share.
+        // A chain after the DNAT that drops the way to one endpoint only: that share; a
+        // later chain dropping the same finds nothing left of it to drop.
         c.node
             .run_with_stdin(
                 &["nft", "-f", "-"],
                 b"table inet part {\n chain post {\n type filter hook postrouting priority 0;\n \
-                  ip daddr 10.244.2.2 tcp dport 8080 drop\n }\n}\n",
+                  ip daddr 10.244.2.2 tcp dport 8080 drop\n }\n chain later {\n type filter hook \
+                  postrouting priority 10;\n ip daddr 10.244.2.2 drop\n }\n}\n",
             )
             .unwrap();
         let (part, part_code) = trace(&c, mode, "kernel", &["--from", CLIENT_IP, "--to", &web_to]);
@@ -270,6 +272,11 @@ fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mod
             "{mode:?}: {part}"
         );
         assert!(part.contains(" (66.67%)\n"), "{mode:?}: {part}");
+        assert_eq!(part.matches("\nor ").count(), 1, "{mode:?}: {part}");
+        assert!(
+            part.contains("note        table inet part chain later (hook postrouting, priority 10) holds drop or reject rules; evaluated, none of them drops this packet"),
+            "{mode:?}: {part}"
+        );
     }
 
     // Rules removed by hand behind the proxy's back: the kernel's trace says what it holds

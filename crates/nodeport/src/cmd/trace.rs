@@ -373,27 +373,26 @@ impl ForeignChain {
         }
     }
 
-    /// Evaluates the chain for each branch that crosses it: the probability that it drops
-    /// (or rejects) the packet, whether it rejects, and the endpoints concerned; `None` when
-    /// it cannot be evaluated (rules the tracer does not model).
+    /// Evaluates the chain for each branch that crosses it: per branch, the share it drops
+    /// (or rejects), and whether it rejects; `None` when it cannot be evaluated (rules the
+    /// tracer does not model).
     fn evaluate(
         &self,
         packet: &Packet,
         branches: &[Branch],
         env: &Env,
-    ) -> Option<(f64, bool, Vec<Option<SocketAddr>>)> {
+    ) -> Option<(Vec<f64>, bool)> {
         let table = self.rules.as_ref()?;
         // Before the proxy's DNAT (its nat chains at priority -100 of prerouting and
         // output) the packet still has its own destination.
         let before_dnat =
             matches!(self.hook.as_str(), "prerouting" | "output") && self.priority < -100;
-        let mut dropped = 0.0;
+        let mut shares = vec![0.0; branches.len()];
         let mut rejects = false;
-        let mut concerned = Vec::new();
-        for b in branches
-            .iter()
-            .filter(|b| self.crossed_by(packet.origin, b))
-        {
+        for (i, b) in branches.iter().enumerate() {
+            if b.probability <= 1e-12 || !self.crossed_by(packet.origin, b) {
+                continue;
+            }
             let dnat = if before_dnat { None } else { b.dnat };
             let ends = nftables::tracer::evaluate_chain(
                 table,
@@ -402,31 +401,42 @@ impl ForeignChain {
                 dnat,
                 env,
             )?;
-            let p: f64 = ends
+            shares[i] = ends
                 .iter()
                 .filter(|(e, _)| *e != nftables::tracer::ChainEnd::Continue)
                 .map(|(_, p)| p)
                 .sum();
-            if p > 0.0 {
-                dropped += b.probability * p;
-                rejects |= ends
+            rejects |= shares[i] > 0.0
+                && ends
                     .iter()
                     .any(|(e, _)| *e == nftables::tracer::ChainEnd::Reject);
-                concerned.push(b.dnat);
-            }
         }
-        Some((dropped, rejects, concerned))
+        Some((shares, rejects))
     }
 
-    /// Applies what the chain does to `packet` to the explanation: its drop becomes the fate
-    /// (or an `or`) when it drops what the proxy lets through; otherwise a note.
-    fn apply(&self, packet: &Packet, e: &mut Explanation, env: &Env, local: &[IpAddr]) {
-        let all = branches(packet, e, local);
+    /// Where the chain runs on a packet's way, to evaluate chains in the kernel's order.
+    fn order(&self, origin: Origin) -> (u8, i64) {
+        let hook = match (origin, self.hook.as_str()) {
+            (Origin::Remote, "prerouting") | (Origin::Local, "output") => 0,
+            (Origin::Remote, "input" | "forward") | (Origin::Local, "postrouting") => 1,
+            _ => 2,
+        };
+        (hook, self.priority)
+    }
+
+    /// Applies what the chain does to the ways through the proxy's rules (`branches`, whose
+    /// probabilities it lowers by what it drops, for the chains after it) and to the
+    /// explanation: its drop becomes the fate (or an `or`), or a note says it drops nothing.
+    fn apply(&self, packet: &Packet, e: &mut Explanation, branches: &mut [Branch], env: &Env) {
         // Nothing the proxy lets through crosses it (the proxy drops the packet; which of
         // the two comes first is not evaluated): the note only.
-        let crossing = all.iter().any(|b| self.crossed_by(packet.origin, b));
-        let evaluated = crossing.then(|| self.evaluate(packet, &all, env)).flatten();
-        let Some((dropped, rejects, concerned)) = evaluated else {
+        let crossing = branches
+            .iter()
+            .any(|b| b.probability > 1e-12 && self.crossed_by(packet.origin, b));
+        let evaluated = crossing
+            .then(|| self.evaluate(packet, branches, env))
+            .flatten();
+        let Some((shares, rejects)) = evaluated else {
             e.notes.push(self.describe());
             return;
         };
@@ -434,44 +444,38 @@ impl ForeignChain {
             "table {} {} chain {} (hook {}, priority {})",
             self.family, self.table, self.chain, self.hook, self.priority
         );
+        let mut dropped = 0.0;
+        let mut toward = Vec::new();
+        let mut all_endpoints = true;
+        for (b, share) in branches.iter_mut().zip(&shares) {
+            if *share <= 0.0 {
+                if b.dnat.is_some() && b.probability > 1e-12 {
+                    all_endpoints = false;
+                }
+                continue;
+            }
+            let lost = b.probability * share;
+            dropped += lost;
+            b.probability -= lost;
+            let verdict = match b.dnat {
+                Some(to) => {
+                    toward.push(to.to_string());
+                    explain::Verdict::Dnat
+                }
+                None => explain::Verdict::Pass,
+            };
+            if let Some(o) = e.outcomes.iter_mut().find(|o| o.verdict == verdict) {
+                o.probability = (o.probability - lost).max(0.0);
+            }
+        }
         if dropped <= 1e-12 {
             e.notes.push(format!(
                 "{at} holds drop or reject rules; evaluated, none of them drops this packet"
             ));
             return;
         }
-        // Take the dropped share off the ways through.
-        for b in all.iter().filter(|b| concerned.contains(&b.dnat)) {
-            let verdict = if b.dnat.is_some() {
-                explain::Verdict::Dnat
-            } else {
-                explain::Verdict::Pass
-            };
-            if let Some(o) = e.outcomes.iter_mut().find(|o| o.verdict == verdict) {
-                o.probability = (o.probability - b.probability).max(0.0);
-            }
-        }
-        // What the chain let through of the concerned branches goes back.
-        let concerned_total: f64 = all
-            .iter()
-            .filter(|b| concerned.contains(&b.dnat))
-            .map(|b| b.probability)
-            .sum();
-        let kept = concerned_total - dropped;
-        if kept > 1e-12 {
-            let verdict = if concerned.iter().any(Option::is_some) {
-                explain::Verdict::Dnat
-            } else {
-                explain::Verdict::Pass
-            };
-            if let Some(o) = e.outcomes.iter_mut().find(|o| o.verdict == verdict) {
-                o.probability += kept;
-            }
-        }
         e.outcomes.retain(|o| o.probability > 1e-12);
-        let toward: Vec<String> = concerned.iter().flatten().map(|a| a.to_string()).collect();
-        let some_endpoints = !toward.is_empty() && toward.len() < e.endpoints.len();
-        let which = if some_endpoints {
+        let which = if !toward.is_empty() && !all_endpoints {
             format!(" on its way to {}", toward.join(", "))
         } else {
             String::new()
@@ -592,9 +596,20 @@ fn foreign_chains(listing: &str) -> Vec<ForeignChain> {
             })
             .flatten()
             .filter(|l| {
+                // Every chain it can reach, the proxy's (iptables-nft's KUBE- chains in
+                // the same table) included: a rule left out anywhere there leaves the
+                // verdict unknown.
+                let mut reach = std::collections::BTreeSet::new();
+                let mut todo = vec![name.to_string()];
+                while let Some(c) = todo.pop() {
+                    if reach.insert(c.clone()) {
+                        let key = (family.to_string(), table.to_string(), c);
+                        todo.extend(jumps.get(&key).into_iter().flatten().cloned());
+                    }
+                }
                 l.skipped
                     .iter()
-                    .all(|s| s.split_once(": ").is_none_or(|(c, _)| !seen.contains(c)))
+                    .all(|s| s.split_once(": ").is_none_or(|(c, _)| !reach.contains(c)))
             })
             .map(|l| l.table);
         if count > 0 || policy_drop {
@@ -1060,10 +1075,18 @@ impl Tracing {
                 IpFamily::V4 => "ip",
                 IpFamily::V6 => "ip6",
             };
-            for c in &self.foreign {
-                if (c.family == family || c.family == "inet") && hooks.contains(&c.hook.as_str()) {
-                    c.apply(packet, &mut explanation, &env, &p.facts.local_ips);
-                }
+            // In the order the kernel runs them, each on what the ones before let through.
+            let mut foreign: Vec<&ForeignChain> = self
+                .foreign
+                .iter()
+                .filter(|c| {
+                    (c.family == family || c.family == "inet") && hooks.contains(&c.hook.as_str())
+                })
+                .collect();
+            foreign.sort_by_key(|c| c.order(packet.origin));
+            let mut ways = branches(packet, &explanation, &p.facts.local_ips);
+            for c in foreign {
+                c.apply(packet, &mut explanation, &mut ways, &env);
             }
         }
         if let Some(k) = &self.kernel {
