@@ -777,6 +777,8 @@ fn run_ebpf(
     let mut events = TraceEvents::open_pinned(pin_root).map_err(failed_to_read)?;
     let deadline_ns = monotonic_now_ns()
         + u64::try_from((timeout + ANSWER_WAIT).as_nanos()).unwrap_or(u64::MAX / 2);
+    // From now on (before the `live` line tells that the trace runs).
+    let started_ns = monotonic_now_ns();
     events.report_until(deadline_ns).map_err(failed_to_read)?;
     let wanted = |t: &Tuple, socket: bool| {
         t.proto == ip_proto(selector.protocol)
@@ -801,7 +803,6 @@ fn run_ebpf(
         );
     }
     let deadline = Instant::now() + timeout;
-    let started_ns = monotonic_now_ns();
     let mut reported: std::collections::HashSet<Tuple> = Default::default();
     let mut packets: Vec<LivePacket> = Vec::new();
     let mut failed = false;
