@@ -451,3 +451,80 @@ fn missing_or_conflicting_arguments_exit_64() {
         assert_eq!(code, 64, "{args:?}: {stderr}");
     }
 }
+
+/// `127.0.0.1:<nodePort>` and another port of 127.0.0.1 from outside the node (kube-proxy's
+/// CVE-2020-8558 guard): with localhost NodePorts (`127.0.0.0/8` in `--nodeport-addresses`,
+/// route_localnet on) the NodePort is DNATed as kube-proxy does (its guard skips `--ctstate
+/// DNAT`) and the rest is dropped by the guard; without them (and in the ebpf mode, which
+/// leaves route_localnet off) the kernel drops 127.0.0.1 from the network as a martian
+/// destination; from the node itself the NodePort answers.
+#[test]
+fn loopback_destinations_from_outside_the_node_are_traced_to_the_localnet_guard_or_the_martian_drop()
+ {
+    let cases: &[(&str, &str, &str)] = &[
+        (
+            "203.0.113.5",
+            "127.0.0.1:30569/tcp",
+            "127.0.0.0/8,192.0.2.0/24",
+        ),
+        (
+            "203.0.113.5",
+            "127.0.0.1:18080/tcp",
+            "127.0.0.0/8,192.0.2.0/24",
+        ),
+        (
+            "192.0.2.11",
+            "127.0.0.1:30569/tcp",
+            "127.0.0.0/8,192.0.2.0/24",
+        ),
+        ("203.0.113.5", "127.0.0.1:30569/tcp", "primary"),
+    ];
+    let modes: &[&[&str]] = &[
+        &["--proxy-mode", "nftables"],
+        &[
+            "--proxy-mode",
+            "nftables",
+            "--nftables-layout",
+            "kube-proxy",
+        ],
+        &["--proxy-mode", "iptables"],
+        &["--proxy-mode", "ebpf"],
+    ];
+    let mut text = String::new();
+    for mode in modes {
+        for (from, to, addresses) in cases {
+            let mut args = vec!["-f", "objects.yaml"];
+            args.extend_from_slice(mode);
+            args.extend_from_slice(&["--cluster-cidr", "10.244.0.0/16"]);
+            args.extend_from_slice(&["--nodeport-addresses", addresses]);
+            args.extend_from_slice(&["--from", from, "--to", to]);
+            let (stdout, stderr, code) = trace(&args);
+            assert!(stderr.is_empty(), "{args:?}: {stderr}");
+            text.push_str(&format!(
+                "$ nodeport trace {}\n{stdout}exit {code}\n\n",
+                args.join(" ")
+            ));
+        }
+    }
+    let exits = exit_codes(&text);
+    // nftables (both layouts) and iptables: served, guarded, served, martian; ebpf: martian,
+    // martian, served (its socket hook), martian.
+    assert_eq!(
+        exits,
+        [
+            "0", "1", "0", "1", "0", "1", "0", "1", "0", "1", "0", "1", "1", "1", "0", "1"
+        ],
+        "{text}"
+    );
+    assert_eq!(
+        text.matches("the guard against CVE-2020-8558").count(),
+        3,
+        "{text}"
+    );
+    assert_eq!(
+        text.matches("is a martian destination").count(),
+        6,
+        "{text}"
+    );
+    check_golden("localnet.txt", &text);
+}

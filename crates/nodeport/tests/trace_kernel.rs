@@ -189,21 +189,38 @@ fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mod
         "{out}"
     );
 
-    // Another table's drop rules in a hook the packet crosses are noted (a forward filter:
-    // the NodePort's endpoints are on other nodes or in pods routed through this one); a
-    // packet to a local address that only crosses input is not concerned.
+    // Another table's chains in a hook the packet crosses are evaluated: a forward filter
+    // (the NodePort's endpoints are pods, forwarded to) and a prerouting filter before the
+    // proxy's DNAT (it still sees the NodePort) decide the fate when they drop the packet,
+    // say they do not when they do not, and one the tracer cannot evaluate (an interface
+    // match) is noted as one that may drop it. A packet to a local address crosses neither
+    // forward chain.
     if mode != Mode::Ebpf {
+        let node_port = web_to
+            .rsplit_once(':')
+            .and_then(|(_, p)| p.split('/').next())
+            .unwrap();
         c.node
             .run_with_stdin(
                 &["nft", "-f", "-"],
                 format!(
                     "table inet site {{\n chain forward {{\n type filter hook forward priority 0;\n \
-                     ip saddr {CLIENT2_IP} drop\n }}\n}}\n"
+                     ip saddr {CLIENT2_IP} drop\n }}\n chain early {{\n type filter hook prerouting \
+                     priority -300;\n ip saddr 192.0.2.102 tcp dport {node_port} drop\n }}\n \
+                     chain odd {{\n type filter hook forward priority 10;\n iifname \"eth9\" drop\n }}\n}}\n"
                 )
                 .as_bytes(),
             )
             .unwrap();
-        let (out, _) = trace(&c, mode, "kernel", &["--from", CLIENT_IP, "--to", &web_to]);
+        let (out, code) = trace(&c, mode, "kernel", &["--from", CLIENT_IP, "--to", &web_to]);
+        let (dropped, dropped_code) =
+            trace(&c, mode, "kernel", &["--from", CLIENT2_IP, "--to", &web_to]);
+        let (early, early_code) = trace(
+            &c,
+            mode,
+            "kernel",
+            &["--from", "192.0.2.102", "--to", &web_to],
+        );
         let (to_node, _) = trace(
             &c,
             mode,
@@ -213,11 +230,53 @@ fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mod
         c.node
             .run(&["nft", "delete", "table", "inet", "site"])
             .unwrap();
+        assert_eq!(code, 0, "{mode:?}: {out}");
         assert!(
-            out.contains("note        table inet site chain forward (hook forward, priority 0) holds 1 drop or reject rule(s): it may drop this packet, outside the proxy's rules"),
+            out.contains("note        table inet site chain forward (hook forward, priority 0) holds drop or reject rules; evaluated, none of them drops this packet"),
             "{mode:?}: {out}"
         );
-        assert!(!to_node.contains("inet site"), "{mode:?}: {to_node}");
+        assert!(
+            out.contains("note        table inet site chain odd (hook forward, priority 10) holds 1 drop or reject rule(s): it may drop this packet, outside the proxy's rules"),
+            "{mode:?}: {out}"
+        );
+        assert_eq!(dropped_code, 1, "{mode:?}: {dropped}");
+        assert!(
+            dropped.contains("fate        drop by table inet site, not by the proxy's rules: its chain forward (hook forward, priority 0) drops it\n"),
+            "{mode:?}: {dropped}"
+        );
+        assert_eq!(early_code, 1, "{mode:?}: {early}");
+        assert!(
+            early.contains("fate        drop by table inet site, not by the proxy's rules: its chain early (hook prerouting, priority -300) drops it\n"),
+            "{mode:?}: {early}"
+        );
+        assert!(!to_node.contains("chain forward"), "{mode:?}: {to_node}");
+        assert!(!to_node.contains("chain odd"), "{mode:?}: {to_node}");
+
+        // A chain after the DNAT that drops the way to one endpoint only: that share; a
+        // later chain dropping the same finds nothing left of it to drop.
+        c.node
+            .run_with_stdin(
+                &["nft", "-f", "-"],
+                b"table inet part {\n chain post {\n type filter hook postrouting priority 0;\n \
+                  ip daddr 10.244.2.2 tcp dport 8080 drop\n }\n chain later {\n type filter hook \
+                  postrouting priority 10;\n ip daddr 10.244.2.2 drop\n }\n}\n",
+            )
+            .unwrap();
+        let (part, part_code) = trace(&c, mode, "kernel", &["--from", CLIENT_IP, "--to", &web_to]);
+        c.node
+            .run(&["nft", "delete", "table", "inet", "part"])
+            .unwrap();
+        assert_eq!(part_code, 1, "{mode:?}: {part}");
+        assert!(
+            part.contains("\nor          drop by table inet part, not by the proxy's rules: its chain post (hook postrouting, priority 0) drops it on its way to 10.244.2.2:8080 (33.33%)"),
+            "{mode:?}: {part}"
+        );
+        assert!(part.contains(" (66.67%)\n"), "{mode:?}: {part}");
+        assert_eq!(part.matches("\nor ").count(), 1, "{mode:?}: {part}");
+        assert!(
+            part.contains("note        table inet part chain later (hook postrouting, priority 10) holds drop or reject rules; evaluated, none of them drops this packet"),
+            "{mode:?}: {part}"
+        );
     }
 
     // Rules removed by hand behind the proxy's back: the kernel's trace says what it holds

@@ -693,9 +693,10 @@ fn every_unanswered_connection_of_the_end_to_end_suite_is_explained_with_its_cau
             Reply::Refused,
             "fate        not a NodePort address: 198.51.100.10 is not selected by --nodeport-addresses 192.0.2.0/24, so NodePort 30084 of default/web:80/TCP does not answer there",
             // No rule of the proxy touches it: the node's own stack refuses it, with a reset
-            // that ends the connection's conntrack entry at once.
+            // (which ends the connection's conntrack entry at once) the live trace sees.
             Some(
-                "seen        accepted by every rule, but conntrack holds no entry for it: refused",
+                "seen        passed on untranslated, not masqueraded; refused: 198.51.100.10 \
+                 answered with a TCP reset (nothing listens on that port there",
             ),
         ),
         (
@@ -761,8 +762,13 @@ fn every_unanswered_connection_of_the_end_to_end_suite_is_explained_with_its_cau
     assert!(!matches!(got, Reply::Pod { .. }), "{got:?}");
     assert_eq!(code, Some(1), "{live_out}{err}");
     assert!(!live_out.contains("filter-forward"), "{live_out}");
-    assert!(
-        seen(&live_out)[0].contains("gone nowhere after the last rule (no route"),
+    // The node's ICMP error comes back on the connection: the live trace sees the refusal.
+    assert_eq!(
+        seen(&live_out),
+        [
+            "seen        accepted by every rule, then refused: this node (10.244.3.1) answered \
+             with ICMP network unreachable (code 0) (no route to the address)"
+        ],
         "{live_out}"
     );
     // With a route (toward the client), the proxy's drop decides.
@@ -786,9 +792,9 @@ fn every_unanswered_connection_of_the_end_to_end_suite_is_explained_with_its_cau
 }
 
 #[test]
-fn in_the_ebpf_mode_live_sees_the_connections_the_programs_translate_in_their_maps() {
+fn in_the_ebpf_mode_live_sees_what_the_programs_decide_for_each_new_connection_and_socket() {
     if !require_tools(
-        "in_the_ebpf_mode_live_sees_the_connections_the_programs_translate_in_their_maps",
+        "in_the_ebpf_mode_live_sees_what_the_programs_decide_for_each_new_connection_and_socket",
         &["kubectl", "bpftool"],
     ) {
         return;
@@ -819,7 +825,18 @@ fn in_the_ebpf_mode_live_sees_the_connections_the_programs_translate_in_their_ma
     };
     let n = pod.trim_start_matches("pod");
     assert!(
-        out.contains("as np_tc_ingress records them in np_ct"),
+        out.contains("as np_tc_ingress and the connect hook record them in np_trace_log"),
+        "{out}"
+    );
+    // The programs' steps.
+    assert!(
+        out.contains("path        ebpf np_tc_ingress frontend: 192.0.2.10:30080/tcp is default/web:80/TCP (NodePort, frontend "),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!(
+            "path        ebpf np_tc_ingress backend: 10.244.{n}.2:8080 chosen\n"
+        )),
         "{out}"
     );
     // Explained as the kernel's maps explain the same packet.
@@ -846,7 +863,9 @@ fn in_the_ebpf_mode_live_sees_the_connections_the_programs_translate_in_their_ma
     // The backend the maps name is the pod that answered, and the source it saw.
     let seen_line = seen(&out).join("\n");
     assert!(
-        seen_line.starts_with(&format!("seen        DNAT to 10.244.{n}.2:8080 (np_ct), ")),
+        seen_line.starts_with(&format!(
+            "seen        DNAT to 10.244.{n}.2:8080 (np_tc_ingress), "
+        )),
         "{out}"
     );
     assert!(seen_line.ends_with("; it answered"), "{out}");
@@ -859,4 +878,460 @@ fn in_the_ebpf_mode_live_sees_the_connections_the_programs_translate_in_their_ma
             "{out} ({client})"
         );
     }
+
+    // Two traces at once each see the connection (each reads the whole log).
+    let one = LiveTrace::start_ebpf(&c, &["--to", ":30080/tcp", "--timeout", "20s"]);
+    let two = LiveTrace::start_ebpf(
+        &c,
+        &[
+            "--to",
+            &format!("{web}/tcp"),
+            "--from",
+            CLIENT_IP,
+            "--timeout",
+            "20s",
+        ],
+    );
+    assert!(matches!(
+        get(&c.client, &web, Duration::from_secs(3)),
+        Reply::Pod { .. }
+    ));
+    for t in [one, two] {
+        let (out, err, code) = t.finish();
+        assert_eq!(code, Some(0), "{out}{err}");
+        assert!(
+            out.contains(&format!("live        packet 1: {CLIENT_IP} → {web}/tcp")),
+            "{out}"
+        );
+    }
+
+    // What the programs drop or reject, from their trace events: no endpoints (rejected),
+    // externalTrafficPolicy Local without a local endpoint (dropped); a retransmitted SYN is
+    // one connection.
+    c.apply(&service_yaml("empty", 30090, "", &[])).unwrap();
+    c.apply(&service_yaml(
+        "local",
+        30081,
+        "  externalTrafficPolicy: Local",
+        &[2],
+    ))
+    .unwrap();
+    eventually(
+        &c.client,
+        &format!("{NODE_IP}:30090"),
+        "the empty Service is refused",
+        |r| *r == Reply::Refused,
+    );
+    eventually(
+        &c.client,
+        &format!("{NODE_IP}:30081"),
+        "the Local Service drops",
+        |r| *r == Reply::Timeout,
+    );
+    for (port, want, seen_line) in [
+        (
+            30090,
+            Reply::Refused,
+            "seen        reject: default/empty:80/TCP has no endpoints (at ebpf np_tc_ingress)",
+        ),
+        (
+            30081,
+            Reply::Timeout,
+            "seen        drop: externalTrafficPolicy Local and default/local:80/TCP has no endpoint on this node (at ebpf np_tc_ingress)",
+        ),
+    ] {
+        let t = LiveTrace::start_ebpf(
+            &c,
+            &[
+                "--to",
+                &format!(":{port}/tcp"),
+                "--count",
+                "2",
+                "--timeout",
+                "4s",
+            ],
+        );
+        let to = format!("{NODE_IP}:{port}");
+        assert_eq!(get(&c.client, &to, Duration::from_millis(1500)), want);
+        let (out, err, code) = t.finish();
+        // One connection within the timeout (the second never comes): exit 1 for the drop.
+        assert_eq!(code, Some(1), "{out}{err}");
+        assert_eq!(seen(&out), [seen_line], "{out}");
+        assert!(
+            out.contains("path        ebpf np_tc_ingress verdict: "),
+            "{out}"
+        );
+    }
+
+    // The connect hook: a process on the node connecting to a ClusterIP, translated at
+    // connect(), and refused when the Service has no endpoints.
+    let web_ip = c.cluster_ip("web");
+    let t = LiveTrace::start_ebpf(
+        &c,
+        &["--to", &format!("{web_ip}:80/tcp"), "--timeout", "20s"],
+    );
+    assert!(matches!(
+        c.get_in_node_cgroup(&c.node, &format!("{web_ip}:80"), Duration::from_secs(3)),
+        Reply::Pod { .. }
+    ));
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.contains("from this node (output path)"), "{out}");
+    let seen_line = seen(&out).join("\n");
+    assert!(
+        seen_line.starts_with("seen        connected to 10.244."),
+        "{out}"
+    );
+    assert!(
+        seen_line.contains(":8080 at connect() (np_connect4)"),
+        "{out}"
+    );
+    // The tracer withdrew its deadline: the programs report nothing more.
+    let until = c
+        .node
+        .command("bpftool")
+        .args(["-j", "map", "lookup", "pinned"])
+        .arg(
+            c.ebpf
+                .as_ref()
+                .unwrap()
+                .pin_root
+                .join("maps/np_trace_until"),
+        )
+        .args(["key", "0", "0", "0", "0"])
+        .output()
+        .unwrap();
+    let until: serde_json::Value = serde_json::from_slice(&until.stdout).unwrap();
+    assert!(
+        until["value"]
+            .as_array()
+            .is_some_and(|v| v.iter().all(|b| b.as_str() == Some("0x00"))),
+        "{until}"
+    );
+    let empty_ip = c.cluster_ip("empty");
+    let t = LiveTrace::start_ebpf(
+        &c,
+        &["--to", &format!("{empty_ip}:80/tcp"), "--timeout", "20s"],
+    );
+    assert_eq!(
+        c.get_in_node_cgroup(&c.node, &format!("{empty_ip}:80"), Duration::from_secs(3)),
+        Reply::Refused
+    );
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(1), "{out}{err}");
+    assert_eq!(
+        seen(&out),
+        [
+            "seen        reject: default/empty:80/TCP has no endpoints: connect() refused with ECONNREFUSED (at ebpf np_connect4)"
+        ],
+        "{out}"
+    );
+}
+
+/// A NodePort Service (TCP `node_port` → `tcp_target`, UDP `node_port + 100` → `udp_target`)
+/// whose one endpoint is `address` on this node.
+fn one_endpoint_yaml(
+    name: &str,
+    node_port: u16,
+    address: &str,
+    tcp_target: u16,
+    udp_target: u16,
+) -> String {
+    format!(
+        r#"apiVersion: v1
+kind: Service
+metadata: {{name: {name}, namespace: default}}
+spec:
+  type: NodePort
+  selector: {{app: {name}}}
+  ports:
+  - {{name: http, port: 80, targetPort: {tcp_target}, nodePort: {node_port}}}
+  - {{name: dns, port: 53, targetPort: {udp_target}, protocol: UDP, nodePort: {udp}}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: {name}-1, namespace: default, labels: {{kubernetes.io/service-name: {name}}}}}
+addressType: IPv4
+ports: [{{name: http, port: {tcp_target}}}, {{name: dns, port: {udp_target}, protocol: UDP}}]
+endpoints:
+- {{addresses: [{address}], nodeName: node-a}}
+"#,
+        udp = node_port + 100
+    )
+}
+
+/// An endpoint that does not answer, with real packets: one that drops them silently (a drop
+/// rule in the pod's own namespace) and an address no host has are told from one that refuses
+/// them (nothing listens: a TCP reset, or for UDP ICMP port unreachable, which the tracer's
+/// table marks on their way back and conntrack's id ties to the traced packet).
+#[test]
+fn an_endpoint_that_does_not_answer_is_told_apart_from_one_that_refuses_with_real_packets() {
+    if !require_tools(
+        "an_endpoint_that_does_not_answer_is_told_apart_from_one_that_refuses_with_real_packets",
+        &["kubectl", "nft"],
+    ) {
+        return;
+    }
+    let c = Cluster::start(Mode::Nftables, &[]);
+    c.apply(&one_endpoint_yaml(
+        "silent",
+        30080,
+        "10.244.1.2",
+        8080,
+        5353,
+    ))
+    .unwrap();
+    // Nothing listens on 8081/tcp and 5354/udp in pod1.
+    c.apply(&one_endpoint_yaml(
+        "closed",
+        30081,
+        "10.244.1.2",
+        8081,
+        5354,
+    ))
+    .unwrap();
+    // No host has 10.244.1.9 (on pod1's link).
+    c.apply(&one_endpoint_yaml("ghost", 30082, "10.244.1.9", 8080, 5353))
+        .unwrap();
+    let silent = format!("{NODE_IP}:30080");
+    let closed = format!("{NODE_IP}:30081");
+    let ghost = format!("{NODE_IP}:30082");
+    eventually(&c.client, &silent, "the NodePort answers", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+    eventually(&c.client, &closed, "the closed port is refused", |r| {
+        *r == Reply::Refused
+    });
+    // From now on pod1 drops what comes to 8080/tcp, answering nothing.
+    c.pods[0]
+        .run_with_stdin(
+            &["nft", "-f", "-"],
+            b"table inet silent {\n chain input {\n type filter hook input priority 0;\n \
+              tcp dport 8080 drop\n }\n}\n",
+        )
+        .unwrap();
+
+    // Went nowhere: delivered to the endpoint's link, nothing came back.
+    let t = LiveTrace::start(&c.node, &["--to", ":30080/tcp", "--timeout", "20s"]);
+    assert_eq!(
+        get(&c.client, &silent, Duration::from_millis(1500)),
+        Reply::Timeout
+    );
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(1), "{out}{err}");
+    assert_eq!(
+        seen(&out),
+        [
+            "seen        DNAT to 10.244.1.2:8080 (conntrack), masqueraded to 10.244.1.1; it has \
+             not answered within 1s and nothing came back (no TCP reset, no ICMP error): the \
+             packet went nowhere after this node sent it out on vpod1; the endpoint, or \
+             something between, drops it silently"
+        ],
+        "{out}"
+    );
+
+    // Went nowhere because no host has the address: its neighbour entry says so.
+    let t = LiveTrace::start(
+        &c.node,
+        &["--to", ":30082/tcp", "--timeout", "20s", "-o", "json"],
+    );
+    assert_eq!(
+        get(&c.client, &ghost, Duration::from_millis(1500)),
+        Reply::Timeout
+    );
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(1), "{out}{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let s = &v["packets"][0]["seen"];
+    assert_eq!(s["verdict"], "dnat", "{out}");
+    assert_eq!(s["reason"], "not_answering", "{out}");
+    assert_eq!(s["endpoint"], "10.244.1.9:8080", "{out}");
+    assert_eq!(s["answered"], false, "{out}");
+    assert_eq!(s["sent_on"], "vpod1", "{out}");
+    // INCOMPLETE while the node still asks (3 s), FAILED after: either says no host has it.
+    let message = s["message"].as_str().unwrap();
+    assert!(
+        [
+            "no host answers for 10.244.1.9 on vpod1 (its neighbour entry is INCOMPLETE): the address is not there",
+            "no host answers for 10.244.1.9 on vpod1 (its neighbour entry is FAILED): the address is not there",
+        ]
+        .iter()
+        .any(|end| message.ends_with(end)),
+        "{out}"
+    );
+
+    // Refused over TCP: the endpoint's reset (which ends conntrack's entry at once) names it.
+    let t = LiveTrace::start(&c.node, &["--to", ":30081/tcp", "--timeout", "20s"]);
+    assert_eq!(
+        get(&c.client, &closed, Duration::from_millis(1500)),
+        Reply::Refused
+    );
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(1), "{out}{err}");
+    assert_eq!(
+        seen(&out),
+        [
+            "seen        DNAT to 10.244.1.2:8081 (its reset), masqueraded to 10.244.1.1; \
+             refused: 10.244.1.2 answered with a TCP reset (nothing listens on that port \
+             there, or a firewall rejects with a reset)"
+        ],
+        "{out}"
+    );
+
+    // Refused over UDP: ICMP port unreachable from the endpoint.
+    let t = LiveTrace::start(
+        &c.node,
+        &["--to", ":30181/udp", "--timeout", "20s", "-o", "json"],
+    );
+    let udp = nodeport_testbed::probe::udp_query(
+        &c.client,
+        format!("{NODE_IP}:30181").parse().unwrap(),
+        b"ping",
+        Duration::from_millis(1500),
+    );
+    assert!(udp.is_err(), "{udp:?}");
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(1), "{out}{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let p = &v["packets"][0];
+    assert_eq!(p["service"]["port"], "default/closed:53/UDP", "{out}");
+    let s = &p["seen"];
+    assert_eq!(s["verdict"], "dnat", "{out}");
+    assert_eq!(s["reason"], "refused", "{out}");
+    assert_eq!(s["refused_with"], "icmp_unreachable", "{out}");
+    assert_eq!(s["refused_by"], "10.244.1.2", "{out}");
+    assert_eq!(s["endpoint"], "10.244.1.2:5354", "{out}");
+    assert_eq!(
+        s["message"],
+        "DNAT to 10.244.1.2:5354 (conntrack), masqueraded to 10.244.1.1; refused: 10.244.1.2 \
+         answered with ICMP port unreachable (code 3) (nothing listens on that port there)",
+        "{out}"
+    );
+    no_table_left(&c.node, "the last trace");
+}
+
+/// A live trace (from the client) of a connection to `to` whose reply `want` accepts, whose
+/// explanation equals `--rules kernel`'s: (stdout, stderr, exit code).
+fn live_from_client(
+    c: &Cluster,
+    to: &str,
+    want: impl Fn(&Reply) -> bool,
+) -> (String, String, Option<i32>) {
+    let t = LiveTrace::start(
+        &c.node,
+        &[
+            "--to",
+            &format!("{to}/tcp"),
+            "--from",
+            CLIENT_IP,
+            "--timeout",
+            "20s",
+        ],
+    );
+    let got = get(&c.client, to, Duration::from_millis(1500));
+    assert!(want(&got), "{to}: {got:?}");
+    let (out, err, code) = t.finish();
+    assert_eq!(
+        explanation(&out),
+        kernel_trace(c, CLIENT_IP, &format!("{to}/tcp")),
+        "{out}"
+    );
+    (out, err, code)
+}
+
+/// `127.0.0.1` from outside the node, with real packets (the end-to-end suite's client that
+/// routes 127.0.0.1 to the node): with localhost NodePorts the NodePort is DNATed and answers
+/// (kube-proxy's guard lets DNATed connections through) and a service of the node's own on
+/// 127.0.0.1 is dropped by the CVE-2020-8558 guard; with route_localnet off (no localhost
+/// NodePorts) the kernel drops 127.0.0.1 from the network as a martian destination. The live
+/// trace and `--rules kernel` name the same cause.
+#[test]
+fn loopback_destinations_from_outside_the_node_are_traced_live_to_the_localnet_guard_or_the_martian_drop()
+ {
+    if !require_tools(
+        "loopback_destinations_from_outside_the_node_are_traced_live_to_the_localnet_guard_or_the_martian_drop",
+        &["kubectl", "nft"],
+    ) {
+        return;
+    }
+    let mut c = Cluster::start(
+        Mode::Nftables,
+        &["--nodeport-addresses", "127.0.0.0/8,198.51.100.0/24"],
+    );
+    c.apply(&service_yaml("here", 30093, "", &[1])).unwrap();
+    let _node_local = nodeport_testbed::server::Server::start_in(
+        &c.node,
+        nodeport_testbed::server::ServerConfig {
+            bind: "127.0.0.1".parse().unwrap(),
+            ..nodeport_testbed::server::ServerConfig::http("node-lo", 18080)
+        },
+    )
+    .unwrap();
+    // The client sends 127.0.0.1 to the node over the LAN and accepts answers from it.
+    c.client
+        .sh(&format!(
+            "ip rule add pref 100 lookup local && ip rule del pref 0 && \
+             ip rule add pref 10 to 127.0.0.1/32 lookup 100 && \
+             ip route add 127.0.0.1/32 via {NODE_IP} dev eth0 table 100 && \
+             sysctl -qw net.ipv4.conf.all.route_localnet=1"
+        ))
+        .unwrap();
+    eventually(&c.client, "127.0.0.1:30093", "127.0.0.1 via the LAN", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+
+    // The localhost NodePort: DNATed before the guard looks, answered.
+    let (out, err, code) = live_from_client(
+        &c,
+        "127.0.0.1:30093",
+        |r| matches!(r, Reply::Pod { pod, .. } if pod == "pod1"),
+    );
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert_eq!(
+        seen(&out),
+        ["seen        DNAT to 10.244.1.2:8080 (conntrack), masqueraded to 10.244.1.1; it answered"],
+        "{out}"
+    );
+
+    // The node's own 127.0.0.1 service: the guard drops it.
+    let (out, err, code) = live_from_client(&c, "127.0.0.1:18080", |r| *r == Reply::Timeout);
+    assert_eq!(code, Some(1), "{out}{err}");
+    let guard = "drop: 127.0.0.1 from the network, not DNATed to a Service: route_localnet is on \
+                 (localhost NodePorts) and the guard against CVE-2020-8558 drops it (kube-proxy's \
+                 \"block incoming localnet connections\")";
+    assert!(out.contains(&format!("fate        {guard}\n")), "{out}");
+    assert!(
+        seen(&out)[0].starts_with(&format!(
+            "seen        {guard} (at ip kube-proxy localnet-check rule "
+        )),
+        "{out}"
+    );
+
+    // Without localhost NodePorts and with route_localnet off: the kernel's martian drop,
+    // after every rule accepted it.
+    c.node
+        .run(&["sysctl", "-qw", "net.ipv4.conf.all.route_localnet=0"])
+        .unwrap();
+    c.restart_proxy_with(&["--nodeport-addresses", "198.51.100.0/24"]);
+    eventually(
+        &c.client,
+        &format!("{NODE_IP2}:30093"),
+        "the proxy is back",
+        |r| matches!(r, Reply::Pod { .. }),
+    );
+    let (out, err, code) = live_from_client(&c, "127.0.0.1:30093", |r| *r == Reply::Timeout);
+    assert_eq!(code, Some(1), "{out}{err}");
+    let martian = "drop: 127.0.0.1 from the network is a martian destination: with route_localnet \
+                   off the kernel's routing drops it, NodePort or not";
+    assert!(out.contains(&format!("fate        {martian}\n")), "{out}");
+    assert_eq!(
+        seen(&out),
+        [format!(
+            "seen        {martian}: every rule accepted it, no conntrack entry is left and \
+             nothing came back"
+        )
+        .as_str()],
+        "{out}"
+    );
+    no_table_left(&c.node, "the last trace");
 }

@@ -701,6 +701,122 @@ static __always_inline int np_open(struct __sk_buff *skb, struct np_pkt *p,
 	return np_translate(skb, p, &fwd) < 0 ? TC_ACT_SHOT : TC_ACT_OK;
 }
 
+/* Trace events for `nodeport trace --live` in the ebpf mode. A tracer sets np_trace_until[0]
+ * to the CLOCK_MONOTONIC time its trace ends: until then the programs record the decision
+ * they take for each new connection (tc: translated, dropped or rejected, and why; the
+ * connect hook: translated or refused) in np_trace_log, by tuple, the latest kept. Every
+ * tracer reads the whole log, so tracers at once each see every event. The deadline lapses
+ * by itself, so a tracer that dies leaves nothing switched on. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u64);
+} np_trace_until SEC(".maps");
+
+/* One event, 104 bytes; ports in network order. The Rust side reads this layout
+ * (ebpf::trace_events). */
+struct np_trace_event {
+	__u64 time;
+	__u8 kind;
+	__u8 pad;
+	__u16 flags; /* NP_CT_* of the new entry */
+	__u32 svc_id;
+	__u32 ifindex; /* tc: the interface it came in on */
+	__u32 pad2;
+	struct np_ct_key tuple; /* as it arrived (the connect hook: no source) */
+	struct np_addr to;
+	struct np_addr snat;
+	__u16 to_port;
+	__u16 snat_port;
+	__u32 pad3;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 4096);
+	__type(key, struct np_ct_key);
+	__type(value, struct np_trace_event);
+} np_trace_log SEC(".maps");
+
+#define NP_TRACE_DNAT 1		/* tc: a new connection translated (to, snat) */
+#define NP_TRACE_REJECT 2	/* tc: no endpoints, rejected */
+#define NP_TRACE_DROP_NO_ENDPOINTS 3 /* tc: no endpoints (policy Local), dropped */
+#define NP_TRACE_DROP_SOURCE 4	/* tc: source outside loadBalancerSourceRanges */
+#define NP_TRACE_DROP_OTHER 5	/* tc: no backend chosen, or a map full */
+#define NP_TRACE_SOCK_DNAT 6	/* connect hook: the socket connected to `to` */
+#define NP_TRACE_SOCK_REFUSED 7	/* connect hook: no endpoints, ECONNREFUSED */
+
+
+static __always_inline int np_tracing(__u64 now)
+{
+	__u32 zero = 0;
+	__u64 *until = bpf_map_lookup_elem(&np_trace_until, &zero);
+
+	return until && now < *until;
+}
+
+/* tc: what np_tc_ingress decided for a new connection to `svc` (`verdict` of np_open, or
+ * TC_ACT_SHOT for a service without endpoints). */
+static __always_inline void np_trace_tc(struct __sk_buff *skb, const struct np_pkt *p,
+					const struct np_svc_val *svc, int verdict)
+{
+	struct np_trace_event ev = {};
+	struct np_ct_val *ct;
+
+	ev.time = bpf_ktime_get_ns();
+	if (!np_tracing(ev.time))
+		return;
+	ev.svc_id = svc->svc_id;
+	ev.ifindex = skb->ingress_ifindex;
+	ev.tuple = p->tuple;
+	if (svc->count == 0)
+		ev.kind = (svc->flags & NP_SVC_REJECT) ? NP_TRACE_REJECT : NP_TRACE_DROP_NO_ENDPOINTS;
+	else if (verdict != TC_ACT_OK)
+		ev.kind = np_source_allowed(svc, &p->tuple.saddr) ? NP_TRACE_DROP_OTHER
+								 : NP_TRACE_DROP_SOURCE;
+	else {
+		ev.kind = NP_TRACE_DNAT;
+		ct = bpf_map_lookup_elem(&np_ct, &p->tuple);
+		if (ct) {
+			ev.flags = ct->flags;
+			ev.to = ct->daddr;
+			ev.to_port = ct->dport;
+			ev.snat = ct->saddr;
+			ev.snat_port = ct->sport;
+		}
+	}
+	bpf_map_update_elem(&np_trace_log, &ev.tuple, &ev, BPF_ANY);
+}
+
+/* The connect hook: `be` chosen for the socket's connection to `key`, or refused (NULL).
+ * No source is known at connect(): the tuple's source holds the socket's cookie, which
+ * keeps sockets apart in the log. */
+static __always_inline void np_trace_sock(struct bpf_sock_addr *ctx,
+					  const struct np_svc_key *key,
+					  const struct np_svc_val *svc,
+					  const struct np_be_val *be)
+{
+	struct np_trace_event ev = {};
+	__u64 cookie;
+
+	ev.time = bpf_ktime_get_ns();
+	if (!np_tracing(ev.time))
+		return;
+	cookie = bpf_get_socket_cookie(ctx);
+	__builtin_memcpy(&ev.tuple.saddr, &cookie, sizeof(cookie));
+	ev.kind = be ? NP_TRACE_SOCK_DNAT : NP_TRACE_SOCK_REFUSED;
+	ev.svc_id = svc->svc_id;
+	ev.tuple.daddr = key->addr;
+	ev.tuple.dport = key->port;
+	ev.tuple.proto = key->proto;
+	if (be) {
+		ev.to = be->addr;
+		ev.to_port = be->port;
+	}
+	bpf_map_update_elem(&np_trace_log, &ev.tuple, &ev, BPF_ANY);
+}
+
 /* Whether a known connection must choose a backend again: a TCP SYN reusing the tuple of a
  * closed connection, or a UDP flow whose backend left the service's backend set (kube-proxy
  * deletes the UDP conntrack entries of removed endpoints; TCP connections keep their
@@ -747,12 +863,14 @@ int np_tc_ingress(struct __sk_buff *skb)
 	if (!svc)
 		return TC_ACT_OK;
 	if (svc->count == 0) {
+		np_trace_tc(skb, &p, svc, TC_ACT_SHOT);
 		if (svc->flags & NP_SVC_REJECT)
 			return p.eth_proto == bpf_htons(ETH_P_IP) ? np_reject_v4(skb, &p)
 								   : np_reject_v6(skb, &p);
 		return TC_ACT_SHOT;
 	}
 	verdict = np_open(skb, &p, svc);
+	np_trace_tc(skb, &p, svc, verdict);
 	return verdict == TC_ACT_OK ? np_forward(skb, &p) : verdict;
 }
 
@@ -795,12 +913,14 @@ static __always_inline int np_sock_connect(struct bpf_sock_addr *ctx, struct np_
 	if (!svc)
 		return -1;
 	if (svc->count == 0) {
+		np_trace_sock(ctx, &key, svc, 0);
 		np_set_retval(-ECONNREFUSED);
 		return 0;
 	}
 	netns = bpf_get_netns_cookie(ctx);
 	__builtin_memcpy(&client, &netns, sizeof(netns));
 	be = np_select(svc, &client, np_mix((__u32)netns, (__u32)(netns >> 32), (__u32)now), now);
+	np_trace_sock(ctx, &key, svc, be);
 	if (!be) {
 		np_set_retval(-ECONNREFUSED);
 		return 0;

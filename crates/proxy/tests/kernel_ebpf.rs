@@ -2190,3 +2190,115 @@ fn the_dataplane_closes_udp_sockets_of_a_backend_that_left_in_every_namespace_of
     child.wait().unwrap();
     drop(dataplane);
 }
+
+/// `nodeport trace --live` in the ebpf mode: while the deadline a tracer set lies ahead,
+/// `np_tc_ingress` records the decision it takes for each new connection (translated,
+/// rejected, dropped for no endpoints or for the source ranges), not for a connection's
+/// later packets; before the deadline is set, and after it is withdrawn, nothing.
+#[test]
+fn while_a_tracer_asks_the_tc_program_reports_each_new_connections_decision() {
+    use nodeport_proxy::ebpf::trace_events::{EventKind, TraceEvent, TraceEvents};
+    let Some(mut progs) = load("while_a_tracer_asks_the_tc_program_reports") else {
+        return;
+    };
+    service(
+        &mut progs,
+        ext("192.168.1.10", 30080, TCP),
+        1,
+        1,
+        0,
+        &[local("10.244.1.5", 8080)],
+    );
+    service(
+        &mut progs,
+        ext("192.168.1.10", 30090, TCP),
+        2,
+        2,
+        SVC_REJECT,
+        &[],
+    );
+    service(
+        &mut progs,
+        ext("192.168.1.10", 30091, TCP),
+        3,
+        3,
+        SVC_DROP,
+        &[],
+    );
+    service(
+        &mut progs,
+        ext("198.51.100.200", 80, TCP),
+        6,
+        4,
+        SVC_RANGES,
+        &[local("10.244.1.5", 8080)],
+    );
+    progs
+        .add_source_range(6, "203.0.113.0/24".parse().unwrap())
+        .unwrap();
+    let mut events = TraceEvents::take(&mut progs.maps).unwrap();
+    let syn = |sport, dst: &str, dport| Packet::new(TCP, "203.0.113.7", sport, dst, dport);
+    // What one packet made the programs record.
+    let after = |events: &TraceEvents, send: &dyn Fn()| -> Vec<TraceEvent> {
+        let t0 = monotonic_now_ns();
+        send();
+        events.since(t0)
+    };
+
+    let none = after(&events, &|| {
+        ingress(&progs, &syn(40000, "192.168.1.10", 30080));
+    });
+    assert_eq!(none, [], "no tracer asked");
+
+    let deadline = monotonic_now_ns() + 60_000_000_000;
+    events.report_until(deadline).unwrap();
+    let first = syn(40001, "192.168.1.10", 30080);
+    let got = after(&events, &|| {
+        ingress(&progs, &first);
+    });
+    let [e] = got.as_slice() else {
+        panic!("one translation: {got:?}")
+    };
+    assert_eq!(e.kind, EventKind::Dnat);
+    assert_eq!(e.svc_id, 1);
+    assert_eq!(
+        (e.tuple.saddr, e.tuple.sport, e.tuple.daddr, e.tuple.dport),
+        (ip("203.0.113.7"), 40001, ip("192.168.1.10"), 30080)
+    );
+    assert_eq!(e.to, Some("10.244.1.5:8080".parse().unwrap()));
+    assert_eq!(e.flags & u16::from(CT_SNAT), 0);
+    // The connection's next packet is no new decision.
+    let next = after(&events, &|| {
+        ingress(&progs, &first.clone().flags(ACK));
+    });
+    assert_eq!(next, []);
+
+    for (packet, kind, svc) in [
+        (syn(40002, "192.168.1.10", 30090), EventKind::Reject, 2),
+        (
+            syn(40003, "192.168.1.10", 30091),
+            EventKind::DropNoEndpoints,
+            3,
+        ),
+        (
+            Packet::new(TCP, "192.0.2.7", 40004, "198.51.100.200", 80),
+            EventKind::DropSource,
+            6,
+        ),
+    ] {
+        let got = after(&events, &|| {
+            run(&progs, TC_INGRESS, &frame(&packet));
+        });
+        let [e] = got.as_slice() else {
+            panic!("{kind:?}: {got:?}")
+        };
+        assert_eq!((e.kind, e.svc_id, e.to), (kind, svc, None), "{packet:?}");
+        assert_eq!(e.tuple.sport, packet.sport);
+    }
+
+    events.stop(deadline).unwrap();
+    let withdrawn = after(&events, &|| {
+        ingress(&progs, &syn(40005, "192.168.1.10", 30080));
+    });
+    assert_eq!(withdrawn, [], "the tracer withdrew its deadline");
+}

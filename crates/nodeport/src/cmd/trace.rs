@@ -301,6 +301,9 @@ struct ForeignChain {
     policy_drop: bool,
     /// Drop and reject rules in the chain and the regular chains it jumps to.
     drops: usize,
+    /// Its table read back (`nftables::listing`) when every rule of the chain and the chains
+    /// it reaches is one the tracer models: then the chain is evaluated for the packet.
+    rules: Option<nftables::ruleset::Table>,
 }
 
 impl ForeignChain {
@@ -322,6 +325,179 @@ impl ForeignChain {
             self.priority,
             what.join(" and ")
         )
+    }
+}
+
+/// One way the proxy's rules let a packet through, for another table's chains: its
+/// probability, where the DNAT sent it (`None`: untranslated) and whether it ends at a
+/// socket of this node (input) or leaves it (forward, postrouting).
+struct Branch {
+    probability: f64,
+    dnat: Option<SocketAddr>,
+    to_node: bool,
+}
+
+/// The ways the explained packet gets through the proxy's rules.
+fn branches(packet: &Packet, e: &Explanation, local: &[IpAddr]) -> Vec<Branch> {
+    let mut out: Vec<Branch> = e
+        .endpoints
+        .iter()
+        .map(|c| Branch {
+            probability: c.probability,
+            dnat: Some(c.endpoint),
+            // A pod on this node is forwarded to; only the node's own address is input.
+            to_node: local.contains(&c.endpoint.ip()),
+        })
+        .collect();
+    out.extend(
+        e.outcomes
+            .iter()
+            .filter(|o| o.verdict == explain::Verdict::Pass)
+            .map(|o| Branch {
+                probability: o.probability,
+                dnat: None,
+                to_node: local.contains(&packet.dst),
+            }),
+    );
+    out
+}
+
+impl ForeignChain {
+    /// Whether a packet from `origin` on `branch` crosses this chain's hook.
+    fn crossed_by(&self, origin: Origin, branch: &Branch) -> bool {
+        match (origin, self.hook.as_str()) {
+            (Origin::Remote, "prerouting") | (Origin::Local, "output" | "postrouting") => true,
+            (_, "input") => branch.to_node,
+            (Origin::Remote, "forward" | "postrouting") => !branch.to_node,
+            _ => false,
+        }
+    }
+
+    /// Evaluates the chain for each branch that crosses it: per branch, the share it drops
+    /// (or rejects), and whether it rejects; `None` when it cannot be evaluated (rules the
+    /// tracer does not model).
+    fn evaluate(
+        &self,
+        packet: &Packet,
+        branches: &[Branch],
+        env: &Env,
+    ) -> Option<(Vec<f64>, bool)> {
+        let table = self.rules.as_ref()?;
+        // Before the proxy's DNAT (its nat chains at priority -100 of prerouting and
+        // output) the packet still has its own destination.
+        let before_dnat =
+            matches!(self.hook.as_str(), "prerouting" | "output") && self.priority < -100;
+        let mut shares = vec![0.0; branches.len()];
+        let mut rejects = false;
+        for (i, b) in branches.iter().enumerate() {
+            if b.probability <= 1e-12 || !self.crossed_by(packet.origin, b) {
+                continue;
+            }
+            let dnat = if before_dnat { None } else { b.dnat };
+            let ends = nftables::tracer::evaluate_chain(
+                table,
+                (&self.chain, self.policy_drop),
+                packet,
+                dnat,
+                env,
+            )?;
+            shares[i] = ends
+                .iter()
+                .filter(|(e, _)| *e != nftables::tracer::ChainEnd::Continue)
+                .map(|(_, p)| p)
+                .sum();
+            rejects |= shares[i] > 0.0
+                && ends
+                    .iter()
+                    .any(|(e, _)| *e == nftables::tracer::ChainEnd::Reject);
+        }
+        Some((shares, rejects))
+    }
+
+    /// Where the chain runs on a packet's way, to evaluate chains in the kernel's order.
+    fn order(&self, origin: Origin) -> (u8, i64) {
+        let hook = match (origin, self.hook.as_str()) {
+            (Origin::Remote, "prerouting") | (Origin::Local, "output") => 0,
+            (Origin::Remote, "input" | "forward") | (Origin::Local, "postrouting") => 1,
+            _ => 2,
+        };
+        (hook, self.priority)
+    }
+
+    /// Applies what the chain does to the ways through the proxy's rules (`branches`, whose
+    /// probabilities it lowers by what it drops, for the chains after it) and to the
+    /// explanation: its drop becomes the fate (or an `or`), or a note says it drops nothing.
+    fn apply(&self, packet: &Packet, e: &mut Explanation, branches: &mut [Branch], env: &Env) {
+        // Nothing the proxy lets through crosses it (the proxy drops the packet; which of
+        // the two comes first is not evaluated): the note only.
+        let crossing = branches
+            .iter()
+            .any(|b| b.probability > 1e-12 && self.crossed_by(packet.origin, b));
+        let evaluated = crossing
+            .then(|| self.evaluate(packet, branches, env))
+            .flatten();
+        let Some((shares, rejects)) = evaluated else {
+            e.notes.push(self.describe());
+            return;
+        };
+        let at = format!(
+            "table {} {} chain {} (hook {}, priority {})",
+            self.family, self.table, self.chain, self.hook, self.priority
+        );
+        let mut dropped = 0.0;
+        let mut toward = Vec::new();
+        let mut all_endpoints = true;
+        for (b, share) in branches.iter_mut().zip(&shares) {
+            if *share <= 0.0 {
+                if b.dnat.is_some() && b.probability > 1e-12 {
+                    all_endpoints = false;
+                }
+                continue;
+            }
+            let lost = b.probability * share;
+            dropped += lost;
+            b.probability -= lost;
+            let verdict = match b.dnat {
+                Some(to) => {
+                    toward.push(to.to_string());
+                    explain::Verdict::Dnat
+                }
+                None => explain::Verdict::Pass,
+            };
+            if let Some(o) = e.outcomes.iter_mut().find(|o| o.verdict == verdict) {
+                o.probability = (o.probability - lost).max(0.0);
+            }
+        }
+        if dropped <= 1e-12 {
+            e.notes.push(format!(
+                "{at} holds drop or reject rules; evaluated, none of them drops this packet"
+            ));
+            return;
+        }
+        e.outcomes.retain(|o| o.probability > 1e-12);
+        let which = if !toward.is_empty() && !all_endpoints {
+            format!(" on its way to {}", toward.join(", "))
+        } else {
+            String::new()
+        };
+        let verb = if rejects { "reject" } else { "drop" };
+        e.outcomes.push(explain::Outcome {
+            verdict: if rejects {
+                explain::Verdict::Reject
+            } else {
+                explain::Verdict::Drop
+            },
+            reason: explain::Reason::OtherTable,
+            message: format!(
+                "{verb} by table {} {}, not by the proxy's rules: its chain {} (hook {}, \
+                 priority {}) {verb}s it{which}",
+                self.family, self.table, self.chain, self.hook, self.priority
+            ),
+            at: Some(format!("{} {} {}", self.family, self.table, self.chain)),
+            probability: dropped,
+        });
+        e.outcomes
+            .sort_by(|a, b| b.probability.total_cmp(&a.probability));
     }
 }
 
@@ -397,6 +573,45 @@ fn foreign_chains(listing: &str) -> Vec<ForeignChain> {
             todo.extend(jumps.get(&key).into_iter().flatten().cloned());
         }
         let policy_drop = chain["policy"] == "drop";
+        // The table read back as the tracer models it, when no rule the chain can reach
+        // was left out.
+        let rules = (count > 0 || policy_drop)
+            .then(|| {
+                let own: Vec<serde_json::Value> = items
+                    .iter()
+                    .filter(|i| {
+                        ["chain", "rule", "set", "map"]
+                            .iter()
+                            .any(|k| i[*k]["family"] == family && i[*k]["table"] == table)
+                    })
+                    .cloned()
+                    .collect();
+                let json = serde_json::json!({ "nftables": own }).to_string();
+                let as_family = if family == "ip6" {
+                    IpFamily::V6
+                } else {
+                    IpFamily::V4
+                };
+                nftables::listing::parse(&json, as_family).ok()
+            })
+            .flatten()
+            .filter(|l| {
+                // Every chain it can reach, the proxy's (iptables-nft's KUBE- chains in
+                // the same table) included: a rule left out anywhere there leaves the
+                // verdict unknown.
+                let mut reach = std::collections::BTreeSet::new();
+                let mut todo = vec![name.to_string()];
+                while let Some(c) = todo.pop() {
+                    if reach.insert(c.clone()) {
+                        let key = (family.to_string(), table.to_string(), c);
+                        todo.extend(jumps.get(&key).into_iter().flatten().cloned());
+                    }
+                }
+                l.skipped
+                    .iter()
+                    .all(|s| s.split_once(": ").is_none_or(|(c, _)| !reach.contains(c)))
+            })
+            .map(|l| l.table);
         if count > 0 || policy_drop {
             out.push(ForeignChain {
                 family: family.to_string(),
@@ -406,6 +621,7 @@ fn foreign_chains(listing: &str) -> Vec<ForeignChain> {
                 priority: chain["prio"].as_i64().unwrap_or(0),
                 policy_drop,
                 drops: count,
+                rules,
             });
         }
     }
@@ -429,15 +645,14 @@ fn hooks_crossed(packet: &Packet, e: &Explanation, local: &[IpAddr]) -> Vec<&'st
         .outcomes
         .iter()
         .any(|o| o.verdict == explain::Verdict::Pass);
-    let here = e
-        .endpoints
-        .iter()
-        .any(|c| c.local || local.contains(&c.endpoint.ip()))
+    // A pod on this node is forwarded to like any other; only the node's own address is
+    // delivered through input.
+    let here = e.endpoints.iter().any(|c| local.contains(&c.endpoint.ip()))
         || (untranslated && local.contains(&packet.dst));
     let away = e
         .endpoints
         .iter()
-        .any(|c| !c.local && !local.contains(&c.endpoint.ip()))
+        .any(|c| !local.contains(&c.endpoint.ip()))
         || (untranslated && !local.contains(&packet.dst));
     let mut hooks = Vec::new();
     match packet.origin {
@@ -751,6 +966,16 @@ fn strict_rp_filter(iface: &str) -> bool {
     read("all").max(read(iface)) == 1
 }
 
+/// Whether the kernel routes 127.0.0.0/8 from the network to local sockets:
+/// `net.ipv4.conf.{all,<interface>}.route_localnet`, either on (as the kernel reads it).
+fn route_localnet(interface: Option<&str>) -> bool {
+    let read = |name: &str| {
+        std::fs::read_to_string(format!("/proc/sys/net/ipv4/conf/{name}/route_localnet"))
+            .is_ok_and(|v| v.trim() == "1")
+    };
+    read("all") || interface.is_some_and(read)
+}
+
 /// This network namespace's addresses (the node's, when run on the node).
 fn local_addresses() -> anyhow::Result<Vec<IpAddr>> {
     let runtime = tokio::runtime::Runtime::new()
@@ -813,6 +1038,12 @@ impl Tracing {
             nodeport_addresses: p.nodeport_addresses.clone(),
             local_addrs: &p.facts.local_ips,
             maglev: p.mode == ProxyMode::Ebpf && p.algorithm == ebpf::render::Algorithm::Maglev,
+            // What the node holds, for a packet from the network to 127.0.0.0/8.
+            route_localnet: (self.kernel.is_some()
+                && packet.origin == Origin::Remote
+                && packet.dst.is_loopback()
+                && packet.dst.is_ipv4())
+            .then(|| route_localnet(self.in_interface.as_deref())),
         };
         let mut explanation = explain::explain(&p.desired, &ctx, &trace);
         if packet.origin == Origin::Remote {
@@ -844,10 +1075,18 @@ impl Tracing {
                 IpFamily::V4 => "ip",
                 IpFamily::V6 => "ip6",
             };
-            for c in &self.foreign {
-                if (c.family == family || c.family == "inet") && hooks.contains(&c.hook.as_str()) {
-                    explanation.notes.push(c.describe());
-                }
+            // In the order the kernel runs them, each on what the ones before let through.
+            let mut foreign: Vec<&ForeignChain> = self
+                .foreign
+                .iter()
+                .filter(|c| {
+                    (c.family == family || c.family == "inet") && hooks.contains(&c.hook.as_str())
+                })
+                .collect();
+            foreign.sort_by_key(|c| c.order(packet.origin));
+            let mut ways = branches(packet, &explanation, &p.facts.local_ips);
+            for c in foreign {
+                c.apply(packet, &mut explanation, &mut ways, &env);
             }
         }
         if let Some(k) = &self.kernel {

@@ -33,9 +33,13 @@ pub mod names {
     pub const SOCK_REV: &str = "np_sock_rev";
     /// Dataplane flags (`FLAG_*`).
     pub const FLAGS: &str = "np_flags";
+    /// Until when the programs report trace events (`CLOCK_MONOTONIC` nanoseconds).
+    pub const TRACE_UNTIL: &str = "np_trace_until";
+    /// The programs' trace events by tuple (LRU), for `nodeport trace --live`.
+    pub const TRACE_LOG: &str = "np_trace_log";
 
     /// Every map, in the order the metrics list them.
-    pub const ALL: [&str; 11] = [
+    pub const ALL: [&str; 13] = [
         SERVICES,
         BACKENDS,
         MEMBERS,
@@ -47,6 +51,8 @@ pub mod names {
         CONFIG,
         SOCK_REV,
         FLAGS,
+        TRACE_UNTIL,
+        TRACE_LOG,
     ];
 }
 

@@ -46,6 +46,7 @@ pub mod maps;
 pub mod programs;
 pub mod render;
 pub mod sockets;
+pub mod trace_events;
 pub mod tracer;
 
 #[cfg(test)]

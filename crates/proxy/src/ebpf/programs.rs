@@ -36,7 +36,13 @@ pub const SOCK_PROGRAMS: [&str; 8] = [
 
 /// The LRU maps: full, they evict their least recently used entries (live connections,
 /// affinities) instead of refusing new ones.
-pub const LRU_MAPS: [&str; 4] = [names::CT, names::NAT, names::AFFINITY, names::SOCK_REV];
+pub const LRU_MAPS: [&str; 5] = [
+    names::CT,
+    names::NAT,
+    names::AFFINITY,
+    names::SOCK_REV,
+    names::TRACE_LOG,
+];
 
 /// Map sizes (`--ebpf-*-map-size`). The defaults hold the
 /// benchmark's 100,000 Services × 10 endpoints, with Cilium's conntrack size.
@@ -46,7 +52,7 @@ pub const LRU_MAPS: [&str; 4] = [names::CT, names::NAT, names::AFFINITY, names::
 /// `np_sock_rev` 15 MiB at 128 Ki); the hash maps take 16 bytes per entry of bucket array at
 /// load (`np_services` 16 MiB, `np_backends` and `np_members` 32 MiB each) and about
 /// 100 bytes per element as they fill; a Maglev table takes 64 KiB. About 265 MiB at load with
-/// the defaults.
+/// the defaults. (`np_trace_log`, fixed at 4096 entries of 104 bytes, adds under 1 MiB.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MapSizes {
     /// Frontends (`np_services`): one per service address, port and scope.
@@ -423,6 +429,11 @@ impl std::fmt::Debug for Maps {
 impl Maps {
     fn map(&self, name: &'static str) -> Result<&aya::maps::Map, Error> {
         self.maps.get(name).ok_or(Error::Missing(name))
+    }
+
+    /// Takes one map out (the trace event maps, which a tracer owns).
+    pub(super) fn take(&mut self, name: &'static str) -> Result<aya::maps::Map, Error> {
+        self.maps.remove(name).ok_or(Error::Missing(name))
     }
 
     fn map_mut(&mut self, name: &'static str) -> Result<&mut aya::maps::Map, Error> {

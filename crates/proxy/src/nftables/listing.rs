@@ -389,7 +389,9 @@ fn rule(exprs: &[Value]) -> Option<Vec<Expr>> {
         let e = &exprs[i];
         if let Some(m) = e.get("match") {
             let (left, right) = (&m["left"], &m["right"]);
-            let negate = m["op"] == "!=";
+            // nft writes a negated bitmask match (`ct state ! established,related`, the
+            // localnet guard's) with the op `!`, other negations with `!=`.
+            let negate = m["op"] == "!=" || m["op"] == "!";
             if let Some(ct) = left.get("ct")
                 && ct.get("dir").is_none()
             {
@@ -618,6 +620,34 @@ mod tests {
                 "10.97.0.0/24",
                 "10.98.0.0/24"
             ])))
+        );
+    }
+
+    #[test]
+    fn a_negated_bitmask_match_written_with_the_op_bang_reads_back_negated() {
+        // `ct state ! established,related ct status ! dnat`, as nft -j lists the localnet
+        // guard (read as positive, the guard never matched a new connection).
+        let exprs: Vec<Value> = serde_json::from_str(
+            r#"[{"match": {"op": "!", "left": {"ct": {"key": "state"}}, "right": ["established", "related"]}},
+                {"match": {"op": "!", "left": {"ct": {"key": "status"}}, "right": "dnat"}},
+                {"drop": null}]"#,
+        )
+        .unwrap();
+        assert_eq!(
+            rule(&exprs).unwrap(),
+            [
+                Expr::Ct {
+                    key: CtKey::State,
+                    negate: true,
+                    bits: ct_state::ESTABLISHED | ct_state::RELATED
+                },
+                Expr::Ct {
+                    key: CtKey::Status,
+                    negate: true,
+                    bits: ct_status::DNAT
+                },
+                Expr::Verdict(Verdict::Drop)
+            ]
         );
     }
 

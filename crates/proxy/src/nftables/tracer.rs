@@ -66,29 +66,7 @@ pub fn trace(ruleset: &Ruleset, packet: &Packet, env: &Env) -> Trace {
             fates,
         };
     };
-    let elements = table.elements();
-    let index = elements.iter().map(|e| ((e.set, e.key), *e)).collect();
-    let mut slots: HashMap<(&str, ElemKey), BTreeMap<u32, SocketAddr>> = HashMap::new();
-    for e in &elements {
-        let (prefix, slot) = match e.key {
-            ElemKey::AddrProtoPortSlot(ip, p, port, slot) => {
-                (ElemKey::AddrProtoPort(ip, p, port), slot)
-            }
-            ElemKey::ProtoPortSlot(p, port, slot) => (ElemKey::ProtoPort(p, port), slot),
-            _ => continue,
-        };
-        if let Some(to) = e.data {
-            slots.entry((e.set, prefix)).or_default().insert(slot, to);
-        }
-    }
-    let t = Tracer {
-        table,
-        packet,
-        env,
-        elements,
-        index,
-        slots,
-    };
+    let t = Tracer::new(table, packet, env);
     let first_hooks: &[Hook] = match packet.origin {
         Origin::Remote => &[Hook::Prerouting],
         Origin::Local => &[Hook::Output],
@@ -129,6 +107,55 @@ pub fn trace(ruleset: &Ruleset, packet: &Packet, env: &Env) -> Trace {
     }
 }
 
+/// How a base chain of another table than the proxy's ends for a packet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChainEnd {
+    /// It lets the packet go on (no verdict, or `accept`: the next chain of the hook runs).
+    Continue,
+    /// `drop`, or a `drop` policy.
+    Drop,
+    /// `reject`.
+    Reject,
+}
+
+/// Evaluates the base chain `chain` of `table` (another table than the proxy's, read back
+/// from the kernel) for `packet` as it is when it gets there: already translated to `dnat`
+/// (a chain after the proxy's DNAT) or not; `policy_drop`: the chain's policy is `drop`.
+/// Each way the chain ends, with its probability; `None` when the table has no such chain.
+pub fn evaluate_chain(
+    table: &Table,
+    (chain, policy_drop): (&str, bool),
+    packet: &Packet,
+    dnat: Option<SocketAddr>,
+    env: &Env,
+) -> Option<Vec<(ChainEnd, f64)>> {
+    table.chain(chain)?;
+    let t = Tracer::new(table, packet, env);
+    let state = State {
+        dst: dnat.map_or(packet.dst, |d| d.ip()),
+        dport: dnat.map_or(packet.dport, |d| d.port()),
+        dnat,
+        mark: 0,
+        masqueraded: false,
+        affinity: Vec::new(),
+    };
+    let mut out: Vec<(ChainEnd, f64)> = Vec::new();
+    for (p, _, end) in t.chain(chain, state, 0) {
+        let end = match end {
+            End::Drop(_) => ChainEnd::Drop,
+            End::Reject(_) => ChainEnd::Reject,
+            End::Accept => ChainEnd::Continue,
+            End::Continue if policy_drop => ChainEnd::Drop,
+            End::Continue => ChainEnd::Continue,
+        };
+        match out.iter_mut().find(|(e, _)| *e == end) {
+            Some((_, q)) => *q += p,
+            None => out.push((end, p)),
+        }
+    }
+    Some(out)
+}
+
 fn add(fates: &mut Vec<(Fate, f64)>, fate: Fate, p: f64) {
     match fates.iter_mut().find(|(f, _)| *f == fate) {
         Some((_, q)) => *q += p,
@@ -147,7 +174,32 @@ struct Tracer<'a> {
     slots: HashMap<(&'a str, ElemKey), BTreeMap<u32, SocketAddr>>,
 }
 
-impl Tracer<'_> {
+impl<'a> Tracer<'a> {
+    fn new(table: &'a Table, packet: &'a Packet, env: &'a Env) -> Self {
+        let elements = table.elements();
+        let index = elements.iter().map(|e| ((e.set, e.key), *e)).collect();
+        let mut slots: HashMap<(&str, ElemKey), BTreeMap<u32, SocketAddr>> = HashMap::new();
+        for e in &elements {
+            let (prefix, slot) = match e.key {
+                ElemKey::AddrProtoPortSlot(ip, p, port, slot) => {
+                    (ElemKey::AddrProtoPort(ip, p, port), slot)
+                }
+                ElemKey::ProtoPortSlot(p, port, slot) => (ElemKey::ProtoPort(p, port), slot),
+                _ => continue,
+            };
+            if let Some(to) = e.data {
+                slots.entry((e.set, prefix)).or_default().insert(slot, to);
+            }
+        }
+        Tracer {
+            table,
+            packet,
+            env,
+            elements,
+            index,
+            slots,
+        }
+    }
     /// Runs the base chains of `hooks` in order (each hook's chains by priority); branches
     /// that end in drop/reject stop there.
     fn hooks(&self, hooks: &[Hook], mut branches: Branches) -> Branches {

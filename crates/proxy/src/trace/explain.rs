@@ -46,6 +46,10 @@ pub struct Context<'a> {
     pub local_addrs: &'a [IpAddr],
     /// eBPF mode with `--ebpf-lb-algorithm maglev`: probabilities are table shares.
     pub maglev: bool,
+    /// `net.ipv4.conf.<in>.route_localnet` as the node holds it (`--rules kernel`, `--live`);
+    /// `None`: as the proxy leaves it, on only with its CVE-2020-8558 guard, which drops
+    /// every packet from the network to 127.0.0.0/8 the rules do not translate.
+    pub route_localnet: Option<bool>,
 }
 
 /// Which of a Service's addresses the packet was sent to.
@@ -135,6 +139,12 @@ pub enum Reason {
     NotAService,
     /// The address is in a ServiceCIDR but no Service has it (kube-proxy drops it).
     UnallocatedClusterIp,
+    /// A loopback destination from the network, not translated: the CVE-2020-8558 guard
+    /// drops it, or the kernel does (a martian destination with `route_localnet` off).
+    Localnet,
+    /// Dropped or rejected by another table than the proxy's (`nodeport trace --rules kernel`
+    /// evaluates the node's other nftables tables; see `at`).
+    OtherTable,
     /// Decided by a rule no Service setting explains (see `at`).
     Other,
 }
@@ -297,7 +307,15 @@ pub fn explain(desired: &DesiredState, ctx: &Context<'_>, trace: &Trace) -> Expl
         let cidrs = desired
             .family(IpFamily::of(packet.dst))
             .map_or(&[][..], |f| &f.service_cidrs[..]);
-        let (reason, message) = why(ctx, packet, found, cidrs, verdict, chain.as_deref());
+        let (verdict, reason, message) =
+            match loopback_from_network(ctx, packet, verdict, chain.as_deref()) {
+                Some(kernel) => kernel,
+                None => {
+                    let (reason, message) =
+                        why(ctx, packet, found, cidrs, verdict, chain.as_deref());
+                    (verdict, reason, message)
+                }
+            };
         outcomes.push(Outcome {
             verdict,
             reason,
@@ -455,6 +473,62 @@ fn why(
         _ => format!("{}{at}", verb(verdict)),
     };
     (reason, message)
+}
+
+/// A packet from the network to a loopback address that the rules do not translate: the
+/// CVE-2020-8558 guard's drop (kube-proxy's `block incoming localnet connections`, in the
+/// proxy's `localnet-check` / `KUBE-FIREWALL`: with `route_localnet` on for localhost
+/// NodePorts, only what was DNATed may pass), or the kernel's own drop after the rules
+/// (`route_localnet` off: 127.0.0.0/8 from outside is a martian destination; `::1` from
+/// outside never even reaches a rule). A NodePort on 127.0.0.1 that the rules DNAT is
+/// served, as kube-proxy serves it (`! --ctstate DNAT` in its guard).
+fn loopback_from_network(
+    ctx: &Context<'_>,
+    packet: &Packet,
+    verdict: Verdict,
+    chain: Option<&str>,
+) -> Option<(Verdict, Reason, String)> {
+    if packet.origin != Origin::Remote || !packet.dst.is_loopback() || verdict == Verdict::Dnat {
+        return None;
+    }
+    let dst = packet.dst;
+    if dst.is_ipv6() {
+        return Some((
+            Verdict::Drop,
+            Reason::Localnet,
+            format!(
+                "drop: {dst} from the network: the kernel drops a packet to the IPv6 loopback \
+                 address that arrives on another interface than lo, before any rule"
+            ),
+        ));
+    }
+    match verdict {
+        Verdict::Pass if ctx.route_localnet != Some(true) => Some((
+            Verdict::Drop,
+            Reason::Localnet,
+            format!(
+                "drop: {dst} from the network is a martian destination: with route_localnet \
+                 off the kernel's routing drops it, NodePort or not"
+            ),
+        )),
+        Verdict::Drop | Verdict::Reject
+            if chain.is_some_and(|c| {
+                c == crate::nftables::names::LOCALNET_CHECK
+                    || c == crate::iptables::names::KUBE_FIREWALL
+            }) =>
+        {
+            Some((
+                Verdict::Drop,
+                Reason::Localnet,
+                format!(
+                    "drop: {dst} from the network, not DNATed to a Service: route_localnet is \
+                     on (localhost NodePorts) and the guard against CVE-2020-8558 drops it \
+                     (kube-proxy's \"block incoming localnet connections\")"
+                ),
+            ))
+        }
+        _ => None,
+    }
 }
 
 fn verb(v: Verdict) -> &'static str {
@@ -677,6 +751,7 @@ endpoints: [{addresses: [10.244.1.5], nodeName: node-a}]
             nodeport_addresses: "primary".into(),
             local_addrs: &addrs,
             maglev: false,
+            route_localnet: None,
         };
         explain(&state, &ctx, &Trace { packet, fates })
     }

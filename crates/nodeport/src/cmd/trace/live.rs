@@ -5,8 +5,8 @@
 //! Each packet is then explained as `--rules kernel` explains the same packet, followed by
 //! its path and what the kernel did (`seen`).
 //!
-//! The ebpf mode reads its maps instead ([`run_ebpf`]): the connections its programs
-//! translate, from `np_ct` and `np_nat`.
+//! The ebpf mode reads the programs' trace events instead ([`run_ebpf`]): what
+//! `np_tc_ingress` and the connect hook decide for each new connection while a trace runs.
 //!
 //! The table is owned by the tracing process's netlink socket
 //! ([`nftrace`](nodeport_proxy::nftables::netlink::nftrace)): it is deleted on a normal
@@ -23,7 +23,7 @@ use nodeport_proxy::model::Protocol;
 use nodeport_proxy::nftables::netlink::nftrace::{
     self, Collector, Event, Selector, Session, Traced,
 };
-use nodeport_proxy::trace::explain::{Explanation, Verdict as Fate};
+use nodeport_proxy::trace::explain::{Explanation, Reason, Verdict as Fate};
 use nodeport_proxy::trace::{Origin, Packet};
 use serde::Serialize;
 
@@ -107,7 +107,7 @@ struct Step {
 }
 
 /// What the kernel did with a real packet.
-#[derive(Serialize)]
+#[derive(Serialize, Default)]
 struct Seen {
     /// `dnat`, `reject` or `drop` (by the proxy's rules), `drop` (`reason: other_table`),
     /// `pass` (not translated) or `unknown` (no conntrack entry).
@@ -129,6 +129,15 @@ struct Seen {
     /// The rule that dropped it: `family table chain [rule N]`.
     #[serde(skip_serializing_if = "Option::is_none")]
     at: Option<String>,
+    /// Refused: what came back (`tcp_reset`, `icmp_unreachable`, `icmpv6_unreachable`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    refused_with: Option<&'static str>,
+    /// Refused: who sent it (the endpoint, or a router or node on the way).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    refused_by: Option<IpAddr>,
+    /// Not answered, nothing came back: the interface this node sent the packet out on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    sent_on: Option<String>,
 }
 
 /// One real packet: its source port and trace id, the explanation of the same packet, its
@@ -456,10 +465,8 @@ fn explain_packet(tracing: &Tracing, traced: Traced, protocol: Protocol) -> Opti
                 verdict,
                 reason,
                 message,
-                endpoint: None,
-                source_seen_by_endpoint: None,
-                answered: None,
                 at: Some(e.describe()),
+                ..Seen::default()
             }
         }
         Some(e) => Seen {
@@ -469,12 +476,27 @@ fn explain_packet(tracing: &Tracing, traced: Traced, protocol: Protocol) -> Opti
                 "drop by table {} {}, not by the proxy's rules",
                 e.family, e.table
             ),
-            endpoint: None,
-            source_seen_by_endpoint: None,
-            answered: None,
             at: Some(e.describe()),
+            ..Seen::default()
         },
-        None => delivered(&h, packet.proto),
+        None => {
+            let seen = delivered(&h, packet.proto, &traced, &tracing.prepared.facts.local_ips);
+            // Every rule accepted it and it left no trace: when the kernel's drop of a
+            // loopback destination from the network explains that, say so.
+            match explanation.outcomes.first() {
+                Some(o) if seen.reason == "unknown" && o.reason == Reason::Localnet => Seen {
+                    verdict: "drop",
+                    reason: "localnet",
+                    message: format!(
+                        "{}: every rule accepted it, no conntrack entry is left and nothing \
+                         came back",
+                        o.message
+                    ),
+                    ..Seen::default()
+                },
+                _ => seen,
+            }
+        }
     };
     Some(LivePacket {
         source_port: h.sport,
@@ -495,7 +517,6 @@ fn verdict_name(v: Fate) -> &'static str {
 }
 
 fn reason_name(o: &nodeport_proxy::trace::explain::Outcome) -> &'static str {
-    use nodeport_proxy::trace::explain::Reason;
     match o.reason {
         Reason::Endpoint => "endpoint",
         Reason::NoEndpoints => "no_endpoints",
@@ -505,13 +526,17 @@ fn reason_name(o: &nodeport_proxy::trace::explain::Outcome) -> &'static str {
         Reason::NotNodePortAddress => "not_node_port_address",
         Reason::NotAService => "not_a_service",
         Reason::UnallocatedClusterIp => "unallocated_cluster_ip",
+        Reason::Localnet => "localnet",
+        Reason::OtherTable => "other_table",
         Reason::Other => "other",
     }
 }
 
 /// A packet no rule dropped: conntrack's entry for it names the endpoint, the source the
-/// endpoint sees, and whether it answered (waited for up to [`ANSWER_WAIT`]).
-fn delivered(h: &nftrace::Headers, protocol: Protocol) -> Seen {
+/// endpoint sees, and whether it answered (waited for up to [`ANSWER_WAIT`]). What came back
+/// to refuse it (a TCP reset, which also ends the conntrack entry, or an ICMP error) tells a
+/// refusal from a packet that went nowhere.
+fn delivered(h: &nftrace::Headers, protocol: Protocol, traced: &Traced, local: &[IpAddr]) -> Seen {
     let deadline = Instant::now() + ANSWER_WAIT;
     let mut entry = None;
     loop {
@@ -529,56 +554,132 @@ fn delivered(h: &nftrace::Headers, protocol: Protocol) -> Seen {
                     verdict: "unknown",
                     reason: "unknown",
                     message: format!("accepted; conntrack could not be read: {e}"),
-                    endpoint: None,
-                    source_seen_by_endpoint: None,
-                    answered: None,
-                    at: None,
+                    ..Seen::default()
                 };
             }
         }
-        if Instant::now() >= deadline {
+        // A refusal came back already: nothing more to wait for.
+        if traced.refusal.is_some() || Instant::now() >= deadline {
             break;
         }
         std::thread::sleep(Duration::from_millis(50));
+    }
+    // Where the packet left this node (its last event's output interface).
+    let sent_on = traced.events.iter().rev().find_map(|e| e.oif);
+    let source_text = |seen_by: IpAddr| {
+        if seen_by != h.src {
+            format!("masqueraded to {seen_by}")
+        } else {
+            "not masqueraded".to_string()
+        }
+    };
+    if let Some(r) = traced.refusal {
+        // conntrack's entry names the endpoint when it is still there (an ICMP error);
+        // a reset ended it, and names the endpoint itself (its source, before the node
+        // reverses the DNAT).
+        let named = match (&entry, r.kind) {
+            (Some(c), _) => Some((
+                SocketAddr::new(c.reply_src, c.reply_sport),
+                c.reply_dst,
+                "conntrack",
+            )),
+            (None, nftrace::RefusalKind::TcpReset) => {
+                Some((SocketAddr::new(r.from, r.from_port), r.to, "its reset"))
+            }
+            // An ICMP error about a packet that left no entry (routing refused it before
+            // conntrack confirmed it): where it was headed is unknown.
+            (None, _) => None,
+        };
+        let sender = if named.is_some_and(|(e, _, _)| e.ip() == r.from) {
+            format!("{} answered", r.from)
+        } else if local.contains(&r.from) {
+            format!("this node ({}) answered", r.from)
+        } else {
+            format!("{} (on the way, not the endpoint) answered", r.from)
+        };
+        let refused = format!(
+            "refused: {sender} with {} ({})",
+            r.kind.describe(),
+            r.kind.cause()
+        );
+        let Some((endpoint, seen_by, named_by)) = named else {
+            return Seen {
+                verdict: "unknown",
+                reason: "refused",
+                message: format!("accepted by every rule, then {refused}"),
+                answered: Some(false),
+                refused_with: Some(r.kind.as_str()),
+                refused_by: Some(r.from),
+                ..Seen::default()
+            };
+        };
+        let untranslated = endpoint == SocketAddr::new(h.dst, h.dport);
+        let head = if untranslated {
+            format!("passed on untranslated, {}", source_text(seen_by))
+        } else {
+            format!("DNAT to {endpoint} ({named_by}), {}", source_text(seen_by))
+        };
+        return Seen {
+            verdict: if untranslated { "pass" } else { "dnat" },
+            reason: "refused",
+            message: format!("{head}; {refused}"),
+            endpoint: (!untranslated).then_some(endpoint),
+            source_seen_by_endpoint: Some(seen_by),
+            answered: Some(false),
+            refused_with: Some(r.kind.as_str()),
+            refused_by: Some(r.from),
+            ..Seen::default()
+        };
     }
     let Some(c) = entry else {
         return Seen {
             verdict: "unknown",
             reason: "unknown",
-            message: "accepted by every rule, but conntrack holds no entry for it: refused \
-                      (a TCP reset as the only answer ends the entry at once) or gone nowhere \
-                      after the last rule (no route, forwarding off, reverse-path filter)"
+            message: "accepted by every rule, but conntrack holds no entry for it and nothing \
+                      came back: gone nowhere after the last rule (no route, forwarding off, \
+                      reverse-path filter), or taken by a local socket that closed at once"
                 .into(),
-            endpoint: None,
-            source_seen_by_endpoint: None,
-            answered: None,
-            at: None,
+            ..Seen::default()
         };
     };
     let endpoint = SocketAddr::new(c.reply_src, c.reply_sport);
-    let masqueraded = c.reply_dst != h.src;
-    let source = if masqueraded {
-        format!("masqueraded to {}", c.reply_dst)
-    } else {
-        "not masqueraded".to_string()
-    };
+    let source = source_text(c.reply_dst);
     if endpoint == SocketAddr::new(h.dst, h.dport) {
         return Seen {
             verdict: "pass",
             reason: "not_a_service",
             message: format!("passed on untranslated, {source}"),
-            endpoint: None,
             source_seen_by_endpoint: Some(c.reply_dst),
             answered: Some(c.seen_reply),
-            at: None,
+            ..Seen::default()
         };
     }
+    let sent_on_name = interface_name(sent_on);
     let (reason, answer) = if c.seen_reply {
         ("endpoint", "it answered".to_string())
     } else {
+        let on = sent_on_name
+            .as_deref()
+            .map_or_else(String::new, |i| format!(" out on {i}"));
+        let why = match sent_on_name
+            .as_deref()
+            .and_then(|i| neighbour_missing(endpoint.ip(), i))
+        {
+            Some(state) => format!(
+                "no host answers for {} on {} (its neighbour entry is {state}): the \
+                 address is not there",
+                endpoint.ip(),
+                sent_on_name.as_deref().unwrap_or("?")
+            ),
+            None => "the endpoint, or something between, drops it silently".to_string(),
+        };
         (
             "not_answering",
-            format!("it has not answered within {ANSWER_WAIT:?}"),
+            format!(
+                "it has not answered within {ANSWER_WAIT:?} and nothing came back (no TCP \
+                 reset, no ICMP error): the packet went nowhere after this node sent it{on}; \
+                 {why}"
+            ),
         )
     };
     Seen {
@@ -588,8 +689,34 @@ fn delivered(h: &nftrace::Headers, protocol: Protocol) -> Seen {
         endpoint: Some(endpoint),
         source_seen_by_endpoint: Some(c.reply_dst),
         answered: Some(c.seen_reply),
-        at: None,
+        sent_on: if c.seen_reply { None } else { sent_on_name },
+        ..Seen::default()
     }
+}
+
+/// The state of the neighbour entry of `ip` on `interface` when it says no host has the
+/// address (`INCOMPLETE`: asked, no answer yet; `FAILED`: no answer), from `ip -j neigh`.
+fn neighbour_missing(ip: IpAddr, interface: &str) -> Option<String> {
+    let out = std::process::Command::new("ip")
+        .args([
+            "-j",
+            "neigh",
+            "show",
+            "to",
+            &ip.to_string(),
+            "dev",
+            interface,
+        ])
+        .output()
+        .ok()?;
+    let entries: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+    entries
+        .as_array()?
+        .iter()
+        .flat_map(|e| e["state"].as_array().into_iter().flatten())
+        .filter_map(|s| s.as_str())
+        .find(|s| matches!(*s, "INCOMPLETE" | "FAILED"))
+        .map(str::to_string)
 }
 
 /// One packet for people: its header line, the explanation, its path, what the kernel did.
@@ -623,13 +750,14 @@ fn print_packet(n: usize, p: &LivePacket) {
     }
 }
 
-/// `--live` in the ebpf mode, from the maps alone (the programs are not changed): every
-/// connection `np_tc_ingress` translates gets an `np_ct` entry (its tuple → the backend, and
-/// the source when SNATed), and its reply entry in `np_nat` records whether the backend
-/// answered. The entries present at the start are left out; each new one matching the
-/// selector is a new connection, explained as `--rules kernel` explains its first packet.
-/// Packets the programs drop or reject, and the socket hooks' connections, leave no entry:
-/// they are not seen.
+/// `--live` in the ebpf mode, from the programs' trace events
+/// ([`trace_events`](nodeport_proxy::ebpf::trace_events)): the tracer sets the deadline
+/// until which `np_tc_ingress` and the connect hook record what they decide for each new
+/// connection in `np_trace_log` (it lapses by itself if the tracer dies; the tracer
+/// withdraws it at its end; tracers at once each read the whole log);
+/// each event matching the selector is a new connection, explained as `--rules kernel`
+/// explains its first packet, with the programs' steps as its path. A translated
+/// connection's answer is read from `np_nat` (its reply entry records one).
 fn run_ebpf(
     tracing: &Tracing,
     selector: &Selector,
@@ -639,88 +767,205 @@ fn run_ebpf(
     pin_root: &std::path::Path,
     interrupt: &crate::lab::interrupt::Interrupt,
 ) -> anyhow::Result<()> {
-    use nodeport_proxy::ebpf::maps::{CT_REPLY, CT_SNAT, Tuple, ip_proto};
+    use nodeport_proxy::ebpf::apply::monotonic_now_ns;
+    use nodeport_proxy::ebpf::maps::{Tuple, ip_proto};
     use nodeport_proxy::ebpf::programs::Maps;
+    use nodeport_proxy::ebpf::trace_events::{EventKind, TraceEvents};
     let failed_to_read =
         |e: nodeport_proxy::ebpf::programs::Error| unreadable_pinned_maps("--live", pin_root, e);
     let maps = Maps::open_pinned(pin_root).map_err(failed_to_read)?;
-    let before: std::collections::HashSet<Tuple> = maps
-        .conntrack()
-        .map_err(failed_to_read)?
-        .into_iter()
-        .map(|(t, _)| t)
-        .collect();
-    let wanted = |t: &Tuple| {
+    let mut events = TraceEvents::open_pinned(pin_root).map_err(failed_to_read)?;
+    let deadline_ns = monotonic_now_ns()
+        + u64::try_from((timeout + ANSWER_WAIT).as_nanos()).unwrap_or(u64::MAX / 2);
+    // From now on (before the `live` line tells that the trace runs).
+    let started_ns = monotonic_now_ns();
+    events.report_until(deadline_ns).map_err(failed_to_read)?;
+    let wanted = |t: &Tuple, socket: bool| {
         t.proto == ip_proto(selector.protocol)
             && t.dport == selector.dport
             && selector.daddr.is_none_or(|d| d == t.daddr)
-            && selector.from.is_none_or(|n| n.contains(&t.saddr))
+            // A socket's source is not known at connect(): only without --from.
+            && if socket {
+                selector.from.is_none()
+            } else {
+                selector.from.is_none_or(|n| n.contains(&t.saddr))
+            }
     };
-    let table = nodeport_proxy::ebpf::maps::names::CT.to_string();
+    let table = nodeport_proxy::ebpf::maps::names::TRACE_LOG.to_string();
     let (to, from) = described(selector);
     if !json {
         println!("{}", tracing.rules_line());
         println!(
             "live        the next {count} new connection(s) to {to}/{} from {from}, within \
-             {timeout:?}, as np_tc_ingress records them in {table} (connections it translates; \
-             a packet it drops or rejects leaves no entry)",
+             {timeout:?}, as np_tc_ingress and the connect hook record them in {table} (while \
+             this trace runs)",
             selector.protocol.as_lower()
         );
     }
     let deadline = Instant::now() + timeout;
-    // New connections: when first seen.
-    let mut pending: Vec<(Tuple, Instant)> = Vec::new();
-    let mut done: std::collections::HashSet<Tuple> = Default::default();
+    let mut reported: std::collections::HashSet<Tuple> = Default::default();
     let mut packets: Vec<LivePacket> = Vec::new();
     let mut failed = false;
-    while packets.len() < count && interrupt.check().is_ok() {
-        let now = Instant::now();
-        let ct = maps.conntrack().map_err(failed_to_read)?;
-        let nat = maps.nat().map_err(failed_to_read)?;
-        for (t, _) in &ct {
-            if wanted(t)
-                && !before.contains(t)
-                && !done.contains(t)
-                && !pending.iter().any(|(p, _)| p == t)
-            {
-                pending.push((*t, now));
+    'polling: while packets.len() < count && interrupt.check().is_ok() && Instant::now() < deadline
+    {
+        for e in events.since(started_ns) {
+            let socket = matches!(e.kind, EventKind::SockDnat | EventKind::SockRefused);
+            // A dropped connection's retransmissions are recorded again: once is enough.
+            if !wanted(&e.tuple, socket) || !reported.insert(e.tuple) {
+                continue;
+            }
+            let p = ebpf_packet(tracing, (&maps, pin_root), &e, selector.protocol)?;
+            failed |= !matches!(p.seen.reason, "endpoint");
+            if !json {
+                print_packet(packets.len() + 1, &p);
+            }
+            packets.push(p);
+            if packets.len() >= count {
+                break 'polling;
             }
         }
-        let mut still = Vec::new();
-        for (t, first) in pending.drain(..) {
-            let Some((_, fwd)) = ct.iter().find(|(k, _)| *k == t) else {
-                continue;
-            };
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    events.stop(deadline_ns).map_err(failed_to_read)?;
+    finish(tracing, selector, timeout, json, table, packets, 0, failed)
+}
+
+/// One connection the programs reported: its explanation, the programs' steps, and what
+/// happened (a translated connection's answer read from `np_nat`).
+fn ebpf_packet(
+    tracing: &Tracing,
+    (maps, pin_root): (&nodeport_proxy::ebpf::programs::Maps, &std::path::Path),
+    e: &nodeport_proxy::ebpf::trace_events::TraceEvent,
+    protocol: Protocol,
+) -> anyhow::Result<LivePacket> {
+    use nodeport_proxy::ebpf::maps::{CT_REPLY, CT_SNAT, Tuple};
+    use nodeport_proxy::ebpf::trace_events::EventKind;
+    let socket = matches!(e.kind, EventKind::SockDnat | EventKind::SockRefused);
+    let t = &e.tuple;
+    // A socket's connection is explained as one from the node's own address of its family.
+    let src = if socket {
+        tracing
+            .prepared
+            .facts
+            .local_ips
+            .iter()
+            .copied()
+            .find(|ip| ip.is_ipv4() == t.daddr.is_ipv4() && !ip.is_loopback())
+            .unwrap_or(if t.daddr.is_ipv4() {
+                IpAddr::from([0u8; 4])
+            } else {
+                IpAddr::from([0u8; 16])
+            })
+    } else {
+        t.saddr
+    };
+    let packet = Packet {
+        src,
+        dst: t.daddr,
+        proto: protocol,
+        dport: t.dport,
+        origin: if socket {
+            Origin::Local
+        } else {
+            Origin::Remote
+        },
+    };
+    let mut explanation = tracing.explain(&packet);
+    let program = if socket {
+        if t.daddr.is_ipv4() {
+            "np_connect4"
+        } else {
+            "np_connect6"
+        }
+    } else {
+        "np_tc_ingress"
+    };
+    if !socket && let Some(name) = interface_name(Some(e.ifindex)) {
+        explanation.packet.interface = Some(name);
+    }
+    let step = |what: &str, verdict: String| Step {
+        family: "ebpf",
+        table: program.to_string(),
+        chain: what.to_string(),
+        rule_handle: None,
+        kind: "rule",
+        verdict,
+    };
+    let frontend = match &explanation.service {
+        Some(s) => format!(
+            "{}/{} is {} ({:?}, frontend {})",
+            SocketAddr::new(t.daddr, t.dport),
+            protocol.as_lower(),
+            s.port,
+            s.frontend,
+            e.svc_id
+        ),
+        None => format!(
+            "{}/{}: frontend {}",
+            SocketAddr::new(t.daddr, t.dport),
+            protocol.as_lower(),
+            e.svc_id
+        ),
+    };
+    let mut path = vec![step("frontend", frontend)];
+    // The explanation's reason for a drop or reject, as the nftables mode names it.
+    let refusal = explanation
+        .outcomes
+        .iter()
+        .find(|o| o.verdict != Fate::Dnat && o.verdict != Fate::Pass)
+        .map(|o| (verdict_name(o.verdict), reason_name(o), o.message.clone()));
+    let dropped = |verdict: &'static str, reason: &'static str, why: &str| {
+        let (verdict, reason, message) =
+            refusal
+                .clone()
+                .unwrap_or((verdict, reason, format!("{verdict}: {why}")));
+        Seen {
+            verdict,
+            reason,
+            message,
+            at: Some(format!("ebpf {program}")),
+            ..Seen::default()
+        }
+    };
+    let seen = match e.kind {
+        EventKind::Dnat => {
+            let to = e.to.unwrap_or(SocketAddr::new(t.daddr, t.dport));
+            let snat = e.flags & u16::from(CT_SNAT) != 0;
+            let seen_by = e.snat.map_or(t.saddr, |a| a.ip());
+            path.push(step("backend", format!("{to} chosen")));
+            path.push(step(
+                "snat",
+                match e.snat {
+                    Some(a) if snat => format!("source {t_s} becomes {a}", t_s = t.saddr),
+                    _ => "source kept".to_string(),
+                },
+            ));
+            // The backend's reply entry records its answer.
             let reply = Tuple {
-                saddr: fwd.daddr,
-                daddr: fwd.saddr,
-                sport: fwd.dport,
-                dport: fwd.sport,
+                saddr: to.ip(),
+                daddr: seen_by,
+                sport: to.port(),
+                dport: e.snat.filter(|_| snat).map_or(t.sport, |a| a.port()),
                 proto: t.proto,
             };
-            let answered = nat
-                .iter()
-                .any(|(k, v)| *k == reply && v.flags & CT_REPLY != 0);
-            if !answered && now.duration_since(first) < ANSWER_WAIT && now < deadline {
-                still.push((t, first));
-                continue;
-            }
-            done.insert(t);
-            if packets.len() >= count {
-                continue;
-            }
-            let packet = Packet {
-                src: t.saddr,
-                dst: t.daddr,
-                proto: selector.protocol,
-                dport: t.dport,
-                origin: Origin::Remote,
+            let until = Instant::now() + ANSWER_WAIT;
+            let answered = loop {
+                let nat = maps
+                    .nat()
+                    .map_err(|err| unreadable_pinned_maps("--live", pin_root, err))?;
+                if nat
+                    .iter()
+                    .any(|(k, v)| *k == reply && v.flags & CT_REPLY != 0)
+                {
+                    break true;
+                }
+                if Instant::now() >= until {
+                    break false;
+                }
+                std::thread::sleep(Duration::from_millis(50));
             };
-            let explanation = tracing.explain(&packet);
-            let endpoint = SocketAddr::new(fwd.daddr, fwd.dport);
-            let snat = fwd.flags & CT_SNAT != 0;
             let source = if snat {
-                format!("masqueraded to {}", fwd.saddr)
+                format!("masqueraded to {seen_by}")
             } else {
                 "not masqueraded".to_string()
             };
@@ -732,32 +977,73 @@ fn run_ebpf(
                     format!("it has not answered within {ANSWER_WAIT:?}"),
                 )
             };
-            failed |= !answered;
-            let p = LivePacket {
-                source_port: t.sport,
-                trace_id: None,
-                explanation,
-                path: Vec::new(),
-                seen: Seen {
-                    verdict: "dnat",
-                    reason,
-                    message: format!("DNAT to {endpoint} ({table}), {source}; {answer}"),
-                    endpoint: Some(endpoint),
-                    source_seen_by_endpoint: Some(fwd.saddr),
-                    answered: Some(answered),
-                    at: None,
-                },
-            };
-            if !json {
-                print_packet(packets.len() + 1, &p);
+            Seen {
+                verdict: "dnat",
+                reason,
+                message: format!("DNAT to {to} ({program}), {source}; {answer}"),
+                endpoint: Some(to),
+                source_seen_by_endpoint: Some(seen_by),
+                answered: Some(answered),
+                ..Seen::default()
             }
-            packets.push(p);
         }
-        pending = still;
-        if Instant::now() >= deadline && pending.is_empty() {
-            break;
+        EventKind::Reject => {
+            path.push(step("verdict", "reject (ICMP port unreachable)".into()));
+            dropped("reject", "no_endpoints", "no endpoints")
         }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    finish(tracing, selector, timeout, json, table, packets, 0, failed)
+        EventKind::DropNoEndpoints => {
+            path.push(step("verdict", "drop (no endpoints)".into()));
+            dropped("drop", "no_local_endpoints_external", "no endpoints")
+        }
+        EventKind::DropSource => {
+            path.push(step(
+                "source ranges",
+                format!("{} is not in np_src_ranges: drop", t.saddr),
+            ));
+            dropped("drop", "source_ranges", "outside loadBalancerSourceRanges")
+        }
+        EventKind::DropOther => {
+            path.push(step(
+                "verdict",
+                "drop (no backend chosen, or a map full)".into(),
+            ));
+            Seen {
+                verdict: "drop",
+                reason: "other",
+                message: "drop: no backend could be chosen or a map is full".into(),
+                at: Some(format!("ebpf {program}")),
+                ..Seen::default()
+            }
+        }
+        EventKind::SockDnat => {
+            let to = e.to.unwrap_or(SocketAddr::new(t.daddr, t.dport));
+            path.push(step(
+                "backend",
+                format!("{to} chosen: connect() goes there"),
+            ));
+            Seen {
+                verdict: "dnat",
+                reason: "endpoint",
+                message: format!(
+                    "connected to {to} at connect() ({program}): the socket's packets go to \
+                     the backend untranslated (whether it answers is the socket's to see)"
+                ),
+                endpoint: Some(to),
+                ..Seen::default()
+            }
+        }
+        EventKind::SockRefused => {
+            path.push(step("verdict", "connect() refused (ECONNREFUSED)".into()));
+            let mut seen = dropped("reject", "no_endpoints", "no endpoints");
+            seen.message = format!("{}: connect() refused with ECONNREFUSED", seen.message);
+            seen
+        }
+    };
+    Ok(LivePacket {
+        source_port: t.sport,
+        trace_id: None,
+        explanation,
+        path,
+        seen,
+    })
 }

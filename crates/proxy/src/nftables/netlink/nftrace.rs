@@ -8,7 +8,9 @@
 //! (return, error, Ctrl-C, SIGKILL). It is not in the proxy's `kube-proxy` table, whose full
 //! sync flushes every chain. Its two chains, at prerouting and output, priority -150 (after
 //! conntrack, -200, so `ct state new` is known; before the proxy's chains, -110 and -100),
-//! mark the first packet of each new connection that matches.
+//! mark the first packet of each new connection that matches, and what comes back to refuse
+//! such a connection (a TCP reset, an ICMP error: [`Refusal`]), which the conntrack id of
+//! its trace events ties to the traced packet.
 //!
 //! Every listener of the group receives every event. The kernel marks a packet once, in the
 //! first chain that sets `nftrace`, and each event carries the packet's trace id; the first
@@ -64,6 +66,9 @@ const NFTA_TRACE_IIF: u16 = 10;
 const NFTA_TRACE_OIF: u16 = 12;
 const NFTA_TRACE_NFPROTO: u16 = 15;
 const NFTA_TRACE_POLICY: u16 = 16;
+// Linux 6.7: the conntrack entry of the packet (`nf_trace_fill_ct_info`).
+const NFTA_TRACE_CT_ID: u16 = 18;
+const NFTA_TRACE_CT_DIRECTION: u16 = 19;
 const NFT_TRACETYPE_POLICY: u32 = 1;
 const NFT_TRACETYPE_RETURN: u32 = 2;
 const NFT_TRACETYPE_RULE: u32 = 3;
@@ -203,6 +208,11 @@ pub struct Event {
     pub iif: Option<u32>,
     /// The output interface's index.
     pub oif: Option<u32>,
+    /// The id of the packet's conntrack entry (Linux 6.7; the same for both directions of a
+    /// connection and for the ICMP errors about it).
+    pub ct_id: Option<u32>,
+    /// The packet goes in the reply direction of its conntrack entry.
+    pub ct_reply: bool,
 }
 
 impl Event {
@@ -272,6 +282,8 @@ pub fn parse_event(payload: &[u8]) -> Option<Event> {
         transport: Vec::new(),
         iif: None,
         oif: None,
+        ct_id: None,
+        ct_reply: false,
     };
     let mut id = None;
     let mut policy = None;
@@ -311,6 +323,8 @@ pub fn parse_event(payload: &[u8]) -> Option<Event> {
             NFTA_TRACE_OIF => e.oif = be32(v),
             NFTA_TRACE_NFPROTO => {}
             NFTA_TRACE_POLICY => policy = be32(v).map(|c| verdict_of(c as i32, None)),
+            NFTA_TRACE_CT_ID => e.ct_id = be32(v),
+            NFTA_TRACE_CT_DIRECTION => e.ct_reply = v.first() == Some(&1),
             _ => {}
         }
     }
@@ -371,6 +385,118 @@ pub fn parse_headers(network: &[u8], transport: &[u8]) -> Option<Headers> {
     })
 }
 
+/// What came back to refuse a traced connection: the tracer's table also marks, in the
+/// reply direction of a connection to the traced port, TCP resets and ICMP errors (`ct state
+/// related`); the conntrack id in their trace events ties them to the traced packet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refusal {
+    /// Who sent it: its source as it reached the node (before the node reverses the NAT), so
+    /// the endpoint itself, or a router or node on the way.
+    pub from: IpAddr,
+    /// A TCP reset: its source port (the endpoint's port).
+    pub from_port: u16,
+    /// Where it was sent (the masqueraded source, or the client).
+    pub to: IpAddr,
+    /// A TCP reset or an ICMP error.
+    pub kind: RefusalKind,
+}
+
+/// The packet that refused a connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefusalKind {
+    /// A TCP segment with RST: nothing listens on the port, or a firewall rejects with a reset.
+    TcpReset,
+    /// An ICMP (`v6`: ICMPv6) destination unreachable error with its code.
+    Unreachable {
+        /// ICMPv6 rather than ICMP.
+        v6: bool,
+        /// The code (ICMP: 3 port unreachable, 13 administratively prohibited, ...).
+        code: u8,
+    },
+}
+
+impl RefusalKind {
+    /// `TCP reset`, `ICMP port unreachable`, `ICMPv6 administratively prohibited`, ...
+    pub fn describe(&self) -> String {
+        match *self {
+            RefusalKind::TcpReset => "a TCP reset".to_string(),
+            RefusalKind::Unreachable { v6, code } => {
+                let what = match (v6, code) {
+                    (false, 0) | (true, 0) => "network unreachable",
+                    (false, 1) | (true, 3) => "host unreachable",
+                    (false, 2) => "protocol unreachable",
+                    (false, 3) | (true, 4) => "port unreachable",
+                    (false, 9 | 10 | 13) | (true, 1) => "administratively prohibited",
+                    (true, 5) => "source address failed ingress/egress policy",
+                    (true, 6) => "reject route to destination",
+                    _ => "destination unreachable",
+                };
+                let family = if v6 { "ICMPv6" } else { "ICMP" };
+                format!("{family} {what} (code {code})")
+            }
+        }
+    }
+
+    /// Why such an answer comes, in a few words.
+    pub fn cause(&self) -> &'static str {
+        match *self {
+            RefusalKind::TcpReset => {
+                "nothing listens on that port there, or a firewall rejects with a reset"
+            }
+            RefusalKind::Unreachable { v6, code } => match (v6, code) {
+                (false, 3) | (true, 4) => "nothing listens on that port there",
+                (false, 9 | 10 | 13) | (true, 1 | 5) => "a firewall rejects it",
+                (false, 1) | (true, 3) => "no host answers for the address",
+                (false, 0) | (true, 0 | 6) => "no route to the address",
+                _ => "the destination cannot be reached",
+            },
+        }
+    }
+
+    /// For tools: `tcp_reset`, `icmp_unreachable`, `icmpv6_unreachable`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            RefusalKind::TcpReset => "tcp_reset",
+            RefusalKind::Unreachable { v6: false, .. } => "icmp_unreachable",
+            RefusalKind::Unreachable { v6: true, .. } => "icmpv6_unreachable",
+        }
+    }
+}
+
+/// Reads a refusal from the headers of a reply-direction packet: a TCP reset, or an ICMP
+/// destination unreachable error (ICMP's "fragmentation needed" and ICMPv6's "packet too big"
+/// only lower the path MTU: not refusals).
+pub fn parse_refusal(network: &[u8], transport: &[u8]) -> Option<Refusal> {
+    let (from, to, proto) = match network.first()? >> 4 {
+        4 => {
+            let a: [u8; 4] = network.get(12..16)?.try_into().ok()?;
+            let b: [u8; 4] = network.get(16..20)?.try_into().ok()?;
+            (IpAddr::from(a), IpAddr::from(b), *network.get(9)?)
+        }
+        6 => {
+            let a: [u8; 16] = network.get(8..24)?.try_into().ok()?;
+            let b: [u8; 16] = network.get(24..40)?.try_into().ok()?;
+            (IpAddr::from(a), IpAddr::from(b), *network.get(6)?)
+        }
+        _ => return None,
+    };
+    let (kind, from_port) = match (proto, transport.first()?, transport.get(1)?) {
+        (6, _, _) if transport.get(13)? & 0x04 != 0 => (
+            RefusalKind::TcpReset,
+            u16::from_be_bytes([transport[0], transport[1]]),
+        ),
+        (1, 3, &code) if code != 4 => (RefusalKind::Unreachable { v6: false, code }, 0),
+        (58, 1, &code) => (RefusalKind::Unreachable { v6: true, code }, 0),
+        _ => return None,
+    };
+    Some(Refusal {
+        from,
+        from_port,
+        to,
+        kind,
+    })
+}
+
 /// One packet this tracer marked, with every event the kernel sent for it.
 #[derive(Debug, Clone)]
 pub struct Traced {
@@ -383,6 +509,10 @@ pub struct Traced {
     pub headers: Option<Headers>,
     /// Every event in other tables than the tracers', in order.
     pub events: Vec<Event>,
+    /// The id of its conntrack entry (from the kernel's trace event, Linux 6.7).
+    pub ct_id: Option<u32>,
+    /// What came back to refuse it (a TCP reset, an ICMP error), seen while it was open.
+    pub refusal: Option<Refusal>,
     /// When the last event came.
     last: Instant,
 }
@@ -426,6 +556,22 @@ impl Collector {
             if e.kind != Kind::Rule || e.handle.is_none() || headers.is_none() {
                 return None;
             }
+            // Our reply rules marked a reset or an ICMP error coming back: it belongs to the
+            // traced packet of the same conntrack entry (a packet that starts a connection is
+            // never one: conntrack calls a reset without an entry invalid, not new).
+            let refusal = parse_refusal(&e.network, &e.transport);
+            if e.ct_reply || refusal.is_some() {
+                if let (Some(ct), Some(refusal)) = (e.ct_id, refusal)
+                    && let Some(p) = self
+                        .open
+                        .values_mut()
+                        .find(|p| p.ct_id == Some(ct) && p.refusal.is_none())
+                {
+                    p.refusal = Some(refusal);
+                    p.last = now;
+                }
+                return None;
+            }
             let origin = if e.chain == CHAIN_OUTPUT {
                 Origin::Local
             } else {
@@ -447,6 +593,8 @@ impl Collector {
                 origin,
                 headers,
                 events: Vec::new(),
+                ct_id: e.ct_id,
+                refusal: None,
                 last: now,
             };
             self.alias.retain(|_, own| *own != e.id);
@@ -720,24 +868,110 @@ fn encode_table(table: &str, selector: &Selector, seq: u32) -> (Vec<u8>, u32) {
         b.close(n);
         b.str(NFTA_CHAIN_TYPE, "filter");
         b.end(m);
-        seq += 1;
-        // The output chain's rule is the batch's last message: it asks for the ack.
-        let ack = if hook == HOOK_OUTPUT { NLM_F_ACK } else { 0 };
-        let m = b.begin_nft(
-            NFT_MSG_NEWRULE,
-            create | NLM_F_APPEND | ack,
-            seq,
-            NFPROTO_INET,
-        );
-        b.str(NFTA_RULE_TABLE, table);
-        b.str(NFTA_RULE_CHAIN, chain);
-        let n = b.nest(NFTA_RULE_EXPRESSIONS);
-        mark_rule(&mut b, selector.family(), selector);
-        b.close(n);
-        b.end(m);
+        // The packet asked for; what comes back to refuse it: a TCP reset (TCP only) and
+        // an ICMP error.
+        let mut rules: Vec<Option<Refused>> = vec![None];
+        if selector.protocol == Protocol::Tcp {
+            rules.push(Some(Refused::TcpReset));
+        }
+        rules.push(Some(Refused::IcmpError));
+        let last = rules.len() - 1;
+        for (i, rule) in rules.into_iter().enumerate() {
+            seq += 1;
+            // The output chain's last rule is the batch's last message: it asks for the ack.
+            let ack = if hook == HOOK_OUTPUT && i == last {
+                NLM_F_ACK
+            } else {
+                0
+            };
+            let m = b.begin_nft(
+                NFT_MSG_NEWRULE,
+                create | NLM_F_APPEND | ack,
+                seq,
+                NFPROTO_INET,
+            );
+            b.str(NFTA_RULE_TABLE, table);
+            b.str(NFTA_RULE_CHAIN, chain);
+            let n = b.nest(NFTA_RULE_EXPRESSIONS);
+            match rule {
+                None => mark_rule(&mut b, selector.family(), selector),
+                Some(kind) => refusal_rule(&mut b, selector, kind),
+            }
+            b.close(n);
+            b.end(m);
+        }
     }
     batch_marker(&mut b, NFNL_MSG_BATCH_END, seq + 1);
     (b.b, seq)
+}
+
+/// The replies [`refusal_rule`] marks.
+#[derive(Debug, Clone, Copy)]
+enum Refused {
+    /// `tcp flags & rst != 0`.
+    TcpReset,
+    /// `ct state related` (ICMP errors about the connection).
+    IcmpError,
+}
+
+const NFTA_CT_DIRECTION: u16 = 3;
+const NFT_CT_DIRECTION: u32 = 1;
+const NFT_CT_PROTOCOL: u32 = 10;
+const NFT_CT_PROTO_DST: u32 = 12;
+const IP_CT_DIR_ORIGINAL: u8 = 0;
+const IP_CT_DIR_REPLY: u8 = 1;
+
+/// `[meta nfproto F] (meta l4proto tcp tcp flags & rst != 0 | ct state related) ct direction
+/// reply ct original protocol P ct original proto-dst N meta nftrace set 1`: a reset or an
+/// ICMP error coming back on a connection to the traced port (the conntrack id of its trace
+/// events names the connection).
+fn refusal_rule(b: &mut Buf, selector: &Selector, kind: Refused) {
+    if let Some(family) = selector.family() {
+        meta_load(b, NFT_META_NFPROTO, REG_1);
+        cmp(b, REG_1, false, &[super::nfproto(family)]);
+    }
+    match kind {
+        Refused::TcpReset => {
+            meta_load(b, NFT_META_L4PROTO, REG_1);
+            cmp(b, REG_1, false, &[proto_number(Protocol::Tcp)]);
+            payload(b, REG_1, NFT_PAYLOAD_TRANSPORT_HEADER, 13, 1);
+            bitwise(b, REG_1, &[0x04], &[0]);
+            cmp(b, REG_1, true, &[0]);
+        }
+        Refused::IcmpError => {
+            b.expr("ct", |b| {
+                b.u32be(NFTA_CT_DREG, REG_1);
+                b.u32be(NFTA_CT_KEY, NFT_CT_STATE);
+            });
+            bitwise(
+                b,
+                REG_1,
+                &crate::nftables::ruleset::ct_state::RELATED.to_ne_bytes(),
+                &0u32.to_ne_bytes(),
+            );
+            cmp(b, REG_1, true, &0u32.to_ne_bytes());
+        }
+    }
+    let ct = |b: &mut Buf, key: u32, direction: Option<u8>| {
+        b.expr("ct", |b| {
+            b.u32be(NFTA_CT_DREG, REG_1);
+            b.u32be(NFTA_CT_KEY, key);
+            if let Some(d) = direction {
+                b.attr(NFTA_CT_DIRECTION, &[d]);
+            }
+        });
+    };
+    ct(b, NFT_CT_DIRECTION, None);
+    cmp(b, REG_1, false, &[IP_CT_DIR_REPLY]);
+    ct(b, NFT_CT_PROTOCOL, Some(IP_CT_DIR_ORIGINAL));
+    cmp(b, REG_1, false, &[proto_number(selector.protocol)]);
+    ct(b, NFT_CT_PROTO_DST, Some(IP_CT_DIR_ORIGINAL));
+    cmp(b, REG_1, false, &selector.dport.to_be_bytes());
+    immediate_value(b, REG_1, &[1]);
+    b.expr("meta", |b| {
+        b.u32be(NFTA_META_KEY, NFT_META_NFTRACE);
+        b.u32be(NFTA_META_SREG, REG_1);
+    });
 }
 
 /// `[meta nfproto F] [ip daddr A] [ip saddr C] meta l4proto P th dport N ct state new meta
@@ -799,6 +1033,8 @@ mod tests {
             transport: vec![0x9c, 0x40, 0x75, 0x30],
             iif: Some(2),
             oif: None,
+            ct_id: Some(id + 1000),
+            ct_reply: false,
         }
     }
 
@@ -905,6 +1141,56 @@ mod tests {
             .expect("a drop ends the packet");
         assert_eq!(dropped.dropped_by().unwrap().chain, "input");
         assert!(c.drain().is_empty());
+    }
+
+    #[test]
+    fn a_reset_or_icmp_error_coming_back_is_the_refusal_of_the_traced_packet_of_its_conntrack_entry()
+     {
+        let now = Instant::now();
+        let mut c = Collector::new("nodeport-trace-1");
+        let ours = |id| event(id, "nodeport-trace-1", CHAIN_PREROUTING, None);
+        c.push(ours(5), now);
+        c.push(ours(6), now);
+        // A reset from 10.244.1.2:8080 to the masqueraded 10.244.1.1, in the reply direction
+        // of packet 6's entry (ct id 1006): marked by our reply rule, not a packet of its own.
+        let mut reset = ours(40);
+        reset.network = vec![
+            0x45, 0, 0, 40, 0, 0, 0x40, 0, 64, 6, 0, 0, 10, 244, 1, 2, 10, 244, 1, 1,
+        ];
+        reset.transport = vec![0x1f, 0x90, 0x9c, 0x40, 0, 0, 0, 0, 0, 0, 0, 1, 0x50, 0x14];
+        reset.ct_id = Some(1006);
+        reset.ct_reply = true;
+        assert!(c.push(reset, now).is_none());
+        // An ICMP "fragmentation needed" about packet 5 only lowers the MTU: no refusal.
+        let mut too_big = ours(41);
+        too_big.network = vec![
+            0x45, 0, 0, 56, 0, 0, 0x40, 0, 64, 1, 0, 0, 10, 244, 1, 2, 10, 244, 1, 1,
+        ];
+        too_big.transport = vec![3, 4, 0, 0, 0, 0, 5, 0xdc];
+        too_big.ct_id = Some(1005);
+        too_big.ct_reply = true;
+        assert!(c.push(too_big, now).is_none());
+        let done = c.quiet(now + Duration::from_secs(1), Duration::from_millis(500));
+        assert_eq!(done.len(), 2, "the replies are no packets of their own");
+        let by_id = |id| done.iter().find(|p| p.id == id).unwrap();
+        assert_eq!(by_id(5).refusal, None);
+        let r = by_id(6).refusal.expect("the reset");
+        assert_eq!(r.kind, RefusalKind::TcpReset);
+        assert_eq!(
+            (r.from, r.from_port, r.to),
+            (
+                "10.244.1.2".parse::<IpAddr>().unwrap(),
+                8080,
+                "10.244.1.1".parse::<IpAddr>().unwrap()
+            )
+        );
+        // ICMPv6 port unreachable.
+        let mut v6 = vec![0x60, 0, 0, 0, 0, 0, 58, 64];
+        v6.extend_from_slice(&"fd00::2".parse::<std::net::Ipv6Addr>().unwrap().octets());
+        v6.extend_from_slice(&"fd00::1".parse::<std::net::Ipv6Addr>().unwrap().octets());
+        let r = parse_refusal(&v6, &[1, 4, 0, 0]).unwrap();
+        assert_eq!(r.kind.describe(), "ICMPv6 port unreachable (code 4)");
+        assert_eq!(r.kind.as_str(), "icmpv6_unreachable");
     }
 
     #[test]
