@@ -1339,6 +1339,71 @@ fn a_full_sync_sweeps_entries_the_applier_did_not_write() {
 }
 
 #[test]
+fn a_full_sync_writes_again_a_service_port_whose_entries_others_deleted() {
+    let Some((programs, mut applier)) = applier("a_full_sync_writes_again_a_service_port") else {
+        return;
+    };
+    let c = Cluster::new(&web(&["10.244.1.5@node-a", "10.244.2.7@node-b"]));
+    applier.sync(&c.desired, None).unwrap();
+    let fronts = applier.maps().frontends().unwrap();
+    let (gone, fe) = fronts[0];
+    // `bpftool map delete` of a backend and of a frontend.
+    applier
+        .maps_mut()
+        .remove_backend_slot(fe.be_set, 2)
+        .unwrap();
+    applier.maps_mut().remove_frontend(&gone).unwrap();
+    // A partial sync of another change does not look; a full one does.
+    let report = applier.sync(&c.desired, None).unwrap();
+    assert_eq!(report.services_written, 1, "{report:?}");
+    let fronts = applier.maps().frontends().unwrap();
+    let backends = applier.maps().backends().unwrap();
+    assert_eq!(fronts.len(), 4);
+    for (_, fe) in &fronts {
+        let ordinals: Vec<u32> = backends
+            .iter()
+            .filter(|((set, _), _)| *set == fe.be_set)
+            .map(|((_, ordinal), _)| *ordinal)
+            .collect();
+        assert_eq!(ordinals.len(), 2, "{fe:?} names a whole set: {backends:?}");
+    }
+    assert_eq!(backends.len(), 2, "the damaged set is gone: {backends:?}");
+    let syn = Packet::new(TCP, "203.0.113.7", 40000, "192.0.2.10", 30080);
+    assert!(parse(&run_on(&programs, TC_INGRESS, &frame(&syn)).1).dst != ip("192.0.2.10"));
+    // Nothing left to repair.
+    let again = applier.sync(&c.desired, None).unwrap();
+    assert_eq!((again.services_written, again.map_operations), (0, 0));
+}
+
+#[test]
+fn membership_entries_are_written_only_for_sets_the_programs_check_membership_of() {
+    let Some((_programs, mut applier)) = applier("membership_entries_are_written_only") else {
+        return;
+    };
+    // TCP without affinity: backends are only read by ordinal.
+    let mut c = Cluster::new(&web(&["10.244.1.5@node-a", "10.244.2.7@node-b"]));
+    applier.sync(&c.desired, None).unwrap();
+    assert!(applier.maps().members().unwrap().is_empty());
+    let fill = applier.entry_counts();
+    assert!(fill.contains(&("np_members", 0)) && fill.contains(&("np_backends", 2)));
+    // UDP: a flow's backend is checked against the current set at every packet.
+    let backend: SocketAddr = "10.244.1.5:53".parse().unwrap();
+    let changed = c.update(&dns(&[backend]));
+    applier.sync(&c.desired, Some(&changed)).unwrap();
+    let members = applier.maps().members().unwrap();
+    assert_eq!(members.len(), 1, "{members:?}");
+    assert_eq!(
+        (members[0].0.1, members[0].0.2, members[0].1),
+        (backend.ip(), 53, 1)
+    );
+    assert!(applier.entry_counts().contains(&("np_members", 1)));
+    // Back to TCP: the UDP set and its membership go.
+    let changed = c.update(&web(&["10.244.1.5@node-a"]));
+    applier.sync(&c.desired, Some(&changed)).unwrap();
+    assert!(applier.maps().members().unwrap().is_empty());
+}
+
+#[test]
 fn backend_set_switches_racing_new_connections_never_show_a_half_written_service() {
     let Some((programs, mut applier)) = applier("backend_set_switches_racing_new_connections")
     else {

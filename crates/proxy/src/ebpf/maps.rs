@@ -281,6 +281,14 @@ pub fn member_key_set(b: &[u8; 24]) -> u32 {
     u32_at(b, 0)
 }
 
+/// A membership entry's key: (backend set, address, port).
+pub type MemberKey = (u32, IpAddr, u16);
+
+/// Reads `struct np_member_key`.
+pub fn decode_member_key(b: &[u8; 24]) -> MemberKey {
+    (u32_at(b, 0), addr_from(&b[4..20]), port_at(b, 20))
+}
+
 /// `struct np_ct_key`: a connection's tuple as one direction's packets carry it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Tuple {

@@ -547,14 +547,48 @@ impl Maps {
         ordinal: u32,
         backend: &BackendEntry,
     ) -> Result<(), Error> {
+        self.remove_backend_slot(be_set, ordinal)?;
+        self.remove_member(be_set, backend.addr, backend.port)
+    }
+
+    /// Writes backend `ordinal` (1-based) of a backend set, without a membership entry (the
+    /// programs read `np_members` only for UDP flows and session affinity).
+    pub fn set_backend_slot(
+        &mut self,
+        be_set: u32,
+        ordinal: u32,
+        backend: &BackendEntry,
+    ) -> Result<(), Error> {
+        self.hash::<[u8; 8], [u8; 20]>(names::BACKENDS)?
+            .insert(maps::backend_key(be_set, ordinal), backend.encode(), 0)
+            .map_err(map_err(names::BACKENDS))
+    }
+
+    /// Removes backend `ordinal` of a set (absent: nothing to do), not its membership entry.
+    pub fn remove_backend_slot(&mut self, be_set: u32, ordinal: u32) -> Result<(), Error> {
         let r = self
             .hash::<[u8; 8], [u8; 20]>(names::BACKENDS)?
             .remove(&maps::backend_key(be_set, ordinal));
-        absent_ok(r, names::BACKENDS)?;
+        absent_ok(r, names::BACKENDS)
+    }
+
+    /// Removes the membership entry of a backend in a set (absent: nothing to do).
+    pub fn remove_member(&mut self, be_set: u32, addr: IpAddr, port: u16) -> Result<(), Error> {
         let r = self
             .hash::<[u8; 24], u32>(names::MEMBERS)?
-            .remove(&maps::member_key(be_set, backend.addr, backend.port));
+            .remove(&maps::member_key(be_set, addr, port));
         absent_ok(r, names::MEMBERS)
+    }
+
+    /// Every membership entry: (set, address, port) → ordinal.
+    pub fn members(&self) -> Result<Vec<(maps::MemberKey, u32)>, Error> {
+        let map = self.hash_ref::<[u8; 24], u32>(names::MEMBERS)?;
+        let mut out = Vec::new();
+        for entry in map.iter() {
+            let (k, v) = entry.map_err(map_err(names::MEMBERS))?;
+            out.push((maps::decode_member_key(&k), v));
+        }
+        Ok(out)
     }
 
     /// Every backend entry: (set, ordinal) → backend.
@@ -616,31 +650,15 @@ impl Maps {
         Ok(())
     }
 
-    /// How many entries each map holds (a walk over every key: for metrics, not per packet).
-    pub fn entry_counts(&self) -> Result<Vec<(&'static str, usize)>, Error> {
-        Ok(vec![
-            (
-                names::SERVICES,
-                self.count::<[u8; 20], [u8; 16]>(names::SERVICES)?,
-            ),
-            (
-                names::BACKENDS,
-                self.count::<[u8; 8], [u8; 20]>(names::BACKENDS)?,
-            ),
-            (names::MEMBERS, self.count::<[u8; 24], u32>(names::MEMBERS)?),
-            (names::CT, self.count::<[u8; 40], [u8; 56]>(names::CT)?),
-            (names::NAT, self.count::<[u8; 40], [u8; 56]>(names::NAT)?),
-            (
-                names::AFFINITY,
-                self.count::<[u8; 20], [u8; 32]>(names::AFFINITY)?,
-            ),
-            (names::SOURCE_RANGES, self.source_ranges()?.len()),
-            (names::MAGLEV, self.maglev_sets()?.len()),
-            (
-                names::SOCK_REV,
-                self.count::<[u8; 32], [u8; 20]>(names::SOCK_REV)?,
-            ),
-        ])
+    /// How many entries an LRU map holds (`np_affinity` or `np_sock_rev`; a walk over
+    /// every key: for the collector's pace, not per sync).
+    pub fn lru_entries(&self, name: &'static str) -> Result<usize, Error> {
+        match name {
+            names::AFFINITY => self.count::<[u8; 20], [u8; 32]>(name),
+            names::SOCK_REV => self.count::<[u8; 32], [u8; 20]>(name),
+            names::CT | names::NAT => self.count::<[u8; 40], [u8; 56]>(name),
+            _ => Err(Error::Missing(name)),
+        }
     }
 
     fn count<K: aya::Pod, V: aya::Pod>(&self, name: &'static str) -> Result<usize, Error> {
