@@ -18,9 +18,12 @@
  * scopes, slot ordinals, own LRU conntrack) and Calico's felix/bpf-gpl (a fresh backend set
  * id per change, so that a frontend switches atomically to a fully written set).
  *
+ * ICMP errors about translated connections are translated back (np_icmp_error), and a
+ * translated packet too big for its next hop is answered with ICMP fragmentation needed or
+ * packet too big (np_frag_needed).
+ *
  * Not handled here: IP fragments and IPv4 options (passed to the stack untouched), SCTP
- * (its CRC32c cannot be patched incrementally: SCTP frontends are not loaded), ICMP errors
- * about translated connections (passed untranslated).
+ * (its CRC32c cannot be patched incrementally: SCTP frontends are not loaded).
  */
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
@@ -526,6 +529,145 @@ static __always_inline int np_reject_v6(struct __sk_buff *skb, const struct np_p
 #define NP_AF_INET 2
 #define NP_AF_INET6 10
 
+/* ICMP "fragmentation needed" (IPv4) and "packet too big" (IPv6) for a packet translated at
+ * ingress that the FIB cannot forward whole (RFC 1191, RFC 8201): sent back to the packet's
+ * original sender, quoting the packet as that sender wrote it (its untranslated addresses
+ * and ports, still in p->tuple), so that its socket finds the error and lowers its path MTU.
+ * The node's own stack cannot do it here: the error would quote the translated packet, or,
+ * for a reply whose source is now the node's own address, not be sent at all (martian).
+ * The source is the node's address of the family (np_config), else the address the sender
+ * wrote to. The frame goes back out of the interface the packet came in on. */
+#define ICMP_FRAG_NEEDED 4
+
+static __always_inline void np_pmtu_source(const struct np_pkt *p, __u32 idx, struct np_addr *src)
+{
+	struct np_config_val *cfg = bpf_map_lookup_elem(&np_config, &idx);
+
+	*src = p->tuple.daddr;
+	if (cfg && (cfg->snat.w[0] | cfg->snat.w[1] | cfg->snat.w[2] | cfg->snat.w[3]))
+		*src = cfg->snat;
+}
+
+static __always_inline int np_frag_needed_v4(struct __sk_buff *skb, const struct np_pkt *p, __u32 mtu)
+{
+	struct ethhdr eth;
+	struct {
+		struct iphdr ip;
+		struct icmphdr icmp;
+		struct iphdr quote_ip;
+		__u16 quote_ports[2];
+		__u8 quote_rest[4];
+	} out = {};
+	struct np_addr src;
+	__u8 mac[ETH_ALEN];
+
+	_Static_assert(sizeof(out) == 20 + 8 + 28, "ICMP error without padding");
+	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) < 0 ||
+	    bpf_skb_load_bytes(skb, p->l3_off, &out.quote_ip, 28) < 0)
+		return TC_ACT_SHOT;
+	/* Without DF the sender allowed fragmentation: left to the stack, as before. */
+	if (!(out.quote_ip.frag_off & bpf_htons(0x4000)))
+		return TC_ACT_OK;
+	out.quote_ip.saddr = p->tuple.saddr.w[3];
+	out.quote_ip.daddr = p->tuple.daddr.w[3];
+	out.quote_ip.check = 0;
+	out.quote_ip.check = np_csum_fold(bpf_csum_diff(0, 0, (__be32 *)&out.quote_ip, sizeof(out.quote_ip), 0));
+	out.quote_ports[0] = p->tuple.sport;
+	out.quote_ports[1] = p->tuple.dport;
+	np_pmtu_source(p, 0, &src);
+	__builtin_memcpy(mac, eth.h_source, ETH_ALEN);
+	__builtin_memcpy(eth.h_source, eth.h_dest, ETH_ALEN);
+	__builtin_memcpy(eth.h_dest, mac, ETH_ALEN);
+
+	out.ip.version = 4;
+	out.ip.ihl = 5;
+	out.ip.tos = 0xc0;
+	out.ip.tot_len = bpf_htons(sizeof(out));
+	out.ip.ttl = 64;
+	out.ip.protocol = IPPROTO_ICMP;
+	out.ip.saddr = src.w[3];
+	out.ip.daddr = p->tuple.saddr.w[3];
+	out.ip.check = np_csum_fold(bpf_csum_diff(0, 0, (__be32 *)&out.ip, sizeof(out.ip), 0));
+	out.icmp.type = ICMP_DEST_UNREACH;
+	out.icmp.code = ICMP_FRAG_NEEDED;
+	out.icmp.unused = bpf_htonl(mtu & 0xffff);
+	out.icmp.checksum = np_csum_fold(bpf_csum_diff(0, 0, (__be32 *)&out.icmp, sizeof(out) - sizeof(out.ip), 0));
+
+	if (bpf_skb_change_tail(skb, sizeof(eth) + sizeof(out), 0) < 0 ||
+	    bpf_skb_store_bytes(skb, 0, &eth, sizeof(eth), 0) < 0 ||
+	    bpf_skb_store_bytes(skb, sizeof(eth), &out, sizeof(out), 0) < 0)
+		return TC_ACT_SHOT;
+	return bpf_redirect(skb->ifindex, 0);
+}
+
+static __always_inline int np_frag_needed_v6(struct __sk_buff *skb, const struct np_pkt *p, __u32 mtu)
+{
+	struct ethhdr eth;
+	struct {
+		struct ipv6hdr ip6;
+		struct icmp6hdr icmp6;
+		struct ipv6hdr quote_ip6;
+		__u16 quote_ports[2];
+		__u8 quote_rest[4];
+	} out = {};
+	struct {
+		struct np_addr src;
+		struct np_addr dst;
+		__u32 len;
+		__u32 next;
+	} pseudo = {};
+	struct np_addr src;
+	__u8 mac[ETH_ALEN];
+	__s64 sum;
+
+	_Static_assert(sizeof(out) == 40 + 8 + 48, "ICMPv6 error without padding");
+	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) < 0 ||
+	    bpf_skb_load_bytes(skb, p->l3_off, &out.quote_ip6, 48) < 0)
+		return TC_ACT_SHOT;
+	__builtin_memcpy(&out.quote_ip6.saddr, &p->tuple.saddr, 16);
+	__builtin_memcpy(&out.quote_ip6.daddr, &p->tuple.daddr, 16);
+	out.quote_ports[0] = p->tuple.sport;
+	out.quote_ports[1] = p->tuple.dport;
+	np_pmtu_source(p, 1, &src);
+	__builtin_memcpy(mac, eth.h_source, ETH_ALEN);
+	__builtin_memcpy(eth.h_source, eth.h_dest, ETH_ALEN);
+	__builtin_memcpy(eth.h_dest, mac, ETH_ALEN);
+
+	out.ip6.version = 6;
+	out.ip6.payload_len = bpf_htons(sizeof(out) - sizeof(out.ip6));
+	out.ip6.nexthdr = IPPROTO_ICMPV6;
+	out.ip6.hop_limit = 64;
+	__builtin_memcpy(&out.ip6.saddr, &src, 16);
+	__builtin_memcpy(&out.ip6.daddr, &p->tuple.saddr, 16);
+	out.icmp6.icmp6_type = ICMPV6_PKT_TOOBIG;
+	out.icmp6.icmp6_mtu = bpf_htonl(mtu);
+
+	pseudo.src = src;
+	pseudo.dst = p->tuple.saddr;
+	pseudo.len = bpf_htonl(sizeof(out) - sizeof(out.ip6));
+	pseudo.next = bpf_htonl(IPPROTO_ICMPV6);
+	sum = bpf_csum_diff(0, 0, (__be32 *)&pseudo, sizeof(pseudo), 0);
+	sum = bpf_csum_diff(0, 0, (__be32 *)&out.icmp6, sizeof(out) - sizeof(out.ip6), sum);
+	out.icmp6.icmp6_cksum = np_csum_fold(sum);
+
+	if (bpf_skb_change_tail(skb, sizeof(eth) + sizeof(out), 0) < 0 ||
+	    bpf_skb_store_bytes(skb, 0, &eth, sizeof(eth), 0) < 0 ||
+	    bpf_skb_store_bytes(skb, sizeof(eth), &out, sizeof(out), 0) < 0)
+		return TC_ACT_SHOT;
+	return bpf_redirect(skb->ifindex, 0);
+}
+
+/* The FIB said the translated packet is too big for its next hop. Only TCP and UDP
+ * packets get an error (never an error about an ICMP error, RFC 1122 3.2.2). */
+static __always_inline int np_frag_needed(struct __sk_buff *skb, const struct np_pkt *p, __u32 mtu)
+{
+	if (p->proto != IPPROTO_TCP && p->proto != IPPROTO_UDP)
+		return TC_ACT_OK;
+	if (p->eth_proto == bpf_htons(ETH_P_IP))
+		return np_frag_needed_v4(skb, p, mtu);
+	return np_frag_needed_v6(skb, p, mtu);
+}
+
 /* Forwards a packet translated at ingress to its next hop, decrementing its TTL (hop
  * limit) as the stack would. Anything the FIB cannot forward (local destinations, no
  * route, fragmentation needed, TTL running out) goes up the stack. */
@@ -569,6 +711,8 @@ static __always_inline int np_forward(struct __sk_buff *skb, const struct np_pkt
 	 * 64 KiB from a veth with TSO) would fail the MTU check, and the translated packet,
 	 * sent up the stack instead, be dropped there (a SNATed source is the node's own). */
 	rc = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
+	if (rc == BPF_FIB_LKUP_RET_FRAG_NEEDED)
+		return np_frag_needed(skb, p, fib.mtu_result);
 	if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH)
 		return TC_ACT_OK;
 
@@ -721,6 +865,216 @@ static __always_inline int np_ct_stale(const struct np_ct_val *ct, const struct 
 	return bpf_map_lookup_elem(&np_members, &mk) == 0;
 }
 
+/* ICMP errors about translated connections (destination unreachable, fragmentation needed,
+ * time exceeded, parameter problem; ICMPv6 likewise, packet too big included), translated as
+ * Linux's NAT (nf_nat_icmp_reply_translation) and Cilium's do: the packet the error quotes
+ * is one direction of a known connection, so the error is turned into the error its other
+ * end would have received had there been no translation. The quoted packet's swapped tuple
+ * is a key of np_nat (an error from the backend's side: the backend's stack, or a router
+ * towards it) or of np_ct (from the client's side); its translation v gives:
+ *   quoted source := v.daddr:v.dport, quoted destination := v.saddr:v.sport,
+ *   outer destination := v.daddr, outer source := v.saddr when the error comes from the
+ *   peer itself (a router keeps its own address),
+ * with the quoted IPv4 header checksum, a quoted UDP checksum, the outer IPv4 header checksum
+ * and the ICMP checksum (ICMPv6's pseudo-header too) patched to match. At ingress the error
+ * is then forwarded as the connection's packets are; at egress it leaves as it is.
+ * Quoted packets must have no IPv4 options or IPv6 extension headers, as the programs'
+ * own parsing requires. */
+#define ICMP_TIME_EXCEEDED 11
+#define ICMP_PARAMETERPROB 12
+
+struct np_icmp_err {
+	__u32 icmp_off;   /* the ICMP header */
+	__u32 in_off;     /* the quoted IP header */
+	__u32 in_l4_off;  /* the quoted L4 header */
+	__u8 in_proto;
+	struct np_ct_key key; /* the quoted packet's tuple, swapped */
+	struct np_addr outer_src;
+	struct np_addr outer_dst;
+};
+
+/* Whether the packet is an ICMP error quoting a TCP or UDP packet; fills `e`. */
+static __always_inline int np_icmp_parse(struct __sk_buff *skb, struct np_pkt *p,
+					 struct np_icmp_err *e)
+{
+	struct ethhdr eth;
+	__u16 ports[2];
+	__u8 type;
+
+	__builtin_memset(p, 0, sizeof(*p));
+	__builtin_memset(e, 0, sizeof(*e));
+	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) < 0)
+		return 0;
+	p->eth_proto = eth.h_proto;
+	p->l3_off = sizeof(eth);
+	if (eth.h_proto == bpf_htons(ETH_P_IP)) {
+		struct iphdr ip, in;
+
+		if (bpf_skb_load_bytes(skb, p->l3_off, &ip, sizeof(ip)) < 0)
+			return 0;
+		if (ip.ihl != 5 || (ip.frag_off & bpf_htons(0x3fff)) || ip.protocol != IPPROTO_ICMP)
+			return 0;
+		e->icmp_off = p->l3_off + sizeof(ip);
+		if (bpf_skb_load_bytes(skb, e->icmp_off, &type, 1) < 0)
+			return 0;
+		if (type != ICMP_DEST_UNREACH && type != ICMP_TIME_EXCEEDED && type != ICMP_PARAMETERPROB)
+			return 0;
+		e->in_off = e->icmp_off + sizeof(struct icmphdr);
+		if (bpf_skb_load_bytes(skb, e->in_off, &in, sizeof(in)) < 0 || in.ihl != 5)
+			return 0;
+		e->in_proto = in.protocol;
+		e->in_l4_off = e->in_off + sizeof(in);
+		np_addr_v4(&e->key.saddr, in.daddr);
+		np_addr_v4(&e->key.daddr, in.saddr);
+		np_addr_v4(&e->outer_src, ip.saddr);
+		np_addr_v4(&e->outer_dst, ip.daddr);
+		p->proto = IPPROTO_ICMP;
+	} else if (eth.h_proto == bpf_htons(ETH_P_IPV6)) {
+		struct ipv6hdr ip6, in6;
+
+		if (bpf_skb_load_bytes(skb, p->l3_off, &ip6, sizeof(ip6)) < 0 ||
+		    ip6.nexthdr != IPPROTO_ICMPV6)
+			return 0;
+		e->icmp_off = p->l3_off + sizeof(ip6);
+		if (bpf_skb_load_bytes(skb, e->icmp_off, &type, 1) < 0)
+			return 0;
+		if (type != ICMPV6_DEST_UNREACH && type != ICMPV6_PKT_TOOBIG &&
+		    type != ICMPV6_TIME_EXCEED && type != ICMPV6_PARAMPROB)
+			return 0;
+		e->in_off = e->icmp_off + sizeof(struct icmp6hdr);
+		if (bpf_skb_load_bytes(skb, e->in_off, &in6, sizeof(in6)) < 0)
+			return 0;
+		e->in_proto = in6.nexthdr;
+		e->in_l4_off = e->in_off + sizeof(in6);
+		__builtin_memcpy(&e->key.saddr, &in6.daddr, 16);
+		__builtin_memcpy(&e->key.daddr, &in6.saddr, 16);
+		__builtin_memcpy(&e->outer_src, &ip6.saddr, 16);
+		__builtin_memcpy(&e->outer_dst, &ip6.daddr, 16);
+		p->proto = IPPROTO_ICMPV6;
+	} else {
+		return 0;
+	}
+	if (e->in_proto != IPPROTO_TCP && e->in_proto != IPPROTO_UDP)
+		return 0;
+	if (bpf_skb_load_bytes(skb, e->in_l4_off, ports, sizeof(ports)) < 0)
+		return 0;
+	e->key.sport = ports[1];
+	e->key.dport = ports[0];
+	e->key.proto = e->in_proto;
+	return 1;
+}
+
+/* Rewrites a 16-byte or 4-byte address at `off` and patches the checksum at `csum_off`
+ * (`pseudo`: the address is in that checksum's pseudo-header, not in its data). */
+static __always_inline int np_icmp_set_addr(struct __sk_buff *skb, int v4, __u32 off,
+					    __u32 csum_off, int pseudo,
+					    const struct np_addr *from, const struct np_addr *to)
+{
+	if (np_addr_eq(from, to))
+		return 0;
+	if (v4) {
+		__u32 old = from->w[3], new = to->w[3];
+
+		if (bpf_l3_csum_replace(skb, csum_off, old, new, sizeof(new)) < 0)
+			return -1;
+		return bpf_skb_store_bytes(skb, off, &new, sizeof(new), 0);
+	}
+	if (pseudo) {
+		__s64 diff = bpf_csum_diff((__be32 *)from->w, 16, (__be32 *)to->w, 16, 0);
+
+		if (bpf_l4_csum_replace(skb, csum_off, 0, diff, BPF_F_PSEUDO_HDR) < 0)
+			return -1;
+	}
+	return bpf_skb_store_bytes(skb, off, to->w, 16, 0);
+}
+
+/* Translates an ICMP error about a known connection; returns the verdict (TC_ACT_OK for a
+ * packet that is none). */
+static __always_inline int np_icmp_error(struct __sk_buff *skb, int ingress)
+{
+	struct np_icmp_err e;
+	struct np_ct_val *v;
+	struct np_pkt p;
+	struct np_addr new_src;
+	__u32 before[12] = {}, after[12] = {};
+	__u32 ip_csum_off;
+	__u16 sport, dport;
+	__s64 diff;
+	int v4;
+
+	if (!np_icmp_parse(skb, &p, &e))
+		return TC_ACT_OK;
+	v = bpf_map_lookup_elem(&np_nat, &e.key);
+	if (!v)
+		v = bpf_map_lookup_elem(&np_ct, &e.key);
+	if (!v)
+		return TC_ACT_OK;
+	v4 = p.eth_proto == bpf_htons(ETH_P_IP);
+	/* The quoted IP header and the first 8 bytes of its L4 header, before and after. */
+	if (bpf_skb_load_bytes(skb, e.in_off, before, v4 ? 28 : 48) < 0)
+		return TC_ACT_OK;
+
+	/* The quoted packet: its source becomes v's destination, its destination v's source. */
+	if (v4) {
+		__u32 csum = e.in_off + offsetof(struct iphdr, check);
+
+		if (np_icmp_set_addr(skb, 1, e.in_off + offsetof(struct iphdr, saddr), csum, 0,
+				     &e.key.daddr, &v->daddr) < 0 ||
+		    np_icmp_set_addr(skb, 1, e.in_off + offsetof(struct iphdr, daddr), csum, 0,
+				     &e.key.saddr, &v->saddr) < 0)
+			return TC_ACT_SHOT;
+	} else {
+		if (np_icmp_set_addr(skb, 0, e.in_off + offsetof(struct ipv6hdr, saddr), 0, 0,
+				     &e.key.daddr, &v->daddr) < 0 ||
+		    np_icmp_set_addr(skb, 0, e.in_off + offsetof(struct ipv6hdr, daddr), 0, 0,
+				     &e.key.saddr, &v->saddr) < 0)
+			return TC_ACT_SHOT;
+	}
+	sport = v->dport;
+	dport = v->sport;
+	if (bpf_skb_store_bytes(skb, e.in_l4_off, &sport, 2, 0) < 0 ||
+	    bpf_skb_store_bytes(skb, e.in_l4_off + 2, &dport, 2, 0) < 0)
+		return TC_ACT_SHOT;
+	if (e.in_proto == IPPROTO_UDP) {
+		/* The quoted UDP checksum, when it has one: the addresses of its pseudo-header and
+		 * the ports changed. */
+		__u16 check;
+		__u32 off = e.in_l4_off + offsetof(struct udphdr, check);
+
+		if (bpf_skb_load_bytes(skb, off, &check, 2) < 0)
+			return TC_ACT_SHOT;
+		if (check) {
+			__s64 d = bpf_csum_diff((__be32 *)e.key.daddr.w, 16, (__be32 *)v->daddr.w, 16, 0);
+
+			d = bpf_csum_diff((__be32 *)e.key.saddr.w, 16, (__be32 *)v->saddr.w, 16, d);
+			if (bpf_l3_csum_replace(skb, off, 0, d, 0) < 0 ||
+			    bpf_l3_csum_replace(skb, off, e.key.dport, sport, 2) < 0 ||
+			    bpf_l3_csum_replace(skb, off, e.key.sport, dport, 2) < 0)
+				return TC_ACT_SHOT;
+		}
+	}
+	/* The ICMP checksum covers the quoted bytes: patched by their difference. */
+	if (bpf_skb_load_bytes(skb, e.in_off, after, v4 ? 28 : 48) < 0)
+		return TC_ACT_SHOT;
+	diff = bpf_csum_diff((__be32 *)before, v4 ? 28 : 48, (__be32 *)after, v4 ? 28 : 48, 0);
+	if (bpf_l3_csum_replace(skb, e.icmp_off + 2, 0, diff, 0) < 0)
+		return TC_ACT_SHOT;
+
+	/* The outer header: to the other end, from the peer's translated address. */
+	new_src = np_addr_eq(&e.outer_src, &e.key.saddr) ? v->saddr : e.outer_src;
+	ip_csum_off = v4 ? p.l3_off + offsetof(struct iphdr, check) : e.icmp_off + 2;
+	if (np_icmp_set_addr(skb, v4,
+			     p.l3_off + (v4 ? offsetof(struct iphdr, daddr) : offsetof(struct ipv6hdr, daddr)),
+			     ip_csum_off, 1, &e.outer_dst, &v->daddr) < 0 ||
+	    np_icmp_set_addr(skb, v4,
+			     p.l3_off + (v4 ? offsetof(struct iphdr, saddr) : offsetof(struct ipv6hdr, saddr)),
+			     ip_csum_off, 1, &e.outer_src, &new_src) < 0)
+		return TC_ACT_SHOT;
+	if (!ingress)
+		return TC_ACT_OK;
+	return np_forward(skb, &p);
+}
+
 SEC("classifier")
 int np_tc_ingress(struct __sk_buff *skb)
 {
@@ -731,7 +1085,7 @@ int np_tc_ingress(struct __sk_buff *skb)
 	int verdict;
 
 	if (np_parse(skb, &p) < 0)
-		return TC_ACT_OK;
+		return np_icmp_error(skb, 1);
 	if (np_reverse(skb, &p, &verdict))
 		return verdict == TC_ACT_OK ? np_forward(skb, &p) : verdict;
 	key.addr = p.tuple.daddr;
@@ -763,7 +1117,7 @@ int np_tc_egress(struct __sk_buff *skb)
 	int verdict;
 
 	if (np_parse(skb, &p) < 0)
-		return TC_ACT_OK;
+		return np_icmp_error(skb, 0);
 	if (np_reverse(skb, &p, &verdict))
 		return verdict;
 	return TC_ACT_OK;

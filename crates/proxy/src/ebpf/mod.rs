@@ -32,7 +32,9 @@
 //! # Not handled by the programs
 //!
 //! IP fragments and IPv4 options (passed untranslated), SCTP (its CRC32c cannot be patched
-//! incrementally), ICMP errors about translated connections (passed untranslated). SNAT
+//! incrementally). (ICMP errors about translated connections are translated back, and
+//! packets too big for their next hop answered with fragmentation needed: see the C
+//! source's `np_icmp_error` and `np_frag_needed`.) SNAT
 //! ports (32768–65535, Cilium's range) are not kept apart from the node's own ephemeral
 //! ports: a connection of the node itself to a backend, from the very port a SNATed flow to
 //! that backend uses, would have its replies taken for the SNATed flow's. Packets of pods
