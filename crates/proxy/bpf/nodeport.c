@@ -22,8 +22,11 @@
  * translated packet too big for its next hop is answered with ICMP fragmentation needed or
  * packet too big (np_frag_needed).
  *
- * Not handled here: IP fragments and IPv4 options (passed to the stack untouched), SCTP
- * (its CRC32c cannot be patched incrementally: SCTP frontends are not loaded).
+ * IP fragments follow their first fragment's translation (np_frags).
+ *
+ * Not handled here: IPv4 options and IPv6 extension headers other than the fragment header
+ * (passed to the stack untouched), SCTP (its CRC32c cannot be patched incrementally: SCTP
+ * frontends are not loaded).
  */
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
@@ -147,8 +150,46 @@ struct {
 
 #define NP_FLAG_FIB_FORWARD 0x1
 
+/* IP fragments (Cilium's fragment map, bpf/lib/ipv4.h and ipv6.h): a datagram's first
+ * fragment carries its ports, the later ones only the IP header. The first fragment's
+ * ports are remembered under (source, destination, IP id, protocol), as the packet arrived,
+ * so that the later fragments find the same connection and get the same address
+ * translation (the ports and the L4 checksum are in the first fragment only). Fragments
+ * arriving before their first one find nothing and go up the stack untranslated. */
+struct np_frag_key {
+	struct np_addr saddr;
+	struct np_addr daddr;
+	__u32 id;
+	__u8 proto;
+	__u8 pad[3];
+};
+
+struct np_frag_val {
+	__u16 sport;
+	__u16 dport;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 8192);
+	__type(key, struct np_frag_key);
+	__type(value, struct np_frag_val);
+} np_frags SEC(".maps");
+
+#define NP_FRAG_FIRST 1 /* np_pkt.frag: the first fragment (offset 0, more follow) */
+#define NP_FRAG_LATER 2 /* a later fragment: no L4 header */
+
 #define NP_NAT_PORT_MIN 32768
 #define NP_NAT_PORT_TRIES 8
+
+/* The IPv6 fragment extension header (RFC 8200 4.5). */
+#define NP_IPV6_FRAGMENT 44
+struct np_ipv6_frag {
+	__u8 nexthdr;
+	__u8 reserved;
+	__u16 frag_off; /* offset in 8-byte units << 3, M flag in bit 0 */
+	__u32 id;
+};
 
 /* A parsed packet: where its fields are and what they hold. */
 struct np_pkt {
@@ -159,7 +200,34 @@ struct np_pkt {
 	__u8 proto;
 	__u8 tcp_flags;
 	struct np_ct_key tuple;
+	__u8 frag;     /* NP_FRAG_*, 0 for a whole datagram */
+	__u32 frag_id; /* the IP id of a fragment */
 };
+
+/* The ports of a fragment's datagram: read from a first fragment and remembered, or
+ * looked up for a later one. Returns 0 when the packet's ports are known. */
+static __always_inline int np_frag_ports(struct np_pkt *p)
+{
+	struct np_frag_key k = {};
+	struct np_frag_val v = {}, *found;
+
+	k.saddr = p->tuple.saddr;
+	k.daddr = p->tuple.daddr;
+	k.id = p->frag_id;
+	k.proto = p->proto;
+	if (p->frag == NP_FRAG_FIRST) {
+		v.sport = p->tuple.sport;
+		v.dport = p->tuple.dport;
+		bpf_map_update_elem(&np_frags, &k, &v, BPF_ANY);
+		return 0;
+	}
+	found = bpf_map_lookup_elem(&np_frags, &k);
+	if (!found)
+		return -1;
+	p->tuple.sport = found->sport;
+	p->tuple.dport = found->dport;
+	return 0;
+}
 
 static __always_inline void np_addr_v4(struct np_addr *a, __u32 v4)
 {
@@ -191,8 +259,12 @@ static __always_inline int np_parse(struct __sk_buff *skb, struct np_pkt *p)
 
 		if (bpf_skb_load_bytes(skb, p->l3_off, &ip, sizeof(ip)) < 0)
 			return -1;
-		if (ip.ihl != 5 || (ip.frag_off & bpf_htons(0x3fff)))
+		if (ip.ihl != 5)
 			return -1;
+		if (ip.frag_off & bpf_htons(0x3fff)) {
+			p->frag = (ip.frag_off & bpf_htons(0x1fff)) ? NP_FRAG_LATER : NP_FRAG_FIRST;
+			p->frag_id = ip.id;
+		}
 		p->proto = ip.protocol;
 		np_addr_v4(&p->tuple.saddr, ip.saddr);
 		np_addr_v4(&p->tuple.daddr, ip.daddr);
@@ -206,8 +278,25 @@ static __always_inline int np_parse(struct __sk_buff *skb, struct np_pkt *p)
 		__builtin_memcpy(&p->tuple.saddr, &ip6.saddr, 16);
 		__builtin_memcpy(&p->tuple.daddr, &ip6.daddr, 16);
 		p->l4_off = p->l3_off + sizeof(ip6);
+		if (p->proto == NP_IPV6_FRAGMENT) {
+			struct np_ipv6_frag fh;
+
+			if (bpf_skb_load_bytes(skb, p->l4_off, &fh, sizeof(fh)) < 0)
+				return -1;
+			p->proto = fh.nexthdr;
+			p->l4_off += sizeof(fh);
+			p->frag = (fh.frag_off & bpf_htons(0xfff8)) ? NP_FRAG_LATER : NP_FRAG_FIRST;
+			p->frag_id = fh.id;
+		}
 	} else {
 		return -1;
+	}
+	if (p->proto != IPPROTO_TCP && p->proto != IPPROTO_UDP)
+		return -1;
+	if (p->frag == NP_FRAG_LATER) {
+		/* No L4 header: no ports, flags or checksum to read or rewrite. */
+		p->tuple.proto = p->proto;
+		return np_frag_ports(p);
 	}
 	if (p->proto == IPPROTO_TCP) {
 		__u8 flags;
@@ -226,6 +315,8 @@ static __always_inline int np_parse(struct __sk_buff *skb, struct np_pkt *p)
 	p->tuple.sport = ports[0];
 	p->tuple.dport = ports[1];
 	p->tuple.proto = p->proto;
+	if (p->frag == NP_FRAG_FIRST)
+		return np_frag_ports(p);
 	return 0;
 }
 
@@ -249,7 +340,8 @@ static __always_inline int np_set_addr(struct __sk_buff *skb, const struct np_pk
 		__u32 off = p->l3_off + (dst ? offsetof(struct iphdr, daddr) : offsetof(struct iphdr, saddr));
 		__u32 old = from->w[3], new = to->w[3];
 
-		if (bpf_l4_csum_replace(skb, p->csum_off, old, new,
+		if (p->frag != NP_FRAG_LATER &&
+		    bpf_l4_csum_replace(skb, p->csum_off, old, new,
 					BPF_F_PSEUDO_HDR | sizeof(new) | np_csum_flags(p)) < 0)
 			return -1;
 		if (bpf_l3_csum_replace(skb, p->l3_off + offsetof(struct iphdr, check), old, new,
@@ -261,7 +353,8 @@ static __always_inline int np_set_addr(struct __sk_buff *skb, const struct np_pk
 			    (dst ? offsetof(struct ipv6hdr, daddr) : offsetof(struct ipv6hdr, saddr));
 		__s64 diff = bpf_csum_diff((__be32 *)from->w, 16, (__be32 *)to->w, 16, 0);
 
-		if (bpf_l4_csum_replace(skb, p->csum_off, 0, diff,
+		if (p->frag != NP_FRAG_LATER &&
+		    bpf_l4_csum_replace(skb, p->csum_off, 0, diff,
 					BPF_F_PSEUDO_HDR | np_csum_flags(p)) < 0)
 			return -1;
 		return bpf_skb_store_bytes(skb, off, to->w, 16, 0);
@@ -271,7 +364,7 @@ static __always_inline int np_set_addr(struct __sk_buff *skb, const struct np_pk
 static __always_inline int np_set_port(struct __sk_buff *skb, const struct np_pkt *p, int dst,
 				       __u16 from, __u16 to)
 {
-	if (from == to)
+	if (from == to || p->frag == NP_FRAG_LATER)
 		return 0;
 	if (bpf_l4_csum_replace(skb, p->csum_off, from, to, sizeof(to) | np_csum_flags(p)) < 0)
 		return -1;
@@ -1100,6 +1193,9 @@ int np_tc_ingress(struct __sk_buff *skb)
 	}
 	if (!svc)
 		return TC_ACT_OK;
+	/* A later fragment of a datagram whose first fragment opened nothing. */
+	if (p.frag == NP_FRAG_LATER)
+		return TC_ACT_SHOT;
 	if (svc->count == 0) {
 		if (svc->flags & NP_SVC_REJECT)
 			return p.eth_proto == bpf_htons(ETH_P_IP) ? np_reject_v4(skb, &p)

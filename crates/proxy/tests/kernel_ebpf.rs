@@ -239,7 +239,7 @@ fn run(progs: &Loaded, name: &'static str, frame: &[u8]) -> (u32, Vec<u8>) {
 /// [`run`] on programs whose maps are elsewhere.
 fn run_on(progs: &Programs, name: &'static str, frame: &[u8]) -> (u32, Vec<u8>) {
     let prog = progs.classifier(name).expect("program loaded");
-    let mut out = vec![0u8; 512];
+    let mut out = vec![0u8; 4096];
     let r = prog
         .test_run(TestRunOptions {
             data_in: Some(frame),
@@ -2552,4 +2552,175 @@ fn a_datagram_too_big_for_the_backends_link_gets_fragmentation_needed_from_the_n
         })
         .unwrap();
     assert_eq!(mtu, 1280, "the path MTU the client learnt");
+}
+
+/// Splits a frame's IP packet into fragments of at most `chunk` payload bytes (a multiple of
+/// 8), as the sender's stack does: IPv4 with the MF flag and offset in its header, IPv6 with
+/// a fragment header; every IPv4 header checksum valid.
+fn fragments(f: &[u8], id: u32, chunk: usize) -> Vec<Vec<u8>> {
+    let v4 = u16::from_be_bytes([f[12], f[13]]) == 0x0800;
+    let hlen = if v4 { 20 } else { 40 };
+    let header = &f[14..14 + hlen];
+    let payload = &f[14 + hlen..];
+    let mut out = Vec::new();
+    for (i, part) in payload.chunks(chunk).enumerate() {
+        let offset = i * chunk;
+        let more = offset + part.len() < payload.len();
+        let mut frame = f[..14].to_vec();
+        let mut h = header.to_vec();
+        if v4 {
+            h[2..4].copy_from_slice(&((20 + part.len()) as u16).to_be_bytes());
+            h[4..6].copy_from_slice(&(id as u16).to_be_bytes());
+            let flags = (offset / 8) as u16 | if more { 0x2000 } else { 0 };
+            h[6..8].copy_from_slice(&flags.to_be_bytes());
+            h[10..12].copy_from_slice(&[0, 0]);
+            let c = fold(sum16(&h, 0));
+            h[10..12].copy_from_slice(&c.to_be_bytes());
+            frame.extend_from_slice(&h);
+        } else {
+            let next = h[6];
+            h[4..6].copy_from_slice(&((8 + part.len()) as u16).to_be_bytes());
+            h[6] = 44;
+            frame.extend_from_slice(&h);
+            frame.extend_from_slice(&[next, 0]);
+            let off = (offset as u16) | u16::from(more);
+            frame.extend_from_slice(&off.to_be_bytes());
+            frame.extend_from_slice(&id.to_be_bytes());
+        }
+        frame.extend_from_slice(part);
+        out.push(frame);
+    }
+    out
+}
+
+/// The source and destination addresses of a frame, and the IPv4 header checksum checked.
+#[track_caller]
+fn addresses(f: &[u8]) -> (IpAddr, IpAddr) {
+    if u16::from_be_bytes([f[12], f[13]]) == 0x0800 {
+        let h = &f[14..34];
+        assert_eq!(fold(sum16(h, 0)), 0, "IPv4 header checksum");
+        let s: [u8; 4] = h[12..16].try_into().unwrap();
+        let d: [u8; 4] = h[16..20].try_into().unwrap();
+        (IpAddr::from(s), IpAddr::from(d))
+    } else {
+        let s: [u8; 16] = f[22..38].try_into().unwrap();
+        let d: [u8; 16] = f[38..54].try_into().unwrap();
+        (IpAddr::from(s), IpAddr::from(d))
+    }
+}
+
+#[test]
+fn the_fragments_of_a_udp_datagram_follow_the_first_ones_translation_in_both_families() {
+    let Some(mut progs) = load("the_fragments_of_a_udp_datagram") else {
+        return;
+    };
+    for (node, backend, client, set) in [
+        ("192.168.1.10", "10.244.2.7", "203.0.113.7", 1),
+        ("fd00:1::10", "fd00:244:2::7", "2001:db8::7", 2),
+    ] {
+        progs.set_snat_address(ip(node)).unwrap();
+        service(
+            &mut progs,
+            ext(node, 30053, UDP),
+            set,
+            set,
+            SVC_SNAT,
+            &[local(backend, 5353)],
+        );
+        let mut query = Packet::new(UDP, client, 40000, node, 30053);
+        query.payload = (0..3000u32).map(|i| (i % 251) as u8).collect();
+        let whole = frame(&query);
+        let parts = fragments(&whole, 0x4242, 1232);
+        assert_eq!(parts.len(), 3);
+        // A later fragment before the first: nothing known, not translated.
+        let (verdict, early) = run(&progs, TC_INGRESS, &parts[1]);
+        assert_eq!((verdict, &early), (TC_ACT_OK, &parts[1]));
+
+        let mut out = Vec::new();
+        for part in &parts {
+            let (verdict, f) = run(&progs, TC_INGRESS, part);
+            assert_eq!(verdict, TC_ACT_OK);
+            assert_eq!(
+                addresses(&f),
+                (ip(node), ip(backend)),
+                "every fragment SNATed and DNATed"
+            );
+            out.push(f);
+        }
+        // Reassembled, the datagram is the client's with the translated addresses and ports,
+        // its UDP checksum (in the first fragment) valid over the whole of it.
+        let hlen = if query.src.is_ipv4() { 20 } else { 48 };
+        let mut l4 = Vec::new();
+        for f in &out {
+            l4.extend_from_slice(&f[14 + hlen..]);
+        }
+        let mut joined = frame(&Packet::new(UDP, node, 0, backend, 0));
+        let base = if query.src.is_ipv4() { 34 } else { 54 };
+        joined.truncate(base);
+        if query.src.is_ipv4() {
+            joined[16..18].copy_from_slice(&((20 + l4.len()) as u16).to_be_bytes());
+            joined[24..26].copy_from_slice(&[0, 0]);
+            let c = fold(sum16(&joined[14..34], 0));
+            joined[24..26].copy_from_slice(&c.to_be_bytes());
+        } else {
+            joined[18..20].copy_from_slice(&(l4.len() as u16).to_be_bytes());
+        }
+        joined.extend_from_slice(&l4);
+        let got = parse(&joined);
+        assert_eq!(
+            (got.dport, got.payload.clone()),
+            (5353, query.payload.clone())
+        );
+        assert!(got.sport >= 32768, "the SNAT port: {}", got.sport);
+    }
+}
+
+/// A UDP echo server in the pod on `port` (both families), for datagrams of any size.
+fn udp_echo(topo: &Topology, port: u16) -> std::net::UdpSocket {
+    let s = topo
+        ._pod
+        .enter(|| std::net::UdpSocket::bind(("::", port)))
+        .unwrap()
+        .unwrap();
+    let echo = s.try_clone().unwrap();
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 65536];
+        while let Ok((n, from)) = echo.recv_from(&mut buf) {
+            let _ = echo.send_to(&buf[..n], from);
+        }
+    });
+    s
+}
+
+#[test]
+fn a_udp_datagram_larger_than_the_mtu_crosses_a_nodeport_in_fragments_both_ways() {
+    // 3000 bytes over links of 1500: the client's stack sends three fragments, the pod's
+    // answers in three; the node translates every one of them (SNATed and not).
+    let Some((_programs, _maps, topo)) = udp_nodeports(
+        "a_udp_datagram_larger_than_the_mtu",
+        &[(30053, 7000, SVC_SNAT), (30054, 7000, 0)],
+    ) else {
+        return;
+    };
+    let _echo = udp_echo(&topo, 7000);
+    let big: Vec<u8> = (0..3000u32).map(|i| (i % 253) as u8).collect();
+    for to in [
+        "192.168.50.1:30053",
+        "192.168.50.1:30054",
+        "[fd00:50::1]:30053",
+        "[fd00:50::1]:30054",
+    ] {
+        // Neighbours first (the first datagram may wait for them longer than two seconds).
+        let small = (0..3)
+            .map(|_| udp_exchange(&topo, to, b"small"))
+            .find(Result::is_ok);
+        assert!(small.is_some(), "{to}: no answer to a small datagram");
+        let r = udp_exchange(&topo, to, &big);
+        assert_eq!(
+            r.as_ref().ok(),
+            Some(&big),
+            "{to}: {:?}",
+            r.as_ref().map(Vec::len)
+        );
+    }
 }

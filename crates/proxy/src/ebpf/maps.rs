@@ -33,6 +33,9 @@ pub mod names {
     pub const SOCK_REV: &str = "np_sock_rev";
     /// Dataplane flags (`FLAG_*`).
     pub const FLAGS: &str = "np_flags";
+    /// IP fragments: a datagram's ports, remembered from its first fragment (LRU, 8192
+    /// entries, Cilium's default; used by the programs only, so not in [`ALL`]).
+    pub const FRAGS: &str = "np_frags";
 
     /// Every map, in the order the metrics list them.
     pub const ALL: [&str; 11] = [

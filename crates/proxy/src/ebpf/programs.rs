@@ -273,7 +273,7 @@ impl Programs {
             loader.map_max_entries(name, size);
         }
         if let Some(dir) = pin_dir {
-            for name in names::ALL {
+            for name in names::ALL.into_iter().chain([names::FRAGS]) {
                 loader.map_pin_path(name, dir.join(name));
             }
         }
