@@ -719,8 +719,11 @@ static __always_inline int np_frag_needed_v6(struct __sk_buff *skb, const struct
 		return TC_ACT_SHOT;
 	__builtin_memcpy(&out.quote_ip6.saddr, &p->tuple.saddr, 16);
 	__builtin_memcpy(&out.quote_ip6.daddr, &p->tuple.daddr, 16);
-	out.quote_ports[0] = p->tuple.sport;
-	out.quote_ports[1] = p->tuple.dport;
+	/* A fragment's quote ends with its fragment header, not its ports. */
+	if (!p->frag) {
+		out.quote_ports[0] = p->tuple.sport;
+		out.quote_ports[1] = p->tuple.dport;
+	}
 	np_pmtu_source(p, 1, &src);
 	__builtin_memcpy(mac, eth.h_source, ETH_ALEN);
 	__builtin_memcpy(eth.h_source, eth.h_dest, ETH_ALEN);
