@@ -1373,6 +1373,15 @@ fn a_full_sync_writes_again_a_service_port_whose_entries_others_deleted() {
     // Nothing left to repair.
     let again = applier.sync(&c.desired, None).unwrap();
     assert_eq!((again.services_written, again.map_operations), (0, 0));
+    // A backend alone, found by the resync's look-ups (no walk within the hour).
+    let fe = applier.maps().frontends().unwrap()[0].1;
+    applier
+        .maps_mut()
+        .remove_backend_slot(fe.be_set, 1)
+        .unwrap();
+    let report = applier.sync(&c.desired, None).unwrap();
+    assert_eq!(report.services_written, 1, "{report:?}");
+    assert_eq!(applier.maps().backends().unwrap().len(), 2);
 }
 
 #[test]

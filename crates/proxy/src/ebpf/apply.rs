@@ -21,12 +21,21 @@
 //!
 //! The applier keeps what it wrote (`installed`): a sync compares the rendered Services with
 //! it and writes only what differs, so an unchanged Service costs no `bpf()` call. A full sync
-//! (the first, after a failure, and the periodic resync) first reads each map it owns once
-//! (`KernelView`, two calls per entry: next key and lookup; aya 0.14 has no batched
-//! lookups), and so finds what others changed: a service port whose entries the maps no longer
-//! hold as written is written again whole (fresh set ids, then its frontends), and entries
-//! the applier did not write are deleted after the writes, as kube-proxy's full syncs repair
-//! hand edits of its rules. Nothing is read back after the writes. On its first sync the
+//! first finds what others changed, so that a service port whose entries the maps no longer
+//! hold as written is written again whole (fresh set ids, then its frontends), as kube-proxy's
+//! full syncs repair hand edits of its rules. Nothing is read back after the writes.
+//!
+//! - The first full sync, one after a failure, and one an hour after the last (kube-proxy's
+//!   `FullSyncPeriod`) **walk** each map the applier owns once (`KernelView`, two calls per
+//!   entry: next key and lookup; aya 0.14 has no batched lookups): every entry compared, and
+//!   entries the applier did not write deleted after the writes.
+//! - The other full syncs (the periodic resync, every `--sync-period`) **look up** the
+//!   applier's own entries instead, one call each: every frontend (what decides where traffic
+//!   goes), and a rotating share of the backend sets ([`CHECK_BACKENDS_PER_SYNC`] entries per
+//!   sync), so that a resync costs a fraction of a walk. Entries added by others wait for the
+//!   next walk.
+//!
+//! On its first sync the
 //! applier takes the service ids of the frontends an earlier run left (so that affinity
 //! survives a restart); set ids start above any found. Full syncs also write the cluster
 //! CIDRs (`--cluster-cidr`) into the source-range trie under service id 0
@@ -97,6 +106,14 @@ impl Default for Timeouts {
     }
 }
 
+/// How often a full sync walks every map rather than looking up the applier's own entries
+/// (kube-proxy's `FullSyncPeriod`).
+pub const WALK_EVERY: Duration = Duration::from_secs(3600);
+
+/// Backend entries a full sync that does not walk looks up (a rotating share of the sets,
+/// whole sets at a time).
+pub const CHECK_BACKENDS_PER_SYNC: usize = 8192;
+
 /// Writes desired state into the maps of a loaded object ([`programs::Programs::load`]).
 #[derive(Debug)]
 pub struct Applier {
@@ -113,6 +130,10 @@ pub struct Applier {
     started: bool,
     /// Entries of the LRU maps at the last collection (counted by its walk).
     lru_counts: BTreeMap<&'static str, usize>,
+    /// When a full sync last walked the maps (`None`: never, or a sync failed since).
+    last_walk: Option<std::time::Instant>,
+    /// Where the next look-up of backend sets starts, in the mirror's order.
+    check_cursor: usize,
 }
 
 /// What the maps the applier owns hold, read once at the start of a full sync.
@@ -173,6 +194,8 @@ impl Applier {
             needs_full: true,
             started: false,
             lru_counts: BTreeMap::new(),
+            last_walk: None,
+            check_cursor: 0,
         }
     }
 
@@ -216,6 +239,7 @@ impl Applier {
             }
             Err(e) => {
                 self.needs_full = true;
+                self.last_walk = None;
                 Err(Error::Maps(e))
             }
         }
@@ -231,7 +255,8 @@ impl Applier {
             full,
             ..Default::default()
         };
-        let view = if full {
+        let walk = full && self.last_walk.is_none_or(|t| t.elapsed() >= WALK_EVERY);
+        let view = if walk {
             Some(KernelView::read(&self.maps)?)
         } else {
             None
@@ -274,12 +299,16 @@ impl Applier {
                     .filter(|(_, inst)| !view.holds(inst, maglev))
                     .map(|(key, _)| key.clone()),
             );
-            if !damaged.is_empty() {
-                tracing::info!(
-                    service_ports = damaged.len(),
-                    "eBPF map entries changed by others: their service ports are written again"
-                );
-            }
+        } else if full {
+            damaged.extend(self.look_up_own_entries()?);
+        }
+        if !damaged.is_empty() {
+            tracing::info!(
+                service_ports = damaged.len(),
+                "eBPF map entries changed by others: their service ports are written again"
+            );
+        }
+        if full {
             todo.extend(self.installed.keys().cloned());
             for fam in &desired.families {
                 todo.extend(fam.services.keys().map(|n| (n.clone(), fam.family)));
@@ -307,8 +336,64 @@ impl Applier {
         if let Some(view) = &view {
             report.map_operations += self.sweep(view)?;
             self.adopted.clear();
+            self.last_walk = Some(std::time::Instant::now());
         }
         Ok(report)
+    }
+
+    /// The light check of a full sync that does not walk: every frontend the applier wrote,
+    /// and about [`CHECK_BACKENDS_PER_SYNC`] backend entries (with their membership entries
+    /// and Maglev tables) from where the last check stopped, looked up one by one. Returns
+    /// the service ports the maps no longer hold as written.
+    fn look_up_own_entries(
+        &mut self,
+    ) -> Result<BTreeSet<(ServicePortName, IpFamily)>, programs::Error> {
+        let maglev = self.config.algorithm == Algorithm::Maglev;
+        let mut damaged = BTreeSet::new();
+        for (key, inst) in &self.installed {
+            for (fk, spec) in &inst.maps.frontends {
+                let value = frontend_value(inst.svc_id, spec, &inst.maps, &inst.set_ids);
+                if self.maps.frontend(fk)? != Some(value) {
+                    damaged.insert(key.clone());
+                    break;
+                }
+            }
+        }
+        let n = self.installed.len();
+        let start = if n == 0 { 0 } else { self.check_cursor % n };
+        let mut checked = 0;
+        let mut visited = 0;
+        for (key, inst) in self
+            .installed
+            .iter()
+            .skip(start)
+            .chain(self.installed.iter().take(start))
+        {
+            if checked >= CHECK_BACKENDS_PER_SYNC {
+                break;
+            }
+            visited += 1;
+            'sets: for (set, id) in &inst.set_ids {
+                let list = &inst.maps.sets[set];
+                let members = needs_members(&inst.maps, set);
+                checked += list.len();
+                if maglev && !self.maps.has_maglev(*id)? {
+                    damaged.insert(key.clone());
+                    break;
+                }
+                for (i, be) in list.iter().enumerate() {
+                    let ordinal = i as u32 + 1;
+                    if self.maps.backend(*id, ordinal)? != Some(*be)
+                        || (members && self.maps.member(*id, be.addr, be.port)? != Some(ordinal))
+                    {
+                        damaged.insert(key.clone());
+                        break 'sets;
+                    }
+                }
+            }
+        }
+        self.check_cursor = start + visited;
+        Ok(damaged)
     }
 
     /// Takes the service ids of the frontends an earlier run left, and the ids in use.

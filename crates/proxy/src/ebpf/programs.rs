@@ -529,6 +529,46 @@ impl Maps {
         absent_ok(r, names::SERVICES)
     }
 
+    /// The frontend of `key`, if the map holds one.
+    pub fn frontend(&self, key: &FrontendKey) -> Result<Option<Frontend>, Error> {
+        let map = self.hash_ref::<[u8; 20], [u8; 16]>(names::SERVICES)?;
+        match map.get(&key.encode(), 0) {
+            Ok(v) => Ok(Some(Frontend::decode(&v))),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(map_err(names::SERVICES)(e)),
+        }
+    }
+
+    /// Backend `ordinal` of a set, if the map holds it.
+    pub fn backend(&self, be_set: u32, ordinal: u32) -> Result<Option<BackendEntry>, Error> {
+        let map = self.hash_ref::<[u8; 8], [u8; 20]>(names::BACKENDS)?;
+        match map.get(&maps::backend_key(be_set, ordinal), 0) {
+            Ok(v) => Ok(Some(BackendEntry::decode(&v))),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(map_err(names::BACKENDS)(e)),
+        }
+    }
+
+    /// The ordinal a backend's membership entry in a set gives, if the map holds one.
+    pub fn member(&self, be_set: u32, addr: IpAddr, port: u16) -> Result<Option<u32>, Error> {
+        let map = self.hash_ref::<[u8; 24], u32>(names::MEMBERS)?;
+        match map.get(&maps::member_key(be_set, addr, port), 0) {
+            Ok(v) => Ok(Some(v)),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(map_err(names::MEMBERS)(e)),
+        }
+    }
+
+    /// Whether a backend set has a Maglev table.
+    pub fn has_maglev(&self, be_set: u32) -> Result<bool, Error> {
+        let map = self.hash_ref::<u32, [u32; MAGLEV_M]>(names::MAGLEV)?;
+        match map.get(&be_set, 0) {
+            Ok(_) => Ok(true),
+            Err(MapError::KeyNotFound) => Ok(false),
+            Err(e) => Err(map_err(names::MAGLEV)(e)),
+        }
+    }
+
     /// Every frontend in the map.
     pub fn frontends(&self) -> Result<Vec<(FrontendKey, Frontend)>, Error> {
         let map = self.hash_ref::<[u8; 20], [u8; 16]>(names::SERVICES)?;
