@@ -31,6 +31,8 @@
 //! Measured:
 //! * full sync: the first sync into empty tables (render, plan, kernel);
 //! * one change: another Service's endpoints changed, the partial sync (median of 5);
+//! * resync (printed while programming): a full sync with nothing changed, what the periodic
+//!   resync costs;
 //! * latency: TCP `connect()` from the client to `192.0.2.10:<NodePort>` until the handshake
 //!   completes, a new connection (new conntrack entry, so the first packet walks the rules)
 //!   each time. All setups stay up and are measured in interleaved rounds, so that the
@@ -375,12 +377,17 @@ fn setup(mode: Mode, n: usize, endpoints: usize) -> Setup {
     }
     changes.sort();
     let one_change = changes[changes.len() / 2];
+    // The periodic resync: a full sync of what the kernel already holds.
+    let t = Instant::now();
+    assert!(b.sync(&d, &config, None).expect("resync").full);
+    let resync = t.elapsed();
     println!(
-        "  {:<15} {:>6} Services: full sync {:>8.3} s, one change {:>8.3} ms",
+        "  {:<15} {:>6} Services: full sync {:>8.3} s, one change {:>8.3} ms, resync {:>8.3} s",
         mode.as_str(),
         n,
         full_sync.as_secs_f64(),
-        one_change.as_secs_f64() * 1e3
+        one_change.as_secs_f64() * 1e3,
+        resync.as_secs_f64()
     );
     let _ = std::io::stdout().flush();
     let s = Setup {

@@ -18,9 +18,15 @@
  * scopes, slot ordinals, own LRU conntrack) and Calico's felix/bpf-gpl (a fresh backend set
  * id per change, so that a frontend switches atomically to a fully written set).
  *
- * Not handled here: IP fragments and IPv4 options (passed to the stack untouched), SCTP
- * (its CRC32c cannot be patched incrementally: SCTP frontends are not loaded), ICMP errors
- * about translated connections (passed untranslated).
+ * ICMP errors about translated connections are translated back (np_icmp_error), and a
+ * translated packet too big for its next hop is answered with ICMP fragmentation needed or
+ * packet too big (np_frag_needed).
+ *
+ * IP fragments follow their first fragment's translation (np_frags).
+ *
+ * Not handled here: IPv4 options and IPv6 extension headers other than the fragment header
+ * (passed to the stack untouched), SCTP (its CRC32c cannot be patched incrementally: SCTP
+ * frontends are not loaded).
  */
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
@@ -144,8 +150,46 @@ struct {
 
 #define NP_FLAG_FIB_FORWARD 0x1
 
+/* IP fragments (Cilium's fragment map, bpf/lib/ipv4.h and ipv6.h): a datagram's first
+ * fragment carries its ports, the later ones only the IP header. The first fragment's
+ * ports are remembered under (source, destination, IP id, protocol), as the packet arrived,
+ * so that the later fragments find the same connection and get the same address
+ * translation (the ports and the L4 checksum are in the first fragment only). Fragments
+ * arriving before their first one find nothing and go up the stack untranslated. */
+struct np_frag_key {
+	struct np_addr saddr;
+	struct np_addr daddr;
+	__u32 id;
+	__u8 proto;
+	__u8 pad[3];
+};
+
+struct np_frag_val {
+	__u16 sport;
+	__u16 dport;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, 8192);
+	__type(key, struct np_frag_key);
+	__type(value, struct np_frag_val);
+} np_frags SEC(".maps");
+
+#define NP_FRAG_FIRST 1 /* np_pkt.frag: the first fragment (offset 0, more follow) */
+#define NP_FRAG_LATER 2 /* a later fragment: no L4 header */
+
 #define NP_NAT_PORT_MIN 32768
 #define NP_NAT_PORT_TRIES 8
+
+/* The IPv6 fragment extension header (RFC 8200 4.5). */
+#define NP_IPV6_FRAGMENT 44
+struct np_ipv6_frag {
+	__u8 nexthdr;
+	__u8 reserved;
+	__u16 frag_off; /* offset in 8-byte units << 3, M flag in bit 0 */
+	__u32 id;
+};
 
 /* A parsed packet: where its fields are and what they hold. */
 struct np_pkt {
@@ -156,7 +200,34 @@ struct np_pkt {
 	__u8 proto;
 	__u8 tcp_flags;
 	struct np_ct_key tuple;
+	__u8 frag;     /* NP_FRAG_*, 0 for a whole datagram */
+	__u32 frag_id; /* the IP id of a fragment */
 };
+
+/* The ports of a fragment's datagram: read from a first fragment and remembered, or
+ * looked up for a later one. Returns 0 when the packet's ports are known. */
+static __always_inline int np_frag_ports(struct np_pkt *p)
+{
+	struct np_frag_key k = {};
+	struct np_frag_val v = {}, *found;
+
+	k.saddr = p->tuple.saddr;
+	k.daddr = p->tuple.daddr;
+	k.id = p->frag_id;
+	k.proto = p->proto;
+	if (p->frag == NP_FRAG_FIRST) {
+		v.sport = p->tuple.sport;
+		v.dport = p->tuple.dport;
+		bpf_map_update_elem(&np_frags, &k, &v, BPF_ANY);
+		return 0;
+	}
+	found = bpf_map_lookup_elem(&np_frags, &k);
+	if (!found)
+		return -1;
+	p->tuple.sport = found->sport;
+	p->tuple.dport = found->dport;
+	return 0;
+}
 
 static __always_inline void np_addr_v4(struct np_addr *a, __u32 v4)
 {
@@ -188,8 +259,12 @@ static __always_inline int np_parse(struct __sk_buff *skb, struct np_pkt *p)
 
 		if (bpf_skb_load_bytes(skb, p->l3_off, &ip, sizeof(ip)) < 0)
 			return -1;
-		if (ip.ihl != 5 || (ip.frag_off & bpf_htons(0x3fff)))
+		if (ip.ihl != 5)
 			return -1;
+		if (ip.frag_off & bpf_htons(0x3fff)) {
+			p->frag = (ip.frag_off & bpf_htons(0x1fff)) ? NP_FRAG_LATER : NP_FRAG_FIRST;
+			p->frag_id = ip.id;
+		}
 		p->proto = ip.protocol;
 		np_addr_v4(&p->tuple.saddr, ip.saddr);
 		np_addr_v4(&p->tuple.daddr, ip.daddr);
@@ -203,8 +278,25 @@ static __always_inline int np_parse(struct __sk_buff *skb, struct np_pkt *p)
 		__builtin_memcpy(&p->tuple.saddr, &ip6.saddr, 16);
 		__builtin_memcpy(&p->tuple.daddr, &ip6.daddr, 16);
 		p->l4_off = p->l3_off + sizeof(ip6);
+		if (p->proto == NP_IPV6_FRAGMENT) {
+			struct np_ipv6_frag fh;
+
+			if (bpf_skb_load_bytes(skb, p->l4_off, &fh, sizeof(fh)) < 0)
+				return -1;
+			p->proto = fh.nexthdr;
+			p->l4_off += sizeof(fh);
+			p->frag = (fh.frag_off & bpf_htons(0xfff8)) ? NP_FRAG_LATER : NP_FRAG_FIRST;
+			p->frag_id = fh.id;
+		}
 	} else {
 		return -1;
+	}
+	if (p->proto != IPPROTO_TCP && p->proto != IPPROTO_UDP)
+		return -1;
+	if (p->frag == NP_FRAG_LATER) {
+		/* No L4 header: no ports, flags or checksum to read or rewrite. */
+		p->tuple.proto = p->proto;
+		return np_frag_ports(p);
 	}
 	if (p->proto == IPPROTO_TCP) {
 		__u8 flags;
@@ -223,6 +315,8 @@ static __always_inline int np_parse(struct __sk_buff *skb, struct np_pkt *p)
 	p->tuple.sport = ports[0];
 	p->tuple.dport = ports[1];
 	p->tuple.proto = p->proto;
+	if (p->frag == NP_FRAG_FIRST)
+		return np_frag_ports(p);
 	return 0;
 }
 
@@ -246,7 +340,8 @@ static __always_inline int np_set_addr(struct __sk_buff *skb, const struct np_pk
 		__u32 off = p->l3_off + (dst ? offsetof(struct iphdr, daddr) : offsetof(struct iphdr, saddr));
 		__u32 old = from->w[3], new = to->w[3];
 
-		if (bpf_l4_csum_replace(skb, p->csum_off, old, new,
+		if (p->frag != NP_FRAG_LATER &&
+		    bpf_l4_csum_replace(skb, p->csum_off, old, new,
 					BPF_F_PSEUDO_HDR | sizeof(new) | np_csum_flags(p)) < 0)
 			return -1;
 		if (bpf_l3_csum_replace(skb, p->l3_off + offsetof(struct iphdr, check), old, new,
@@ -258,7 +353,8 @@ static __always_inline int np_set_addr(struct __sk_buff *skb, const struct np_pk
 			    (dst ? offsetof(struct ipv6hdr, daddr) : offsetof(struct ipv6hdr, saddr));
 		__s64 diff = bpf_csum_diff((__be32 *)from->w, 16, (__be32 *)to->w, 16, 0);
 
-		if (bpf_l4_csum_replace(skb, p->csum_off, 0, diff,
+		if (p->frag != NP_FRAG_LATER &&
+		    bpf_l4_csum_replace(skb, p->csum_off, 0, diff,
 					BPF_F_PSEUDO_HDR | np_csum_flags(p)) < 0)
 			return -1;
 		return bpf_skb_store_bytes(skb, off, to->w, 16, 0);
@@ -268,7 +364,7 @@ static __always_inline int np_set_addr(struct __sk_buff *skb, const struct np_pk
 static __always_inline int np_set_port(struct __sk_buff *skb, const struct np_pkt *p, int dst,
 				       __u16 from, __u16 to)
 {
-	if (from == to)
+	if (from == to || p->frag == NP_FRAG_LATER)
 		return 0;
 	if (bpf_l4_csum_replace(skb, p->csum_off, from, to, sizeof(to) | np_csum_flags(p)) < 0)
 		return -1;
@@ -526,6 +622,148 @@ static __always_inline int np_reject_v6(struct __sk_buff *skb, const struct np_p
 #define NP_AF_INET 2
 #define NP_AF_INET6 10
 
+/* ICMP "fragmentation needed" (IPv4) and "packet too big" (IPv6) for a packet translated at
+ * ingress that the FIB cannot forward whole (RFC 1191, RFC 8201): sent back to the packet's
+ * original sender, quoting the packet as that sender wrote it (its untranslated addresses
+ * and ports, still in p->tuple), so that its socket finds the error and lowers its path MTU.
+ * The node's own stack cannot do it here: the error would quote the translated packet, or,
+ * for a reply whose source is now the node's own address, not be sent at all (martian).
+ * The source is the node's address of the family (np_config), else the address the sender
+ * wrote to. The frame goes back out of the interface the packet came in on. */
+#define ICMP_FRAG_NEEDED 4
+
+static __always_inline void np_pmtu_source(const struct np_pkt *p, __u32 idx, struct np_addr *src)
+{
+	struct np_config_val *cfg = bpf_map_lookup_elem(&np_config, &idx);
+
+	*src = p->tuple.daddr;
+	if (cfg && (cfg->snat.w[0] | cfg->snat.w[1] | cfg->snat.w[2] | cfg->snat.w[3]))
+		*src = cfg->snat;
+}
+
+static __always_inline int np_frag_needed_v4(struct __sk_buff *skb, const struct np_pkt *p, __u32 mtu)
+{
+	struct ethhdr eth;
+	struct {
+		struct iphdr ip;
+		struct icmphdr icmp;
+		struct iphdr quote_ip;
+		__u16 quote_ports[2];
+		__u8 quote_rest[4];
+	} out = {};
+	struct np_addr src;
+	__u8 mac[ETH_ALEN];
+
+	_Static_assert(sizeof(out) == 20 + 8 + 28, "ICMP error without padding");
+	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) < 0 ||
+	    bpf_skb_load_bytes(skb, p->l3_off, &out.quote_ip, 28) < 0)
+		return TC_ACT_SHOT;
+	/* Without DF the sender allowed fragmentation: left to the stack, as before. */
+	if (!(out.quote_ip.frag_off & bpf_htons(0x4000)))
+		return TC_ACT_OK;
+	out.quote_ip.saddr = p->tuple.saddr.w[3];
+	out.quote_ip.daddr = p->tuple.daddr.w[3];
+	out.quote_ip.check = 0;
+	out.quote_ip.check = np_csum_fold(bpf_csum_diff(0, 0, (__be32 *)&out.quote_ip, sizeof(out.quote_ip), 0));
+	out.quote_ports[0] = p->tuple.sport;
+	out.quote_ports[1] = p->tuple.dport;
+	np_pmtu_source(p, 0, &src);
+	__builtin_memcpy(mac, eth.h_source, ETH_ALEN);
+	__builtin_memcpy(eth.h_source, eth.h_dest, ETH_ALEN);
+	__builtin_memcpy(eth.h_dest, mac, ETH_ALEN);
+
+	out.ip.version = 4;
+	out.ip.ihl = 5;
+	out.ip.tos = 0xc0;
+	out.ip.tot_len = bpf_htons(sizeof(out));
+	out.ip.ttl = 64;
+	out.ip.protocol = IPPROTO_ICMP;
+	out.ip.saddr = src.w[3];
+	out.ip.daddr = p->tuple.saddr.w[3];
+	out.ip.check = np_csum_fold(bpf_csum_diff(0, 0, (__be32 *)&out.ip, sizeof(out.ip), 0));
+	out.icmp.type = ICMP_DEST_UNREACH;
+	out.icmp.code = ICMP_FRAG_NEEDED;
+	out.icmp.unused = bpf_htonl(mtu & 0xffff);
+	out.icmp.checksum = np_csum_fold(bpf_csum_diff(0, 0, (__be32 *)&out.icmp, sizeof(out) - sizeof(out.ip), 0));
+
+	if (bpf_skb_change_tail(skb, sizeof(eth) + sizeof(out), 0) < 0 ||
+	    bpf_skb_store_bytes(skb, 0, &eth, sizeof(eth), 0) < 0 ||
+	    bpf_skb_store_bytes(skb, sizeof(eth), &out, sizeof(out), 0) < 0)
+		return TC_ACT_SHOT;
+	return bpf_redirect(skb->ifindex, 0);
+}
+
+static __always_inline int np_frag_needed_v6(struct __sk_buff *skb, const struct np_pkt *p, __u32 mtu)
+{
+	struct ethhdr eth;
+	struct {
+		struct ipv6hdr ip6;
+		struct icmp6hdr icmp6;
+		struct ipv6hdr quote_ip6;
+		__u16 quote_ports[2];
+		__u8 quote_rest[4];
+	} out = {};
+	struct {
+		struct np_addr src;
+		struct np_addr dst;
+		__u32 len;
+		__u32 next;
+	} pseudo = {};
+	struct np_addr src;
+	__u8 mac[ETH_ALEN];
+	__s64 sum;
+
+	_Static_assert(sizeof(out) == 40 + 8 + 48, "ICMPv6 error without padding");
+	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) < 0 ||
+	    bpf_skb_load_bytes(skb, p->l3_off, &out.quote_ip6, 48) < 0)
+		return TC_ACT_SHOT;
+	__builtin_memcpy(&out.quote_ip6.saddr, &p->tuple.saddr, 16);
+	__builtin_memcpy(&out.quote_ip6.daddr, &p->tuple.daddr, 16);
+	/* A fragment's quote ends with its fragment header, not its ports. */
+	if (!p->frag) {
+		out.quote_ports[0] = p->tuple.sport;
+		out.quote_ports[1] = p->tuple.dport;
+	}
+	np_pmtu_source(p, 1, &src);
+	__builtin_memcpy(mac, eth.h_source, ETH_ALEN);
+	__builtin_memcpy(eth.h_source, eth.h_dest, ETH_ALEN);
+	__builtin_memcpy(eth.h_dest, mac, ETH_ALEN);
+
+	out.ip6.version = 6;
+	out.ip6.payload_len = bpf_htons(sizeof(out) - sizeof(out.ip6));
+	out.ip6.nexthdr = IPPROTO_ICMPV6;
+	out.ip6.hop_limit = 64;
+	__builtin_memcpy(&out.ip6.saddr, &src, 16);
+	__builtin_memcpy(&out.ip6.daddr, &p->tuple.saddr, 16);
+	out.icmp6.icmp6_type = ICMPV6_PKT_TOOBIG;
+	out.icmp6.icmp6_mtu = bpf_htonl(mtu);
+
+	pseudo.src = src;
+	pseudo.dst = p->tuple.saddr;
+	pseudo.len = bpf_htonl(sizeof(out) - sizeof(out.ip6));
+	pseudo.next = bpf_htonl(IPPROTO_ICMPV6);
+	sum = bpf_csum_diff(0, 0, (__be32 *)&pseudo, sizeof(pseudo), 0);
+	sum = bpf_csum_diff(0, 0, (__be32 *)&out.icmp6, sizeof(out) - sizeof(out.ip6), sum);
+	out.icmp6.icmp6_cksum = np_csum_fold(sum);
+
+	if (bpf_skb_change_tail(skb, sizeof(eth) + sizeof(out), 0) < 0 ||
+	    bpf_skb_store_bytes(skb, 0, &eth, sizeof(eth), 0) < 0 ||
+	    bpf_skb_store_bytes(skb, sizeof(eth), &out, sizeof(out), 0) < 0)
+		return TC_ACT_SHOT;
+	return bpf_redirect(skb->ifindex, 0);
+}
+
+/* The FIB said the translated packet is too big for its next hop. Only TCP and UDP
+ * packets get an error (never an error about an ICMP error, RFC 1122 3.2.2). */
+static __always_inline int np_frag_needed(struct __sk_buff *skb, const struct np_pkt *p, __u32 mtu)
+{
+	if (p->proto != IPPROTO_TCP && p->proto != IPPROTO_UDP)
+		return TC_ACT_OK;
+	if (p->eth_proto == bpf_htons(ETH_P_IP))
+		return np_frag_needed_v4(skb, p, mtu);
+	return np_frag_needed_v6(skb, p, mtu);
+}
+
 /* Forwards a packet translated at ingress to its next hop, decrementing its TTL (hop
  * limit) as the stack would. Anything the FIB cannot forward (local destinations, no
  * route, fragmentation needed, TTL running out) goes up the stack. */
@@ -569,6 +807,8 @@ static __always_inline int np_forward(struct __sk_buff *skb, const struct np_pkt
 	 * 64 KiB from a veth with TSO) would fail the MTU check, and the translated packet,
 	 * sent up the stack instead, be dropped there (a SNATed source is the node's own). */
 	rc = bpf_fib_lookup(skb, &fib, sizeof(fib), 0);
+	if (rc == BPF_FIB_LKUP_RET_FRAG_NEEDED)
+		return np_frag_needed(skb, p, fib.mtu_result);
 	if (rc != BPF_FIB_LKUP_RET_SUCCESS && rc != BPF_FIB_LKUP_RET_NO_NEIGH)
 		return TC_ACT_OK;
 
@@ -739,6 +979,33 @@ struct {
 	__type(value, struct np_trace_event);
 } np_trace_log SEC(".maps");
 
+/* Where an event is built (a per-CPU slot, not the stack: np_tc_ingress's frame is close to
+ * the 512-byte limit). Transient, so not pinned. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct np_trace_event);
+} np_trace_scratch SEC(".maps");
+
+/* The zeroed scratch event, stamped `now`; NULL when no tracer asks. */
+static __always_inline struct np_trace_event *np_trace_begin(void)
+{
+	__u32 zero = 0;
+	__u64 now = bpf_ktime_get_ns();
+	__u64 *until = bpf_map_lookup_elem(&np_trace_until, &zero);
+	struct np_trace_event *ev;
+
+	if (!until || now >= *until)
+		return NULL;
+	ev = bpf_map_lookup_elem(&np_trace_scratch, &zero);
+	if (!ev)
+		return NULL;
+	__builtin_memset(ev, 0, sizeof(*ev));
+	ev->time = now;
+	return ev;
+}
+
 #define NP_TRACE_DNAT 1		/* tc: a new connection translated (to, snat) */
 #define NP_TRACE_REJECT 2	/* tc: no endpoints, rejected */
 #define NP_TRACE_DROP_NO_ENDPOINTS 3 /* tc: no endpoints (policy Local), dropped */
@@ -748,45 +1015,36 @@ struct {
 #define NP_TRACE_SOCK_REFUSED 7	/* connect hook: no endpoints, ECONNREFUSED */
 
 
-static __always_inline int np_tracing(__u64 now)
-{
-	__u32 zero = 0;
-	__u64 *until = bpf_map_lookup_elem(&np_trace_until, &zero);
-
-	return until && now < *until;
-}
-
 /* tc: what np_tc_ingress decided for a new connection to `svc` (`verdict` of np_open, or
  * TC_ACT_SHOT for a service without endpoints). */
 static __always_inline void np_trace_tc(struct __sk_buff *skb, const struct np_pkt *p,
 					const struct np_svc_val *svc, int verdict)
 {
-	struct np_trace_event ev = {};
+	struct np_trace_event *ev = np_trace_begin();
 	struct np_ct_val *ct;
 
-	ev.time = bpf_ktime_get_ns();
-	if (!np_tracing(ev.time))
+	if (!ev)
 		return;
-	ev.svc_id = svc->svc_id;
-	ev.ifindex = skb->ingress_ifindex;
-	ev.tuple = p->tuple;
+	ev->svc_id = svc->svc_id;
+	ev->ifindex = skb->ingress_ifindex;
+	ev->tuple = p->tuple;
 	if (svc->count == 0)
-		ev.kind = (svc->flags & NP_SVC_REJECT) ? NP_TRACE_REJECT : NP_TRACE_DROP_NO_ENDPOINTS;
+		ev->kind = (svc->flags & NP_SVC_REJECT) ? NP_TRACE_REJECT : NP_TRACE_DROP_NO_ENDPOINTS;
 	else if (verdict != TC_ACT_OK)
-		ev.kind = np_source_allowed(svc, &p->tuple.saddr) ? NP_TRACE_DROP_OTHER
-								 : NP_TRACE_DROP_SOURCE;
+		ev->kind = np_source_allowed(svc, &p->tuple.saddr) ? NP_TRACE_DROP_OTHER
+								  : NP_TRACE_DROP_SOURCE;
 	else {
-		ev.kind = NP_TRACE_DNAT;
+		ev->kind = NP_TRACE_DNAT;
 		ct = bpf_map_lookup_elem(&np_ct, &p->tuple);
 		if (ct) {
-			ev.flags = ct->flags;
-			ev.to = ct->daddr;
-			ev.to_port = ct->dport;
-			ev.snat = ct->saddr;
-			ev.snat_port = ct->sport;
+			ev->flags = ct->flags;
+			ev->to = ct->daddr;
+			ev->to_port = ct->dport;
+			ev->snat = ct->saddr;
+			ev->snat_port = ct->sport;
 		}
 	}
-	bpf_map_update_elem(&np_trace_log, &ev.tuple, &ev, BPF_ANY);
+	bpf_map_update_elem(&np_trace_log, &ev->tuple, ev, BPF_ANY);
 }
 
 /* The connect hook: `be` chosen for the socket's connection to `key`, or refused (NULL).
@@ -797,24 +1055,23 @@ static __always_inline void np_trace_sock(struct bpf_sock_addr *ctx,
 					  const struct np_svc_val *svc,
 					  const struct np_be_val *be)
 {
-	struct np_trace_event ev = {};
+	struct np_trace_event *ev = np_trace_begin();
 	__u64 cookie;
 
-	ev.time = bpf_ktime_get_ns();
-	if (!np_tracing(ev.time))
+	if (!ev)
 		return;
 	cookie = bpf_get_socket_cookie(ctx);
-	__builtin_memcpy(&ev.tuple.saddr, &cookie, sizeof(cookie));
-	ev.kind = be ? NP_TRACE_SOCK_DNAT : NP_TRACE_SOCK_REFUSED;
-	ev.svc_id = svc->svc_id;
-	ev.tuple.daddr = key->addr;
-	ev.tuple.dport = key->port;
-	ev.tuple.proto = key->proto;
+	__builtin_memcpy(&ev->tuple.saddr, &cookie, sizeof(cookie));
+	ev->kind = be ? NP_TRACE_SOCK_DNAT : NP_TRACE_SOCK_REFUSED;
+	ev->svc_id = svc->svc_id;
+	ev->tuple.daddr = key->addr;
+	ev->tuple.dport = key->port;
+	ev->tuple.proto = key->proto;
 	if (be) {
-		ev.to = be->addr;
-		ev.to_port = be->port;
+		ev->to = be->addr;
+		ev->to_port = be->port;
 	}
-	bpf_map_update_elem(&np_trace_log, &ev.tuple, &ev, BPF_ANY);
+	bpf_map_update_elem(&np_trace_log, &ev->tuple, ev, BPF_ANY);
 }
 
 /* Whether a known connection must choose a backend again: a TCP SYN reusing the tuple of a
@@ -837,6 +1094,216 @@ static __always_inline int np_ct_stale(const struct np_ct_val *ct, const struct 
 	return bpf_map_lookup_elem(&np_members, &mk) == 0;
 }
 
+/* ICMP errors about translated connections (destination unreachable, fragmentation needed,
+ * time exceeded, parameter problem; ICMPv6 likewise, packet too big included), translated as
+ * Linux's NAT (nf_nat_icmp_reply_translation) and Cilium's do: the packet the error quotes
+ * is one direction of a known connection, so the error is turned into the error its other
+ * end would have received had there been no translation. The quoted packet's swapped tuple
+ * is a key of np_nat (an error from the backend's side: the backend's stack, or a router
+ * towards it) or of np_ct (from the client's side); its translation v gives:
+ *   quoted source := v.daddr:v.dport, quoted destination := v.saddr:v.sport,
+ *   outer destination := v.daddr, outer source := v.saddr when the error comes from the
+ *   peer itself (a router keeps its own address),
+ * with the quoted IPv4 header checksum, a quoted UDP checksum, the outer IPv4 header checksum
+ * and the ICMP checksum (ICMPv6's pseudo-header too) patched to match. At ingress the error
+ * is then forwarded as the connection's packets are; at egress it leaves as it is.
+ * Quoted packets must have no IPv4 options or IPv6 extension headers, as the programs'
+ * own parsing requires. */
+#define ICMP_TIME_EXCEEDED 11
+#define ICMP_PARAMETERPROB 12
+
+struct np_icmp_err {
+	__u32 icmp_off;   /* the ICMP header */
+	__u32 in_off;     /* the quoted IP header */
+	__u32 in_l4_off;  /* the quoted L4 header */
+	__u8 in_proto;
+	struct np_ct_key key; /* the quoted packet's tuple, swapped */
+	struct np_addr outer_src;
+	struct np_addr outer_dst;
+};
+
+/* Whether the packet is an ICMP error quoting a TCP or UDP packet; fills `e`. */
+static __always_inline int np_icmp_parse(struct __sk_buff *skb, struct np_pkt *p,
+					 struct np_icmp_err *e)
+{
+	struct ethhdr eth;
+	__u16 ports[2];
+	__u8 type;
+
+	__builtin_memset(p, 0, sizeof(*p));
+	__builtin_memset(e, 0, sizeof(*e));
+	if (bpf_skb_load_bytes(skb, 0, &eth, sizeof(eth)) < 0)
+		return 0;
+	p->eth_proto = eth.h_proto;
+	p->l3_off = sizeof(eth);
+	if (eth.h_proto == bpf_htons(ETH_P_IP)) {
+		struct iphdr ip, in;
+
+		if (bpf_skb_load_bytes(skb, p->l3_off, &ip, sizeof(ip)) < 0)
+			return 0;
+		if (ip.ihl != 5 || (ip.frag_off & bpf_htons(0x3fff)) || ip.protocol != IPPROTO_ICMP)
+			return 0;
+		e->icmp_off = p->l3_off + sizeof(ip);
+		if (bpf_skb_load_bytes(skb, e->icmp_off, &type, 1) < 0)
+			return 0;
+		if (type != ICMP_DEST_UNREACH && type != ICMP_TIME_EXCEEDED && type != ICMP_PARAMETERPROB)
+			return 0;
+		e->in_off = e->icmp_off + sizeof(struct icmphdr);
+		if (bpf_skb_load_bytes(skb, e->in_off, &in, sizeof(in)) < 0 || in.ihl != 5)
+			return 0;
+		e->in_proto = in.protocol;
+		e->in_l4_off = e->in_off + sizeof(in);
+		np_addr_v4(&e->key.saddr, in.daddr);
+		np_addr_v4(&e->key.daddr, in.saddr);
+		np_addr_v4(&e->outer_src, ip.saddr);
+		np_addr_v4(&e->outer_dst, ip.daddr);
+		p->proto = IPPROTO_ICMP;
+	} else if (eth.h_proto == bpf_htons(ETH_P_IPV6)) {
+		struct ipv6hdr ip6, in6;
+
+		if (bpf_skb_load_bytes(skb, p->l3_off, &ip6, sizeof(ip6)) < 0 ||
+		    ip6.nexthdr != IPPROTO_ICMPV6)
+			return 0;
+		e->icmp_off = p->l3_off + sizeof(ip6);
+		if (bpf_skb_load_bytes(skb, e->icmp_off, &type, 1) < 0)
+			return 0;
+		if (type != ICMPV6_DEST_UNREACH && type != ICMPV6_PKT_TOOBIG &&
+		    type != ICMPV6_TIME_EXCEED && type != ICMPV6_PARAMPROB)
+			return 0;
+		e->in_off = e->icmp_off + sizeof(struct icmp6hdr);
+		if (bpf_skb_load_bytes(skb, e->in_off, &in6, sizeof(in6)) < 0)
+			return 0;
+		e->in_proto = in6.nexthdr;
+		e->in_l4_off = e->in_off + sizeof(in6);
+		__builtin_memcpy(&e->key.saddr, &in6.daddr, 16);
+		__builtin_memcpy(&e->key.daddr, &in6.saddr, 16);
+		__builtin_memcpy(&e->outer_src, &ip6.saddr, 16);
+		__builtin_memcpy(&e->outer_dst, &ip6.daddr, 16);
+		p->proto = IPPROTO_ICMPV6;
+	} else {
+		return 0;
+	}
+	if (e->in_proto != IPPROTO_TCP && e->in_proto != IPPROTO_UDP)
+		return 0;
+	if (bpf_skb_load_bytes(skb, e->in_l4_off, ports, sizeof(ports)) < 0)
+		return 0;
+	e->key.sport = ports[1];
+	e->key.dport = ports[0];
+	e->key.proto = e->in_proto;
+	return 1;
+}
+
+/* Rewrites a 16-byte or 4-byte address at `off` and patches the checksum at `csum_off`
+ * (`pseudo`: the address is in that checksum's pseudo-header, not in its data). */
+static __always_inline int np_icmp_set_addr(struct __sk_buff *skb, int v4, __u32 off,
+					    __u32 csum_off, int pseudo,
+					    const struct np_addr *from, const struct np_addr *to)
+{
+	if (np_addr_eq(from, to))
+		return 0;
+	if (v4) {
+		__u32 old = from->w[3], new = to->w[3];
+
+		if (bpf_l3_csum_replace(skb, csum_off, old, new, sizeof(new)) < 0)
+			return -1;
+		return bpf_skb_store_bytes(skb, off, &new, sizeof(new), 0);
+	}
+	if (pseudo) {
+		__s64 diff = bpf_csum_diff((__be32 *)from->w, 16, (__be32 *)to->w, 16, 0);
+
+		if (bpf_l4_csum_replace(skb, csum_off, 0, diff, BPF_F_PSEUDO_HDR) < 0)
+			return -1;
+	}
+	return bpf_skb_store_bytes(skb, off, to->w, 16, 0);
+}
+
+/* Translates an ICMP error about a known connection; returns the verdict (TC_ACT_OK for a
+ * packet that is none). */
+static __always_inline int np_icmp_error(struct __sk_buff *skb, int ingress)
+{
+	struct np_icmp_err e;
+	struct np_ct_val *v;
+	struct np_pkt p;
+	struct np_addr new_src;
+	__u32 before[12] = {}, after[12] = {};
+	__u32 ip_csum_off;
+	__u16 sport, dport;
+	__s64 diff;
+	int v4;
+
+	if (!np_icmp_parse(skb, &p, &e))
+		return TC_ACT_OK;
+	v = bpf_map_lookup_elem(&np_nat, &e.key);
+	if (!v)
+		v = bpf_map_lookup_elem(&np_ct, &e.key);
+	if (!v)
+		return TC_ACT_OK;
+	v4 = p.eth_proto == bpf_htons(ETH_P_IP);
+	/* The quoted IP header and the first 8 bytes of its L4 header, before and after. */
+	if (bpf_skb_load_bytes(skb, e.in_off, before, v4 ? 28 : 48) < 0)
+		return TC_ACT_OK;
+
+	/* The quoted packet: its source becomes v's destination, its destination v's source. */
+	if (v4) {
+		__u32 csum = e.in_off + offsetof(struct iphdr, check);
+
+		if (np_icmp_set_addr(skb, 1, e.in_off + offsetof(struct iphdr, saddr), csum, 0,
+				     &e.key.daddr, &v->daddr) < 0 ||
+		    np_icmp_set_addr(skb, 1, e.in_off + offsetof(struct iphdr, daddr), csum, 0,
+				     &e.key.saddr, &v->saddr) < 0)
+			return TC_ACT_SHOT;
+	} else {
+		if (np_icmp_set_addr(skb, 0, e.in_off + offsetof(struct ipv6hdr, saddr), 0, 0,
+				     &e.key.daddr, &v->daddr) < 0 ||
+		    np_icmp_set_addr(skb, 0, e.in_off + offsetof(struct ipv6hdr, daddr), 0, 0,
+				     &e.key.saddr, &v->saddr) < 0)
+			return TC_ACT_SHOT;
+	}
+	sport = v->dport;
+	dport = v->sport;
+	if (bpf_skb_store_bytes(skb, e.in_l4_off, &sport, 2, 0) < 0 ||
+	    bpf_skb_store_bytes(skb, e.in_l4_off + 2, &dport, 2, 0) < 0)
+		return TC_ACT_SHOT;
+	if (e.in_proto == IPPROTO_UDP) {
+		/* The quoted UDP checksum, when it has one: the addresses of its pseudo-header and
+		 * the ports changed. */
+		__u16 check;
+		__u32 off = e.in_l4_off + offsetof(struct udphdr, check);
+
+		if (bpf_skb_load_bytes(skb, off, &check, 2) < 0)
+			return TC_ACT_SHOT;
+		if (check) {
+			__s64 d = bpf_csum_diff((__be32 *)e.key.daddr.w, 16, (__be32 *)v->daddr.w, 16, 0);
+
+			d = bpf_csum_diff((__be32 *)e.key.saddr.w, 16, (__be32 *)v->saddr.w, 16, d);
+			if (bpf_l3_csum_replace(skb, off, 0, d, 0) < 0 ||
+			    bpf_l3_csum_replace(skb, off, e.key.dport, sport, 2) < 0 ||
+			    bpf_l3_csum_replace(skb, off, e.key.sport, dport, 2) < 0)
+				return TC_ACT_SHOT;
+		}
+	}
+	/* The ICMP checksum covers the quoted bytes: patched by their difference. */
+	if (bpf_skb_load_bytes(skb, e.in_off, after, v4 ? 28 : 48) < 0)
+		return TC_ACT_SHOT;
+	diff = bpf_csum_diff((__be32 *)before, v4 ? 28 : 48, (__be32 *)after, v4 ? 28 : 48, 0);
+	if (bpf_l3_csum_replace(skb, e.icmp_off + 2, 0, diff, 0) < 0)
+		return TC_ACT_SHOT;
+
+	/* The outer header: to the other end, from the peer's translated address. */
+	new_src = np_addr_eq(&e.outer_src, &e.key.saddr) ? v->saddr : e.outer_src;
+	ip_csum_off = v4 ? p.l3_off + offsetof(struct iphdr, check) : e.icmp_off + 2;
+	if (np_icmp_set_addr(skb, v4,
+			     p.l3_off + (v4 ? offsetof(struct iphdr, daddr) : offsetof(struct ipv6hdr, daddr)),
+			     ip_csum_off, 1, &e.outer_dst, &v->daddr) < 0 ||
+	    np_icmp_set_addr(skb, v4,
+			     p.l3_off + (v4 ? offsetof(struct iphdr, saddr) : offsetof(struct ipv6hdr, saddr)),
+			     ip_csum_off, 1, &e.outer_src, &new_src) < 0)
+		return TC_ACT_SHOT;
+	if (!ingress)
+		return TC_ACT_OK;
+	return np_forward(skb, &p);
+}
+
 SEC("classifier")
 int np_tc_ingress(struct __sk_buff *skb)
 {
@@ -847,7 +1314,7 @@ int np_tc_ingress(struct __sk_buff *skb)
 	int verdict;
 
 	if (np_parse(skb, &p) < 0)
-		return TC_ACT_OK;
+		return np_icmp_error(skb, 1);
 	if (np_reverse(skb, &p, &verdict))
 		return verdict == TC_ACT_OK ? np_forward(skb, &p) : verdict;
 	key.addr = p.tuple.daddr;
@@ -862,6 +1329,9 @@ int np_tc_ingress(struct __sk_buff *skb)
 	}
 	if (!svc)
 		return TC_ACT_OK;
+	/* A later fragment of a datagram whose first fragment opened nothing. */
+	if (p.frag == NP_FRAG_LATER)
+		return TC_ACT_SHOT;
 	if (svc->count == 0) {
 		np_trace_tc(skb, &p, svc, TC_ACT_SHOT);
 		if (svc->flags & NP_SVC_REJECT)
@@ -881,7 +1351,7 @@ int np_tc_egress(struct __sk_buff *skb)
 	int verdict;
 
 	if (np_parse(skb, &p) < 0)
-		return TC_ACT_OK;
+		return np_icmp_error(skb, 0);
 	if (np_reverse(skb, &p, &verdict))
 		return verdict;
 	return TC_ACT_OK;

@@ -239,7 +239,7 @@ fn run(progs: &Loaded, name: &'static str, frame: &[u8]) -> (u32, Vec<u8>) {
 /// [`run`] on programs whose maps are elsewhere.
 fn run_on(progs: &Programs, name: &'static str, frame: &[u8]) -> (u32, Vec<u8>) {
     let prog = progs.classifier(name).expect("program loaded");
-    let mut out = vec![0u8; 512];
+    let mut out = vec![0u8; 4096];
     let r = prog
         .test_run(TestRunOptions {
             data_in: Some(frame),
@@ -1339,6 +1339,80 @@ fn a_full_sync_sweeps_entries_the_applier_did_not_write() {
 }
 
 #[test]
+fn a_full_sync_writes_again_a_service_port_whose_entries_others_deleted() {
+    let Some((programs, mut applier)) = applier("a_full_sync_writes_again_a_service_port") else {
+        return;
+    };
+    let c = Cluster::new(&web(&["10.244.1.5@node-a", "10.244.2.7@node-b"]));
+    applier.sync(&c.desired, None).unwrap();
+    let fronts = applier.maps().frontends().unwrap();
+    let (gone, fe) = fronts[0];
+    // `bpftool map delete` of a backend and of a frontend.
+    applier
+        .maps_mut()
+        .remove_backend_slot(fe.be_set, 2)
+        .unwrap();
+    applier.maps_mut().remove_frontend(&gone).unwrap();
+    // A partial sync of another change does not look; a full one does.
+    let report = applier.sync(&c.desired, None).unwrap();
+    assert_eq!(report.services_written, 1, "{report:?}");
+    let fronts = applier.maps().frontends().unwrap();
+    let backends = applier.maps().backends().unwrap();
+    assert_eq!(fronts.len(), 4);
+    for (_, fe) in &fronts {
+        let ordinals: Vec<u32> = backends
+            .iter()
+            .filter(|((set, _), _)| *set == fe.be_set)
+            .map(|((_, ordinal), _)| *ordinal)
+            .collect();
+        assert_eq!(ordinals.len(), 2, "{fe:?} names a whole set: {backends:?}");
+    }
+    assert_eq!(backends.len(), 2, "the damaged set is gone: {backends:?}");
+    let syn = Packet::new(TCP, "203.0.113.7", 40000, "192.0.2.10", 30080);
+    assert!(parse(&run_on(&programs, TC_INGRESS, &frame(&syn)).1).dst != ip("192.0.2.10"));
+    // Nothing left to repair.
+    let again = applier.sync(&c.desired, None).unwrap();
+    assert_eq!((again.services_written, again.map_operations), (0, 0));
+    // A backend alone, found by the resync's look-ups (no walk within the hour).
+    let fe = applier.maps().frontends().unwrap()[0].1;
+    applier
+        .maps_mut()
+        .remove_backend_slot(fe.be_set, 1)
+        .unwrap();
+    let report = applier.sync(&c.desired, None).unwrap();
+    assert_eq!(report.services_written, 1, "{report:?}");
+    assert_eq!(applier.maps().backends().unwrap().len(), 2);
+}
+
+#[test]
+fn membership_entries_are_written_only_for_sets_the_programs_check_membership_of() {
+    let Some((_programs, mut applier)) = applier("membership_entries_are_written_only") else {
+        return;
+    };
+    // TCP without affinity: backends are only read by ordinal.
+    let mut c = Cluster::new(&web(&["10.244.1.5@node-a", "10.244.2.7@node-b"]));
+    applier.sync(&c.desired, None).unwrap();
+    assert!(applier.maps().members().unwrap().is_empty());
+    let fill = applier.entry_counts();
+    assert!(fill.contains(&("np_members", 0)) && fill.contains(&("np_backends", 2)));
+    // UDP: a flow's backend is checked against the current set at every packet.
+    let backend: SocketAddr = "10.244.1.5:53".parse().unwrap();
+    let changed = c.update(&dns(&[backend]));
+    applier.sync(&c.desired, Some(&changed)).unwrap();
+    let members = applier.maps().members().unwrap();
+    assert_eq!(members.len(), 1, "{members:?}");
+    assert_eq!(
+        (members[0].0.1, members[0].0.2, members[0].1),
+        (backend.ip(), 53, 1)
+    );
+    assert!(applier.entry_counts().contains(&("np_members", 1)));
+    // Back to TCP: the UDP set and its membership go.
+    let changed = c.update(&web(&["10.244.1.5@node-a"]));
+    applier.sync(&c.desired, Some(&changed)).unwrap();
+    assert!(applier.maps().members().unwrap().is_empty());
+}
+
+#[test]
 fn backend_set_switches_racing_new_connections_never_show_a_half_written_service() {
     let Some((programs, mut applier)) = applier("backend_set_switches_racing_new_connections")
     else {
@@ -2301,4 +2375,473 @@ fn while_a_tracer_asks_the_tc_program_reports_each_new_connections_decision() {
         ingress(&progs, &syn(40005, "192.168.1.10", 30080));
     });
     assert_eq!(withdrawn, [], "the tracer withdrew its deadline");
+}
+
+/// An ICMP (ICMPv6) error from `from` to `to`, of `type_code`, quoting the IP packet of
+/// `quoted` (a frame: its Ethernet header is left out), every checksum valid.
+fn icmp_error(from: &str, to: &str, type_code: (u8, u8), quoted: &[u8]) -> Vec<u8> {
+    let (from, to) = (ip(from), ip(to));
+    let mut icmp = vec![type_code.0, type_code.1, 0, 0, 0, 0, 0, 0];
+    icmp.extend_from_slice(&quoted[14..]);
+    let mut out = Vec::new();
+    out.extend_from_slice(&NODE_MAC);
+    out.extend_from_slice(&CLIENT_MAC);
+    match (from, to) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            let c = fold(sum16(&icmp, 0));
+            icmp[2..4].copy_from_slice(&c.to_be_bytes());
+            out.extend_from_slice(&0x0800u16.to_be_bytes());
+            let mut h = vec![0x45, 0xc0];
+            h.extend_from_slice(&((20 + icmp.len()) as u16).to_be_bytes());
+            h.extend_from_slice(&[0, 0, 0, 0, 64, 1, 0, 0]);
+            h.extend_from_slice(&s.octets());
+            h.extend_from_slice(&d.octets());
+            let c = fold(sum16(&h, 0));
+            h[10..12].copy_from_slice(&c.to_be_bytes());
+            out.extend_from_slice(&h);
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            let c = fold(sum16(&icmp, pseudo(from, to, 58, icmp.len())));
+            icmp[2..4].copy_from_slice(&c.to_be_bytes());
+            out.extend_from_slice(&0x86ddu16.to_be_bytes());
+            out.extend_from_slice(&[0x60, 0, 0, 0]);
+            out.extend_from_slice(&(icmp.len() as u16).to_be_bytes());
+            out.extend_from_slice(&[58, 64]);
+            out.extend_from_slice(&s.octets());
+            out.extend_from_slice(&d.octets());
+        }
+        _ => panic!("mixed families"),
+    }
+    out.extend_from_slice(&icmp);
+    out
+}
+
+/// Reads an ICMP (ICMPv6) error back, asserting the outer checksums and the quoted packet's
+/// (IP header and UDP checksum): its source, destination, type and code, and the quoted
+/// packet.
+#[track_caller]
+fn read_icmp_error(f: &[u8]) -> (IpAddr, IpAddr, (u8, u8), Packet) {
+    let ethertype = u16::from_be_bytes([f[12], f[13]]);
+    let (src, dst, icmp) = match ethertype {
+        0x0800 => {
+            let h = &f[14..34];
+            assert_eq!(fold(sum16(h, 0)), 0, "outer IPv4 header checksum");
+            assert_eq!(h[9], 1, "ICMP");
+            let s: [u8; 4] = h[12..16].try_into().unwrap();
+            let d: [u8; 4] = h[16..20].try_into().unwrap();
+            let icmp = &f[34..];
+            assert_eq!(fold(sum16(icmp, 0)), 0, "ICMP checksum");
+            (IpAddr::from(s), IpAddr::from(d), icmp)
+        }
+        0x86dd => {
+            let h = &f[14..54];
+            assert_eq!(h[6], 58, "ICMPv6");
+            let s: [u8; 16] = h[8..24].try_into().unwrap();
+            let d: [u8; 16] = h[24..40].try_into().unwrap();
+            let (s, d) = (IpAddr::from(s), IpAddr::from(d));
+            let icmp = &f[54..];
+            assert_eq!(
+                fold(sum16(icmp, pseudo(s, d, 58, icmp.len()))),
+                0,
+                "ICMPv6 checksum"
+            );
+            (s, d, icmp)
+        }
+        other => panic!("ethertype {other:#x}"),
+    };
+    let mut quoted = f[..14].to_vec();
+    quoted.extend_from_slice(&icmp[8..]);
+    (src, dst, (icmp[0], icmp[1]), parse(&quoted))
+}
+
+#[test]
+fn icmp_errors_about_a_snated_udp_flow_reach_each_end_translated_in_both_families() {
+    let Some(mut progs) = load("icmp_errors_about_a_snated_udp_flow") else {
+        return;
+    };
+    for (node, vip, backend, client, router, unreachable) in [
+        (
+            "192.168.1.10",
+            "198.51.100.200",
+            "10.244.2.7",
+            "203.0.113.7",
+            "10.244.0.254",
+            (3, 3),
+        ),
+        (
+            "fd00:1::10",
+            "fd00:1::200",
+            "fd00:244:2::7",
+            "2001:db8::7",
+            "fd00:244::fe",
+            (1, 4),
+        ),
+    ] {
+        progs.set_snat_address(ip(node)).unwrap();
+        let set = if ip(node).is_ipv4() { 5 } else { 6 };
+        service(
+            &mut progs,
+            ext(vip, 53, UDP),
+            set,
+            set,
+            0,
+            &[remote(backend, 5353)],
+        );
+        let query = Packet::new(UDP, client, 40000, vip, 53);
+        let sent = frame(&query);
+        let (_, forwarded) = run(&progs, TC_INGRESS, &sent);
+        let out = parse(&forwarded);
+        assert_eq!((out.src, out.dst), (ip(node), ip(backend)));
+
+        // The backend's stack has no listener: its port unreachable quotes the packet as it
+        // arrived (from the node's SNAT port); the client gets it from the service address,
+        // quoting its own packet.
+        let err = icmp_error(backend, node, unreachable, &forwarded);
+        let (verdict, back) = run(&progs, TC_INGRESS, &err);
+        assert_eq!(verdict, TC_ACT_OK);
+        let (src, dst, kind, quoted) = read_icmp_error(&back);
+        assert_eq!((src, dst, kind), (ip(vip), ip(client), unreachable));
+        assert_eq!(quoted, query, "the client's own datagram is quoted");
+
+        // A router on the way to the backend keeps its own address.
+        let err = icmp_error(router, node, unreachable, &forwarded);
+        let (_, back) = run(&progs, TC_INGRESS, &err);
+        let (src, dst, _, quoted) = read_icmp_error(&back);
+        assert_eq!((src, dst), (ip(router), ip(client)));
+        assert_eq!(quoted, query);
+
+        // The other way: the client refuses the backend's answer; the backend hears it from
+        // the node, about the answer it sent.
+        let answer = Packet::new(UDP, backend, 5353, node, out.sport);
+        let (_, reversed) = run(&progs, TC_INGRESS, &frame(&answer));
+        let err = icmp_error(client, vip, unreachable, &reversed);
+        let (verdict, back) = run(&progs, TC_INGRESS, &err);
+        assert_eq!(verdict, TC_ACT_OK);
+        let (src, dst, kind, quoted) = read_icmp_error(&back);
+        assert_eq!((src, dst, kind), (ip(node), ip(backend), unreachable));
+        assert_eq!(quoted, answer, "the backend's own datagram is quoted");
+    }
+}
+
+#[test]
+fn an_icmp_error_about_no_known_connection_passes_untouched() {
+    let Some(progs) = load("an_icmp_error_about_no_known_connection") else {
+        return;
+    };
+    let stray = frame(&Packet::new(UDP, "192.168.1.10", 41000, "10.244.2.7", 53));
+    let err = icmp_error("10.244.2.7", "192.168.1.10", (3, 3), &stray);
+    let (verdict, out) = run(&progs, TC_INGRESS, &err);
+    assert_eq!((verdict, out), (TC_ACT_OK, err.clone()));
+    let (verdict, out) = run(&progs, TC_EGRESS, &err);
+    assert_eq!((verdict, out), (TC_ACT_OK, err));
+}
+
+/// The NodePort topology with UDP frontends on the node's addresses of both families:
+/// `port` → `backend_port` on the pod, SNATed to the node (`SVC_SNAT`, the Cluster policy)
+/// or not (a local backend under the Local policy: the client's address kept).
+fn udp_nodeports(test: &str, frontends: &[(u16, u16, u16)]) -> Option<(Programs, Maps, Topology)> {
+    if !require_tools(test, &[]) {
+        return None;
+    }
+    let (mut programs, mut maps) = Programs::load(&sizes()).expect("the eBPF object loads");
+    let topo = Topology::new(&mut programs);
+    maps.set_flags(FLAG_FIB_FORWARD).unwrap();
+    maps.set_snat_address(ip("192.168.50.1")).unwrap();
+    maps.set_snat_address(ip("fd00:50::1")).unwrap();
+    let mut set = 0;
+    for (node, pod) in [
+        ("192.168.50.1", "10.244.1.5"),
+        ("fd00:50::1", "fd00:244:1::5"),
+    ] {
+        for &(port, backend_port, flags) in frontends {
+            set += 1;
+            maps.set_backend(set, 1, &local(pod, backend_port)).unwrap();
+            let fe = Frontend {
+                svc_id: set,
+                be_set: set,
+                count: 1,
+                flags,
+                affinity_timeout: 0,
+            };
+            maps.set_frontend(&ext(node, port, UDP), &fe).unwrap();
+        }
+    }
+    Some((programs, maps, topo))
+}
+
+/// A connected UDP socket of the client: sends `payload` to `to`, and what its next receive
+/// gives within two seconds.
+fn udp_exchange(topo: &Topology, to: &str, payload: &[u8]) -> std::io::Result<Vec<u8>> {
+    let to: SocketAddr = to.parse().unwrap();
+    topo.client
+        .enter(|| {
+            let any: SocketAddr = if to.is_ipv4() {
+                "0.0.0.0:0".parse().unwrap()
+            } else {
+                "[::]:0".parse().unwrap()
+            };
+            let s = std::net::UdpSocket::bind(any)?;
+            s.connect(to)?;
+            s.set_read_timeout(Some(std::time::Duration::from_secs(2)))?;
+            s.send(payload)?;
+            let mut buf = vec![0u8; 65536];
+            let n = s.recv(&mut buf)?;
+            buf.truncate(n);
+            Ok(buf)
+        })
+        .unwrap()
+}
+
+/// [`udp_exchange`], tried again (up to three times) while nothing at all comes back: the
+/// first IPv6 datagrams after the topology is made can wait for neighbour discovery (the
+/// veths' link-local addresses are still tentative) longer than an exchange's two seconds.
+fn udp_exchange_settled(topo: &Topology, to: &str, payload: &[u8]) -> std::io::Result<Vec<u8>> {
+    let mut r = udp_exchange(topo, to, payload);
+    for _ in 0..2 {
+        match &r {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                r = udp_exchange(topo, to, payload);
+            }
+            _ => break,
+        }
+    }
+    r
+}
+
+#[test]
+fn a_udp_nodeport_whose_backend_has_no_listener_is_refused_at_the_client() {
+    // The pod's stack answers with port unreachable, to the node (SNATed) or to the client
+    // (its address kept); either way the client's socket, connected to the NodePort, must
+    // hear it from there: ECONNREFUSED, as through kube-proxy's NAT.
+    let Some((_programs, _maps, topo)) = udp_nodeports(
+        "a_udp_nodeport_whose_backend_has_no_listener",
+        &[(30053, 5999, SVC_SNAT), (30054, 5999, 0)],
+    ) else {
+        return;
+    };
+    for to in [
+        "192.168.50.1:30053",
+        "192.168.50.1:30054",
+        "[fd00:50::1]:30053",
+        "[fd00:50::1]:30054",
+    ] {
+        let r = udp_exchange_settled(&topo, to, b"anyone?");
+        assert_eq!(
+            r.as_ref().map_err(std::io::Error::kind).err(),
+            Some(std::io::ErrorKind::ConnectionRefused),
+            "{to}: {r:?}"
+        );
+    }
+}
+
+#[test]
+fn a_datagram_too_big_for_the_backends_link_gets_fragmentation_needed_from_the_nodeport() {
+    // The node's link to the pod carries 1280 bytes; the client's, 1500. A 1400-byte datagram
+    // (DF set: Linux's default path MTU discovery) translated at the node cannot go on: the
+    // client must hear "fragmentation needed" (ICMPv6 "packet too big") about its own
+    // datagram, from the NodePort address, and lower its path MTU (EMSGSIZE on the socket).
+    // (The path MTU is learnt per destination address: one frontend per family.)
+    let Some((_programs, _maps, topo)) = udp_nodeports(
+        "a_datagram_too_big_for_the_backends_link",
+        &[(30053, 5353, SVC_SNAT)],
+    ) else {
+        return;
+    };
+    topo.node
+        .run(&["ip", "link", "set", "dev", "eth1", "mtu", "1280"])
+        .unwrap();
+    topo._pod
+        .run(&["ip", "link", "set", "dev", "eth0", "mtu", "1280"])
+        .unwrap();
+    for to in ["192.168.50.1:30053", "[fd00:50::1]:30053"] {
+        // A small datagram first: neighbours resolved, the path known to work.
+        let small = udp_exchange_settled(&topo, to, b"small");
+        assert!(small.is_ok(), "{to}: {small:?}");
+        let r = udp_exchange(&topo, to, &[0x5a; 1400]);
+        assert_eq!(
+            r.as_ref().err().and_then(std::io::Error::raw_os_error),
+            Some(libc::EMSGSIZE),
+            "{to}: {r:?}"
+        );
+    }
+    let mtu = topo
+        .client
+        .enter(|| {
+            let s = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+            s.connect("192.168.50.1:30053").unwrap();
+            nix::sys::socket::getsockopt(&s, nix::sys::socket::sockopt::IpMtu).unwrap()
+        })
+        .unwrap();
+    assert_eq!(mtu, 1280, "the path MTU the client learnt");
+}
+
+/// Splits a frame's IP packet into fragments of at most `chunk` payload bytes (a multiple of
+/// 8), as the sender's stack does: IPv4 with the MF flag and offset in its header, IPv6 with
+/// a fragment header; every IPv4 header checksum valid.
+fn fragments(f: &[u8], id: u32, chunk: usize) -> Vec<Vec<u8>> {
+    let v4 = u16::from_be_bytes([f[12], f[13]]) == 0x0800;
+    let hlen = if v4 { 20 } else { 40 };
+    let header = &f[14..14 + hlen];
+    let payload = &f[14 + hlen..];
+    let mut out = Vec::new();
+    for (i, part) in payload.chunks(chunk).enumerate() {
+        let offset = i * chunk;
+        let more = offset + part.len() < payload.len();
+        let mut frame = f[..14].to_vec();
+        let mut h = header.to_vec();
+        if v4 {
+            h[2..4].copy_from_slice(&((20 + part.len()) as u16).to_be_bytes());
+            h[4..6].copy_from_slice(&(id as u16).to_be_bytes());
+            let flags = (offset / 8) as u16 | if more { 0x2000 } else { 0 };
+            h[6..8].copy_from_slice(&flags.to_be_bytes());
+            h[10..12].copy_from_slice(&[0, 0]);
+            let c = fold(sum16(&h, 0));
+            h[10..12].copy_from_slice(&c.to_be_bytes());
+            frame.extend_from_slice(&h);
+        } else {
+            let next = h[6];
+            h[4..6].copy_from_slice(&((8 + part.len()) as u16).to_be_bytes());
+            h[6] = 44;
+            frame.extend_from_slice(&h);
+            frame.extend_from_slice(&[next, 0]);
+            let off = (offset as u16) | u16::from(more);
+            frame.extend_from_slice(&off.to_be_bytes());
+            frame.extend_from_slice(&id.to_be_bytes());
+        }
+        frame.extend_from_slice(part);
+        out.push(frame);
+    }
+    out
+}
+
+/// The source and destination addresses of a frame, and the IPv4 header checksum checked.
+#[track_caller]
+fn addresses(f: &[u8]) -> (IpAddr, IpAddr) {
+    if u16::from_be_bytes([f[12], f[13]]) == 0x0800 {
+        let h = &f[14..34];
+        assert_eq!(fold(sum16(h, 0)), 0, "IPv4 header checksum");
+        let s: [u8; 4] = h[12..16].try_into().unwrap();
+        let d: [u8; 4] = h[16..20].try_into().unwrap();
+        (IpAddr::from(s), IpAddr::from(d))
+    } else {
+        let s: [u8; 16] = f[22..38].try_into().unwrap();
+        let d: [u8; 16] = f[38..54].try_into().unwrap();
+        (IpAddr::from(s), IpAddr::from(d))
+    }
+}
+
+#[test]
+fn the_fragments_of_a_udp_datagram_follow_the_first_ones_translation_in_both_families() {
+    let Some(mut progs) = load("the_fragments_of_a_udp_datagram") else {
+        return;
+    };
+    for (node, backend, client, set) in [
+        ("192.168.1.10", "10.244.2.7", "203.0.113.7", 1),
+        ("fd00:1::10", "fd00:244:2::7", "2001:db8::7", 2),
+    ] {
+        progs.set_snat_address(ip(node)).unwrap();
+        service(
+            &mut progs,
+            ext(node, 30053, UDP),
+            set,
+            set,
+            SVC_SNAT,
+            &[local(backend, 5353)],
+        );
+        let mut query = Packet::new(UDP, client, 40000, node, 30053);
+        query.payload = (0..3000u32).map(|i| (i % 251) as u8).collect();
+        let whole = frame(&query);
+        let parts = fragments(&whole, 0x4242, 1232);
+        assert_eq!(parts.len(), 3);
+        // A later fragment before the first: nothing known, not translated.
+        let (verdict, early) = run(&progs, TC_INGRESS, &parts[1]);
+        assert_eq!((verdict, &early), (TC_ACT_OK, &parts[1]));
+
+        let mut out = Vec::new();
+        for part in &parts {
+            let (verdict, f) = run(&progs, TC_INGRESS, part);
+            assert_eq!(verdict, TC_ACT_OK);
+            assert_eq!(
+                addresses(&f),
+                (ip(node), ip(backend)),
+                "every fragment SNATed and DNATed"
+            );
+            out.push(f);
+        }
+        // Reassembled, the datagram is the client's with the translated addresses and ports,
+        // its UDP checksum (in the first fragment) valid over the whole of it.
+        let hlen = if query.src.is_ipv4() { 20 } else { 48 };
+        let mut l4 = Vec::new();
+        for f in &out {
+            l4.extend_from_slice(&f[14 + hlen..]);
+        }
+        let mut joined = frame(&Packet::new(UDP, node, 0, backend, 0));
+        let base = if query.src.is_ipv4() { 34 } else { 54 };
+        joined.truncate(base);
+        if query.src.is_ipv4() {
+            joined[16..18].copy_from_slice(&((20 + l4.len()) as u16).to_be_bytes());
+            joined[24..26].copy_from_slice(&[0, 0]);
+            let c = fold(sum16(&joined[14..34], 0));
+            joined[24..26].copy_from_slice(&c.to_be_bytes());
+        } else {
+            joined[18..20].copy_from_slice(&(l4.len() as u16).to_be_bytes());
+        }
+        joined.extend_from_slice(&l4);
+        let got = parse(&joined);
+        assert_eq!(
+            (got.dport, got.payload.clone()),
+            (5353, query.payload.clone())
+        );
+        assert!(got.sport >= 32768, "the SNAT port: {}", got.sport);
+    }
+}
+
+/// A UDP echo server in the pod on `port` (both families), for datagrams of any size.
+fn udp_echo(topo: &Topology, port: u16) -> std::net::UdpSocket {
+    let s = topo
+        ._pod
+        .enter(|| std::net::UdpSocket::bind(("::", port)))
+        .unwrap()
+        .unwrap();
+    let echo = s.try_clone().unwrap();
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 65536];
+        while let Ok((n, from)) = echo.recv_from(&mut buf) {
+            let _ = echo.send_to(&buf[..n], from);
+        }
+    });
+    s
+}
+
+#[test]
+fn a_udp_datagram_larger_than_the_mtu_crosses_a_nodeport_in_fragments_both_ways() {
+    // 3000 bytes over links of 1500: the client's stack sends three fragments, the pod's
+    // answers in three; the node translates every one of them (SNATed and not).
+    let Some((_programs, _maps, topo)) = udp_nodeports(
+        "a_udp_datagram_larger_than_the_mtu",
+        &[(30053, 7000, SVC_SNAT), (30054, 7000, 0)],
+    ) else {
+        return;
+    };
+    let _echo = udp_echo(&topo, 7000);
+    let big: Vec<u8> = (0..3000u32).map(|i| (i % 253) as u8).collect();
+    for to in [
+        "192.168.50.1:30053",
+        "192.168.50.1:30054",
+        "[fd00:50::1]:30053",
+        "[fd00:50::1]:30054",
+    ] {
+        // Neighbours first (the first datagram may wait for them longer than two seconds).
+        let small = (0..3)
+            .map(|_| udp_exchange(&topo, to, b"small"))
+            .find(Result::is_ok);
+        assert!(small.is_some(), "{to}: no answer to a small datagram");
+        let r = udp_exchange(&topo, to, &big);
+        assert_eq!(
+            r.as_ref().ok(),
+            Some(&big),
+            "{to}: {:?}",
+            r.as_ref().map(Vec::len)
+        );
+    }
 }

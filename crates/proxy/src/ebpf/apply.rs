@@ -5,7 +5,9 @@
 //! # Order of writes for one service port (Calico's fresh-id scheme)
 //!
 //! 1. Every backend set whose content changed is written under a **fresh** set id: its
-//!    backends at ordinals `1..=n`, their membership entries, its Maglev table.
+//!    backends at ordinals `1..=n`, their membership entries (only where the programs read
+//!    them: UDP service ports and session affinity, as Cilium keeps its affinity match map
+//!    for affinity services only), its Maglev table.
 //! 2. Source ranges that are new are added.
 //! 3. Each frontend whose value changed is written in one map update: it now names the new
 //!    set id and count. Frontends that went away are deleted.
@@ -15,16 +17,31 @@
 //! frontend and its complete new set. Established connections keep their backend through
 //! `np_ct`, whatever the frontend says.
 //!
-//! # Full syncs and take-over
+//! # The mirror, full syncs and take-over
 //!
-//! A full sync (the first, and after a failure) also sweeps the maps: frontends, backend
-//! entries, Maglev tables and ranges the applier did not write are deleted. On its first sync
-//! the applier reads the frontends already in the maps (pinned by an earlier run) and keeps
-//! their service ids, so that affinity survives a restart; set ids start above any found.
-//! Full syncs also write the cluster CIDRs (`--cluster-cidr`) into the source-range trie
-//! under service id 0 (`CLUSTER_CIDRS_ID`), which the routed ClusterIP frontends consult.
+//! The applier keeps what it wrote (`installed`): a sync compares the rendered Services with
+//! it and writes only what differs, so an unchanged Service costs no `bpf()` call. A full sync
+//! first finds what others changed, so that a service port whose entries the maps no longer
+//! hold as written is written again whole (fresh set ids, then its frontends), as kube-proxy's
+//! full syncs repair hand edits of its rules. Nothing is read back after the writes.
+//!
+//! - The first full sync, one after a failure, and one an hour after the last (kube-proxy's
+//!   `FullSyncPeriod`) **walk** each map the applier owns once (`KernelView`, two calls per
+//!   entry: next key and lookup; aya 0.14 has no batched lookups): every entry compared, and
+//!   entries the applier did not write deleted after the writes.
+//! - The other full syncs (the periodic resync, every `--sync-period`) **look up** the
+//!   applier's own entries instead, one call each: every frontend (what decides where traffic
+//!   goes), and a rotating share of the backend sets ([`CHECK_BACKENDS_PER_SYNC`] entries per
+//!   sync), so that a resync costs a fraction of a walk. Entries added by others wait for the
+//!   next walk.
+//!
+//! On its first sync the
+//! applier takes the service ids of the frontends an earlier run left (so that affinity
+//! survives a restart); set ids start above any found. Full syncs also write the cluster
+//! CIDRs (`--cluster-cidr`) into the source-range trie under service id 0
+//! (`CLUSTER_CIDRS_ID`), which the routed ClusterIP frontends consult.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::IpAddr;
 use std::time::Duration;
 
@@ -32,7 +49,8 @@ use ipnet::IpNet;
 
 use super::maglev;
 use super::maps::{
-    BackendEntry, CLUSTER_CIDRS_ID, CT_CLOSING, CT_REPLY, Frontend, FrontendKey, Tuple,
+    BackendEntry, CLUSTER_CIDRS_ID, CT_CLOSING, CT_REPLY, Frontend, FrontendKey, MemberKey,
+    SVC_AFFINITY, Tuple, names,
 };
 use super::programs::{self, Maps};
 use super::render::{Algorithm, RenderConfig, ServiceMaps, SetKey, render_service};
@@ -88,11 +106,20 @@ impl Default for Timeouts {
     }
 }
 
+/// How often a full sync walks every map rather than looking up the applier's own entries
+/// (kube-proxy's `FullSyncPeriod`).
+pub const WALK_EVERY: Duration = Duration::from_secs(3600);
+
+/// Backend entries a full sync that does not walk looks up (a rotating share of the sets,
+/// whole sets at a time).
+pub const CHECK_BACKENDS_PER_SYNC: usize = 8192;
+
 /// Writes desired state into the maps of a loaded object ([`programs::Programs::load`]).
 #[derive(Debug)]
 pub struct Applier {
     maps: Maps,
     config: RenderConfig,
+    /// The mirror: what the applier wrote, per service port and family.
     installed: BTreeMap<(ServicePortName, IpFamily), Installed>,
     /// Service ids found in the maps at start, by frontend.
     adopted: HashMap<FrontendKey, u32>,
@@ -101,6 +128,56 @@ pub struct Applier {
     snat: BTreeMap<IpFamily, IpAddr>,
     needs_full: bool,
     started: bool,
+    /// Entries of the LRU maps at the last collection (counted by its walk).
+    lru_counts: BTreeMap<&'static str, usize>,
+    /// When a full sync last walked the maps (`None`: never, or a sync failed since).
+    last_walk: Option<std::time::Instant>,
+    /// Where the next look-up of backend sets starts, in the mirror's order.
+    check_cursor: usize,
+}
+
+/// What the maps the applier owns hold, read once at the start of a full sync.
+#[derive(Debug, Default)]
+struct KernelView {
+    frontends: HashMap<FrontendKey, Frontend>,
+    backends: HashMap<programs::BackendSlot, BackendEntry>,
+    members: HashMap<MemberKey, u32>,
+    maglev: HashSet<u32>,
+    ranges: HashSet<(u32, IpNet)>,
+}
+
+impl KernelView {
+    fn read(maps: &Maps) -> Result<Self, programs::Error> {
+        Ok(KernelView {
+            frontends: maps.frontends()?.into_iter().collect(),
+            backends: maps.backends()?.into_iter().collect(),
+            members: maps.members()?.into_iter().collect(),
+            maglev: maps.maglev_sets()?.into_iter().collect(),
+            ranges: maps.source_ranges()?.into_iter().collect(),
+        })
+    }
+
+    /// Whether the maps hold everything `inst` wrote, as written. Maglev tables are checked
+    /// for presence, not compared slot by slot.
+    fn holds(&self, inst: &Installed, maglev: bool) -> bool {
+        let sets = inst.set_ids.iter().all(|(set, id)| {
+            let list = &inst.maps.sets[set];
+            let members = needs_members(&inst.maps, set);
+            (!maglev || self.maglev.contains(id))
+                && list.iter().enumerate().all(|(i, be)| {
+                    let ordinal = i as u32 + 1;
+                    self.backends.get(&(*id, ordinal)) == Some(be)
+                        && (!members
+                            || self.members.get(&(*id, be.addr, be.port)) == Some(&ordinal))
+                })
+        });
+        sets && inst.maps.frontends.iter().all(|(fk, spec)| {
+            let value = frontend_value(inst.svc_id, spec, &inst.maps, &inst.set_ids);
+            self.frontends.get(fk) == Some(&value)
+        }) && ranges_of(inst)
+            .iter()
+            .all(|net| self.ranges.contains(&(inst.svc_id, *net)))
+    }
 }
 
 impl Applier {
@@ -116,12 +193,21 @@ impl Applier {
             snat: BTreeMap::new(),
             needs_full: true,
             started: false,
+            lru_counts: BTreeMap::new(),
+            last_walk: None,
+            check_cursor: 0,
         }
     }
 
     /// The maps.
     pub fn maps(&self) -> &Maps {
         &self.maps
+    }
+
+    /// The maps, to change behind the applier's back (tools and tests): the next full sync
+    /// finds what no longer matches what it wrote, and repairs it.
+    pub fn maps_mut(&mut self) -> &mut Maps {
+        &mut self.maps
     }
 
     /// Sets the node's local addresses (for NodePort selections that match them all); a
@@ -153,6 +239,7 @@ impl Applier {
             }
             Err(e) => {
                 self.needs_full = true;
+                self.last_walk = None;
                 Err(Error::Maps(e))
             }
         }
@@ -168,6 +255,12 @@ impl Applier {
             full,
             ..Default::default()
         };
+        let walk = full && self.last_walk.is_none_or(|t| t.elapsed() >= WALK_EVERY);
+        let view = if walk {
+            Some(KernelView::read(&self.maps)?)
+        } else {
+            None
+        };
         if !self.started {
             let flags = if self.config.fib_forward {
                 super::maps::FLAG_FIB_FORWARD
@@ -175,7 +268,9 @@ impl Applier {
                 0
             };
             self.maps.set_flags(flags)?;
-            self.adopt()?;
+            if let Some(view) = &view {
+                self.adopt(view);
+            }
             self.started = true;
         }
         for fam in &desired.families {
@@ -186,14 +281,33 @@ impl Applier {
                 self.snat.insert(fam.family, ip);
             }
         }
-        if full {
-            // The cluster CIDRs (`SVC_SNAT_OFF_CLUSTER`) before any frontend that needs them;
-            // written again on every full sync (a handful of entries), the sweep removes others.
-            for net in &self.config.cluster_cidrs {
-                self.maps.add_source_range(CLUSTER_CIDRS_ID, net.trunc())?;
-            }
-        }
         let mut todo: BTreeSet<(ServicePortName, IpFamily)> = BTreeSet::new();
+        // Service ports whose entries others changed: written again whole.
+        let mut damaged: BTreeSet<(ServicePortName, IpFamily)> = BTreeSet::new();
+        if let Some(view) = &view {
+            // The cluster CIDRs (`SVC_SNAT_OFF_CLUSTER`) before any frontend that needs them.
+            for net in &self.config.cluster_cidrs {
+                if !view.ranges.contains(&(CLUSTER_CIDRS_ID, net.trunc())) {
+                    self.maps.add_source_range(CLUSTER_CIDRS_ID, net.trunc())?;
+                    report.map_operations += 1;
+                }
+            }
+            let maglev = self.config.algorithm == Algorithm::Maglev;
+            damaged.extend(
+                self.installed
+                    .iter()
+                    .filter(|(_, inst)| !view.holds(inst, maglev))
+                    .map(|(key, _)| key.clone()),
+            );
+        } else if full {
+            damaged.extend(self.look_up_own_entries()?);
+        }
+        if !damaged.is_empty() {
+            tracing::info!(
+                service_ports = damaged.len(),
+                "eBPF map entries changed by others: their service ports are written again"
+            );
+        }
         if full {
             todo.extend(self.installed.keys().cloned());
             for fam in &desired.families {
@@ -212,30 +326,92 @@ impl Applier {
                     .get(&name)
                     .map(|svc| render_service(svc, fam, &self.config))
             });
-            let ops = self.apply_service(&name, family, fresh)?;
+            let force = damaged.contains(&(name.clone(), family));
+            let ops = self.apply_service(&name, family, fresh, force)?;
             if ops > 0 {
                 report.services_written += 1;
                 report.map_operations += ops;
             }
         }
-        if full {
-            report.map_operations += self.repair()?;
-            report.map_operations += self.sweep()?;
+        if let Some(view) = &view {
+            report.map_operations += self.sweep(view)?;
+            self.adopted.clear();
+            self.last_walk = Some(std::time::Instant::now());
         }
         Ok(report)
     }
 
-    /// Reads the frontends an earlier run left, for their service ids and the ids in use.
-    fn adopt(&mut self) -> Result<(), programs::Error> {
-        for (key, fe) in self.maps.frontends()? {
-            self.adopted.insert(key, fe.svc_id);
+    /// The light check of a full sync that does not walk: every frontend the applier wrote,
+    /// and about [`CHECK_BACKENDS_PER_SYNC`] backend entries (with their membership entries
+    /// and Maglev tables) from where the last check stopped, looked up one by one. Returns
+    /// the service ports the maps no longer hold as written.
+    fn look_up_own_entries(
+        &mut self,
+    ) -> Result<BTreeSet<(ServicePortName, IpFamily)>, programs::Error> {
+        let maglev = self.config.algorithm == Algorithm::Maglev;
+        let mut damaged = BTreeSet::new();
+        for (key, inst) in &self.installed {
+            for (fk, spec) in &inst.maps.frontends {
+                let value = frontend_value(inst.svc_id, spec, &inst.maps, &inst.set_ids);
+                if self.maps.frontend(fk)? != Some(value) {
+                    damaged.insert(key.clone());
+                    break;
+                }
+            }
+        }
+        let n = self.installed.len();
+        let start = if n == 0 { 0 } else { self.check_cursor % n };
+        let mut checked = 0;
+        let mut visited = 0;
+        for (key, inst) in self
+            .installed
+            .iter()
+            .skip(start)
+            .chain(self.installed.iter().take(start))
+        {
+            if checked >= CHECK_BACKENDS_PER_SYNC {
+                break;
+            }
+            visited += 1;
+            'sets: for (set, id) in &inst.set_ids {
+                let list = &inst.maps.sets[set];
+                let members = needs_members(&inst.maps, set);
+                checked += list.len();
+                if maglev && !self.maps.has_maglev(*id)? {
+                    damaged.insert(key.clone());
+                    break;
+                }
+                for (i, be) in list.iter().enumerate() {
+                    let ordinal = i as u32 + 1;
+                    if self.maps.backend(*id, ordinal)? != Some(*be)
+                        || (members && self.maps.member(*id, be.addr, be.port)? != Some(ordinal))
+                    {
+                        damaged.insert(key.clone());
+                        break 'sets;
+                    }
+                }
+            }
+        }
+        self.check_cursor = start + visited;
+        Ok(damaged)
+    }
+
+    /// Takes the service ids of the frontends an earlier run left, and the ids in use.
+    fn adopt(&mut self, view: &KernelView) {
+        for (key, fe) in &view.frontends {
+            self.adopted.insert(*key, fe.svc_id);
             self.next_svc_id = self.next_svc_id.max(fe.svc_id + 1);
             self.next_be_set = self.next_be_set.max(fe.be_set + 1);
         }
-        for ((set, _), _) in self.maps.backends()? {
+        let sets = view
+            .backends
+            .keys()
+            .map(|(set, _)| *set)
+            .chain(view.members.keys().map(|(set, _, _)| *set))
+            .chain(view.maglev.iter().copied());
+        for set in sets {
             self.next_be_set = self.next_be_set.max(set + 1);
         }
-        Ok(())
     }
 
     fn fresh_set(&mut self) -> u32 {
@@ -245,12 +421,14 @@ impl Applier {
     }
 
     /// Brings one service port of one family from what is installed to `fresh`; returns
-    /// the map operations issued.
+    /// the map operations issued. `force`: the maps no longer hold what is installed, so
+    /// every set is written under a fresh id and every frontend written again.
     fn apply_service(
         &mut self,
         name: &ServicePortName,
         family: IpFamily,
         fresh: Option<ServiceMaps>,
+        force: bool,
     ) -> Result<usize, programs::Error> {
         let key = (name.clone(), family);
         let old = self.installed.remove(&key);
@@ -266,6 +444,7 @@ impl Applier {
         };
         if let Some(old) = &old
             && old.maps == fresh
+            && !force
         {
             self.installed.insert(key, old.clone());
             return Ok(0);
@@ -288,8 +467,9 @@ impl Applier {
         // 1. Backend sets: unchanged ones keep their id, changed ones get a fresh one.
         let mut set_ids = BTreeMap::new();
         for (set, list) in &fresh.sets {
-            let kept = old.as_ref().and_then(|o| {
-                (o.maps.sets.get(set) == Some(list))
+            let members = needs_members(&fresh, set);
+            let kept = old.as_ref().filter(|_| !force).and_then(|o| {
+                (o.maps.sets.get(set) == Some(list) && needs_members(&o.maps, set) == members)
                     .then(|| o.set_ids.get(set).copied())
                     .flatten()
             });
@@ -297,23 +477,25 @@ impl Applier {
                 Some(id) => id,
                 None => {
                     let id = self.fresh_set();
-                    ops += self.write_set(id, list)?;
+                    ops += self.write_set(id, list, members)?;
                     id
                 }
             };
             set_ids.insert(set.clone(), id);
         }
-        // 2. New source ranges.
+        // 2. New source ranges (all of them when forced: adding is idempotent).
         let old_ranges = old.as_ref().map(ranges_of).unwrap_or_default();
         let new_ranges = ranges_of_maps(&fresh);
-        for net in new_ranges.difference(&old_ranges) {
-            self.maps.add_source_range(svc_id, *net)?;
-            ops += 1;
+        for net in &new_ranges {
+            if force || !old_ranges.contains(net) {
+                self.maps.add_source_range(svc_id, *net)?;
+                ops += 1;
+            }
         }
         // 3. Frontends, each switched in one update.
         for (fk, spec) in &fresh.frontends {
             let value = frontend_value(svc_id, spec, &fresh, &set_ids);
-            let before = old.as_ref().and_then(|o| {
+            let before = old.as_ref().filter(|_| !force).and_then(|o| {
                 o.maps
                     .frontends
                     .get(fk)
@@ -335,7 +517,8 @@ impl Applier {
             let live: BTreeSet<u32> = set_ids.values().copied().collect();
             for (set, id) in &old.set_ids {
                 if !live.contains(id) {
-                    ops += self.delete_set(*id, &old.maps.sets[set])?;
+                    let members = needs_members(&old.maps, set);
+                    ops += self.delete_set(*id, &old.maps.sets[set], members)?;
                 }
             }
             for net in old_ranges.difference(&new_ranges) {
@@ -361,7 +544,8 @@ impl Applier {
             ops += 1;
         }
         for (set, id) in &old.set_ids {
-            ops += self.delete_set(*id, &old.maps.sets[set])?;
+            let members = needs_members(&old.maps, set);
+            ops += self.delete_set(*id, &old.maps.sets[set], members)?;
         }
         for net in ranges_of(old) {
             self.maps.remove_source_range(old.svc_id, net)?;
@@ -370,11 +554,20 @@ impl Applier {
         Ok(ops)
     }
 
-    fn write_set(&mut self, id: u32, list: &[BackendEntry]) -> Result<usize, programs::Error> {
+    fn write_set(
+        &mut self,
+        id: u32,
+        list: &[BackendEntry],
+        members: bool,
+    ) -> Result<usize, programs::Error> {
         for (i, be) in list.iter().enumerate() {
-            self.maps.set_backend(id, i as u32 + 1, be)?;
+            if members {
+                self.maps.set_backend(id, i as u32 + 1, be)?;
+            } else {
+                self.maps.set_backend_slot(id, i as u32 + 1, be)?;
+            }
         }
-        let mut ops = 2 * list.len();
+        let mut ops = if members { 2 } else { 1 } * list.len();
         if self.config.algorithm == Algorithm::Maglev {
             let names: Vec<String> = list
                 .iter()
@@ -386,99 +579,53 @@ impl Applier {
         Ok(ops)
     }
 
-    fn delete_set(&mut self, id: u32, list: &[BackendEntry]) -> Result<usize, programs::Error> {
+    fn delete_set(
+        &mut self,
+        id: u32,
+        list: &[BackendEntry],
+        members: bool,
+    ) -> Result<usize, programs::Error> {
         let mut ops = 0;
         if self.config.algorithm == Algorithm::Maglev {
             self.maps.remove_maglev(id)?;
             ops += 1;
         }
         for (i, be) in list.iter().enumerate() {
-            self.maps.remove_backend(id, i as u32 + 1, be)?;
-            ops += 2;
+            if members {
+                self.maps.remove_backend(id, i as u32 + 1, be)?;
+                ops += 2;
+            } else {
+                self.maps.remove_backend_slot(id, i as u32 + 1)?;
+                ops += 1;
+            }
         }
         Ok(ops)
     }
 
-    /// Writes again the frontends and backends the applier wrote that the maps no longer
-    /// hold as written (deleted or changed by someone else, `bpftool map delete`): kube-proxy's
-    /// full syncs repair hand edits of its rules the same way. Full syncs only (a walk over
-    /// both maps). Maglev tables and source ranges are not compared.
-    fn repair(&mut self) -> Result<usize, programs::Error> {
-        let frontends: BTreeMap<FrontendKey, Frontend> =
-            self.maps.frontends()?.into_iter().collect();
-        let backends: BTreeMap<programs::BackendSlot, BackendEntry> =
-            self.maps.backends()?.into_iter().collect();
-        let mut sets = Vec::new();
-        let mut fronts = Vec::new();
-        for inst in self.installed.values() {
-            for (set, id) in &inst.set_ids {
-                let list = &inst.maps.sets[set];
-                let intact = list
-                    .iter()
-                    .enumerate()
-                    .all(|(i, be)| backends.get(&(*id, i as u32 + 1)) == Some(be));
-                if !intact {
-                    sets.push((*id, list.clone()));
-                }
-            }
-            for (fk, spec) in &inst.maps.frontends {
-                let value = frontend_value(inst.svc_id, spec, &inst.maps, &inst.set_ids);
-                if frontends.get(fk) != Some(&value) {
-                    fronts.push((*fk, value));
-                }
-            }
-        }
+    /// Deletes whatever the maps held at the start of this full sync (`view`) that the
+    /// applier has not written: entries of an earlier run, or added by others. Entries
+    /// written during the sync are in the mirror, so they are never taken for strays.
+    fn sweep(&mut self, view: &KernelView) -> Result<usize, programs::Error> {
         let mut ops = 0;
-        // Backends before the frontends that name them.
-        for (id, list) in &sets {
-            ops += self.write_set(*id, list)?;
-        }
-        for (fk, value) in &fronts {
-            self.maps.set_frontend(fk, value)?;
-            ops += 1;
-        }
-        if ops > 0 {
-            tracing::info!(
-                frontends = fronts.len(),
-                backend_sets = sets.len(),
-                "eBPF map entries changed by others written again"
-            );
-        }
-        Ok(ops)
-    }
-
-    /// Deletes whatever the maps hold that the applier did not write.
-    fn sweep(&mut self) -> Result<usize, programs::Error> {
-        let mut ops = 0;
-        let frontends: BTreeSet<FrontendKey> = self
+        let frontends: HashSet<FrontendKey> = self
             .installed
             .values()
             .flat_map(|i| i.maps.frontends.keys().copied())
             .collect();
-        for (key, _) in self.maps.frontends()? {
-            if !frontends.contains(&key) {
-                self.maps.remove_frontend(&key)?;
-                ops += 1;
-            }
-        }
-        let sets: BTreeSet<u32> = self
+        // Set id → (its backends, whether it has membership entries).
+        let sets: HashMap<u32, (&[BackendEntry], bool)> = self
             .installed
             .values()
-            .flat_map(|i| i.set_ids.values().copied())
+            .flat_map(|i| {
+                i.set_ids.iter().map(|(set, id)| {
+                    (
+                        *id,
+                        (i.maps.sets[set].as_slice(), needs_members(&i.maps, set)),
+                    )
+                })
+            })
             .collect();
-        for ((set, ordinal), be) in self.maps.backends()? {
-            if !sets.contains(&set) {
-                self.maps.remove_backend(set, ordinal, &be)?;
-                ops += 2;
-            }
-        }
-        for set in self.maps.maglev_sets()? {
-            if !sets.contains(&set) {
-                self.maps.remove_maglev(set)?;
-                ops += 1;
-            }
-        }
-        let ranges: BTreeSet<(u32, IpNet)> = self
+        let ranges: HashSet<(u32, IpNet)> = self
             .installed
             .values()
             .flat_map(|i| ranges_of(i).into_iter().map(|n| (i.svc_id, n)))
@@ -489,16 +636,105 @@ impl Applier {
                     .map(|n| (CLUSTER_CIDRS_ID, n.trunc())),
             )
             .collect();
-        for (svc_id, net) in self.maps.source_ranges()? {
-            if !ranges.contains(&(svc_id, net)) {
-                self.maps.remove_source_range(svc_id, net)?;
-                ops += 1;
-            }
+        let stray_frontends: Vec<FrontendKey> = view
+            .frontends
+            .keys()
+            .filter(|k| !frontends.contains(k))
+            .copied()
+            .collect();
+        let stray_slots: Vec<programs::BackendSlot> = view
+            .backends
+            .keys()
+            .filter(|(set, ordinal)| {
+                sets.get(set)
+                    .is_none_or(|(list, _)| *ordinal == 0 || *ordinal as usize > list.len())
+            })
+            .copied()
+            .collect();
+        let stray_members: Vec<MemberKey> = view
+            .members
+            .keys()
+            .filter(|(set, addr, port)| {
+                sets.get(set).is_none_or(|(list, members)| {
+                    !members || !list.iter().any(|b| b.addr == *addr && b.port == *port)
+                })
+            })
+            .copied()
+            .collect();
+        let stray_maglev: Vec<u32> = view
+            .maglev
+            .iter()
+            .filter(|set| self.config.algorithm != Algorithm::Maglev || !sets.contains_key(set))
+            .copied()
+            .collect();
+        let stray_ranges: Vec<(u32, IpNet)> = view
+            .ranges
+            .iter()
+            .filter(|r| !ranges.contains(r))
+            .copied()
+            .collect();
+        for key in &stray_frontends {
+            self.maps.remove_frontend(key)?;
         }
-        self.adopted.clear();
+        for (set, ordinal) in &stray_slots {
+            self.maps.remove_backend_slot(*set, *ordinal)?;
+        }
+        for (set, addr, port) in &stray_members {
+            self.maps.remove_member(*set, *addr, *port)?;
+        }
+        for set in &stray_maglev {
+            self.maps.remove_maglev(*set)?;
+        }
+        for (svc_id, net) in &stray_ranges {
+            self.maps.remove_source_range(*svc_id, *net)?;
+        }
+        ops += stray_frontends.len()
+            + stray_slots.len()
+            + stray_members.len()
+            + stray_maglev.len()
+            + stray_ranges.len();
         Ok(ops)
     }
 
+    /// Entries of each map the applier owns, from the mirror (exact after a sync: a full
+    /// sync removes what it did not write), and of the LRU maps as counted by the last
+    /// collection ([`Applier::collect`]); in [`names::ALL`]'s order, without the arrays.
+    pub fn entry_counts(&self) -> Vec<(&'static str, usize)> {
+        let mut frontends = 0;
+        let mut backends = 0;
+        let mut members = 0;
+        let mut sets = 0;
+        let mut ranges = self.config.cluster_cidrs.len();
+        for inst in self.installed.values() {
+            frontends += inst.maps.frontends.len();
+            ranges += ranges_of(inst).len();
+            for set in inst.set_ids.keys() {
+                let n = inst.maps.sets[set].len();
+                backends += n;
+                sets += 1;
+                if needs_members(&inst.maps, set) {
+                    members += n;
+                }
+            }
+        }
+        let maglev = if self.config.algorithm == Algorithm::Maglev {
+            sets
+        } else {
+            0
+        };
+        let lru = |name| self.lru_counts.get(name).copied().unwrap_or(0);
+        vec![
+            (names::SERVICES, frontends),
+            (names::BACKENDS, backends),
+            (names::MEMBERS, members),
+            (names::CT, lru(names::CT)),
+            (names::NAT, lru(names::NAT)),
+            (names::AFFINITY, lru(names::AFFINITY)),
+            (names::SOURCE_RANGES, ranges),
+            (names::MAGLEV, maglev),
+            (names::SOCK_REV, lru(names::SOCK_REV)),
+        ]
+    }
     /// Every backend of a UDP service port in the maps.
     pub fn udp_backends(&self) -> BTreeSet<std::net::SocketAddr> {
         self.installed
@@ -541,6 +777,7 @@ impl Applier {
                 self.maps.conntrack()
             }
             .map_err(Error::Maps)?;
+            let name = if nat { names::NAT } else { names::CT };
             let stale: Vec<Tuple> = entries
                 .iter()
                 .filter(|(k, v)| {
@@ -556,9 +793,14 @@ impl Applier {
                 .map(|(k, _)| *k)
                 .collect();
             deleted += stale.len();
+            self.lru_counts.insert(name, entries.len() - stale.len());
             self.maps
                 .remove_connections(nat, &stale)
                 .map_err(Error::Maps)?;
+        }
+        for name in [names::AFFINITY, names::SOCK_REV] {
+            let n = self.maps.lru_entries(name).map_err(Error::Maps)?;
+            self.lru_counts.insert(name, n);
         }
         Ok(deleted)
     }
@@ -598,6 +840,17 @@ pub fn monotonic_now_ns() -> u64 {
             .saturating_mul(1_000_000_000)
             .saturating_add(t.tv_nsec() as u64)
     })
+}
+
+/// Whether a backend set gets membership entries: the programs read `np_members` to check a
+/// UDP flow's backend against the frontend's current set, and a remembered affinity choice;
+/// a TCP set without affinity is only ever read by ordinal.
+fn needs_members(maps: &ServiceMaps, set: &SetKey) -> bool {
+    set.port.protocol == crate::model::Protocol::Udp
+        || maps
+            .frontends
+            .values()
+            .any(|f| f.set.as_ref() == Some(set) && f.flags & SVC_AFFINITY != 0)
 }
 
 fn ranges_of_maps(maps: &ServiceMaps) -> BTreeSet<IpNet> {

@@ -265,12 +265,10 @@ impl Dataplane {
 
     /// Each map's entries and capacity (`nodeport_ebpf_map_entries{map}`), LRU maps
     /// included: they evict rather than fill, but a full one is evicting live connections.
+    /// The maps the applier writes are counted from its mirror, the LRU maps by the
+    /// collector's walk (every `collect_every`): no map is walked for this.
     pub fn fill(&self) -> Result<Vec<(&'static str, usize, u32)>, Error> {
-        let counts = self
-            .applier
-            .maps()
-            .entry_counts()
-            .map_err(Error::Programs)?;
+        let counts = self.applier.entry_counts();
         Ok(counts
             .into_iter()
             .map(|(name, n)| {

@@ -37,6 +37,9 @@ pub mod names {
     pub const TRACE_UNTIL: &str = "np_trace_until";
     /// The programs' trace events by tuple (LRU), for `nodeport trace --live`.
     pub const TRACE_LOG: &str = "np_trace_log";
+    /// IP fragments: a datagram's ports, remembered from its first fragment (LRU, 8192
+    /// entries, Cilium's default; used by the programs only, so not in [`ALL`]).
+    pub const FRAGS: &str = "np_frags";
 
     /// Every map, in the order the metrics list them.
     pub const ALL: [&str; 13] = [
@@ -285,6 +288,14 @@ pub fn member_key(be_set: u32, addr: IpAddr, port: u16) -> [u8; 24] {
 /// Reads `struct np_member_key`'s backend set.
 pub fn member_key_set(b: &[u8; 24]) -> u32 {
     u32_at(b, 0)
+}
+
+/// A membership entry's key: (backend set, address, port).
+pub type MemberKey = (u32, IpAddr, u16);
+
+/// Reads `struct np_member_key`.
+pub fn decode_member_key(b: &[u8; 24]) -> MemberKey {
+    (u32_at(b, 0), addr_from(&b[4..20]), port_at(b, 20))
 }
 
 /// `struct np_ct_key`: a connection's tuple as one direction's packets carry it.

@@ -31,8 +31,12 @@
 //!
 //! # Not handled by the programs
 //!
-//! IP fragments and IPv4 options (passed untranslated), SCTP (its CRC32c cannot be patched
-//! incrementally), ICMP errors about translated connections (passed untranslated). SNAT
+//! IPv4 options and IPv6 extension headers other than the fragment header (passed
+//! untranslated), SCTP (its CRC32c cannot be patched incrementally), an IP fragment that
+//! arrives before its datagram's first fragment (passed untranslated: the later fragments
+//! take the first one's ports from `np_frags`, as Cilium's fragment map does). (ICMP errors about translated connections are translated back, and
+//! packets too big for their next hop answered with fragmentation needed: see the C
+//! source's `np_icmp_error` and `np_frag_needed`.) SNAT
 //! ports (32768–65535, Cilium's range) are not kept apart from the node's own ephemeral
 //! ports: a connection of the node itself to a backend, from the very port a SNATed flow to
 //! that backend uses, would have its replies taken for the SNATed flow's. Packets of pods

@@ -279,7 +279,7 @@ impl Programs {
             loader.map_max_entries(name, size);
         }
         if let Some(dir) = pin_dir {
-            for name in names::ALL {
+            for name in names::ALL.into_iter().chain([names::FRAGS]) {
                 loader.map_pin_path(name, dir.join(name));
             }
         }
@@ -540,6 +540,46 @@ impl Maps {
         absent_ok(r, names::SERVICES)
     }
 
+    /// The frontend of `key`, if the map holds one.
+    pub fn frontend(&self, key: &FrontendKey) -> Result<Option<Frontend>, Error> {
+        let map = self.hash_ref::<[u8; 20], [u8; 16]>(names::SERVICES)?;
+        match map.get(&key.encode(), 0) {
+            Ok(v) => Ok(Some(Frontend::decode(&v))),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(map_err(names::SERVICES)(e)),
+        }
+    }
+
+    /// Backend `ordinal` of a set, if the map holds it.
+    pub fn backend(&self, be_set: u32, ordinal: u32) -> Result<Option<BackendEntry>, Error> {
+        let map = self.hash_ref::<[u8; 8], [u8; 20]>(names::BACKENDS)?;
+        match map.get(&maps::backend_key(be_set, ordinal), 0) {
+            Ok(v) => Ok(Some(BackendEntry::decode(&v))),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(map_err(names::BACKENDS)(e)),
+        }
+    }
+
+    /// The ordinal a backend's membership entry in a set gives, if the map holds one.
+    pub fn member(&self, be_set: u32, addr: IpAddr, port: u16) -> Result<Option<u32>, Error> {
+        let map = self.hash_ref::<[u8; 24], u32>(names::MEMBERS)?;
+        match map.get(&maps::member_key(be_set, addr, port), 0) {
+            Ok(v) => Ok(Some(v)),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(map_err(names::MEMBERS)(e)),
+        }
+    }
+
+    /// Whether a backend set has a Maglev table.
+    pub fn has_maglev(&self, be_set: u32) -> Result<bool, Error> {
+        let map = self.hash_ref::<u32, [u32; MAGLEV_M]>(names::MAGLEV)?;
+        match map.get(&be_set, 0) {
+            Ok(_) => Ok(true),
+            Err(MapError::KeyNotFound) => Ok(false),
+            Err(e) => Err(map_err(names::MAGLEV)(e)),
+        }
+    }
+
     /// Every frontend in the map.
     pub fn frontends(&self) -> Result<Vec<(FrontendKey, Frontend)>, Error> {
         let map = self.hash_ref::<[u8; 20], [u8; 16]>(names::SERVICES)?;
@@ -558,14 +598,48 @@ impl Maps {
         ordinal: u32,
         backend: &BackendEntry,
     ) -> Result<(), Error> {
+        self.remove_backend_slot(be_set, ordinal)?;
+        self.remove_member(be_set, backend.addr, backend.port)
+    }
+
+    /// Writes backend `ordinal` (1-based) of a backend set, without a membership entry (the
+    /// programs read `np_members` only for UDP flows and session affinity).
+    pub fn set_backend_slot(
+        &mut self,
+        be_set: u32,
+        ordinal: u32,
+        backend: &BackendEntry,
+    ) -> Result<(), Error> {
+        self.hash::<[u8; 8], [u8; 20]>(names::BACKENDS)?
+            .insert(maps::backend_key(be_set, ordinal), backend.encode(), 0)
+            .map_err(map_err(names::BACKENDS))
+    }
+
+    /// Removes backend `ordinal` of a set (absent: nothing to do), not its membership entry.
+    pub fn remove_backend_slot(&mut self, be_set: u32, ordinal: u32) -> Result<(), Error> {
         let r = self
             .hash::<[u8; 8], [u8; 20]>(names::BACKENDS)?
             .remove(&maps::backend_key(be_set, ordinal));
-        absent_ok(r, names::BACKENDS)?;
+        absent_ok(r, names::BACKENDS)
+    }
+
+    /// Removes the membership entry of a backend in a set (absent: nothing to do).
+    pub fn remove_member(&mut self, be_set: u32, addr: IpAddr, port: u16) -> Result<(), Error> {
         let r = self
             .hash::<[u8; 24], u32>(names::MEMBERS)?
-            .remove(&maps::member_key(be_set, backend.addr, backend.port));
+            .remove(&maps::member_key(be_set, addr, port));
         absent_ok(r, names::MEMBERS)
+    }
+
+    /// Every membership entry: (set, address, port) → ordinal.
+    pub fn members(&self) -> Result<Vec<(maps::MemberKey, u32)>, Error> {
+        let map = self.hash_ref::<[u8; 24], u32>(names::MEMBERS)?;
+        let mut out = Vec::new();
+        for entry in map.iter() {
+            let (k, v) = entry.map_err(map_err(names::MEMBERS))?;
+            out.push((maps::decode_member_key(&k), v));
+        }
+        Ok(out)
     }
 
     /// Every backend entry: (set, ordinal) → backend.
@@ -627,31 +701,15 @@ impl Maps {
         Ok(())
     }
 
-    /// How many entries each map holds (a walk over every key: for metrics, not per packet).
-    pub fn entry_counts(&self) -> Result<Vec<(&'static str, usize)>, Error> {
-        Ok(vec![
-            (
-                names::SERVICES,
-                self.count::<[u8; 20], [u8; 16]>(names::SERVICES)?,
-            ),
-            (
-                names::BACKENDS,
-                self.count::<[u8; 8], [u8; 20]>(names::BACKENDS)?,
-            ),
-            (names::MEMBERS, self.count::<[u8; 24], u32>(names::MEMBERS)?),
-            (names::CT, self.count::<[u8; 40], [u8; 56]>(names::CT)?),
-            (names::NAT, self.count::<[u8; 40], [u8; 56]>(names::NAT)?),
-            (
-                names::AFFINITY,
-                self.count::<[u8; 20], [u8; 32]>(names::AFFINITY)?,
-            ),
-            (names::SOURCE_RANGES, self.source_ranges()?.len()),
-            (names::MAGLEV, self.maglev_sets()?.len()),
-            (
-                names::SOCK_REV,
-                self.count::<[u8; 32], [u8; 20]>(names::SOCK_REV)?,
-            ),
-        ])
+    /// How many entries an LRU map holds (`np_affinity` or `np_sock_rev`; a walk over
+    /// every key: for the collector's pace, not per sync).
+    pub fn lru_entries(&self, name: &'static str) -> Result<usize, Error> {
+        match name {
+            names::AFFINITY => self.count::<[u8; 20], [u8; 32]>(name),
+            names::SOCK_REV => self.count::<[u8; 32], [u8; 20]>(name),
+            names::CT | names::NAT => self.count::<[u8; 40], [u8; 56]>(name),
+            _ => Err(Error::Missing(name)),
+        }
     }
 
     fn count<K: aya::Pod, V: aya::Pod>(&self, name: &'static str) -> Result<usize, Error> {
