@@ -835,9 +835,12 @@ fn random_endpoints(rng: &mut Rng) -> Vec<Endpoint> {
 /// What a run counted.
 #[derive(Debug, Default)]
 struct Tally {
+    /// API writes done, by kind.
     operations: BTreeMap<&'static str, u64>,
     checkpoints: u64,
     syncs_waited: u64,
+    /// How long each checkpoint waited for every proxy to report the barrier synced.
+    sync_waits: Vec<Duration>,
     kernel_traces: u64,
     bitmap_checks: u64,
     connections: u64,
@@ -1085,7 +1088,8 @@ impl Soak<'_> {
                 .push(format!("checkpoint {n}: the barrier could not be written"));
             return;
         };
-        let deadline = Instant::now() + SYNC_DEADLINE;
+        let written = Instant::now();
+        let deadline = written + SYNC_DEADLINE;
         let mut pending: Vec<&Node> = self.cluster.nodes.iter().collect();
         while !pending.is_empty() && Instant::now() < deadline {
             pending.retain(|node| {
@@ -1107,11 +1111,23 @@ impl Soak<'_> {
         }
         if pending.is_empty() {
             self.tally.syncs_waited += 1;
+            self.tally.sync_waits.push(written.elapsed());
         }
         self.check_kernels(n);
         self.check_bitmaps(n);
         self.check_connections(n);
         self.sample_rss();
+        eprintln!(
+            "checkpoint {n} at {:.0} s: {} operations, {} Services; synced in {:?}; {} \
+             mismatches, {} failed connections, {} failed operations so far",
+            self.started.elapsed().as_secs_f64(),
+            self.tally.operations.values().sum::<u64>(),
+            self.services.len(),
+            self.tally.sync_waits.last(),
+            self.tally.mismatches.len(),
+            self.tally.failed_connections.len(),
+            self.tally.failed_operations.len(),
+        );
     }
 
     fn check_kernels(&mut self, n: usize) {
@@ -1414,6 +1430,17 @@ fn report(tally: &Tally, seconds: f64, seed: u64) -> String {
         tally.bitmap_checks,
         tally.connections
     );
+    let mut waits = tally.sync_waits.clone();
+    waits.sort();
+    if let (Some(median), Some(max)) = (waits.get(waits.len() / 2), waits.last()) {
+        let _ = writeln!(
+            out,
+            "every proxy reported the latest revision synced after {:.0} ms (median), {:.0} ms \
+             (longest)",
+            median.as_secs_f64() * 1000.0,
+            max.as_secs_f64() * 1000.0
+        );
+    }
     let _ = writeln!(
         out,
         "mismatches {}, failed connections {}, failed operations {}",
@@ -1478,7 +1505,7 @@ fn a_minute_of_random_service_churn_leaves_every_nodes_kernel_as_rendered_the_bi
         .ok()
         .map(|s| {
             s.parse()
-                .expect("NODEPORT_SOAK_RATE: operations per second")
+                .expect("NODEPORT_SOAK_RATE: driver steps per second")
         })
         .unwrap_or(10.0);
     let seed: u64 = std::env::var("NODEPORT_SOAK_SEED")
@@ -1490,7 +1517,7 @@ fn a_minute_of_random_service_churn_leaves_every_nodes_kernel_as_rendered_the_bi
                 .unwrap()
                 .as_nanos() as u64
         });
-    eprintln!("churn soak: {seconds} s at {rate} operations/s, seed {seed}");
+    eprintln!("churn soak: {seconds} s at {rate} driver steps/s, seed {seed}");
     let mut cluster = Cluster::start();
     let mut soak = Soak {
         cluster: &cluster,
