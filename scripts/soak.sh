@@ -4,8 +4,10 @@
 # churn, checkpoints every 10 s (see crates/nodeport/tests/soak.rs). CI runs the same test for
 # 60 s as part of `cargo test`; this script runs it longer and keeps its figures.
 #
-#   scripts/soak.sh [--duration 30m] [--rate 10] [--seed N] [--out DIR]
+#   scripts/soak.sh [--duration 30m] [--rate 10] [--seed N] [--compaction 5m] [--out DIR]
 #
+# --compaction: the API servers' --etcd-compaction-interval (default 5m, as kube-apiserver's);
+# each server's watch history reaches back that far, so its RSS levels off after it.
 # --rate: driver steps a second (a step is one to three API writes: a Service and its slices).
 #
 # Prints operations done, checks passed and every mismatch with its cause; writes
@@ -17,14 +19,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-duration=30m rate=10 seed="" out=""
+duration=30m rate=10 seed="" compaction="" out=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --duration) duration="$2"; shift 2 ;;
     --rate) rate="$2"; shift 2 ;;
     --seed) seed="$2"; shift 2 ;;
+    --compaction) compaction="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "soak.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -49,7 +52,7 @@ fi
 echo "soak.sh: $seconds s at $rate driver steps/s; load before: $(cut -d' ' -f1-3 /proc/loadavg) on $(nproc) cores" | tee "$out/load.txt"
 status=0
 env NODEPORT_SOAK_SECS="$seconds" NODEPORT_SOAK_RATE="$rate" NODEPORT_SOAK_REPORT="$out" \
-  ${seed:+NODEPORT_SOAK_SEED="$seed"} \
+  ${seed:+NODEPORT_SOAK_SEED="$seed"} ${compaction:+NODEPORT_SOAK_COMPACTION="$compaction"} \
   cargo test --locked -p nodeport --test soak -- --nocapture 2>"$out/test.log" || status=$?
 echo "soak.sh: load after: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/load.txt"
 if [ -f "$out/summary.txt" ]; then

@@ -21,7 +21,9 @@
 //!   minutes reported on runs past five minutes; over 10 % fails a run longer than ten).
 //!
 //! The CI run lasts 60 s. `scripts/soak.sh --duration 30m` runs the same test longer
-//! (`NODEPORT_SOAK_SECS`) and writes its figures and RSS samples to `NODEPORT_SOAK_REPORT`.
+//! (`NODEPORT_SOAK_SECS`) and writes its figures and RSS samples to `NODEPORT_SOAK_REPORT`;
+//! `NODEPORT_SOAK_RATE` (driver steps a second, 10), `NODEPORT_SOAK_SEED` and
+//! `NODEPORT_SOAK_COMPACTION` (the API servers' `--etcd-compaction-interval`) vary it.
 //!
 //! ```text
 //!                          lan 192.0.2.0/24, fd00:192:0:2::/64
@@ -488,6 +490,11 @@ impl Cluster {
                     SERVICE_RANGES,
                 ])
                 .env("NODEPORT_LOG", "warn");
+            // `--etcd-compaction-interval` (default 5m): how far back each API server's watch
+            // history reaches, and so where its memory levels off under churn.
+            if let Ok(interval) = std::env::var("NODEPORT_SOAK_COMPACTION") {
+                cmd.args(["--etcd-compaction-interval", &interval]);
+            }
             self.procs
                 .0
                 .push((name.into(), ns.spawn(&mut cmd).unwrap()));
