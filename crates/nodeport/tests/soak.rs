@@ -108,7 +108,7 @@ impl Rng {
 // ---------------------------------------------------------------------------------------------
 // HTTP inside a namespace
 
-/// One HTTP/1.1 request to `127.0.0.1:port` (or `addr`) from inside `ns`; (status, body).
+/// One HTTP/1.1 request to `addr` from a socket opened inside `ns`; (status, body).
 fn http_in(
     ns: &Netns,
     addr: SocketAddr,
