@@ -1,7 +1,7 @@
 //! The running proxy: watchers, the rate-limited sync loop, node addresses, health and
 //! metrics servers, conntrack clean-up, wired together.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
@@ -10,6 +10,7 @@ use std::time::{Duration, Instant, SystemTime};
 use k8s_openapi::api::core::v1 as core;
 use k8s_openapi::api::discovery::v1 as discovery;
 use k8s_openapi::api::networking::v1 as networking;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::runtime::watcher;
 use tokio::sync::Notify;
 
@@ -124,6 +125,23 @@ struct Inputs {
     addrs_synced: bool,
     /// When the pending endpoint changes were triggered (network programming latency).
     trigger_times: Vec<SystemTime>,
+    /// The newest `resourceVersion` each watch (`services`, `endpointslices`) delivered.
+    revisions: BTreeMap<&'static str, u64>,
+}
+
+impl Inputs {
+    /// Records the `resourceVersion` of an object a watch delivered (a number on etcd and on
+    /// our embedded store; anything else is not recorded).
+    fn saw(&mut self, resource: &'static str, meta: &ObjectMeta) {
+        if let Some(rv) = meta
+            .resource_version
+            .as_deref()
+            .and_then(|v| v.parse().ok())
+        {
+            let newest = self.revisions.entry(resource).or_insert(0);
+            *newest = (*newest).max(rv);
+        }
+    }
 }
 
 /// State shared by the watchers and the sync loop.
@@ -170,13 +188,11 @@ impl Sink<core::Service> for Services {
         } else {
             convert::service(obj).map(|(_, v)| v)
         };
-        let changed = self
-            .0
-            .inputs
-            .lock()
-            .expect("inputs")
-            .cluster
-            .update_service(key.clone(), value);
+        let changed = {
+            let mut i = self.0.inputs.lock().expect("inputs");
+            i.saw("services", &obj.metadata);
+            i.cluster.update_service(key.clone(), value)
+        };
         if changed {
             self.0.request_sync();
         }
@@ -217,6 +233,7 @@ impl Sink<discovery::EndpointSlice> for Slices {
             convert::endpoint_slice(obj).map(|(_, v)| v)
         };
         let mut i = self.0.inputs.lock().expect("inputs");
+        i.saw("endpointslices", &obj.metadata);
         let changed = i.cluster.update_slice(key.clone(), value);
         if changed {
             let t = watch::trigger_time(&obj.metadata).unwrap_or_else(SystemTime::now);
@@ -354,13 +371,15 @@ struct Outcome {
     iptables_rules: Vec<crate::iptables::apply::RuleCount>,
     /// The backend's map fill levels (eBPF mode).
     map_fill: Vec<backend::MapFill>,
+    /// [`Inputs::revisions`] as the sync took its input.
+    revisions: BTreeMap<&'static str, u64>,
 }
 
 impl Engine {
     /// One sync: take the changes, update the desired state, apply. Runs on a blocking
     /// thread (it may wait for `nft`).
     fn sync(&mut self, shared: &Shared, full: bool) -> Result<Outcome, backend::Error> {
-        let (changed_ports, conntrack_needed, trigger_times, full) = {
+        let (changed_ports, conntrack_needed, trigger_times, full, revisions) = {
             let mut i = shared.inputs.lock().expect("inputs");
             let changes = i.cluster.take_changes();
             shared
@@ -420,6 +439,7 @@ impl Engine {
                 changes.udp_endpoints_changed,
                 trigger_times,
                 full,
+                i.revisions.clone(),
             )
         };
         let desired = self.desired.as_ref().expect("computed above");
@@ -511,6 +531,7 @@ impl Engine {
             no_local,
             iptables_rules: report.iptables_rules,
             map_fill: self.backend.map_fill(),
+            revisions,
         })
     }
 }
@@ -889,6 +910,12 @@ async fn sync_loop(shared: Arc<Shared>, engine: Arc<Mutex<Engine>>, config: Prox
                         .get_or_create(&l)
                         .set(rc.written as i64);
                 }
+                for (resource, rv) in &outcome.revisions {
+                    metrics
+                        .synced_resource_version
+                        .get_or_create(&vec![("resource".to_string(), (*resource).to_string())])
+                        .set(i64::try_from(*rv).unwrap_or(i64::MAX));
+                }
                 for (f, internal, external) in &outcome.no_local {
                     let mut l = family_label(*f);
                     l.push(("traffic_policy".into(), "internal".into()));
@@ -1006,5 +1033,32 @@ async fn sync_loop(shared: Arc<Shared>, engine: Arc<Mutex<Engine>>, config: Prox
         }
         let pending = shared.inputs.lock().expect("inputs").cluster.pending();
         metrics.service_changes_pending.set(pending as i64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(resource_version: Option<&str>) -> ObjectMeta {
+        ObjectMeta {
+            resource_version: resource_version.map(str::to_owned),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_newest_resource_version_of_each_watch_is_kept_and_an_opaque_one_is_not_recorded() {
+        let mut inputs = Inputs::default();
+        inputs.saw("services", &meta(Some("12")));
+        // A relist delivers older objects again: the newest stays.
+        inputs.saw("services", &meta(Some("7")));
+        inputs.saw("endpointslices", &meta(Some("9")));
+        inputs.saw("endpointslices", &meta(Some("not-a-number")));
+        inputs.saw("endpointslices", &meta(None));
+        assert_eq!(
+            inputs.revisions,
+            BTreeMap::from([("endpointslices", 9), ("services", 12)])
+        );
     }
 }

@@ -94,6 +94,12 @@ pub struct Metrics {
     pub ebpf_map_capacity: Family<Labels, Gauge>,
     /// `nodeport_ebpf_sync_failures_total` (eBPF mode): failed map syncs.
     pub ebpf_sync_failures: Counter,
+    /// `nodeport_sync_proxy_rules_resource_version{resource}` (ours): the newest
+    /// `resourceVersion` of the `services` and `endpointslices` the watches had delivered when
+    /// the last successful sync took its input. A watch delivers one kind's changes in
+    /// revision order, so a value at or past the revision of a write means the kernel holds
+    /// that write and every earlier one of the kind (the churn soak waits on it).
+    pub synced_resource_version: Family<Labels, Gauge>,
 }
 
 /// The `ip_family` label.
@@ -146,10 +152,16 @@ impl Metrics {
             ebpf_map_entries: Family::default(),
             ebpf_map_capacity: Family::default(),
             ebpf_sync_failures: Counter::default(),
+            synced_resource_version: Family::default(),
             registry: Registry::default(),
             nodeport_registry: Registry::default(),
         };
         let mut nodeport_registry = Registry::with_prefix("nodeport");
+        nodeport_registry.register(
+            "sync_proxy_rules_resource_version",
+            "The newest resourceVersion of each watched resource the last successful sync included",
+            m.synced_resource_version.clone(),
+        );
         if mode == crate::config::ProxyMode::Ebpf {
             nodeport_registry.register(
                 "ebpf_map_entries",
@@ -379,8 +391,12 @@ mod tests {
         m.ebpf_map_entries.get_or_create(&l).set(7);
         m.ebpf_map_capacity.get_or_create(&l).set(1024);
         m.ebpf_sync_failures.inc();
+        m.synced_resource_version
+            .get_or_create(&vec![("resource".to_string(), "services".to_string())])
+            .set(42);
         let text = m.render();
         for name in [
+            "nodeport_sync_proxy_rules_resource_version{resource=\"services\"} 42",
             "nodeport_ebpf_map_entries{map=\"np_services\"} 7",
             "nodeport_ebpf_map_capacity{map=\"np_services\"} 1024",
             "nodeport_ebpf_sync_failures_total 1",
