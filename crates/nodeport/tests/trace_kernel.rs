@@ -127,6 +127,39 @@ fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mod
         assert_eq!(kernel_code, render_code, "{mode:?} {args:?}");
         assert!(!kernel.contains("note"), "{mode:?} {args:?}: {kernel}");
     }
+    if mode == Mode::Nftables {
+        // The flat layout's affinity maps remember a client that connected: the kernel's
+        // trace shows a new client's path (as the render) and says where this one goes.
+        c.apply(&service_yaml(
+            "sticky",
+            30060,
+            "  sessionAffinity: ClientIP",
+            &[1, 2, 3],
+        ))
+        .unwrap();
+        let sticky = format!("{NODE_IP}:30060");
+        let Reply::Pod { pod, .. } =
+            eventually(&c.client, &sticky, "the sticky NodePort answers", |r| {
+                matches!(r, Reply::Pod { .. })
+            })
+        else {
+            unreachable!()
+        };
+        let to = format!("{sticky}/tcp");
+        let args = ["--from", CLIENT_IP, "--to", to.as_str()];
+        let (kernel, code) = trace(&c, mode, "kernel", &args);
+        let (render, _) = trace(&c, mode, "render", &args);
+        assert_eq!(code, 0, "{kernel}");
+        let n: u8 = pod.trim_start_matches("pod").parse().unwrap();
+        assert!(
+            kernel.contains(&format!(
+                "session affinity: the kernel remembers this client and sends it to 10.244.{n}.2:"
+            )),
+            "{kernel}"
+        );
+        assert!(!kernel.contains("differs"), "{kernel}");
+        assert!(!render.contains("session affinity: the kernel"), "{render}");
+    }
     // Every address: the kernel's trace takes the node's own addresses (the pod gateways and
     // eth1 too), the rendered one the Node's; where both look, they agree.
     let (kernel, _) = trace(&c, mode, "kernel", &["--service", "default/web"]);

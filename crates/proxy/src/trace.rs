@@ -75,6 +75,10 @@ pub struct Env {
     pub local_addrs: Vec<IpAddr>,
     /// Clients already recorded in affinity sets: `(set name, client)`.
     pub affinity: Vec<(String, IpAddr)>,
+    /// Follow the clients the kernel recorded in the flat nftables layout's session-affinity
+    /// maps (a kernel listing holds them); otherwise the packet is traced as a new client's,
+    /// which is what the rules decide (and what the other modes' tracers show).
+    pub recorded_affinity: bool,
 }
 
 /// How a traced packet ends.

@@ -833,6 +833,26 @@ impl KernelRules {
         }
     }
 
+    /// The endpoint the flat layout's session-affinity maps send this packet's client to,
+    /// when the kernel recorded one (the other modes' tracers do not follow affinity).
+    fn remembered(&self, packet: &Packet, env: &Env) -> Option<SocketAddr> {
+        let KernelRules::Nftables { .. } = self else {
+            return None;
+        };
+        let following = Env {
+            recorded_affinity: true,
+            ..env.clone()
+        };
+        let with = self.trace(packet, &following);
+        if fates_key(&with) == fates_key(&self.trace(packet, env)) {
+            return None;
+        }
+        match with.fates.as_slice() {
+            [(nodeport_proxy::trace::Fate::Delivered { dnat: Some(to), .. }, _)] => Some(*to),
+            _ => None,
+        }
+    }
+
     /// Rules of the packet's family that were left out.
     fn skipped(&self, family: IpFamily) -> &[String] {
         let i = usize::from(family == IpFamily::V6);
@@ -995,7 +1015,10 @@ fn fates_key(trace: &Trace) -> Vec<(String, i64)> {
             let kind = match f {
                 nodeport_proxy::trace::Fate::Dropped(_) => "dropped".to_string(),
                 nodeport_proxy::trace::Fate::Rejected(_) => "rejected".to_string(),
-                delivered => format!("{delivered:?}"),
+                // The affinity sets' and maps' names differ between the layouts too.
+                nodeport_proxy::trace::Fate::Delivered {
+                    dnat, masqueraded, ..
+                } => format!("delivered {dnat:?} {masqueraded}"),
             };
             (kind, (p * 1e9).round() as i64)
         })
@@ -1022,9 +1045,11 @@ impl Tracing {
 
     fn explain(&self, packet: &Packet) -> Explanation {
         let p = &self.prepared;
+        // A new client's path: what the rules decide (session affinity only repeats an
+        // earlier choice; a client the kernel remembers is said in a note below).
         let env = Env {
             local_addrs: p.facts.local_ips.clone(),
-            affinity: Vec::new(),
+            ..Env::default()
         };
         let rendered = self.rendered.trace(packet, &env);
         let trace = match &self.kernel {
@@ -1097,6 +1122,12 @@ impl Tracing {
                      does not model), e.g. {}",
                     skipped.len(),
                     skipped[0]
+                ));
+            }
+            if let Some(to) = k.remembered(packet, &env) {
+                explanation.notes.push(format!(
+                    "session affinity: the kernel remembers this client and sends it to {to} \
+                     until the entry expires (shown is a new client's path)"
                 ));
             }
             if fates_key(&rendered) != fates_key(&trace) {

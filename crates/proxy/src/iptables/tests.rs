@@ -70,7 +70,7 @@ impl World {
     fn env(&self) -> Env {
         Env {
             local_addrs: self.facts.local_ips.clone(),
-            affinity: Vec::new(),
+            ..Env::default()
         }
     }
 

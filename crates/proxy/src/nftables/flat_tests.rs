@@ -223,7 +223,7 @@ fn flat_session_affinity_records_each_new_client_and_sends_a_known_one_back_per_
         (NODE_IP, 30080, names.nodeport_map),
         ("10.96.0.10", 80, names.dst_map),
     ] {
-        let first = trace(&rules, &tcp(CLIENT, dst, port), &w.env());
+        let first = trace(&rules, &tcp(CLIENT, dst, port), &following_affinity(&w));
         assert_eq!(first.endpoints().len(), 3, "{first}");
         for (fate, _) in &first.fates {
             let Fate::Delivered { affinity, .. } = fate else {
@@ -264,13 +264,22 @@ fn flat_session_affinity_records_each_new_client_and_sends_a_known_one_back_per_
     );
     let known = BTreeSet::from([endpoint]);
     assert_eq!(
-        trace(&rules, &tcp(CLIENT, "10.96.0.10", 80), &w.env()).endpoints(),
+        trace(
+            &rules,
+            &tcp(CLIENT, "10.96.0.10", 80),
+            &following_affinity(&w)
+        )
+        .endpoints(),
         known
     );
     assert_eq!(
-        trace(&rules, &tcp(CLIENT, NODE_IP, 30080), &w.env())
-            .endpoints()
-            .len(),
+        trace(
+            &rules,
+            &tcp(CLIENT, NODE_IP, 30080),
+            &following_affinity(&w)
+        )
+        .endpoints()
+        .len(),
         3
     );
     remember(
@@ -278,11 +287,19 @@ fn flat_session_affinity_records_each_new_client_and_sends_a_known_one_back_per_
         names.nodeport_map,
         super::ruleset::ElemKey::AddrProtoPort(client, Protocol::Tcp, 30080),
     );
-    let again = trace(&rules, &tcp(CLIENT, NODE_IP, 30080), &w.env());
+    let again = trace(
+        &rules,
+        &tcp(CLIENT, NODE_IP, 30080),
+        &following_affinity(&w),
+    );
     assert_eq!(again.endpoints(), known, "{again}");
     assert!(again.all_masqueraded(true), "{again}");
     // Another client is not affected.
-    let other = trace(&rules, &tcp("203.0.113.77", NODE_IP, 30080), &w.env());
+    let other = trace(
+        &rules,
+        &tcp("203.0.113.77", NODE_IP, 30080),
+        &following_affinity(&w),
+    );
     assert_eq!(other.endpoints().len(), 3, "{other}");
     // Without endpoints the port is rejected like any other.
     let w = World::flat(&web("  sessionAffinity: ClientIP", "  []"));
@@ -733,6 +750,14 @@ fn flat_a_refused_transaction_keeps_the_old_rules_and_the_retry_is_a_full_sync()
     );
 }
 
+/// The world's environment, following the clients recorded in affinity maps.
+fn following_affinity(w: &World) -> crate::trace::Env {
+    crate::trace::Env {
+        recorded_affinity: true,
+        ..w.env()
+    }
+}
+
 /// `web` with session affinity of `timeout` seconds.
 fn sticky(timeout: u32) -> String {
     format!(
@@ -789,10 +814,13 @@ fn flat_affinity_entries_of_a_removed_endpoint_go_with_it_and_the_others_stay() 
     record(&mut a, 600, "203.0.113.5", "10.244.1.1:8080");
     record(&mut a, 600, "203.0.113.6", "10.244.2.1:8080");
     // The kernel sends the known client back.
+    let known = tcp("203.0.113.6", NODE_IP, 30080);
     assert_eq!(
-        kernel_trace(&a, &w, tcp("203.0.113.6", NODE_IP, 30080)).endpoints(),
+        trace(&a.kernel().ruleset(), &known, &following_affinity(&w)).endpoints(),
         BTreeSet::from(["10.244.2.1:8080".parse().unwrap()])
     );
+    // Traced as a new client, it is spread as the rules say.
+    assert_eq!(kernel_trace(&a, &w, known).endpoints().len(), 3);
     // An endpoint added makes nothing stale: no map is read back (a read costs the kernel
     // about 10 µs per recorded client).
     let reads = a.kernel().affinity_reads.len();

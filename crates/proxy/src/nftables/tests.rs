@@ -78,7 +78,7 @@ impl World {
     pub(super) fn env(&self) -> Env {
         Env {
             local_addrs: self.facts.local_ips.clone(),
-            affinity: Vec::new(),
+            ..Env::default()
         }
     }
 

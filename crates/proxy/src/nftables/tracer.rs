@@ -455,6 +455,9 @@ impl<'a> Tracer<'a> {
                 Expr::AffinityDnat { key, map } => {
                     // The endpoint the map remembers for this client, if any (a kernel's
                     // listing holds what traffic recorded; a rendered table holds none).
+                    if !self.env.recorded_affinity {
+                        return RuleResult::NoMatch;
+                    }
                     let (src, proto) = (self.packet.src, self.packet.proto);
                     let k = match key {
                         AffinityKey::Dst => {
