@@ -198,8 +198,15 @@ impl Turns {
     }
 }
 
-/// Events the hub keeps for watchers that start a little in the past.
+/// Events the hub keeps for watchers that start a little in the past: at most this many, and
+/// none older than [`HUB_RETENTION`].
 const HUB_HISTORY: usize = 10_000;
+/// How long the hub keeps an event: kube-apiserver's watch cache keeps 75 s of events
+/// (`eventFreshDuration`). Bounded by count alone, the history grew with the write rate until
+/// it held 10,000 events (seven minutes into the churn soak at 24 changes a second: the API
+/// server's RSS +33 % after the first five minutes). A watch from further back gets its own
+/// etcd watch, as it would without the hub.
+const HUB_RETENTION: Duration = Duration::from_secs(75);
 /// Committed transactions a hub subscriber may fall behind before it is closed.
 const HUB_BUFFER: usize = 4096;
 
@@ -224,7 +231,7 @@ impl Hub {
         while state
             .log
             .front()
-            .is_some_and(|e| e.kv.mod_revision <= floor)
+            .is_some_and(|(_, e)| e.kv.mod_revision <= floor)
         {
             state.log.pop_front();
         }
@@ -238,8 +245,8 @@ struct HubState {
     running: bool,
     /// Whether a task is (re)starting it.
     starting: bool,
-    /// Recent changes, in order.
-    log: std::collections::VecDeque<Event>,
+    /// Recent changes, in order, with when the hub received them.
+    log: std::collections::VecDeque<(std::time::Instant, Event)>,
     /// Every change after this resourceVersion is in `log`.
     oldest: Revision,
     /// Every change up to this resourceVersion has been received.
@@ -896,9 +903,8 @@ impl EtcdBackend {
         let mut pending: std::collections::VecDeque<Result<WatchItem, Error>> = state
             .log
             .iter()
-            .filter(|e| e.kv.mod_revision > after && e.kv.key.starts_with(prefix))
-            .cloned()
-            .map(|e| Ok(WatchItem::Event(e)))
+            .filter(|(_, e)| e.kv.mod_revision > after && e.kv.key.starts_with(prefix))
+            .map(|(_, e)| Ok(WatchItem::Event(e.clone())))
             .collect();
         pending.push_back(Ok(WatchItem::Progress(state.progress.max(after))));
         // Subscribed under the lock that publishing holds: each later change arrives exactly
@@ -997,11 +1003,17 @@ impl EtcdBackend {
                 Some(Ok(WatchItem::Progress(progress))) => {
                     let mut state = self.hub.state.lock().expect("hub lock");
                     state.progress = progress;
+                    let now = std::time::Instant::now();
                     for event in &events {
-                        state.log.push_back(event.clone());
+                        state.log.push_back((now, event.clone()));
                     }
-                    while state.log.len() > HUB_HISTORY {
-                        let dropped = state.log.pop_front().expect("not empty");
+                    while state.log.len() > HUB_HISTORY
+                        || state
+                            .log
+                            .front()
+                            .is_some_and(|(at, _)| now.duration_since(*at) > HUB_RETENTION)
+                    {
+                        let (_, dropped) = state.log.pop_front().expect("not empty");
                         state.oldest = dropped.kv.mod_revision;
                     }
                     if let Some(sender) = &state.sender {
