@@ -1,6 +1,6 @@
 //! Entry points for fuzzing what the proxy reads: its configuration (`KubeProxyConfiguration`,
-//! `--nodeport-addresses`), the objects `nodeport render` takes, and the kernel's netlink
-//! replies. The fuzz targets under `fuzz/` (cargo-fuzz, nightly) and the replay of their
+//! `--nodeport-addresses`), the objects `nodeport render` takes, the kernel's netlink
+//! replies and `iptables-save` output. The fuzz targets under `fuzz/` (cargo-fuzz, nightly) and the replay of their
 //! corpora in `cargo test` (`tests/fuzz_corpus.rs`, stable) both call these, so that a
 //! finding stays a regression test without nightly.
 //!
@@ -16,8 +16,9 @@ use netlink_packet_route::RouteNetlinkMessage;
 
 use crate::config::{KubeProxyConfiguration, NftablesLayout, NodeConfig, ProxyMode};
 use crate::desired::{self, NodeView, StateConfig};
-use crate::model::IpFamily;
+use crate::model::{IpFamily, Protocol};
 use crate::nodeaddr::{NodeFacts, NodePortAddresses};
+use crate::trace::{Env, Packet};
 use crate::{ebpf, iptables, ipvs, nftables, objects};
 
 /// A node with one address of each family and the loopback addresses, for selections.
@@ -295,4 +296,70 @@ fn route_dump(mut buf: &[u8]) -> bool {
         }
     }
     decoded
+}
+
+/// `iptables-save` output, as the proxy reads it back from the kernel (the tools' output is
+/// read as lossy UTF-8). With `data[0]` even, as `nodeport trace --rules kernel` reads it:
+/// every table into the chains the tracer walks, then a remote and a local packet of each
+/// family traced through them, whose fates must be probabilities summing to 1 (or none, where
+/// the tracer gives the walk up). Odd, as the
+/// iptables proxy reads one table (`data[0]` bit 1: filter or nat) for its chains and the
+/// jumps in built-in chains, and as the `auto` variant detection reads a listing (hint chains,
+/// rule count). Returns whether something was read: a chain holding a rule the tracer
+/// models, or (odd) a user chain or a jump.
+pub fn iptables_save(data: &[u8]) -> bool {
+    let Some((&selector, rest)) = data.split_first() else {
+        return false;
+    };
+    let text = String::from_utf8_lossy(rest);
+    if selector & 1 == 1 {
+        let table = if selector & 2 == 0 {
+            iptables::ruleset::Table::Filter
+        } else {
+            iptables::ruleset::Table::Nat
+        };
+        let mut existing = iptables::apply::Existing::default();
+        iptables::apply::parse_save(table, &text, &mut existing);
+        let listing = text.into_owned();
+        let _ = iptables::apply::decide_variant(&iptables::apply::VariantListings {
+            nft: [listing.clone(), String::new()],
+            legacy: [String::new(), listing.clone()],
+            nft_all: [listing, String::new()],
+        });
+        return existing.chains.values().any(|c| !c.is_empty()) || !existing.jumps.is_empty();
+    }
+    let saved = iptables::save::parse(&text);
+    let env = Env {
+        local_addrs: vec![
+            IpAddr::V4(Ipv4Addr::new(192, 0, 2, 4)),
+            IpAddr::V6("2001:db8::4".parse().expect("an address")),
+        ],
+        affinity: vec![(
+            "KUBE-SEP-AFFINITY".to_string(),
+            "203.0.113.5".parse().expect("an address"),
+        )],
+    };
+    let packets = [
+        Packet::remote("203.0.113.5", "192.0.2.4", Protocol::Tcp, 30080),
+        Packet::local("192.0.2.4", "10.96.0.10", Protocol::Udp, 53),
+        Packet::remote("2001:db8::5", "2001:db8::4", Protocol::Tcp, 30080),
+        Packet::local("2001:db8::4", "fd00:10:96::10", Protocol::Sctp, 80),
+    ];
+    for packet in &packets {
+        let trace = iptables::tracer::trace(&saved.view, packet, &env);
+        // A walk the tracer gives up (a jump loop, too many random branches) has no fates.
+        // Sums of products of branch weights round: 1 within 1e-6 is 1.
+        let total: f64 = trace.fates.iter().map(|(_, p)| p).sum();
+        assert!(
+            trace.fates.is_empty()
+                || (trace
+                    .fates
+                    .iter()
+                    .all(|(_, p)| (0.0..=1.0 + 1e-6).contains(p))
+                    && (total - 1.0).abs() < 1e-6),
+            "{packet}: fates are not probabilities summing to 1: {:?}",
+            trace.fates
+        );
+    }
+    saved.view.chains.values().any(|rules| !rules.is_empty())
 }

@@ -19,3 +19,8 @@ fn the_render_corpus_replays_without_a_panic_and_its_seeds_are_accepted() {
 fn the_netlink_corpus_replays_without_a_panic_and_its_seeds_are_accepted() {
     replay_checked("netlink", nodeport_proxy::fuzzing::netlink);
 }
+
+#[test]
+fn the_iptables_save_corpus_replays_without_a_panic_and_its_seeds_are_accepted() {
+    replay_checked("iptables_save", nodeport_proxy::fuzzing::iptables_save);
+}

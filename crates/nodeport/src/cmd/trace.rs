@@ -1043,6 +1043,22 @@ impl Tracing {
         }
     }
 
+    /// [`Self::explain`], failing where the tracer gave the kernel's rules up (a trace
+    /// without fates, which only rules read back from the kernel can give).
+    fn explain_walked(&self, packet: &Packet) -> anyhow::Result<Explanation> {
+        let explanation = self.explain(packet);
+        if explanation.outcomes.is_empty() {
+            return Err(untraceable(format!(
+                "the kernel's rules cannot be walked for {packet}: a jump loop, chains nested \
+                 over {} deep, or random (statistic) branches that keep apart and walk on (over \
+                 {} rule evaluations per rule)",
+                iptables::tracer::MAX_JUMP_DEPTH,
+                iptables::tracer::STEPS_PER_RULE
+            )));
+        }
+        Ok(explanation)
+    }
+
     fn explain(&self, packet: &Packet) -> Explanation {
         let p = &self.prepared;
         // A new client's path: what the rules decide (session affinity only repeats an
@@ -1356,7 +1372,7 @@ fn trace_packet(
     proto: Protocol,
     json: bool,
 ) -> anyhow::Result<bool> {
-    let explanation = tracing.explain(&tracing.packet(from, to, proto));
+    let explanation = tracing.explain_walked(&tracing.packet(from, to, proto))?;
     if json {
         let report = Report {
             source: tracing.origin,
@@ -1443,8 +1459,8 @@ fn trace_service(
     }
     let traces: Vec<Explanation> = packets
         .iter()
-        .map(|(from, to, proto)| tracing.explain(&tracing.packet(*from, *to, *proto)))
-        .collect();
+        .map(|(from, to, proto)| tracing.explain_walked(&tracing.packet(*from, *to, *proto)))
+        .collect::<anyhow::Result<_>>()?;
     let served = |e: &&Explanation| {
         !e.outcomes
             .iter()

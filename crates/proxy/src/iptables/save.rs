@@ -244,7 +244,10 @@ fn rule(args: &[&str], is_chain: impl Fn(&str) -> bool) -> Option<Rule> {
                         return None;
                     }
                     let p: f64 = next(&mut i)?.parse().ok()?;
-                    if p <= 0.0 {
+                    // iptables' statistic extension takes 0 to 1 (`--probability must be
+                    // between 0 and 1`); anything else (above 1, `inf`, `NaN`) cannot come
+                    // from a kernel and has no branch weight. 0 never matches: not modelled.
+                    if !(p > 0.0 && p <= 1.0) {
                         return None;
                     }
                     matches.push(Match::Probability((1.0 / p).round() as u32));
@@ -409,5 +412,96 @@ mod tests {
                 "nat KUBE-SERVICES: -j LOG"
             ]
         );
+    }
+
+    /// A `nat` table whose `PREROUTING` holds `rules`, after declaring `chains`.
+    fn nat(chains: &[&str], rules: &[String]) -> Saved {
+        let mut text = String::from("*nat\n:PREROUTING ACCEPT [0:0]\n");
+        for chain in chains {
+            text.push_str(&format!(":{chain} - [0:0]\n"));
+        }
+        for rule in rules {
+            text.push_str(rule);
+            text.push('\n');
+        }
+        text.push_str("COMMIT\n");
+        parse(&text)
+    }
+
+    fn remote_packet() -> crate::trace::Packet {
+        crate::trace::Packet::remote(
+            "203.0.113.5",
+            "192.0.2.4",
+            crate::model::Protocol::Tcp,
+            30080,
+        )
+    }
+
+    fn traced(saved: &Saved) -> crate::trace::Trace {
+        super::super::tracer::trace(&saved.view, &remote_packet(), &crate::trace::Env::default())
+    }
+
+    #[test]
+    fn a_jump_loop_read_back_from_the_kernel_gives_a_trace_without_fates_instead_of_a_panic() {
+        // Found by the `iptables_save` fuzz target: the tracer asserted its depth. No kernel
+        // takes a loop (ELOOP), but `iptables-save` text is read as it comes.
+        let saved = nat(
+            &["A", "B"],
+            &[
+                "-A PREROUTING -j A".into(),
+                "-A A -j B".into(),
+                "-A B -j A".into(),
+            ],
+        );
+        assert!(traced(&saved).fates.is_empty());
+    }
+
+    #[test]
+    fn random_branches_that_keep_apart_are_given_up_instead_of_walked_exponentially() {
+        // Found by the fuzz target as a timeout: forty `statistic` rules each flipping another
+        // mark bit and walking on make 2^40 distinct branches.
+        let rules: Vec<String> = (0..40)
+            .map(|i| {
+                format!(
+                    "-A PREROUTING -m statistic --mode random --probability 0.50000000000 \
+                     -j MARK --xor-mark {:#x}",
+                    1u32 << (i % 31)
+                )
+            })
+            .collect();
+        let saved = nat(&[], &rules);
+        assert!(saved.skipped.is_empty(), "{:?}", saved.skipped);
+        assert!(traced(&saved).fates.is_empty());
+    }
+
+    #[test]
+    fn random_branches_that_reach_the_same_state_merge_so_a_long_statistic_chain_is_traced() {
+        // Two hundred random rules that change nothing: 2^200 walks before branches merged.
+        let rules: Vec<String> = (0..200)
+            .map(|_| "-A PREROUTING -m statistic --mode random --probability 0.50000000000".into())
+            .collect();
+        let trace = traced(&nat(&[], &rules));
+        assert_eq!(trace.fates.len(), 1, "{trace}");
+        assert!((trace.fates[0].1 - 1.0).abs() < 1e-9, "{trace}");
+    }
+
+    #[test]
+    fn probabilities_outside_zero_to_one_are_left_out_as_iptables_refuses_them() {
+        // Found by the fuzz target: `--probability 3` weighted a branch 1/round(1/3) = 1/0,
+        // infinite, and `NaN` the same; the fates no longer summed to 1.
+        let saved = nat(
+            &["KUBE-SEP-A"],
+            &[
+                "-A PREROUTING -m statistic --mode random --probability 3 -j KUBE-SEP-A".into(),
+                "-A PREROUTING -m statistic --mode random --probability NaN -j KUBE-SEP-A".into(),
+                "-A PREROUTING -m statistic --mode random --probability inf -j KUBE-SEP-A".into(),
+                "-A PREROUTING -m statistic --mode random --probability 1.00000000000 -j KUBE-SEP-A"
+                    .into(),
+            ],
+        );
+        assert_eq!(saved.skipped.len(), 3, "{:?}", saved.skipped);
+        let trace = traced(&saved);
+        assert_eq!(trace.fates.len(), 1, "{trace}");
+        assert!((trace.fates[0].1 - 1.0).abs() < 1e-9, "{trace}");
     }
 }

@@ -4,18 +4,36 @@
 //! It walks the built-in chains as netfilter does for the first packet of a connection
 //! (`nat PREROUTING` → routing → `filter INPUT` or `filter FORWARD` → `nat POSTROUTING`, or
 //! `nat OUTPUT` → `filter OUTPUT` → `nat POSTROUTING`), evaluating the same [`Rule`] values
-//! that are sent to the kernel. `statistic` branches are all followed and weighted. The
+//! that are sent to the kernel. `statistic` branches are all followed and weighted (branches
+//! that reach the same state are merged). Rules read back from a kernel (`iptables-save`) can
+//! be anything: a walk that jumps deeper than [`MAX_JUMP_DEPTH`] chains (a jump loop, which the
+//! kernel refuses, or nesting no ruleset needs) or that evaluates more than
+//! [`STEPS_PER_RULE`] rules per rule of the view (random branches that keep apart, each walking
+//! on) is given up, and the trace has no fates, rather than a panic or a walk exponential in
+//! the number of `statistic` rules. The
 //! packet, environment and outcome types are shared by every backend's tracer
 //! ([`crate::trace`]), so that a behaviour test reads the same in every mode:
 //! `from 203.0.113.5 to 192.0.2.10:30080/tcp → DNAT 10.244.1.1:8080, masqueraded`.
 
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::net::IpAddr;
 
 use crate::trace::{Env, Fate, Origin, Packet, Trace};
 
 use super::ruleset::{Match, Rule, Table, TableView, Target};
 
-#[derive(Debug, Clone)]
+/// Chains deeper than this below a built-in chain are not walked (the trace is given up).
+pub const MAX_JUMP_DEPTH: usize = 64;
+
+/// Rule evaluations a trace may make per rule of the view (and one view's worth more) before
+/// it is given up. A kube-proxy ruleset walks each rule about once per packet (a Service's
+/// endpoints are branches that end in their own chains), so this only stops walks whose
+/// random branches keep apart and walk on, which double with every `statistic` rule.
+pub const STEPS_PER_RULE: usize = 256;
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 struct State {
     dst: IpAddr,
     dport: u16,
@@ -25,7 +43,7 @@ struct State {
     affinity: Vec<String>,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 enum End {
     /// Fell off the end of a chain or `RETURN`ed.
     Continue,
@@ -37,8 +55,43 @@ enum End {
 
 type Branches = Vec<(f64, State, End)>;
 
-/// Traces `packet` through `view`, the tables of the packet's family.
+/// What follows a matched rule, per branch: its probability, state and next step.
+type Outcomes = Vec<(f64, State, Step)>;
+
+/// Why a walk was given up: too deep, too long, or a jump to a chain the view lacks.
+struct GiveUp;
+
+/// Merges branches that reached the same state and end, adding their probabilities.
+fn merged(branches: Branches) -> Branches {
+    if branches.len() < 2 {
+        return branches;
+    }
+    let mut index: HashMap<(State, End), usize> = HashMap::with_capacity(branches.len());
+    let mut out: Branches = Vec::with_capacity(branches.len());
+    for (p, state, end) in branches {
+        match index.entry((state, end)) {
+            Entry::Occupied(seen) => out[*seen.get()].0 += p,
+            Entry::Vacant(new) => {
+                let (state, end) = new.key().clone();
+                new.insert(out.len());
+                out.push((p, state, end));
+            }
+        }
+    }
+    out
+}
+
+/// Traces `packet` through `view`, the tables of the packet's family. A walk given up (see the
+/// module header) gives a trace without fates.
 pub fn trace(view: &TableView, packet: &Packet, env: &Env) -> Trace {
+    let fates = walk(view, packet, env).unwrap_or_default();
+    Trace {
+        packet: packet.clone(),
+        fates,
+    }
+}
+
+fn walk(view: &TableView, packet: &Packet, env: &Env) -> Result<Vec<(Fate, f64)>, GiveUp> {
     let start = State {
         dst: packet.dst,
         dport: packet.dport,
@@ -47,13 +100,19 @@ pub fn trace(view: &TableView, packet: &Packet, env: &Env) -> Trace {
         masqueraded: false,
         affinity: Vec::new(),
     };
-    let t = Tracer { view, packet, env };
+    let rules: usize = view.chains.values().map(Vec::len).sum();
+    let t = Tracer {
+        view,
+        packet,
+        env,
+        steps_left: Cell::new((rules + 1).saturating_mul(STEPS_PER_RULE)),
+    };
     let first: &[(Table, &str)] = match packet.origin {
         Origin::Remote => &[(Table::Nat, "PREROUTING")],
         Origin::Local => &[(Table::Nat, "OUTPUT"), (Table::Filter, "OUTPUT")],
     };
     let mut fates: Vec<(Fate, f64)> = Vec::new();
-    for (p, state, end) in t.hooks(first, vec![(1.0, start, End::Continue)]) {
+    for (p, state, end) in t.hooks(first, vec![(1.0, start, End::Continue)])? {
         if let Some(f) = stopped(&end) {
             add(&mut fates, f, p);
             continue;
@@ -64,7 +123,7 @@ pub fn trace(view: &TableView, packet: &Packet, env: &Env) -> Trace {
             (Origin::Remote, false) => &[(Table::Filter, "FORWARD"), (Table::Nat, "POSTROUTING")],
             (Origin::Local, _) => &[(Table::Nat, "POSTROUTING")],
         };
-        for (p2, s2, e2) in t.hooks(next, vec![(p, state, End::Continue)]) {
+        for (p2, s2, e2) in t.hooks(next, vec![(p, state, End::Continue)])? {
             let fate = stopped(&e2).unwrap_or(Fate::Delivered {
                 dnat: s2.dnat,
                 masqueraded: s2.masqueraded,
@@ -74,10 +133,7 @@ pub fn trace(view: &TableView, packet: &Packet, env: &Env) -> Trace {
         }
     }
     fates.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
-    Trace {
-        packet: packet.clone(),
-        fates,
-    }
+    Ok(fates)
 }
 
 fn stopped(end: &End) -> Option<Fate> {
@@ -109,6 +165,8 @@ struct Tracer<'a> {
     view: &'a TableView,
     packet: &'a Packet,
     env: &'a Env,
+    /// Rule evaluations left before the walk is given up.
+    steps_left: Cell<usize>,
 }
 
 enum Step {
@@ -118,7 +176,7 @@ enum Step {
 
 impl Tracer<'_> {
     /// Runs built-in chains in order; branches that end in a drop or reject stop there.
-    fn hooks(&self, chains: &[(Table, &str)], mut branches: Branches) -> Branches {
+    fn hooks(&self, chains: &[(Table, &str)], mut branches: Branches) -> Result<Branches, GiveUp> {
         for (table, chain) in chains {
             let mut next = Vec::new();
             for (p, state, end) in branches {
@@ -126,7 +184,7 @@ impl Tracer<'_> {
                     next.push((p, state, end));
                     continue;
                 }
-                for (q, s, e) in self.chain(*table, chain, state, 0) {
+                for (q, s, e) in self.chain(*table, chain, state, 0)? {
                     let e = match e {
                         End::Accept => End::Continue,
                         other => other,
@@ -134,47 +192,60 @@ impl Tracer<'_> {
                     next.push((p * q, s, e));
                 }
             }
-            branches = next;
+            branches = merged(next);
         }
-        branches
+        Ok(branches)
     }
 
-    fn chain(&self, table: Table, name: &str, state: State, depth: usize) -> Branches {
-        assert!(depth < 64, "chain recursion too deep at {name}");
-        let rules = self
-            .view
-            .chain(table, name)
-            .unwrap_or_else(|| panic!("jump to missing chain {table} {name}"));
-        self.rules(table, name, rules, 0, state, depth)
+    fn chain(
+        &self,
+        table: Table,
+        name: &str,
+        state: State,
+        depth: usize,
+    ) -> Result<Branches, GiveUp> {
+        if depth >= MAX_JUMP_DEPTH {
+            return Err(GiveUp);
+        }
+        let rules = self.view.chain(table, name).ok_or(GiveUp)?;
+        self.rules(table, name, rules, state, depth)
     }
 
+    /// A chain's rules in order, for every branch still walking it at once: a branch goes on
+    /// past a rule it does not match, and after one that lets it (a `statistic` match splits
+    /// it in two); branches in the same state are merged after each rule, so that a chain of
+    /// `statistic` rules costs rules times states, not two to the power of the rules.
     fn rules(
         &self,
         table: Table,
         chain: &str,
         rules: &[Rule],
-        from: usize,
         state: State,
         depth: usize,
-    ) -> Branches {
-        for (i, rule) in rules.iter().enumerate().skip(from) {
-            let Some(bs) = self.rule(table, chain, rule, state.clone(), depth) else {
-                continue;
-            };
-            let mut out = Vec::new();
-            for (p, s, step) in bs {
-                match step {
-                    Step::Next => {
-                        for (q, s2, e2) in self.rules(table, chain, rules, i + 1, s, depth) {
-                            out.push((p * q, s2, e2));
-                        }
+    ) -> Result<Branches, GiveUp> {
+        let mut walking: Branches = vec![(1.0, state, End::Continue)];
+        let mut ended: Branches = Vec::new();
+        for rule in rules {
+            let mut next = Vec::new();
+            for (p, s, _) in walking {
+                let Some(bs) = self.rule(table, chain, rule, s.clone(), depth)? else {
+                    next.push((p, s, End::Continue));
+                    continue;
+                };
+                for (q, s2, step) in bs {
+                    match step {
+                        Step::Next => next.push((p * q, s2, End::Continue)),
+                        Step::End(end) => ended.push((p * q, s2, end)),
                     }
-                    Step::End(end) => out.push((p, s, end)),
                 }
             }
-            return out;
+            walking = merged(next);
+            if walking.is_empty() {
+                break;
+            }
         }
-        vec![(1.0, state, End::Continue)]
+        ended.extend(walking);
+        Ok(merged(ended))
     }
 
     /// `None`: the rule does not match; otherwise what happens after it, per branch.
@@ -185,7 +256,9 @@ impl Tracer<'_> {
         rule: &Rule,
         mut state: State,
         depth: usize,
-    ) -> Option<Vec<(f64, State, Step)>> {
+    ) -> Result<Option<Outcomes>, GiveUp> {
+        let left = self.steps_left.get().checked_sub(1).ok_or(GiveUp)?;
+        self.steps_left.set(left);
         let mut probability = 1.0;
         for m in &rule.matches {
             let hit = match m {
@@ -227,7 +300,7 @@ impl Tracer<'_> {
                 Match::MatchSet { .. } => false,
             };
             if !hit {
-                return None;
+                return Ok(None);
             }
         }
         let mut out = Vec::new();
@@ -260,7 +333,7 @@ impl Tracer<'_> {
                 out.push((probability, state, end(End::Accept)));
             }
             Target::Jump(target) => {
-                for (q, s, e) in self.chain(table, target, state, depth + 1) {
+                for (q, s, e) in self.chain(table, target, state, depth + 1)? {
                     let step = match e {
                         End::Continue => Step::Next,
                         other => Step::End(other),
@@ -269,6 +342,6 @@ impl Tracer<'_> {
                 }
             }
         }
-        Some(out)
+        Ok(Some(out))
     }
 }
