@@ -338,6 +338,7 @@ pub fn iptables_save(data: &[u8]) -> bool {
             "KUBE-SEP-AFFINITY".to_string(),
             "203.0.113.5".parse().expect("an address"),
         )],
+        ..Env::default()
     };
     let packets = [
         Packet::remote("203.0.113.5", "192.0.2.4", Protocol::Tcp, 30080),
