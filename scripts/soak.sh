@@ -6,9 +6,9 @@
 #
 #   scripts/soak.sh [--duration 30m] [--rate 10] [--seed N] [--compaction 5m] [--out DIR]
 #
-# --compaction: the API servers' --etcd-compaction-interval (default 5m, as kube-apiserver's);
-# each server's in-memory watch history reaches back at most twice that far (10,000 events at
-# most), which is where its RSS levels off (docs/BENCHMARKS.md, "Churn soak").
+# --compaction: the API servers' --etcd-compaction-interval (default 5m, as kube-apiserver's).
+# Each server's in-memory watch history holds at most 75 s of events (and 10,000), which is
+# where its RSS levels off (docs/BENCHMARKS.md, "Churn soak").
 # --rate: driver steps a second (a step is one to three API writes: a Service and its slices).
 #
 # Prints operations done, checks passed and every mismatch with its cause; writes
