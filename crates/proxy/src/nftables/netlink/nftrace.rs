@@ -350,9 +350,9 @@ pub struct Headers {
     pub dport: u16,
 }
 
-/// Reads an IPv4 or IPv6 header and the ports of the transport header after it.
-pub fn parse_headers(network: &[u8], transport: &[u8]) -> Option<Headers> {
-    let (src, dst, proto) = match network.first()? >> 4 {
+/// An IPv4 or IPv6 header's source, destination and transport protocol number.
+fn addresses_and_protocol(network: &[u8]) -> Option<(IpAddr, IpAddr, u8)> {
+    Some(match network.first()? >> 4 {
         4 => {
             let a: [u8; 4] = network.get(12..16)?.try_into().ok()?;
             let b: [u8; 4] = network.get(16..20)?.try_into().ok()?;
@@ -364,7 +364,12 @@ pub fn parse_headers(network: &[u8], transport: &[u8]) -> Option<Headers> {
             (IpAddr::from(a), IpAddr::from(b), *network.get(6)?)
         }
         _ => return None,
-    };
+    })
+}
+
+/// Reads an IPv4 or IPv6 header and the ports of the transport header after it.
+pub fn parse_headers(network: &[u8], transport: &[u8]) -> Option<Headers> {
+    let (src, dst, proto) = addresses_and_protocol(network)?;
     let protocol = match proto {
         6 => Some(Protocol::Tcp),
         17 => Some(Protocol::Udp),
@@ -467,19 +472,7 @@ impl RefusalKind {
 /// destination unreachable error (ICMP's "fragmentation needed" and ICMPv6's "packet too big"
 /// only lower the path MTU: not refusals).
 pub fn parse_refusal(network: &[u8], transport: &[u8]) -> Option<Refusal> {
-    let (from, to, proto) = match network.first()? >> 4 {
-        4 => {
-            let a: [u8; 4] = network.get(12..16)?.try_into().ok()?;
-            let b: [u8; 4] = network.get(16..20)?.try_into().ok()?;
-            (IpAddr::from(a), IpAddr::from(b), *network.get(9)?)
-        }
-        6 => {
-            let a: [u8; 16] = network.get(8..24)?.try_into().ok()?;
-            let b: [u8; 16] = network.get(24..40)?.try_into().ok()?;
-            (IpAddr::from(a), IpAddr::from(b), *network.get(6)?)
-        }
-        _ => return None,
-    };
+    let (from, to, proto) = addresses_and_protocol(network)?;
     let (kind, from_port) = match (proto, transport.first()?, transport.get(1)?) {
         (6, _, _) if transport.get(13)? & 0x04 != 0 => (
             RefusalKind::TcpReset,
