@@ -8,9 +8,10 @@
 //!   `no-endpoint-services`, `firewall-allow`, ...). The chains and rules do not depend on
 //!   the Services, so a Service or endpoint change is element operations only, which the
 //!   kernel commits without validating the chain graph: about the same cost at 10 Services
-//!   as at 100,000. Endpoint choice is exact (1/n) up to 64 endpoints, within 1 % above. Ports
-//!   with session affinity keep kube-proxy's chains (reached through `service-ips` /
-//!   `service-nodeports`, which hold only theirs).
+//!   as at 100,000. Endpoint choice is exact (1/n) up to 64 endpoints, within 1 % above.
+//!   Session affinity is two dynamic maps per timeout (client → endpoint); IPv6 ports with
+//!   affinity keep kube-proxy's chains (reached through `service-ips` / `service-nodeports`,
+//!   which hold only theirs), as nft 1.0.6 cannot write the IPv6 map update.
 //! * **kube-proxy**: kube-proxy 1.33's layout, described below, chain for chain, to compare
 //!   with a kube-proxy node. Every change that adds a rule makes the kernel walk all its
 //!   chains (`shared/reference/notes/nftables-kernel-costs.md`).
