@@ -1302,25 +1302,44 @@ impl Soak<'_> {
             return self.negative_control();
         };
         let (name, port) = (svc.name.clone(), svc.http_node_port().expect("found"));
-        node.ns
-            .run(&["iptables", "-t", "nat", "-F", "KUBE-SERVICES"])
-            .unwrap();
         let to: SocketAddr = format!("{}:{port}", node.ip).parse().unwrap();
-        let answered =
-            probe::http_get(&self.cluster.client, None, to, "/", Duration::from_secs(1)).is_ok();
-        let traced = trace_kernel(node, &name, &self.cluster.ebpf.pin_root);
-        match (answered, traced) {
-            (false, Err(e))
-                if e.contains("the kernel differs from what the proxy would program") =>
-            {
-                None
+        // The proxy's periodic full resync (every 30 s) may restore the chain between the
+        // flush and the checks: then they saw the repaired rules, and the control is done
+        // again (a resync twice in a row within seconds does not happen).
+        let mut last = None;
+        for _ in 0..3 {
+            node.ns
+                .run(&["iptables", "-t", "nat", "-F", "KUBE-SERVICES"])
+                .unwrap();
+            let answered =
+                probe::http_get(&self.cluster.client, None, to, "/", Duration::from_secs(1))
+                    .is_ok();
+            let traced = trace_kernel(node, &name, &self.cluster.ebpf.pin_root);
+            let still_flushed = node
+                .ns
+                .run(&["iptables", "-t", "nat", "-S", "KUBE-SERVICES"])
+                .unwrap()
+                .lines()
+                .all(|l| l.starts_with("-N "));
+            match (answered, traced) {
+                (false, Err(e))
+                    if e.contains("the kernel differs from what the proxy would program") =>
+                {
+                    return None;
+                }
+                (answered, traced) => {
+                    last = Some(format!(
+                        "KUBE-SERVICES flushed on {}: default/{name}'s NodePort {to} answered: \
+                         {answered}; the kernel trace: {traced:?}",
+                        node.name
+                    ));
+                    if still_flushed {
+                        return last;
+                    }
+                }
             }
-            (answered, traced) => Some(format!(
-                "KUBE-SERVICES flushed on {}: default/{name}'s NodePort {to} answered: \
-                 {answered}; the kernel trace: {traced:?}",
-                node.name
-            )),
         }
+        last
     }
 
     fn sample_rss(&mut self) {
