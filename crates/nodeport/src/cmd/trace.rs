@@ -834,8 +834,9 @@ impl KernelRules {
     }
 
     /// The endpoint the flat layout's session-affinity maps send this packet's client to,
-    /// when the kernel recorded one (the other modes' tracers do not follow affinity).
-    fn remembered(&self, packet: &Packet, env: &Env) -> Option<SocketAddr> {
+    /// when the kernel recorded one (the other modes' tracers do not follow affinity);
+    /// `traced` is the packet traced as a new client's.
+    fn remembered(&self, packet: &Packet, env: &Env, traced: &Trace) -> Option<SocketAddr> {
         let KernelRules::Nftables { .. } = self else {
             return None;
         };
@@ -844,7 +845,7 @@ impl KernelRules {
             ..env.clone()
         };
         let with = self.trace(packet, &following);
-        if fates_key(&with) == fates_key(&self.trace(packet, env)) {
+        if fates_key(&with) == fates_key(traced) {
             return None;
         }
         match with.fates.as_slice() {
@@ -1140,7 +1141,7 @@ impl Tracing {
                     skipped[0]
                 ));
             }
-            if let Some(to) = k.remembered(packet, &env) {
+            if let Some(to) = k.remembered(packet, &env, &trace) {
                 explanation.notes.push(format!(
                     "session affinity: the kernel remembers this client and sends it to {to} \
                      until the entry expires (shown is a new client's path)"

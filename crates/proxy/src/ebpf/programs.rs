@@ -488,9 +488,7 @@ impl Maps {
         ordinal: u32,
         backend: &BackendEntry,
     ) -> Result<(), Error> {
-        self.hash::<[u8; 8], [u8; 20]>(names::BACKENDS)?
-            .insert(maps::backend_key(be_set, ordinal), backend.encode(), 0)
-            .map_err(map_err(names::BACKENDS))?;
+        self.set_backend_slot(be_set, ordinal, backend)?;
         self.hash::<[u8; 24], u32>(names::MEMBERS)?
             .insert(
                 maps::member_key(be_set, backend.addr, backend.port),

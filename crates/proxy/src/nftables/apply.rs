@@ -642,9 +642,8 @@ impl AffinityDest {
 enum AffinityScope {
     /// Any (a full sync).
     All,
-    /// Those of these destinations (a partial sync's changed ports, before and after), and
-    /// the names of those ports.
-    Some(HashSet<AffinityDest>, BTreeSet<ServicePortName>),
+    /// Those of these destinations (of the sync's changed ports, before and after).
+    Some(HashSet<AffinityDest>),
 }
 
 /// Who contributes an element: the static objects first, then service ports in order. When
@@ -1196,10 +1195,9 @@ impl<K: Kernel> Applier<K> {
                     .filter_map(|state| {
                         let scope = match changed {
                             _ if self.affinity_unclean => AffinityScope::All,
-                            Some(changed) => AffinityScope::Some(
-                                self.affinity_dests_of(state, changed),
-                                changed.clone(),
-                            ),
+                            Some(changed) => {
+                                AffinityScope::Some(self.affinity_dests_of(state, changed))
+                            }
                             None => return None,
                         };
                         Some((state.family, scope))
@@ -1253,7 +1251,7 @@ impl<K: Kernel> Applier<K> {
                 let mut clean = true;
                 for (family, scope) in &affinity_scope {
                     if let Some(state) = desired.family(*family) {
-                        match self.clean_affinity(state, scope) {
+                        match self.clean_affinity(state, scope, changed) {
                             Some(n) => report.affinity_deleted += n,
                             None => clean = false,
                         }
@@ -1322,7 +1320,12 @@ impl<K: Kernel> Applier<K> {
     /// the read and the deletion fails the deletion, which is then retried on a new read.
     /// Returns the entries deleted, or `None` when reading or deleting failed (logged; the
     /// next sync then reads every map).
-    fn clean_affinity(&mut self, state: &FamilyState, scope: &AffinityScope) -> Option<usize> {
+    fn clean_affinity(
+        &mut self,
+        state: &FamilyState,
+        scope: &AffinityScope,
+        changed: Option<&BTreeSet<ServicePortName>>,
+    ) -> Option<usize> {
         let family = state.family;
         let Some(timeouts) = self
             .tables
@@ -1331,7 +1334,7 @@ impl<K: Kernel> Applier<K> {
         else {
             return Some(0);
         };
-        if timeouts.is_empty() || matches!(scope, AffinityScope::Some(d, _) if d.is_empty()) {
+        if timeouts.is_empty() || matches!(scope, AffinityScope::Some(d) if d.is_empty()) {
             return Some(0);
         }
         // What each destination in scope may keep: its timeout and endpoints.
@@ -1357,8 +1360,9 @@ impl<K: Kernel> Applier<K> {
             AffinityScope::All => state.services.values().for_each(|s| want(s)),
             // The changed ports as they are now (a destination another, unchanged port also
             // claims loses its clients' entries once: harmless, and rare).
-            AffinityScope::Some(_, changed) => changed
-                .iter()
+            AffinityScope::Some(_) => changed
+                .into_iter()
+                .flatten()
                 .filter_map(|name| state.services.get(name))
                 .for_each(|s| want(s)),
         }
@@ -1388,7 +1392,7 @@ impl<K: Kernel> Applier<K> {
                             ElemKey::AddrProtoPort(_, p, port) => AffinityDest::NodePort(p, port),
                             _ => continue,
                         };
-                        if let AffinityScope::Some(dests, _) = scope
+                        if let AffinityScope::Some(dests) = scope
                             && !dests.contains(&dest)
                         {
                             continue;
