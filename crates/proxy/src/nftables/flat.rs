@@ -75,11 +75,24 @@
 //! port no longer uses (kube-proxy deletes that endpoint's affinity set).
 //!
 //! IPv6 keeps kube-proxy's per-endpoint chains for affinity ports (reached through the
-//! `service-ips`/`service-nodeports` verdict maps, which hold only their `goto` elements):
-//! nft 1.0.6 aborts on any IPv6 `update @map { … : ip6 daddr . th dport }` (an assertion in
-//! its register allocation, `netlink_linearize.c`), so such a rule could be neither rendered
-//! for `nft -f` nor checked against nft's own encoding. There, each affinity port costs
-//! chains and a validation walk over them, as before.
+//! `service-ips`/`service-nodeports` verdict maps, which hold only their `goto` elements).
+//! The cause is nft itself, not the kernel: nft 1.0.6 (Debian 12's) gives the key of an
+//! `update @map { key : data }` statement one 16-byte register, whatever its length (its
+//! `get_register` sees the set element wrapping the concatenation, not the concatenation),
+//! and writes the data into the next 16-byte register. A key longer than 16 bytes therefore
+//! either aborts nft (`netlink_linearize.c: Assertion 'dreg < ctx->reg_low' failed`, when a
+//! field of the key starts past the first 16 bytes) or, worse, is silently overwritten by the
+//! data (when its last field starts inside them and runs past: `nft --debug=netlink` shows
+//! `tcp dport . ip6 daddr : ip6 saddr` load the address into 32-bit registers 9-12 and the
+//! data into 12-15). A client key needs the client's address and the destination's, 36 bytes
+//! and more in IPv6, so no IPv6 affinity map can be filled by a rule that `nft -f` loads
+//! correctly; IPv4's keys are exactly 16 bytes (`client . daddr . proto . port`) or 12
+//! (`client . proto . nodePort`), which nft encodes as we do
+//! (`affinity_map_keys_fit_the_one_register_nft_gives_a_dynset_key`). Plain-set updates
+//! (`update @set { key }`) are allocated correctly, but a set cannot return the endpoint.
+//! Our netlink encoder could write the IPv6 rule (the registers fit when packed), but
+//! `nodeport render | nft -f` and the `nft` kernel backend could not, so IPv6 affinity ports
+//! cost chains and a validation walk over them, as in kube-proxy's layout.
 //!
 //! One difference with kube-proxy, kept on purpose: kube-proxy shares a client's affinity
 //! across all destinations of a Service port (its affinity sets hang on the endpoint

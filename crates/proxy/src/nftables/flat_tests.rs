@@ -331,6 +331,67 @@ fn flat_session_affinity_adds_chains_and_rules_per_timeout_not_per_service() {
     assert_eq!(two.2, one.2 + 4);
 }
 
+/// Why IPv6 affinity ports keep kube-proxy's chains (flat module doc, "Session affinity"):
+/// nft 1.0.6 encodes an `update @map { key : data }` correctly only when the key fits its one
+/// 16-byte register. IPv4's keys do; a client key in IPv6 cannot.
+#[test]
+fn affinity_map_keys_fit_the_one_register_nft_gives_a_dynset_key() {
+    use super::netlink::affinity_update_key_len;
+    use super::ruleset::AffinityKey;
+    assert_eq!(affinity_update_key_len(IpFamily::V4, AffinityKey::Dst), 16);
+    assert_eq!(
+        affinity_update_key_len(IpFamily::V4, AffinityKey::NodePort),
+        12
+    );
+    assert!(affinity_update_key_len(IpFamily::V6, AffinityKey::NodePort) > 16);
+    assert!(affinity_update_key_len(IpFamily::V6, AffinityKey::Dst) > 16);
+}
+
+/// The IPv6 side of the above: an IPv6 affinity port gets kube-proxy's endpoint chains and
+/// affinity sets (`update @affinity-… { ip6 saddr }`, a key nft encodes correctly), no
+/// affinity map, and still sends its clients to its endpoints.
+#[test]
+fn flat_ipv6_session_affinity_ports_keep_kube_proxys_endpoint_chains() {
+    let yaml = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web6, namespace: default}
+spec: {type: NodePort, clusterIP: "fd00:96::10", clusterIPs: ["fd00:96::10"], ports: [{port: 80, nodePort: 30081}], sessionAffinity: ClientIP}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web6-1, namespace: default, labels: {kubernetes.io/service-name: web6}}
+addressType: IPv6
+ports: [{port: 80}]
+endpoints: [{addresses: ["fd00:244::1"]}, {addresses: ["fd00:244::2"]}]
+"#;
+    let mut w = World::flat(yaml);
+    w.state.families = IpFamily::ALL.to_vec();
+    w.facts.node_ips.push("2001:db8::10".parse().unwrap());
+    w.facts.local_ips.push("2001:db8::10".parse().unwrap());
+    let rules = w.ruleset();
+    let text = create_all(&rules).to_nft();
+    let ip6 = text
+        .lines()
+        .filter(|l| l.contains(" ip6 "))
+        .collect::<Vec<_>>()
+        .join("\n");
+    assert!(
+        ip6.contains("{ ip6 saddr }"),
+        "an affinity set per endpoint: {ip6}"
+    );
+    assert!(
+        !ip6.contains("ct original ip6 saddr"),
+        "no IPv6 affinity map is filled: {ip6}"
+    );
+    let t = trace(
+        &rules,
+        &Packet::remote("2001:db8::99", "2001:db8::10", Protocol::Tcp, 30081),
+        &w.env(),
+    );
+    assert_eq!(t.endpoints().len(), 2, "{t}");
+}
+
 #[test]
 fn flat_load_balancer_source_ranges_admit_listed_sources_only_and_the_vip_when_the_node_is_in_range()
  {

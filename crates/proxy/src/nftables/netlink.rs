@@ -744,22 +744,10 @@ fn rule_exprs(b: &mut Buf, family: IpFamily, rule: &Rule) -> Result<(), Unsuppor
                 dnat_to_map_data(b, family, &fields, map);
             }
             Expr::AffinityUpdate { key, map } => {
-                let mut fields = vec![Field::CtOrigSaddr];
-                if *key == AffinityKey::Dst {
-                    fields.push(Field::CtOrigDaddr);
-                }
-                fields.extend([Field::L4proto, Field::CtOrigProtoDst]);
+                let fields = affinity_update_key(*key);
                 load_fields(b, family, &fields);
                 // nft puts the data in the first 16-byte register after the key's.
-                let addr_len = addr_field(family, true).1;
-                let key_len: u32 = fields
-                    .iter()
-                    .map(|f| match f {
-                        Field::CtOrigSaddr | Field::CtOrigDaddr => addr_len,
-                        _ => 4,
-                    })
-                    .sum();
-                let data_reg = REG_1 + key_len.div_ceil(16);
+                let data_reg = REG_1 + affinity_update_key_len(family, *key).div_ceil(16);
                 let data_reg32 = REG32_00 + (data_reg - REG_1) * 4;
                 let (offset, len) = addr_field(family, true);
                 payload(b, data_reg, NFT_PAYLOAD_NETWORK_HEADER, offset, len);
@@ -795,6 +783,32 @@ fn rule_exprs(b: &mut Buf, family: IpFamily, rule: &Rule) -> Result<(), Unsuppor
         }
     }
     Ok(())
+}
+
+/// The fields of an affinity map's key as the record rule loads them (`ct original` client
+/// and destination, protocol, `ct original proto-dst`).
+fn affinity_update_key(key: AffinityKey) -> Vec<Field> {
+    let mut fields = vec![Field::CtOrigSaddr];
+    if key == AffinityKey::Dst {
+        fields.push(Field::CtOrigDaddr);
+    }
+    fields.extend([Field::L4proto, Field::CtOrigProtoDst]);
+    fields
+}
+
+/// The length in bytes of an affinity map's key in registers (each field padded to 4 bytes).
+/// nft 1.0.6 gives a dynset map statement's key one 16-byte register whatever this length
+/// (see the flat module's "Session affinity"), so only keys of at most 16 bytes are encoded
+/// alike by nft and by us.
+pub(crate) fn affinity_update_key_len(family: IpFamily, key: AffinityKey) -> u32 {
+    let addr_len = addr_field(family, true).1;
+    affinity_update_key(key)
+        .iter()
+        .map(|f| match f {
+            Field::CtOrigSaddr | Field::CtOrigDaddr => addr_len,
+            _ => 4,
+        })
+        .sum()
 }
 
 /// Key type id, key length and concatenation field lengths of a set key, as nft computes them.
