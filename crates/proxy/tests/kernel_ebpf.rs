@@ -2845,3 +2845,197 @@ fn a_udp_datagram_larger_than_the_mtu_crosses_a_nodeport_in_fragments_both_ways(
         );
     }
 }
+
+/// (key, value) pairs of `np_ct`'s layout: 40-byte keys, 56-byte values, both derived from `i`.
+fn ct_entries(range: std::ops::Range<u32>) -> (Vec<u8>, Vec<u8>) {
+    let mut keys = Vec::new();
+    let mut values = Vec::new();
+    for i in range {
+        let mut k = [0u8; 40];
+        k[..4].copy_from_slice(&i.to_ne_bytes());
+        k[36] = TCP;
+        keys.extend_from_slice(&k);
+        let mut v = [0u8; 56];
+        v[..4].copy_from_slice(&i.wrapping_mul(7).to_ne_bytes());
+        values.extend_from_slice(&v);
+    }
+    (keys, values)
+}
+
+/// The entries of a batched read, sorted, as (key, value) byte pairs.
+fn pairs(batch: &nodeport_proxy::ebpf::batch::Batch<'_>) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let (keys, values) = batch.lookup_all().expect("batched read");
+    let mut out: Vec<(Vec<u8>, Vec<u8>)> = keys
+        .chunks(batch.key_size())
+        .zip(values.chunks(batch.value_size()))
+        .map(|(k, v)| (k.to_vec(), v.to_vec()))
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn batched_writes_reads_and_deletes_do_what_one_entry_at_a_time_does() {
+    if !require_tools("batched_writes_reads_and_deletes", &[]) {
+        return;
+    }
+    let sizes = MapSizes {
+        conntrack: 32768,
+        ..sizes()
+    };
+    // More entries than one read asks for (8192): the read resumes where the last stopped.
+    let (keys, values) = ct_entries(0..20_000);
+    let (_p1, batched) = Programs::load(&sizes).expect("the eBPF object loads");
+    let (_p2, single) = Programs::load(&sizes).expect("the eBPF object loads");
+    let b = batched.batch("np_ct").unwrap();
+    let s = single.batch("np_ct").unwrap().per_entry();
+    assert_eq!((b.key_size(), b.value_size()), (40, 56));
+    b.update(&keys, &values).unwrap();
+    s.update(&keys, &values).unwrap();
+    let written = pairs(&b);
+    assert_eq!(written.len(), 20_000);
+    assert_eq!(written, pairs(&s));
+    assert_eq!(written, pairs(&b.per_entry()), "read one by one");
+    // Deleting keys, some of which the map does not hold (removals are idempotent).
+    let (gone, _) = ct_entries(10_000..25_000);
+    b.delete(&gone).unwrap();
+    s.delete(&gone).unwrap();
+    let left = pairs(&b);
+    assert_eq!(left.len(), 10_000);
+    assert_eq!(left, pairs(&s));
+    let (expected_keys, expected_values) = ct_entries(0..10_000);
+    let mut expected: Vec<(Vec<u8>, Vec<u8>)> = expected_keys
+        .chunks(40)
+        .zip(expected_values.chunks(56))
+        .map(|(k, v)| (k.to_vec(), v.to_vec()))
+        .collect();
+    expected.sort();
+    assert_eq!(left, expected);
+    // Buffers that are not whole entries are refused before any call.
+    assert!(matches!(
+        b.update(&keys[..41], &values[..56]),
+        Err(nodeport_proxy::ebpf::batch::Error::Shape { .. })
+    ));
+    assert_eq!(pairs(&b).len(), 10_000);
+}
+
+#[test]
+fn a_batched_write_into_a_full_map_says_how_many_entries_it_wrote() {
+    let Some(progs) = load("a_batched_write_into_a_full_map") else {
+        return;
+    };
+    // np_services holds 64 frontends in these tests.
+    let mut keys = Vec::new();
+    let mut values = Vec::new();
+    for i in 0..100u16 {
+        keys.extend_from_slice(&ext("192.0.2.10", 30000 + i, TCP).encode());
+        values.extend_from_slice(
+            &Frontend {
+                svc_id: u32::from(i) + 1,
+                ..Default::default()
+            }
+            .encode(),
+        );
+    }
+    for batch in [
+        progs.batch("np_services").unwrap(),
+        progs.batch("np_services").unwrap().per_entry(),
+    ] {
+        match batch.update(&keys, &values) {
+            Err(nodeport_proxy::ebpf::batch::Error::Call {
+                done,
+                count,
+                source,
+                ..
+            }) => {
+                assert_eq!((done, count), (64, 100));
+                assert_eq!(source.raw_os_error(), Some(libc::E2BIG), "{source}");
+            }
+            other => panic!("a full map: {other:?}"),
+        }
+        assert_eq!(pairs(&batch).len(), 64);
+    }
+}
+
+/// A NodePort Service `name` with one endpoint on node-a, and its EndpointSlice `<name>-1`.
+fn nodeport_service(name: &str, cluster_ip: &str, node_port: u16, endpoint: &str) -> String {
+    format!(
+        r#"
+apiVersion: v1
+kind: Service
+metadata: {{name: {name}, namespace: default}}
+spec:
+  type: NodePort
+  clusterIP: {cluster_ip}
+  ports: [{{name: http, port: 80, targetPort: 8080, nodePort: {node_port}}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: {name}-1, namespace: default, labels: {{kubernetes.io/service-name: {name}}}}}
+addressType: IPv4
+ports: [{{name: http, port: 8080}}]
+endpoints:
+- {{addresses: [{endpoint}], nodeName: node-a}}
+"#
+    )
+}
+
+#[test]
+fn a_node_port_another_service_takes_over_in_the_same_sync_keeps_its_frontends() {
+    let Some((programs, mut applier)) = applier("a_node_port_another_service_takes_over") else {
+        return;
+    };
+    use nodeport_proxy::model::ServiceName;
+    let mut c = Cluster::new(&nodeport_service(
+        "z-old",
+        "10.96.0.20",
+        30080,
+        "10.244.1.5",
+    ));
+    c.cluster.take_changes();
+    applier.sync(&c.desired, None).unwrap();
+    // One sync sees z-old go and a-new take its NodePort (a-new's frontends are written
+    // first: service ports are taken in name order).
+    let fresh = nodeport_proxy::objects::load(&nodeport_service(
+        "a-new",
+        "10.96.0.21",
+        30080,
+        "10.244.1.6",
+    ))
+    .unwrap()
+    .cluster;
+    c.cluster
+        .update_service(ServiceName::new("default", "z-old"), None);
+    c.cluster
+        .update_slice(ServiceName::new("default", "z-old-1"), None);
+    let svc = ServiceName::new("default", "a-new");
+    c.cluster
+        .update_service(svc.clone(), fresh.services.get(&svc).cloned());
+    let slice = ServiceName::new("default", "a-new-1");
+    c.cluster
+        .update_slice(slice.clone(), fresh.slices.get(&slice).cloned());
+    let changes = c.cluster.take_changes();
+    let changed = c.desired.refresh_services(
+        &c.cluster,
+        nodeport_proxy::desired::NodeView::named("node-a"),
+        &changes.services,
+    );
+    assert_eq!(changed.len(), 2, "{changed:?}");
+    applier.sync(&c.desired, Some(&changed)).unwrap();
+    let nodeport: Vec<FrontendKey> = applier
+        .maps()
+        .frontends()
+        .unwrap()
+        .into_iter()
+        .map(|(k, _)| k)
+        .filter(|k| k.port == 30080)
+        .collect();
+    assert_eq!(
+        nodeport.len(),
+        2,
+        "both scopes of the NodePort: {nodeport:?}"
+    );
+    let syn = Packet::new(TCP, "203.0.113.7", 40000, "192.0.2.10", 30080);
+    let out = parse(&run_on(&programs, TC_INGRESS, &frame(&syn)).1);
+    assert_eq!((out.dst, out.dport), (ip("10.244.1.6"), 8080));
+}
