@@ -3039,3 +3039,56 @@ fn a_node_port_another_service_takes_over_in_the_same_sync_keeps_its_frontends()
     let out = parse(&run_on(&programs, TC_INGRESS, &frame(&syn)).1);
     assert_eq!((out.dst, out.dport), (ip("10.244.1.6"), 8080));
 }
+
+#[test]
+fn routes_read_over_rtnetlink_name_the_devices_ip_route_names() {
+    if !require_tools("routes_read_over_rtnetlink", &["ip"]) {
+        return;
+    }
+    use nodeport_proxy::ebpf::routes::{RouteTable, route_interface};
+    let a = Netns::new("rt-a").unwrap();
+    let b = Netns::new("rt-b").unwrap();
+    veth(&a, "eth0", &b, "eth0").unwrap();
+    veth(&a, "tun0", &b, "tun0").unwrap();
+    a.sh(
+        "ip addr add 192.0.2.10/24 dev eth0 && ip link set eth0 up && \
+         ip link set tun0 up && ip addr add fd00:50::1/64 dev eth0 nodad && \
+         ip route add default via 192.0.2.1 && \
+         ip route add 10.244.2.0/24 dev tun0 && \
+         ip route add 10.244.3.0/24 dev tun0 metric 200 && \
+         ip route add 10.244.3.0/24 dev eth0 metric 100 && \
+         ip route add blackhole 10.9.0.0/16 && \
+         ip -6 route add fd00:244:2::/64 dev tun0",
+    )
+    .unwrap();
+    let (table, to_pod, to_node, to_nowhere) = a
+        .enter(|| {
+            (
+                RouteTable::dump(),
+                route_interface(ip("10.244.2.7")),
+                route_interface(ip("192.0.2.10")),
+                route_interface(ip("10.9.1.1")),
+            )
+        })
+        .unwrap();
+    let dev = |s: &str| table.device(ip(s)).map(|d| d.to_string());
+    assert_eq!(dev("10.244.2.7").as_deref(), Some("tun0"));
+    assert_eq!(
+        dev("10.244.3.7").as_deref(),
+        Some("eth0"),
+        "the lower metric"
+    );
+    assert_eq!(
+        dev("198.51.100.1").as_deref(),
+        Some("eth0"),
+        "the default route"
+    );
+    assert_eq!(dev("192.0.2.77").as_deref(), Some("eth0"));
+    assert_eq!(dev("10.9.1.1"), None, "a blackhole names no device");
+    assert_eq!(dev("fd00:244:2::5").as_deref(), Some("tun0"));
+    assert_eq!(dev("fd00:50::7").as_deref(), Some("eth0"));
+    assert_eq!(dev("2001:db8::1"), None, "no IPv6 default route");
+    assert_eq!(to_pod.as_deref(), Some("tun0"));
+    assert_eq!(to_node, None, "a local address");
+    assert_eq!(to_nowhere, None, "a blackhole");
+}

@@ -23,12 +23,14 @@
 //!
 //! [`maps`] (keys and values, byte for byte), [`maglev`] (consistent hashing tables),
 //! [`programs`] (the object, loading, typed map access), [`batch`] (batched map operations
-//! through the raw `bpf()` call, in one small `unsafe` block), [`mod@render`] (desired state
-//! → frontends and backend sets, pure), [`apply`] (the applier: map writes staged and issued
-//! in order, one batched call per map and step; sweep; conntrack collector), [`dataplane`] (one node's dataplane: loading, pins, cgroup and
-//! tc attachment following the NodePort addresses, fill levels), [`sockets`] (closing UDP
-//! sockets connected to removed backends), [`tracer`] (what the programs do with a new
-//! connection, evaluated over the rendered maps).
+//! through the raw `bpf()` call, in one small `unsafe` block), [`mod@render`]
+//! (desired state → frontends and backend sets, pure), [`apply`] (the applier: map writes
+//! staged and issued in order, one batched call per map and step; sweep; conntrack
+//! collector), [`dataplane`] (one node's dataplane: loading, pins, cgroup and tc attachment
+//! following the NodePort addresses and the endpoints' routes, fill levels), [`routes`]
+//! (route dumps and look-ups over rtnetlink), [`sockets`] (closing UDP sockets connected to
+//! removed backends), [`tracer`] (what the programs do with a new connection, evaluated over
+//! the rendered maps).
 //!
 //! # Not handled by the programs
 //!
@@ -51,6 +53,7 @@ pub mod maglev;
 pub mod maps;
 pub mod programs;
 pub mod render;
+pub mod routes;
 pub mod sockets;
 pub mod trace_events;
 pub mod tracer;
