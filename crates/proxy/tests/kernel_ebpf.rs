@@ -3092,3 +3092,46 @@ fn routes_read_over_rtnetlink_name_the_devices_ip_route_names() {
     assert_eq!(to_node, None, "a local address");
     assert_eq!(to_nowhere, None, "a blackhole");
 }
+
+#[test]
+fn tc_goes_on_the_devices_remote_endpoints_are_routed_through_as_they_appear() {
+    if !require_tools("tc_goes_on_the_devices_remote_endpoints", &["ip"]) {
+        return;
+    }
+    let node = Netns::new("ebpf-rt-node").unwrap();
+    let peer = Netns::new("ebpf-rt-peer").unwrap();
+    for dev in ["eth0", "tun0", "tun1"] {
+        veth(&node, dev, &peer, dev).unwrap();
+    }
+    node.sh(
+        "ip addr add 192.0.2.10/24 dev eth0 && ip link set eth0 up && \
+         ip link set tun0 up && ip link set tun1 up && \
+         ip route add 10.244.9.0/24 dev tun0 && ip route add 10.244.8.0/24 dev tun1",
+    )
+    .unwrap();
+    let facts = nodeport_proxy::nodeaddr::NodeFacts {
+        node_ips: vec![ip("192.0.2.10")],
+        local_ips: vec![ip("192.0.2.10")],
+        ..Default::default()
+    };
+    let mut c = Cluster::on_node(&web(&["10.244.9.5@node-b"]), facts);
+    let mut dataplane = node
+        .enter(|| {
+            let mut d = Dataplane::start(DataplaneConfig {
+                sizes: sizes(),
+                ..Default::default()
+            })
+            .expect("the dataplane starts");
+            d.sync(&c.desired, None).expect("first sync");
+            d
+        })
+        .unwrap();
+    // The NodePort's interface, and the device the remote endpoint's replies come back on.
+    assert_eq!(dataplane.interfaces(), ["eth0", "tun0"]);
+    // A partial sync: an endpoint behind another device joins.
+    let changed = c.update(&web(&["10.244.9.5@node-b", "10.244.8.5@node-c"]));
+    node.enter(|| dataplane.sync(&c.desired, Some(&changed)).expect("partial sync"))
+        .unwrap();
+    assert_eq!(dataplane.interfaces(), ["eth0", "tun0", "tun1"]);
+    drop(dataplane);
+}

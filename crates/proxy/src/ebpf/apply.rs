@@ -858,6 +858,16 @@ impl Applier {
             (names::SOCK_REV, lru(names::SOCK_REV)),
         ]
     }
+    /// The addresses of the backends of the service port `name` (both families) as the
+    /// applier last wrote them.
+    pub fn backend_addresses(&self, name: &ServicePortName) -> foldhash::HashSet<IpAddr> {
+        IpFamily::ALL
+            .into_iter()
+            .filter_map(|family| self.installed.get(&(name.clone(), family)))
+            .flat_map(|i| i.maps.sets.values().flatten().map(|b| b.addr))
+            .collect()
+    }
+
     /// Every backend of a UDP service port in the maps.
     pub fn udp_backends(&self) -> BTreeSet<std::net::SocketAddr> {
         self.installed

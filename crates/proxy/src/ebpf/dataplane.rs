@@ -82,9 +82,6 @@ pub struct Dataplane {
     udp_backends: BTreeSet<std::net::SocketAddr>,
     /// The interface each local endpoint is routed through (`None`: no route, or local).
     routes: std::collections::BTreeMap<IpAddr, Option<String>>,
-    /// The device each remote endpoint is routed through, since the last full sync (which
-    /// reads the routes again).
-    remote_routes: foldhash::HashMap<IpAddr, Option<std::sync::Arc<str>>>,
     sizes: Vec<(&'static str, u32)>,
 }
 
@@ -110,7 +107,6 @@ impl Dataplane {
             config,
             attached: std::collections::BTreeMap::new(),
             routes: std::collections::BTreeMap::new(),
-            remote_routes: foldhash::HashMap::default(),
             udp_backends: BTreeSet::new(),
             last_collect: None,
             sizes,
@@ -265,41 +261,44 @@ impl Dataplane {
             .filter(|(_, ip)| wanted.contains(ip))
             .map(|(name, _)| name)
             .collect();
-        if full {
-            self.remote_routes.clear();
-        }
         // Replies of connections SNATed to a remote backend come back through the device
         // that backend is routed through (a tunnel device, a pod network's link): the tc
-        // programs go there too, found by longest prefix match in the main routing tables
-        // (one dump per family when endpoints not seen since the last full sync appear, not
-        // one lookup per endpoint).
+        // programs go there too, found by longest prefix match in the main routing tables.
+        // A full sync dumps them (one dump per family) for every endpoint; a partial sync
+        // only when a changed service port has a remote endpoint it did not have before
+        // (the others' devices were found when they came).
         let mut table: Option<routes::RouteTable> = None;
         let mut devices: BTreeSet<std::sync::Arc<str>> = BTreeSet::new();
         let mut local_endpoints: BTreeSet<IpAddr> = BTreeSet::new();
         for fam in &desired.families {
-            let written: Vec<&std::sync::Arc<crate::desired::ServicePortState>> = match changed {
-                Some(names) if !full => names.iter().filter_map(|n| fam.services.get(n)).collect(),
-                _ => fam.services.values().collect(),
+            let written: Vec<(&ServicePortName, &crate::desired::ServicePortState)> = match changed
+            {
+                Some(names) if !full => names
+                    .iter()
+                    .filter_map(|n| fam.services.get_key_value(n))
+                    .map(|(n, s)| (n, s.as_ref()))
+                    .collect(),
+                _ => fam.services.iter().map(|(n, s)| (n, s.as_ref())).collect(),
             };
-            for svc in written {
+            for (name, svc) in written {
+                let known = if full {
+                    foldhash::HashSet::default()
+                } else {
+                    self.applier.backend_addresses(name)
+                };
                 for e in svc.cluster_endpoints.iter().chain(&svc.local_endpoints) {
                     if e.local {
                         local_endpoints.insert(e.ip);
                         continue;
                     }
-                    if let std::collections::hash_map::Entry::Vacant(slot) =
-                        self.remote_routes.entry(e.ip)
+                    if known.contains(&e.ip) {
+                        continue;
+                    }
+                    let table = table.get_or_insert_with(routes::RouteTable::dump);
+                    if let Some(dev) = table.device(e.ip)
+                        && !devices.contains(dev)
                     {
-                        let via = table
-                            .get_or_insert_with(routes::RouteTable::dump)
-                            .device(e.ip)
-                            .cloned();
-                        if let Some(dev) = &via
-                            && !devices.contains(dev)
-                        {
-                            devices.insert(dev.clone());
-                        }
-                        slot.insert(via);
+                        devices.insert(dev.clone());
                     }
                 }
             }
