@@ -3130,8 +3130,12 @@ fn tc_goes_on_the_devices_remote_endpoints_are_routed_through_as_they_appear() {
     assert_eq!(dataplane.interfaces(), ["eth0", "tun0"]);
     // A partial sync: an endpoint behind another device joins.
     let changed = c.update(&web(&["10.244.9.5@node-b", "10.244.8.5@node-c"]));
-    node.enter(|| dataplane.sync(&c.desired, Some(&changed)).expect("partial sync"))
-        .unwrap();
+    node.enter(|| {
+        dataplane
+            .sync(&c.desired, Some(&changed))
+            .expect("partial sync")
+    })
+    .unwrap();
     assert_eq!(dataplane.interfaces(), ["eth0", "tun0", "tun1"]);
     drop(dataplane);
 }

@@ -65,7 +65,9 @@ use super::maps::{
     SVC_AFFINITY, Tuple, names,
 };
 use super::programs::{self, Maps};
-use super::render::{Algorithm, RenderConfig, ServiceMaps, SetKey, render_service};
+use super::render::{
+    Algorithm, FamilyContext, RenderConfig, ServiceMaps, SetKey, render_service, render_service_in,
+};
 use crate::desired::DesiredState;
 use crate::model::{IpFamily, ServicePortName};
 
@@ -441,7 +443,6 @@ impl Applier {
             }
         }
         let mut writes = Writes::default();
-        let mut todo: BTreeSet<(ServicePortName, IpFamily)> = BTreeSet::new();
         // Service ports whose entries others changed: written again whole.
         let mut damaged: BTreeSet<(ServicePortName, IpFamily)> = BTreeSet::new();
         if let Some(view) = &view {
@@ -472,29 +473,46 @@ impl Applier {
                 "eBPF map entries changed by others: their service ports are written again"
             );
         }
+        let mut plan = |this: &mut Self, name: &ServicePortName, family, fresh| {
+            let force = damaged.contains(&(name.clone(), family));
+            let before = writes.operations();
+            this.plan_service(name, family, fresh, force, &mut writes);
+            if writes.operations() > before {
+                report.services_written += 1;
+            }
+        };
         if full {
-            todo.extend(self.installed.keys().cloned());
+            // Every desired service port, then those installed that are no longer desired.
             for fam in &desired.families {
-                todo.extend(fam.services.keys().map(|n| (n.clone(), fam.family)));
+                let ctx = FamilyContext::new(fam, &self.config);
+                for (name, svc) in &fam.services {
+                    let fresh = render_service_in(svc, fam, &self.config, &ctx);
+                    plan(self, name, fam.family, Some(fresh));
+                }
+            }
+            let gone: Vec<(ServicePortName, IpFamily)> = self
+                .installed
+                .keys()
+                .filter(|(name, family)| {
+                    desired
+                        .family(*family)
+                        .is_none_or(|fam| !fam.services.contains_key(name))
+                })
+                .cloned()
+                .collect();
+            for (name, family) in gone {
+                plan(self, &name, family, None);
             }
         } else if let Some(changed) = changed {
             for name in changed {
                 for family in IpFamily::ALL {
-                    todo.insert((name.clone(), family));
+                    let fresh = desired.family(family).and_then(|fam| {
+                        fam.services
+                            .get(name)
+                            .map(|svc| render_service(svc, fam, &self.config))
+                    });
+                    plan(self, name, family, fresh);
                 }
-            }
-        }
-        for (name, family) in todo {
-            let fresh = desired.family(family).and_then(|fam| {
-                fam.services
-                    .get(&name)
-                    .map(|svc| render_service(svc, fam, &self.config))
-            });
-            let force = damaged.contains(&(name.clone(), family));
-            let before = writes.operations();
-            self.plan_service(&name, family, fresh, force, &mut writes);
-            if writes.operations() > before {
-                report.services_written += 1;
             }
         }
         if let Some(view) = &view {

@@ -82,6 +82,8 @@ pub struct Dataplane {
     udp_backends: BTreeSet<std::net::SocketAddr>,
     /// The interface each local endpoint is routed through (`None`: no route, or local).
     routes: std::collections::BTreeMap<IpAddr, Option<String>>,
+    /// Remote endpoints whose route partial syncs looked up since the last full sync.
+    recent_routes: foldhash::HashSet<IpAddr>,
     sizes: Vec<(&'static str, u32)>,
 }
 
@@ -107,6 +109,7 @@ impl Dataplane {
             config,
             attached: std::collections::BTreeMap::new(),
             routes: std::collections::BTreeMap::new(),
+            recent_routes: foldhash::HashSet::default(),
             udp_backends: BTreeSet::new(),
             last_collect: None,
             sizes,
@@ -265,9 +268,14 @@ impl Dataplane {
         // that backend is routed through (a tunnel device, a pod network's link): the tc
         // programs go there too, found by longest prefix match in the main routing tables.
         // A full sync dumps them (one dump per family) for every endpoint; a partial sync
-        // only when a changed service port has a remote endpoint it did not have before
-        // (the others' devices were found when they came).
-        let mut table: Option<routes::RouteTable> = None;
+        // only when a changed service port has a remote endpoint it did not have before,
+        // and that no partial sync since the last full one looked up (an endpoint that
+        // comes back after a readiness flap; the others' devices were found when they came).
+        // One table per family, dumped when first needed.
+        let mut tables: [Option<routes::RouteTable>; 2] = [None, None];
+        if full {
+            self.recent_routes.clear();
+        }
         let mut devices: BTreeSet<std::sync::Arc<str>> = BTreeSet::new();
         let mut local_endpoints: BTreeSet<IpAddr> = BTreeSet::new();
         for fam in &desired.families {
@@ -291,10 +299,14 @@ impl Dataplane {
                         local_endpoints.insert(e.ip);
                         continue;
                     }
-                    if known.contains(&e.ip) {
+                    if known.contains(&e.ip) || self.recent_routes.contains(&e.ip) {
                         continue;
                     }
-                    let table = table.get_or_insert_with(routes::RouteTable::dump);
+                    if !full {
+                        self.recent_routes.insert(e.ip);
+                    }
+                    let table = tables[usize::from(e.ip.is_ipv6())]
+                        .get_or_insert_with(|| routes::RouteTable::dump_for(e.ip));
                     if let Some(dev) = table.device(e.ip)
                         && !devices.contains(dev)
                     {

@@ -205,9 +205,22 @@ impl RouteTable {
     /// This network namespace's main tables (one `RTM_GETROUTE` dump per family). A family
     /// whose dump fails is left out (logged).
     pub fn dump() -> Self {
+        Self::dump_families(&[AddressFamily::Inet, AddressFamily::Inet6])
+    }
+
+    /// The main table of the family of `ip` alone (one dump).
+    pub fn dump_for(ip: IpAddr) -> Self {
+        Self::dump_families(&[if ip.is_ipv4() {
+            AddressFamily::Inet
+        } else {
+            AddressFamily::Inet6
+        }])
+    }
+
+    fn dump_families(families: &[AddressFamily]) -> Self {
         let mut rows = Vec::new();
-        for family in [AddressFamily::Inet, AddressFamily::Inet6] {
-            match exchange(request(family), true) {
+        for family in families {
+            match exchange(request(*family), true) {
                 Ok(routes) => rows.extend(main_table(&routes).into_iter().filter_map(
                     |(net, metric, index)| match index {
                         Some(index) => Some((net, metric, Some(interface_name(index)?))),
