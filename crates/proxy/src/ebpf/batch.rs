@@ -2,8 +2,10 @@
 //! `BPF_MAP_DELETE_BATCH` and `BPF_MAP_LOOKUP_BATCH` (Linux 5.6+), which aya 0.14 does not
 //! expose. One call carries any number of entries, so a full sync pays the system call's
 //! entry, argument copies and map file look-up once per map and phase instead of once per
-//! entry (at 10,000 Services × 10 endpoints that was 125,528 calls of about 2 µs of CPU
-//! each; the kernel's own insert is about a third of it).
+//! entry: at 10,000 Services × 10 endpoints, 125,534 entries cost 0.44-0.52 µs each batched
+//! against 0.7-0.8 µs with a call each (about 2 µs through aya's typed maps), most of what is
+//! left being the kernel's insert (`cargo bench -p nodeport-proxy --bench ebpf_batch`,
+//! docs/BENCHMARKS.md).
 //!
 //! The one `unsafe` block is the system call ([`sys_bpf`]). Every pointer it passes comes
 //! from a slice whose length this module checks against the entry count and the map's key
@@ -85,8 +87,7 @@ pub enum Error {
     },
 }
 
-/// The `batch` member of `union bpf_attr` (`include/uapi/linux/bpf.h`), followed by the
-/// single-element commands' layout in the same bytes (see [`ElemAttr`]).
+/// The `batch` member of `union bpf_attr` (`include/uapi/linux/bpf.h`).
 #[repr(C)]
 #[derive(Debug, Default)]
 struct BatchAttr {
