@@ -3139,3 +3139,114 @@ fn tc_goes_on_the_devices_remote_endpoints_are_routed_through_as_they_appear() {
     assert_eq!(dataplane.interfaces(), ["eth0", "tun0", "tun1"]);
     drop(dataplane);
 }
+
+/// NodePort Services `svc-1` … `svc-<n>` (ports 30081 …), each with `endpoints` (`ip@node`).
+fn nodeport_services(n: usize, endpoints: &[&str]) -> String {
+    let eps: Vec<String> = endpoints
+        .iter()
+        .map(|e| {
+            let (ip, node) = e.split_once('@').expect("ip@node");
+            format!("- {{addresses: [{ip}], nodeName: {node}}}")
+        })
+        .collect();
+    (1..=n)
+        .map(|i| {
+            format!(
+                r#"
+apiVersion: v1
+kind: Service
+metadata: {{name: svc-{i}, namespace: default}}
+spec:
+  type: NodePort
+  clusterIP: 10.96.1.{i}
+  ports: [{{name: http, port: 80, targetPort: 8080, nodePort: {port}}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: svc-{i}-1, namespace: default, labels: {{kubernetes.io/service-name: svc-{i}}}}}
+addressType: IPv4
+ports: [{{name: http, port: 8080}}]
+endpoints:
+{eps}
+"#,
+                port = 30080 + i,
+                eps = eps.join("\n")
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("---\n")
+}
+
+#[test]
+fn between_any_two_batched_writes_every_service_is_whole_for_a_new_connection() {
+    let Some((programs, mut applier)) = applier("between_any_two_batched_writes") else {
+        return;
+    };
+    const SERVICES: usize = 3;
+    let a = nodeport_services(
+        SERVICES,
+        &[
+            "10.244.1.1@node-b",
+            "10.244.1.2@node-b",
+            "10.244.1.3@node-b",
+        ],
+    );
+    let b = nodeport_services(SERVICES, &["10.244.2.1@node-b", "10.244.2.2@node-b"]);
+    let mut c = Cluster::new(&a);
+    c.cluster.take_changes();
+    applier.sync(&c.desired, None).unwrap();
+    // New connections to every NodePort, from fresh clients: each must reach a backend of
+    // the old set or of the new one.
+    let mut client = 0u32;
+    let mut probe = |step: &'static str, failures: &mut Vec<String>| {
+        for i in 1..=SERVICES {
+            client += 1;
+            let port = 30080 + i as u16;
+            let mut syn = Packet::new(TCP, "203.0.113.7", 40000, "192.0.2.10", port);
+            syn.src = IpAddr::from([203, 0, (client >> 8) as u8, client as u8]);
+            let (verdict, out) = run_on(&programs, TC_INGRESS, &frame(&syn));
+            let reached = verdict == TC_ACT_OK && {
+                let p = parse(&out);
+                p.dport == 8080 && p.dst.to_string().starts_with("10.244.")
+            };
+            if !reached {
+                failures.push(format!("after {step}: NodePort {port}: verdict {verdict}"));
+            }
+        }
+    };
+    let mut steps = std::collections::BTreeSet::new();
+    let mut failures = Vec::new();
+    for round in 0..4 {
+        let fresh = nodeport_proxy::objects::load(if round % 2 == 0 { &b } else { &a })
+            .unwrap()
+            .cluster;
+        for (k, v) in fresh.services.iter() {
+            c.cluster.update_service(k.clone(), Some(v.clone()));
+        }
+        for (k, v) in fresh.slices.iter() {
+            c.cluster.update_slice(k.clone(), Some(v.clone()));
+        }
+        let changes = c.cluster.take_changes();
+        let changed = c.desired.refresh_services(
+            &c.cluster,
+            nodeport_proxy::desired::NodeView::named("node-a"),
+            &changes.services,
+        );
+        assert_eq!(changed.len(), SERVICES);
+        // Full syncs (every Service's sets in one batched write, their frontends in the
+        // next) and partial ones, in turn.
+        let which = if round < 2 { None } else { Some(&changed) };
+        let report = applier
+            .sync_observing(&c.desired, which, &mut |step| {
+                steps.insert(step);
+                probe(step, &mut failures);
+            })
+            .unwrap();
+        assert_eq!(report.services_written, SERVICES);
+    }
+    assert!(
+        steps.contains("frontends") && steps.contains("backends removed"),
+        "{steps:?}"
+    );
+    assert!(failures.is_empty(), "{failures:?}");
+}

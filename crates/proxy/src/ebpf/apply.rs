@@ -193,17 +193,27 @@ impl Writes {
             + self.ranges_removed.len()
     }
 
-    /// Issues the writes, phase by phase.
-    fn flush(mut self, maps: &mut Maps) -> Result<(), programs::Error> {
+    /// Issues the writes, phase by phase; `between` is called after each batched call with
+    /// what it wrote.
+    fn flush(
+        mut self,
+        maps: &mut Maps,
+        between: &mut dyn FnMut(&'static str),
+    ) -> Result<(), programs::Error> {
         maps.set_backends(&self.backends)?;
+        between("backends");
         maps.set_members(&self.members)?;
+        between("members");
         for (set, table) in &self.maglev {
             maps.set_maglev(*set, table)?;
         }
+        between("Maglev tables");
         for (svc_id, net) in &self.ranges_added {
             maps.add_source_range(*svc_id, *net)?;
         }
+        between("source ranges");
         maps.set_frontends(&self.frontends)?;
+        between("frontends");
         // A key another service port wrote in this sync is its frontend now, not a leftover.
         if !self.frontends_removed.is_empty() {
             let written: HashSet<FrontendKey> = self.frontends.iter().map(|(k, _)| *k).collect();
@@ -222,12 +232,17 @@ impl Writes {
         self.ranges_removed.sort_unstable();
         self.ranges_removed.dedup();
         maps.remove_frontends(&self.frontends_removed)?;
+        between("frontends removed");
         maps.remove_maglevs(&self.maglev_removed)?;
+        between("Maglev tables removed");
         maps.remove_backend_slots(&self.backends_removed)?;
+        between("backends removed");
         maps.remove_members(&self.members_removed)?;
+        between("members removed");
         for (svc_id, net) in &self.ranges_removed {
             maps.remove_source_range(*svc_id, *net)?;
         }
+        between("source ranges removed");
         Ok(())
     }
 }
@@ -388,8 +403,21 @@ impl Applier {
         desired: &DesiredState,
         changed: Option<&BTreeSet<ServicePortName>>,
     ) -> Result<SyncReport, Error> {
+        self.sync_observing(desired, changed, &mut |_| {})
+    }
+
+    /// [`Applier::sync`], calling `between` after each batched write with the step just
+    /// done (`"backends"`, `"frontends"`, `"backends removed"`, ...), while the maps stand
+    /// between two steps: tests send packets there to check that every state the programs
+    /// can see is whole.
+    pub fn sync_observing(
+        &mut self,
+        desired: &DesiredState,
+        changed: Option<&BTreeSet<ServicePortName>>,
+        between: &mut dyn FnMut(&'static str),
+    ) -> Result<SyncReport, Error> {
         let full = changed.is_none() || self.needs_full;
-        match self.sync_inner(desired, changed, full) {
+        match self.sync_inner(desired, changed, full, between) {
             Ok(report) => {
                 self.needs_full = false;
                 Ok(report)
@@ -407,6 +435,7 @@ impl Applier {
         desired: &DesiredState,
         changed: Option<&BTreeSet<ServicePortName>>,
         full: bool,
+        between: &mut dyn FnMut(&'static str),
     ) -> Result<SyncReport, programs::Error> {
         let mut report = SyncReport {
             full,
@@ -520,7 +549,7 @@ impl Applier {
         }
         phases.end("rendering and planning");
         report.map_operations += writes.operations();
-        writes.flush(&mut self.maps)?;
+        writes.flush(&mut self.maps, between)?;
         phases.end("writing the maps");
         report.phases = phases.take();
         if view.is_some() {
