@@ -44,6 +44,8 @@
 //! `NODEPORT_BENCH_CSV` (another output file), `NODEPORT_BENCH_MODES` (a comma-separated subset of
 //! `nftables` (flat layout), `nftables-kube-proxy`, `ebpf`, `iptables-legacy`, `iptables-nft`),
 //! `NODEPORT_BENCH_KUBE_PROXY_MAX` (default 10,000: kube-proxy's layout above it is skipped),
+//! `NODEPORT_BENCH_PHASES` (set: the ebpf mode prints where each full sync's time went, wall
+//! and CPU per phase),
 //! `NODEPORT_BENCH_THROUGHPUT_MB` (default 512, 0 skips it: after the latency rounds, each
 //! setup streams that much from the client to the pod through the NodePort three times and
 //! prints the median, generic veth figures). Writes `docs/nft-vs-iptables.csv`, which
@@ -283,7 +285,30 @@ impl Backend for InNamespace {
         changed: Option<&std::collections::BTreeSet<nodeport_proxy::model::ServicePortName>>,
     ) -> Result<nodeport_proxy::backend::SyncReport, nodeport_proxy::backend::Error> {
         setns(&self.node, CloneFlags::CLONE_NEWNET).expect("setns");
-        let r = Backend::sync(&mut self.inner, desired, config, changed);
+        let r = if std::env::var_os("NODEPORT_BENCH_PHASES").is_some() {
+            // The dataplane's own report, with where its time went.
+            let r = self.inner.sync(desired, changed);
+            if let Ok(r) = &r
+                && r.full
+            {
+                for p in &r.phases {
+                    println!(
+                        "    ebpf sync phase {:<32} wall {:>8.1} ms, cpu {:>8.1} ms",
+                        p.name,
+                        p.wall.as_secs_f64() * 1e3,
+                        p.cpu.as_secs_f64() * 1e3
+                    );
+                }
+            }
+            r.map(|r| nodeport_proxy::backend::SyncReport {
+                full: r.full,
+                cleanup_failed: false,
+                iptables_rules: Vec::new(),
+            })
+            .map_err(nodeport_proxy::backend::Error::Ebpf)
+        } else {
+            Backend::sync(&mut self.inner, desired, config, changed)
+        };
         setns(&self.home, CloneFlags::CLONE_NEWNET).expect("setns");
         r
     }

@@ -2845,3 +2845,408 @@ fn a_udp_datagram_larger_than_the_mtu_crosses_a_nodeport_in_fragments_both_ways(
         );
     }
 }
+
+/// (key, value) pairs of `np_ct`'s layout: 40-byte keys, 56-byte values, both derived from `i`.
+fn ct_entries(range: std::ops::Range<u32>) -> (Vec<u8>, Vec<u8>) {
+    let mut keys = Vec::new();
+    let mut values = Vec::new();
+    for i in range {
+        let mut k = [0u8; 40];
+        k[..4].copy_from_slice(&i.to_ne_bytes());
+        k[36] = TCP;
+        keys.extend_from_slice(&k);
+        let mut v = [0u8; 56];
+        v[..4].copy_from_slice(&i.wrapping_mul(7).to_ne_bytes());
+        values.extend_from_slice(&v);
+    }
+    (keys, values)
+}
+
+/// The entries of a batched read, sorted, as (key, value) byte pairs.
+fn pairs(batch: &nodeport_proxy::ebpf::batch::Batch<'_>) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let (keys, values) = batch.lookup_all().expect("batched read");
+    let mut out: Vec<(Vec<u8>, Vec<u8>)> = keys
+        .chunks(batch.key_size())
+        .zip(values.chunks(batch.value_size()))
+        .map(|(k, v)| (k.to_vec(), v.to_vec()))
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn batched_writes_reads_and_deletes_do_what_one_entry_at_a_time_does() {
+    if !require_tools("batched_writes_reads_and_deletes", &[]) {
+        return;
+    }
+    let sizes = MapSizes {
+        conntrack: 32768,
+        ..sizes()
+    };
+    // More entries than one read asks for (8192): the read resumes where the last stopped.
+    let (keys, values) = ct_entries(0..20_000);
+    let (_p1, batched) = Programs::load(&sizes).expect("the eBPF object loads");
+    let (_p2, single) = Programs::load(&sizes).expect("the eBPF object loads");
+    let b = batched.batch("np_ct").unwrap();
+    let s = single.batch("np_ct").unwrap().per_entry();
+    assert_eq!((b.key_size(), b.value_size()), (40, 56));
+    b.update(&keys, &values).unwrap();
+    s.update(&keys, &values).unwrap();
+    let written = pairs(&b);
+    assert_eq!(written.len(), 20_000);
+    assert_eq!(written, pairs(&s));
+    assert_eq!(written, pairs(&b.per_entry()), "read one by one");
+    // Deleting keys, some of which the map does not hold (removals are idempotent).
+    let (gone, _) = ct_entries(10_000..25_000);
+    b.delete(&gone).unwrap();
+    s.delete(&gone).unwrap();
+    let left = pairs(&b);
+    assert_eq!(left.len(), 10_000);
+    assert_eq!(left, pairs(&s));
+    let (expected_keys, expected_values) = ct_entries(0..10_000);
+    let mut expected: Vec<(Vec<u8>, Vec<u8>)> = expected_keys
+        .chunks(40)
+        .zip(expected_values.chunks(56))
+        .map(|(k, v)| (k.to_vec(), v.to_vec()))
+        .collect();
+    expected.sort();
+    assert_eq!(left, expected);
+    // Buffers that are not whole entries are refused before any call.
+    assert!(matches!(
+        b.update(&keys[..41], &values[..56]),
+        Err(nodeport_proxy::ebpf::batch::Error::Shape { .. })
+    ));
+    assert_eq!(pairs(&b).len(), 10_000);
+}
+
+#[test]
+fn a_batched_write_into_a_full_map_says_how_many_entries_it_wrote() {
+    let Some(progs) = load("a_batched_write_into_a_full_map") else {
+        return;
+    };
+    // np_services holds 64 frontends in these tests.
+    let mut keys = Vec::new();
+    let mut values = Vec::new();
+    for i in 0..100u16 {
+        keys.extend_from_slice(&ext("192.0.2.10", 30000 + i, TCP).encode());
+        values.extend_from_slice(
+            &Frontend {
+                svc_id: u32::from(i) + 1,
+                ..Default::default()
+            }
+            .encode(),
+        );
+    }
+    for batch in [
+        progs.batch("np_services").unwrap(),
+        progs.batch("np_services").unwrap().per_entry(),
+    ] {
+        match batch.update(&keys, &values) {
+            Err(nodeport_proxy::ebpf::batch::Error::Call {
+                done,
+                count,
+                source,
+                ..
+            }) => {
+                assert_eq!((done, count), (64, 100));
+                assert_eq!(source.raw_os_error(), Some(libc::E2BIG), "{source}");
+            }
+            other => panic!("a full map: {other:?}"),
+        }
+        assert_eq!(pairs(&batch).len(), 64);
+    }
+}
+
+/// A NodePort Service `name` with one endpoint on node-a, and its EndpointSlice `<name>-1`.
+fn nodeport_service(name: &str, cluster_ip: &str, node_port: u16, endpoint: &str) -> String {
+    format!(
+        r#"
+apiVersion: v1
+kind: Service
+metadata: {{name: {name}, namespace: default}}
+spec:
+  type: NodePort
+  clusterIP: {cluster_ip}
+  ports: [{{name: http, port: 80, targetPort: 8080, nodePort: {node_port}}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: {name}-1, namespace: default, labels: {{kubernetes.io/service-name: {name}}}}}
+addressType: IPv4
+ports: [{{name: http, port: 8080}}]
+endpoints:
+- {{addresses: [{endpoint}], nodeName: node-a}}
+"#
+    )
+}
+
+#[test]
+fn a_node_port_another_service_takes_over_in_the_same_sync_keeps_its_frontends() {
+    let Some((programs, mut applier)) = applier("a_node_port_another_service_takes_over") else {
+        return;
+    };
+    use nodeport_proxy::model::ServiceName;
+    let mut c = Cluster::new(&nodeport_service(
+        "z-old",
+        "10.96.0.20",
+        30080,
+        "10.244.1.5",
+    ));
+    c.cluster.take_changes();
+    applier.sync(&c.desired, None).unwrap();
+    // One sync sees z-old go and a-new take its NodePort (a-new's frontends are written
+    // first: service ports are taken in name order).
+    let fresh = nodeport_proxy::objects::load(&nodeport_service(
+        "a-new",
+        "10.96.0.21",
+        30080,
+        "10.244.1.6",
+    ))
+    .unwrap()
+    .cluster;
+    c.cluster
+        .update_service(ServiceName::new("default", "z-old"), None);
+    c.cluster
+        .update_slice(ServiceName::new("default", "z-old-1"), None);
+    let svc = ServiceName::new("default", "a-new");
+    c.cluster
+        .update_service(svc.clone(), fresh.services.get(&svc).cloned());
+    let slice = ServiceName::new("default", "a-new-1");
+    c.cluster
+        .update_slice(slice.clone(), fresh.slices.get(&slice).cloned());
+    let changes = c.cluster.take_changes();
+    let changed = c.desired.refresh_services(
+        &c.cluster,
+        nodeport_proxy::desired::NodeView::named("node-a"),
+        &changes.services,
+    );
+    assert_eq!(changed.len(), 2, "{changed:?}");
+    applier.sync(&c.desired, Some(&changed)).unwrap();
+    let nodeport: Vec<FrontendKey> = applier
+        .maps()
+        .frontends()
+        .unwrap()
+        .into_iter()
+        .map(|(k, _)| k)
+        .filter(|k| k.port == 30080)
+        .collect();
+    assert_eq!(
+        nodeport.len(),
+        2,
+        "both scopes of the NodePort: {nodeport:?}"
+    );
+    let syn = Packet::new(TCP, "203.0.113.7", 40000, "192.0.2.10", 30080);
+    let out = parse(&run_on(&programs, TC_INGRESS, &frame(&syn)).1);
+    assert_eq!((out.dst, out.dport), (ip("10.244.1.6"), 8080));
+}
+
+#[test]
+fn routes_read_over_rtnetlink_name_the_devices_ip_route_names() {
+    if !require_tools("routes_read_over_rtnetlink", &["ip"]) {
+        return;
+    }
+    use nodeport_proxy::ebpf::routes::{RouteTable, route_interface};
+    let a = Netns::new("rt-a").unwrap();
+    let b = Netns::new("rt-b").unwrap();
+    veth(&a, "eth0", &b, "eth0").unwrap();
+    veth(&a, "tun0", &b, "tun0").unwrap();
+    a.sh(
+        "ip addr add 192.0.2.10/24 dev eth0 && ip link set eth0 up && \
+         ip link set tun0 up && ip addr add fd00:50::1/64 dev eth0 nodad && \
+         ip route add default via 192.0.2.1 && \
+         ip route add 10.244.2.0/24 dev tun0 && \
+         ip route add 10.244.3.0/24 dev tun0 metric 200 && \
+         ip route add 10.244.3.0/24 dev eth0 metric 100 && \
+         ip route add blackhole 10.9.0.0/16 && \
+         ip -6 route add fd00:244:2::/64 dev tun0",
+    )
+    .unwrap();
+    let (table, to_pod, to_node, to_nowhere) = a
+        .enter(|| {
+            (
+                RouteTable::dump(),
+                route_interface(ip("10.244.2.7")),
+                route_interface(ip("192.0.2.10")),
+                route_interface(ip("10.9.1.1")),
+            )
+        })
+        .unwrap();
+    let dev = |s: &str| table.device(ip(s)).map(|d| d.to_string());
+    assert_eq!(dev("10.244.2.7").as_deref(), Some("tun0"));
+    assert_eq!(
+        dev("10.244.3.7").as_deref(),
+        Some("eth0"),
+        "the lower metric"
+    );
+    assert_eq!(
+        dev("198.51.100.1").as_deref(),
+        Some("eth0"),
+        "the default route"
+    );
+    assert_eq!(dev("192.0.2.77").as_deref(), Some("eth0"));
+    assert_eq!(dev("10.9.1.1"), None, "a blackhole names no device");
+    assert_eq!(dev("fd00:244:2::5").as_deref(), Some("tun0"));
+    assert_eq!(dev("fd00:50::7").as_deref(), Some("eth0"));
+    assert_eq!(dev("2001:db8::1"), None, "no IPv6 default route");
+    assert_eq!(to_pod.as_deref(), Some("tun0"));
+    assert_eq!(to_node, None, "a local address");
+    assert_eq!(to_nowhere, None, "a blackhole");
+}
+
+#[test]
+fn tc_goes_on_the_devices_remote_endpoints_are_routed_through_as_they_appear() {
+    if !require_tools("tc_goes_on_the_devices_remote_endpoints", &["ip"]) {
+        return;
+    }
+    let node = Netns::new("ebpf-rt-node").unwrap();
+    let peer = Netns::new("ebpf-rt-peer").unwrap();
+    for dev in ["eth0", "tun0", "tun1"] {
+        veth(&node, dev, &peer, dev).unwrap();
+    }
+    node.sh(
+        "ip addr add 192.0.2.10/24 dev eth0 && ip link set eth0 up && \
+         ip link set tun0 up && ip link set tun1 up && \
+         ip route add 10.244.9.0/24 dev tun0 && ip route add 10.244.8.0/24 dev tun1",
+    )
+    .unwrap();
+    let facts = nodeport_proxy::nodeaddr::NodeFacts {
+        node_ips: vec![ip("192.0.2.10")],
+        local_ips: vec![ip("192.0.2.10")],
+        ..Default::default()
+    };
+    let mut c = Cluster::on_node(&web(&["10.244.9.5@node-b"]), facts);
+    let mut dataplane = node
+        .enter(|| {
+            let mut d = Dataplane::start(DataplaneConfig {
+                sizes: sizes(),
+                ..Default::default()
+            })
+            .expect("the dataplane starts");
+            d.sync(&c.desired, None).expect("first sync");
+            d
+        })
+        .unwrap();
+    // The NodePort's interface, and the device the remote endpoint's replies come back on.
+    assert_eq!(dataplane.interfaces(), ["eth0", "tun0"]);
+    // A partial sync: an endpoint behind another device joins.
+    let changed = c.update(&web(&["10.244.9.5@node-b", "10.244.8.5@node-c"]));
+    node.enter(|| {
+        dataplane
+            .sync(&c.desired, Some(&changed))
+            .expect("partial sync")
+    })
+    .unwrap();
+    assert_eq!(dataplane.interfaces(), ["eth0", "tun0", "tun1"]);
+    drop(dataplane);
+}
+
+/// NodePort Services `svc-1` … `svc-<n>` (ports 30081 …), each with `endpoints` (`ip@node`).
+fn nodeport_services(n: usize, endpoints: &[&str]) -> String {
+    let eps: Vec<String> = endpoints
+        .iter()
+        .map(|e| {
+            let (ip, node) = e.split_once('@').expect("ip@node");
+            format!("- {{addresses: [{ip}], nodeName: {node}}}")
+        })
+        .collect();
+    (1..=n)
+        .map(|i| {
+            format!(
+                r#"
+apiVersion: v1
+kind: Service
+metadata: {{name: svc-{i}, namespace: default}}
+spec:
+  type: NodePort
+  clusterIP: 10.96.1.{i}
+  ports: [{{name: http, port: 80, targetPort: 8080, nodePort: {port}}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: svc-{i}-1, namespace: default, labels: {{kubernetes.io/service-name: svc-{i}}}}}
+addressType: IPv4
+ports: [{{name: http, port: 8080}}]
+endpoints:
+{eps}
+"#,
+                port = 30080 + i,
+                eps = eps.join("\n")
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("---\n")
+}
+
+#[test]
+fn between_any_two_batched_writes_every_service_is_whole_for_a_new_connection() {
+    let Some((programs, mut applier)) = applier("between_any_two_batched_writes") else {
+        return;
+    };
+    const SERVICES: usize = 3;
+    let a = nodeport_services(
+        SERVICES,
+        &[
+            "10.244.1.1@node-b",
+            "10.244.1.2@node-b",
+            "10.244.1.3@node-b",
+        ],
+    );
+    let b = nodeport_services(SERVICES, &["10.244.2.1@node-b", "10.244.2.2@node-b"]);
+    let mut c = Cluster::new(&a);
+    c.cluster.take_changes();
+    applier.sync(&c.desired, None).unwrap();
+    // New connections to every NodePort, from fresh clients: each must reach a backend of
+    // the old set or of the new one.
+    let mut client = 0u32;
+    let mut probe = |step: &'static str, failures: &mut Vec<String>| {
+        for i in 1..=SERVICES {
+            client += 1;
+            let port = 30080 + i as u16;
+            let mut syn = Packet::new(TCP, "203.0.113.7", 40000, "192.0.2.10", port);
+            syn.src = IpAddr::from([203, 0, (client >> 8) as u8, client as u8]);
+            let (verdict, out) = run_on(&programs, TC_INGRESS, &frame(&syn));
+            let reached = verdict == TC_ACT_OK && {
+                let p = parse(&out);
+                p.dport == 8080 && p.dst.to_string().starts_with("10.244.")
+            };
+            if !reached {
+                failures.push(format!("after {step}: NodePort {port}: verdict {verdict}"));
+            }
+        }
+    };
+    let mut steps = std::collections::BTreeSet::new();
+    let mut failures = Vec::new();
+    for round in 0..4 {
+        let fresh = nodeport_proxy::objects::load(if round % 2 == 0 { &b } else { &a })
+            .unwrap()
+            .cluster;
+        for (k, v) in fresh.services.iter() {
+            c.cluster.update_service(k.clone(), Some(v.clone()));
+        }
+        for (k, v) in fresh.slices.iter() {
+            c.cluster.update_slice(k.clone(), Some(v.clone()));
+        }
+        let changes = c.cluster.take_changes();
+        let changed = c.desired.refresh_services(
+            &c.cluster,
+            nodeport_proxy::desired::NodeView::named("node-a"),
+            &changes.services,
+        );
+        assert_eq!(changed.len(), SERVICES);
+        // Full syncs (every Service's sets in one batched write, their frontends in the
+        // next) and partial ones, in turn.
+        let which = if round < 2 { None } else { Some(&changed) };
+        let report = applier
+            .sync_observing(&c.desired, which, &mut |step| {
+                steps.insert(step);
+                probe(step, &mut failures);
+            })
+            .unwrap();
+        assert_eq!(report.services_written, SERVICES);
+    }
+    assert!(
+        steps.contains("frontends") && steps.contains("backends removed"),
+        "{steps:?}"
+    );
+    assert!(failures.is_empty(), "{failures:?}");
+}

@@ -1,21 +1,30 @@
-//! The applier: writes the rendered frontends and backend sets into the maps, Service by
-//! Service, so that a packet never sees a half-written Service, and collects stale
-//! connections.
+//! The applier: writes the rendered frontends and backend sets into the maps, so that a
+//! packet never sees a half-written Service, and collects stale connections.
 //!
-//! # Order of writes for one service port (Calico's fresh-id scheme)
+//! # Order of writes (Calico's fresh-id scheme, in batched phases)
+//!
+//! A sync first decides every entry it writes or removes, then issues them in phases, each
+//! phase one batched `bpf()` call per map ([`super::batch`]; `BPF_MAP_UPDATE_BATCH` applies
+//! its entries one after the other, each one atomically):
 //!
 //! 1. Every backend set whose content changed is written under a **fresh** set id: its
 //!    backends at ordinals `1..=n`, their membership entries (only where the programs read
 //!    them: UDP service ports and session affinity, as Cilium keeps its affinity match map
 //!    for affinity services only), its Maglev table.
 //! 2. Source ranges that are new are added.
-//! 3. Each frontend whose value changed is written in one map update: it now names the new
-//!    set id and count. Frontends that went away are deleted.
-//! 4. Sets no frontend names any more are deleted, then ranges no longer wanted.
+//! 3. Each frontend whose value changed is written, in one update each: it now names the new
+//!    set id and count.
+//! 4. Frontends that went away are deleted (unless another service port took the key over in
+//!    the same sync).
+//! 5. Sets no frontend names any more are deleted (Maglev tables, backends, membership), then
+//! 6. ranges no longer wanted.
 //!
-//! A lookup therefore sees either the old frontend and its complete old set, or the new
-//! frontend and its complete new set. Established connections keep their backend through
-//! `np_ct`, whatever the frontend says.
+//! A frontend is written only after everything it names, whichever Service it belongs to, and
+//! nothing is deleted before every frontend has left it. A lookup therefore sees either the
+//! old frontend and its complete old set, or the new frontend and its complete new set.
+//! Established connections keep their backend through `np_ct`, whatever the frontend says.
+//! A sync that fails part-way leaves each frontend on a complete set; the next sync walks the
+//! maps and repairs the rest (see below).
 //!
 //! # The mirror, full syncs and take-over
 //!
@@ -26,14 +35,17 @@
 //! full syncs repair hand edits of its rules. Nothing is read back after the writes.
 //!
 //! - The first full sync, one after a failure, and one an hour after the last (kube-proxy's
-//!   `FullSyncPeriod`) **walk** each map the applier owns once (`KernelView`, two calls per
-//!   entry: next key and lookup; aya 0.14 has no batched lookups): every entry compared, and
-//!   entries the applier did not write deleted after the writes.
-//! - The other full syncs (the periodic resync, every `--sync-period`) **look up** the
-//!   applier's own entries instead, one call each: every frontend (what decides where traffic
-//!   goes), and a rotating share of the backend sets ([`CHECK_BACKENDS_PER_SYNC`] entries per
-//!   sync), so that a resync costs a fraction of a walk. Entries added by others wait for the
-//!   next walk.
+//!   `FullSyncPeriod`) **walk** each map the applier owns once (`KernelView`: batched
+//!   look-ups, `BPF_MAP_LOOKUP_BATCH`, a few calls per map; key walks for the few Maglev
+//!   tables and source ranges): every entry compared, and entries the applier did not write
+//!   deleted after the writes (with the phases 4 to 6). A first sync over maps this
+//!   process's load created ([`Maps::known_empty`]: no pins taken over, nothing written
+//!   since) reads nothing: a walk of an empty hash map still visits every bucket.
+//! - The other full syncs (the periodic resync, every `--sync-period`) **check** the
+//!   applier's own entries instead: every frontend (what decides where traffic goes; the
+//!   frontend map read in batches), and a rotating share of the backend sets
+//!   ([`CHECK_BACKENDS_PER_SYNC`] entries per sync, a look-up each), so that a resync costs
+//!   a fraction of a walk. Entries added by others wait for the next walk.
 //!
 //! On its first sync the
 //! applier takes the service ids of the frontends an earlier run left (so that affinity
@@ -53,7 +65,9 @@ use super::maps::{
     SVC_AFFINITY, Tuple, names,
 };
 use super::programs::{self, Maps};
-use super::render::{Algorithm, RenderConfig, ServiceMaps, SetKey, render_service};
+use super::render::{
+    Algorithm, FamilyContext, RenderConfig, ServiceMaps, SetKey, render_service, render_service_in,
+};
 use crate::desired::DesiredState;
 use crate::model::{IpFamily, ServicePortName};
 
@@ -74,6 +88,60 @@ pub struct SyncReport {
     pub services_written: usize,
     /// Map updates and deletions issued.
     pub map_operations: usize,
+    /// Where the sync's time went, in order.
+    pub phases: Vec<Phase>,
+}
+
+/// One step of a sync and its time: wall clock, and the CPU time of the thread that ran it
+/// (which a loaded machine inflates less).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Phase {
+    /// What was done.
+    pub name: &'static str,
+    /// Wall-clock time.
+    pub wall: Duration,
+    /// The syncing thread's CPU time (`CLOCK_THREAD_CPUTIME_ID`).
+    pub cpu: Duration,
+}
+
+/// Times the phases of a sync one after the other.
+#[derive(Debug)]
+pub(crate) struct Phases {
+    wall: std::time::Instant,
+    cpu: Duration,
+    done: Vec<Phase>,
+}
+
+fn thread_cpu() -> Duration {
+    nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID)
+        .map_or(Duration::ZERO, Duration::from)
+}
+
+impl Phases {
+    /// Starts the first phase now.
+    pub(crate) fn start() -> Self {
+        Phases {
+            wall: std::time::Instant::now(),
+            cpu: thread_cpu(),
+            done: Vec::new(),
+        }
+    }
+
+    /// Ends the current phase as `name`, and starts the next.
+    pub(crate) fn end(&mut self, name: &'static str) {
+        let (wall, cpu) = (std::time::Instant::now(), thread_cpu());
+        self.done.push(Phase {
+            name,
+            wall: wall - self.wall,
+            cpu: cpu.saturating_sub(self.cpu),
+        });
+        (self.wall, self.cpu) = (wall, cpu);
+    }
+
+    /// The phases ended so far.
+    pub(crate) fn take(&mut self) -> Vec<Phase> {
+        std::mem::take(&mut self.done)
+    }
 }
 
 /// What the applier wrote for one service port.
@@ -82,6 +150,101 @@ struct Installed {
     svc_id: u32,
     maps: ServiceMaps,
     set_ids: BTreeMap<SetKey, u32>,
+}
+
+/// The map writes of one sync, staged so that they are issued in the order that keeps every
+/// Service whole (the phases of the module doc), one batched call per map and phase.
+#[derive(Debug, Default)]
+struct Writes {
+    /// Phase 1: the backends of fresh sets.
+    backends: Vec<(programs::BackendSlot, BackendEntry)>,
+    /// Phase 1: their membership entries.
+    members: Vec<(MemberKey, u32)>,
+    /// Phase 1: their Maglev tables.
+    maglev: Vec<(u32, Vec<u32>)>,
+    /// Phase 2.
+    ranges_added: Vec<(u32, IpNet)>,
+    /// Phase 3.
+    frontends: Vec<(FrontendKey, Frontend)>,
+    /// Phase 4.
+    frontends_removed: Vec<FrontendKey>,
+    /// Phase 5.
+    maglev_removed: Vec<u32>,
+    /// Phase 5.
+    backends_removed: Vec<programs::BackendSlot>,
+    /// Phase 5.
+    members_removed: Vec<MemberKey>,
+    /// Phase 6.
+    ranges_removed: Vec<(u32, IpNet)>,
+}
+
+impl Writes {
+    /// Map operations staged.
+    fn operations(&self) -> usize {
+        self.backends.len()
+            + self.members.len()
+            + self.maglev.len()
+            + self.ranges_added.len()
+            + self.frontends.len()
+            + self.frontends_removed.len()
+            + self.maglev_removed.len()
+            + self.backends_removed.len()
+            + self.members_removed.len()
+            + self.ranges_removed.len()
+    }
+
+    /// Issues the writes, phase by phase; `between` is called after each batched call with
+    /// what it wrote.
+    fn flush(
+        mut self,
+        maps: &mut Maps,
+        between: &mut dyn FnMut(&'static str),
+    ) -> Result<(), programs::Error> {
+        maps.set_backends(&self.backends)?;
+        between("backends");
+        maps.set_members(&self.members)?;
+        between("members");
+        for (set, table) in &self.maglev {
+            maps.set_maglev(*set, table)?;
+        }
+        between("Maglev tables");
+        for (svc_id, net) in &self.ranges_added {
+            maps.add_source_range(*svc_id, *net)?;
+        }
+        between("source ranges");
+        maps.set_frontends(&self.frontends)?;
+        between("frontends");
+        // A key another service port wrote in this sync is its frontend now, not a leftover.
+        if !self.frontends_removed.is_empty() {
+            let written: HashSet<FrontendKey> = self.frontends.iter().map(|(k, _)| *k).collect();
+            self.frontends_removed.retain(|k| !written.contains(k));
+        }
+        // A walk's sweep finds the sets this sync let go again: each key once (a key the
+        // map no longer holds costs a batch call of its own).
+        self.frontends_removed.sort_unstable();
+        self.frontends_removed.dedup();
+        self.maglev_removed.sort_unstable();
+        self.maglev_removed.dedup();
+        self.backends_removed.sort_unstable();
+        self.backends_removed.dedup();
+        self.members_removed.sort_unstable();
+        self.members_removed.dedup();
+        self.ranges_removed.sort_unstable();
+        self.ranges_removed.dedup();
+        maps.remove_frontends(&self.frontends_removed)?;
+        between("frontends removed");
+        maps.remove_maglevs(&self.maglev_removed)?;
+        between("Maglev tables removed");
+        maps.remove_backend_slots(&self.backends_removed)?;
+        between("backends removed");
+        maps.remove_members(&self.members_removed)?;
+        between("members removed");
+        for (svc_id, net) in &self.ranges_removed {
+            maps.remove_source_range(*svc_id, *net)?;
+        }
+        between("source ranges removed");
+        Ok(())
+    }
 }
 
 /// Connection lifetimes for the collector (Cilium's defaults).
@@ -155,6 +318,15 @@ impl KernelView {
             maglev: maps.maglev_sets()?.into_iter().collect(),
             ranges: maps.source_ranges()?.into_iter().collect(),
         })
+    }
+
+    /// Whether the maps held nothing the applier owns.
+    fn is_empty(&self) -> bool {
+        self.frontends.is_empty()
+            && self.backends.is_empty()
+            && self.members.is_empty()
+            && self.maglev.is_empty()
+            && self.ranges.is_empty()
     }
 
     /// Whether the maps hold everything `inst` wrote, as written. Maglev tables are checked
@@ -231,8 +403,21 @@ impl Applier {
         desired: &DesiredState,
         changed: Option<&BTreeSet<ServicePortName>>,
     ) -> Result<SyncReport, Error> {
+        self.sync_observing(desired, changed, &mut |_| {})
+    }
+
+    /// [`Applier::sync`], calling `between` after each batched write with the step just
+    /// done (`"backends"`, `"frontends"`, `"backends removed"`, ...), while the maps stand
+    /// between two steps: tests send packets there to check that every state the programs
+    /// can see is whole.
+    pub fn sync_observing(
+        &mut self,
+        desired: &DesiredState,
+        changed: Option<&BTreeSet<ServicePortName>>,
+        between: &mut dyn FnMut(&'static str),
+    ) -> Result<SyncReport, Error> {
         let full = changed.is_none() || self.needs_full;
-        match self.sync_inner(desired, changed, full) {
+        match self.sync_inner(desired, changed, full, between) {
             Ok(report) => {
                 self.needs_full = false;
                 Ok(report)
@@ -250,13 +435,18 @@ impl Applier {
         desired: &DesiredState,
         changed: Option<&BTreeSet<ServicePortName>>,
         full: bool,
+        between: &mut dyn FnMut(&'static str),
     ) -> Result<SyncReport, programs::Error> {
         let mut report = SyncReport {
             full,
             ..Default::default()
         };
+        let mut phases = Phases::start();
         let walk = full && self.last_walk.is_none_or(|t| t.elapsed() >= WALK_EVERY);
-        let view = if walk {
+        let view = if walk && !self.started && self.maps.known_empty() {
+            // Maps this process just created: nothing to compare, adopt or sweep.
+            Some(KernelView::default())
+        } else if walk {
             Some(KernelView::read(&self.maps)?)
         } else {
             None
@@ -281,15 +471,14 @@ impl Applier {
                 self.snat.insert(fam.family, ip);
             }
         }
-        let mut todo: BTreeSet<(ServicePortName, IpFamily)> = BTreeSet::new();
+        let mut writes = Writes::default();
         // Service ports whose entries others changed: written again whole.
         let mut damaged: BTreeSet<(ServicePortName, IpFamily)> = BTreeSet::new();
         if let Some(view) = &view {
             // The cluster CIDRs (`SVC_SNAT_OFF_CLUSTER`) before any frontend that needs them.
             for net in &self.config.cluster_cidrs {
                 if !view.ranges.contains(&(CLUSTER_CIDRS_ID, net.trunc())) {
-                    self.maps.add_source_range(CLUSTER_CIDRS_ID, net.trunc())?;
-                    report.map_operations += 1;
+                    writes.ranges_added.push((CLUSTER_CIDRS_ID, net.trunc()));
                 }
             }
             let maglev = self.config.algorithm == Algorithm::Maglev;
@@ -300,60 +489,92 @@ impl Applier {
                     .map(|(key, _)| key.clone()),
             );
         } else if full {
-            damaged.extend(self.look_up_own_entries()?);
+            damaged.extend(self.check_own_entries()?);
         }
+        phases.end(if walk {
+            "reading the maps (walk)"
+        } else {
+            "checking own entries"
+        });
         if !damaged.is_empty() {
             tracing::info!(
                 service_ports = damaged.len(),
                 "eBPF map entries changed by others: their service ports are written again"
             );
         }
+        let mut plan = |this: &mut Self, name: &ServicePortName, family, fresh| {
+            let force = damaged.contains(&(name.clone(), family));
+            let before = writes.operations();
+            this.plan_service(name, family, fresh, force, &mut writes);
+            if writes.operations() > before {
+                report.services_written += 1;
+            }
+        };
         if full {
-            todo.extend(self.installed.keys().cloned());
+            // Every desired service port, then those installed that are no longer desired.
             for fam in &desired.families {
-                todo.extend(fam.services.keys().map(|n| (n.clone(), fam.family)));
+                let ctx = FamilyContext::new(fam, &self.config);
+                for (name, svc) in &fam.services {
+                    let fresh = render_service_in(svc, fam, &self.config, &ctx);
+                    plan(self, name, fam.family, Some(fresh));
+                }
+            }
+            let gone: Vec<(ServicePortName, IpFamily)> = self
+                .installed
+                .keys()
+                .filter(|(name, family)| {
+                    desired
+                        .family(*family)
+                        .is_none_or(|fam| !fam.services.contains_key(name))
+                })
+                .cloned()
+                .collect();
+            for (name, family) in gone {
+                plan(self, &name, family, None);
             }
         } else if let Some(changed) = changed {
             for name in changed {
                 for family in IpFamily::ALL {
-                    todo.insert((name.clone(), family));
+                    let fresh = desired.family(family).and_then(|fam| {
+                        fam.services
+                            .get(name)
+                            .map(|svc| render_service(svc, fam, &self.config))
+                    });
+                    plan(self, name, family, fresh);
                 }
             }
         }
-        for (name, family) in todo {
-            let fresh = desired.family(family).and_then(|fam| {
-                fam.services
-                    .get(&name)
-                    .map(|svc| render_service(svc, fam, &self.config))
-            });
-            let force = damaged.contains(&(name.clone(), family));
-            let ops = self.apply_service(&name, family, fresh, force)?;
-            if ops > 0 {
-                report.services_written += 1;
-                report.map_operations += ops;
-            }
-        }
         if let Some(view) = &view {
-            report.map_operations += self.sweep(view)?;
+            self.sweep(view, &mut writes);
+        }
+        phases.end("rendering and planning");
+        report.map_operations += writes.operations();
+        writes.flush(&mut self.maps, between)?;
+        phases.end("writing the maps");
+        report.phases = phases.take();
+        if view.is_some() {
             self.adopted.clear();
             self.last_walk = Some(std::time::Instant::now());
         }
         Ok(report)
     }
 
-    /// The light check of a full sync that does not walk: every frontend the applier wrote,
-    /// and about [`CHECK_BACKENDS_PER_SYNC`] backend entries (with their membership entries
-    /// and Maglev tables) from where the last check stopped, looked up one by one. Returns
-    /// the service ports the maps no longer hold as written.
-    fn look_up_own_entries(
+    /// The light check of a full sync that does not walk: every frontend the applier wrote
+    /// (against one batched read of the frontend map), and about
+    /// [`CHECK_BACKENDS_PER_SYNC`] backend entries (with their membership entries and Maglev
+    /// tables) from where the last check stopped, looked up one by one. Returns the service
+    /// ports the maps no longer hold as written.
+    fn check_own_entries(
         &mut self,
     ) -> Result<BTreeSet<(ServicePortName, IpFamily)>, programs::Error> {
         let maglev = self.config.algorithm == Algorithm::Maglev;
         let mut damaged = BTreeSet::new();
+        // Every frontend, in a few batched calls (rather than a look-up each).
+        let kernel: HashMap<FrontendKey, Frontend> = self.maps.frontends()?.into_iter().collect();
         for (key, inst) in &self.installed {
             for (fk, spec) in &inst.maps.frontends {
                 let value = frontend_value(inst.svc_id, spec, &inst.maps, &inst.set_ids);
-                if self.maps.frontend(fk)? != Some(value) {
+                if kernel.get(fk) != Some(&value) {
                     damaged.insert(key.clone());
                     break;
                 }
@@ -420,16 +641,17 @@ impl Applier {
         id
     }
 
-    /// Brings one service port of one family from what is installed to `fresh`; returns
-    /// the map operations issued. `force`: the maps no longer hold what is installed, so
+    /// Stages what brings one service port of one family from what is installed to `fresh`,
+    /// and records it as installed. `force`: the maps no longer hold what is installed, so
     /// every set is written under a fresh id and every frontend written again.
-    fn apply_service(
+    fn plan_service(
         &mut self,
         name: &ServicePortName,
         family: IpFamily,
         fresh: Option<ServiceMaps>,
         force: bool,
-    ) -> Result<usize, programs::Error> {
+        w: &mut Writes,
+    ) {
         let key = (name.clone(), family);
         let old = self.installed.remove(&key);
         if name.protocol == crate::model::Protocol::Sctp && old.is_none() && fresh.is_some() {
@@ -437,19 +659,18 @@ impl Applier {
             tracing::warn!(service = %name, family = family.as_str(), "{}", super::render::SCTP_NOT_SERVED);
         }
         let Some(fresh) = fresh else {
-            return match old {
-                Some(old) => self.remove_all(&old),
-                None => Ok(0),
-            };
+            if let Some(old) = old {
+                self.remove_all(&old, w);
+            }
+            return;
         };
-        if let Some(old) = &old
-            && old.maps == fresh
-            && !force
-        {
-            self.installed.insert(key, old.clone());
-            return Ok(0);
-        }
-        let mut ops = 0;
+        let old = match old {
+            Some(old) if old.maps == fresh && !force => {
+                self.installed.insert(key, old);
+                return;
+            }
+            old => old,
+        };
         let svc_id = match &old {
             Some(o) => o.svc_id,
             None => {
@@ -477,7 +698,7 @@ impl Applier {
                 Some(id) => id,
                 None => {
                     let id = self.fresh_set();
-                    ops += self.write_set(id, list, members)?;
+                    self.write_set(id, list, members, w);
                     id
                 }
             };
@@ -488,8 +709,7 @@ impl Applier {
         let new_ranges = ranges_of_maps(&fresh);
         for net in &new_ranges {
             if force || !old_ranges.contains(net) {
-                self.maps.add_source_range(svc_id, *net)?;
-                ops += 1;
+                w.ranges_added.push((svc_id, *net));
             }
         }
         // 3. Frontends, each switched in one update.
@@ -502,28 +722,26 @@ impl Applier {
                     .map(|s| frontend_value(o.svc_id, s, &o.maps, &o.set_ids))
             });
             if before != Some(value) {
-                self.maps.set_frontend(fk, &value)?;
-                ops += 1;
+                w.frontends.push((*fk, value));
             }
         }
         if let Some(old) = &old {
+            // 4. Frontends gone.
             for fk in old.maps.frontends.keys() {
                 if !fresh.frontends.contains_key(fk) {
-                    self.maps.remove_frontend(fk)?;
-                    ops += 1;
+                    w.frontends_removed.push(*fk);
                 }
             }
-            // 4. Sets no longer named, then ranges no longer wanted.
+            // 5. Sets no longer named, then 6. ranges no longer wanted.
             let live: BTreeSet<u32> = set_ids.values().copied().collect();
             for (set, id) in &old.set_ids {
                 if !live.contains(id) {
                     let members = needs_members(&old.maps, set);
-                    ops += self.delete_set(*id, &old.maps.sets[set], members)?;
+                    self.delete_set(*id, &old.maps.sets[set], members, w);
                 }
             }
             for net in old_ranges.difference(&new_ranges) {
-                self.maps.remove_source_range(svc_id, *net)?;
-                ops += 1;
+                w.ranges_removed.push((svc_id, *net));
             }
         }
         self.installed.insert(
@@ -534,79 +752,56 @@ impl Applier {
                 set_ids,
             },
         );
-        Ok(ops)
     }
 
-    fn remove_all(&mut self, old: &Installed) -> Result<usize, programs::Error> {
-        let mut ops = 0;
-        for fk in old.maps.frontends.keys() {
-            self.maps.remove_frontend(fk)?;
-            ops += 1;
-        }
+    fn remove_all(&mut self, old: &Installed, w: &mut Writes) {
+        w.frontends_removed
+            .extend(old.maps.frontends.keys().copied());
         for (set, id) in &old.set_ids {
             let members = needs_members(&old.maps, set);
-            ops += self.delete_set(*id, &old.maps.sets[set], members)?;
+            self.delete_set(*id, &old.maps.sets[set], members, w);
         }
-        for net in ranges_of(old) {
-            self.maps.remove_source_range(old.svc_id, net)?;
-            ops += 1;
-        }
-        Ok(ops)
+        w.ranges_removed
+            .extend(ranges_of(old).into_iter().map(|net| (old.svc_id, net)));
     }
 
-    fn write_set(
-        &mut self,
-        id: u32,
-        list: &[BackendEntry],
-        members: bool,
-    ) -> Result<usize, programs::Error> {
+    fn write_set(&self, id: u32, list: &[BackendEntry], members: bool, w: &mut Writes) {
         for (i, be) in list.iter().enumerate() {
+            let ordinal = i as u32 + 1;
+            w.backends.push(((id, ordinal), *be));
             if members {
-                self.maps.set_backend(id, i as u32 + 1, be)?;
-            } else {
-                self.maps.set_backend_slot(id, i as u32 + 1, be)?;
+                w.members.push(((id, be.addr, be.port), ordinal));
             }
         }
-        let mut ops = if members { 2 } else { 1 } * list.len();
         if self.config.algorithm == Algorithm::Maglev {
             let names: Vec<String> = list
                 .iter()
                 .map(|b| std::net::SocketAddr::new(b.addr, b.port).to_string())
                 .collect();
-            self.maps.set_maglev(id, &maglev::table(&names))?;
-            ops += 1;
+            w.maglev.push((id, maglev::table(&names)));
         }
-        Ok(ops)
     }
 
-    fn delete_set(
-        &mut self,
-        id: u32,
-        list: &[BackendEntry],
-        members: bool,
-    ) -> Result<usize, programs::Error> {
-        let mut ops = 0;
+    fn delete_set(&self, id: u32, list: &[BackendEntry], members: bool, w: &mut Writes) {
         if self.config.algorithm == Algorithm::Maglev {
-            self.maps.remove_maglev(id)?;
-            ops += 1;
+            w.maglev_removed.push(id);
         }
         for (i, be) in list.iter().enumerate() {
+            w.backends_removed.push((id, i as u32 + 1));
             if members {
-                self.maps.remove_backend(id, i as u32 + 1, be)?;
-                ops += 2;
-            } else {
-                self.maps.remove_backend_slot(id, i as u32 + 1)?;
-                ops += 1;
+                w.members_removed.push((id, be.addr, be.port));
             }
         }
-        Ok(ops)
     }
 
-    /// Deletes whatever the maps held at the start of this full sync (`view`) that the
-    /// applier has not written: entries of an earlier run, or added by others. Entries
-    /// written during the sync are in the mirror, so they are never taken for strays.
-    fn sweep(&mut self, view: &KernelView) -> Result<usize, programs::Error> {
-        let mut ops = 0;
+    /// Stages the deletion of whatever the maps held at the start of this full sync (`view`)
+    /// that the applier has not written: entries of an earlier run, or added by others.
+    /// Entries written during the sync are in the mirror, so they are never taken for
+    /// strays; the deletions run after every frontend is written (phases 4 to 6).
+    fn sweep(&self, view: &KernelView, w: &mut Writes) {
+        if view.is_empty() {
+            return;
+        }
         let frontends: HashSet<FrontendKey> = self
             .installed
             .values()
@@ -636,64 +831,39 @@ impl Applier {
                     .map(|n| (CLUSTER_CIDRS_ID, n.trunc())),
             )
             .collect();
-        let stray_frontends: Vec<FrontendKey> = view
-            .frontends
-            .keys()
-            .filter(|k| !frontends.contains(k))
-            .copied()
-            .collect();
-        let stray_slots: Vec<programs::BackendSlot> = view
-            .backends
-            .keys()
-            .filter(|(set, ordinal)| {
-                sets.get(set)
-                    .is_none_or(|(list, _)| *ordinal == 0 || *ordinal as usize > list.len())
-            })
-            .copied()
-            .collect();
-        let stray_members: Vec<MemberKey> = view
-            .members
-            .keys()
-            .filter(|(set, addr, port)| {
-                sets.get(set).is_none_or(|(list, members)| {
-                    !members || !list.iter().any(|b| b.addr == *addr && b.port == *port)
+        w.frontends_removed.extend(
+            view.frontends
+                .keys()
+                .filter(|k| !frontends.contains(k))
+                .copied(),
+        );
+        w.backends_removed.extend(
+            view.backends
+                .keys()
+                .filter(|(set, ordinal)| {
+                    sets.get(set)
+                        .is_none_or(|(list, _)| *ordinal == 0 || *ordinal as usize > list.len())
                 })
-            })
-            .copied()
-            .collect();
-        let stray_maglev: Vec<u32> = view
-            .maglev
-            .iter()
-            .filter(|set| self.config.algorithm != Algorithm::Maglev || !sets.contains_key(set))
-            .copied()
-            .collect();
-        let stray_ranges: Vec<(u32, IpNet)> = view
-            .ranges
-            .iter()
-            .filter(|r| !ranges.contains(r))
-            .copied()
-            .collect();
-        for key in &stray_frontends {
-            self.maps.remove_frontend(key)?;
-        }
-        for (set, ordinal) in &stray_slots {
-            self.maps.remove_backend_slot(*set, *ordinal)?;
-        }
-        for (set, addr, port) in &stray_members {
-            self.maps.remove_member(*set, *addr, *port)?;
-        }
-        for set in &stray_maglev {
-            self.maps.remove_maglev(*set)?;
-        }
-        for (svc_id, net) in &stray_ranges {
-            self.maps.remove_source_range(*svc_id, *net)?;
-        }
-        ops += stray_frontends.len()
-            + stray_slots.len()
-            + stray_members.len()
-            + stray_maglev.len()
-            + stray_ranges.len();
-        Ok(ops)
+                .copied(),
+        );
+        w.members_removed.extend(
+            view.members
+                .keys()
+                .filter(|(set, addr, port)| {
+                    sets.get(set).is_none_or(|(list, members)| {
+                        !members || !list.iter().any(|b| b.addr == *addr && b.port == *port)
+                    })
+                })
+                .copied(),
+        );
+        w.maglev_removed.extend(
+            view.maglev
+                .iter()
+                .filter(|set| self.config.algorithm != Algorithm::Maglev || !sets.contains_key(set))
+                .copied(),
+        );
+        w.ranges_removed
+            .extend(view.ranges.iter().filter(|r| !ranges.contains(r)).copied());
     }
 
     /// Entries of each map the applier owns, from the mirror (exact after a sync: a full
@@ -735,6 +905,16 @@ impl Applier {
             (names::SOCK_REV, lru(names::SOCK_REV)),
         ]
     }
+    /// The addresses of the backends of the service port `name` (both families) as the
+    /// applier last wrote them.
+    pub fn backend_addresses(&self, name: &ServicePortName) -> foldhash::HashSet<IpAddr> {
+        IpFamily::ALL
+            .into_iter()
+            .filter_map(|family| self.installed.get(&(name.clone(), family)))
+            .flat_map(|i| i.maps.sets.values().flatten().map(|b| b.addr))
+            .collect()
+    }
+
     /// Every backend of a UDP service port in the maps.
     pub fn udp_backends(&self) -> BTreeSet<std::net::SocketAddr> {
         self.installed
@@ -751,11 +931,17 @@ impl Applier {
     /// end). `now_ns` is `CLOCK_MONOTONIC`, the clock of `bpf_ktime_get_ns()`. Returns the
     /// entries deleted.
     pub fn collect(&mut self, now_ns: u64, timeouts: &Timeouts) -> Result<usize, Error> {
-        let live: BTreeSet<(IpAddr, u16)> = self
-            .installed
-            .values()
-            .flat_map(|i| i.maps.sets.values().flatten().map(|b| (b.addr, b.port)))
-            .collect();
+        let ct = self.maps.conntrack().map_err(Error::Maps)?;
+        let nat = self.maps.nat().map_err(Error::Maps)?;
+        // Every backend, for UDP entries only (built when there are some).
+        let live: BTreeSet<(IpAddr, u16)> = if ct.iter().chain(&nat).any(|(t, _)| t.proto != 6) {
+            self.installed
+                .values()
+                .flat_map(|i| i.maps.sets.values().flatten().map(|b| (b.addr, b.port)))
+                .collect()
+        } else {
+            BTreeSet::new()
+        };
         let expired = |t: &Tuple, flags: u8, last: u64, backend: (IpAddr, u16)| {
             let idle = Duration::from_nanos(now_ns.saturating_sub(last));
             if t.proto == 6 {
@@ -770,20 +956,14 @@ impl Applier {
             }
         };
         let mut deleted = 0;
-        for nat in [false, true] {
-            let entries = if nat {
-                self.maps.nat()
-            } else {
-                self.maps.conntrack()
-            }
-            .map_err(Error::Maps)?;
-            let name = if nat { names::NAT } else { names::CT };
+        for (is_nat, entries) in [(false, ct), (true, nat)] {
+            let name = if is_nat { names::NAT } else { names::CT };
             let stale: Vec<Tuple> = entries
                 .iter()
                 .filter(|(k, v)| {
                     // Forward entries name the backend as their new destination; reply
                     // entries are keyed by the backend's source.
-                    let backend = if nat {
+                    let backend = if is_nat {
                         (k.saddr, k.sport)
                     } else {
                         (v.daddr, v.dport)
@@ -795,7 +975,7 @@ impl Applier {
             deleted += stale.len();
             self.lru_counts.insert(name, entries.len() - stale.len());
             self.maps
-                .remove_connections(nat, &stale)
+                .remove_connections(is_nat, &stale)
                 .map_err(Error::Maps)?;
         }
         for name in [names::AFFINITY, names::SOCK_REV] {

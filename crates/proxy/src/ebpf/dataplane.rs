@@ -13,9 +13,10 @@ use std::collections::BTreeSet;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 
-use super::apply::{self, Applier, Timeouts};
+use super::apply::{self, Applier, Phases, Timeouts};
 use super::programs::{self, MapSizes, Programs};
 use super::render::{RenderConfig, nodeport_ips};
+use super::routes;
 use crate::desired::DesiredState;
 use crate::model::{Protocol, ServicePortName};
 
@@ -81,9 +82,8 @@ pub struct Dataplane {
     udp_backends: BTreeSet<std::net::SocketAddr>,
     /// The interface each local endpoint is routed through (`None`: no route, or local).
     routes: std::collections::BTreeMap<IpAddr, Option<String>>,
-    /// The device each remote endpoint is routed through, since the last full sync (which
-    /// reads the routes again).
-    remote_routes: std::collections::BTreeMap<IpAddr, Option<String>>,
+    /// Remote endpoints whose route partial syncs looked up since the last full sync.
+    recent_routes: foldhash::HashSet<IpAddr>,
     sizes: Vec<(&'static str, u32)>,
 }
 
@@ -109,7 +109,7 @@ impl Dataplane {
             config,
             attached: std::collections::BTreeMap::new(),
             routes: std::collections::BTreeMap::new(),
-            remote_routes: std::collections::BTreeMap::new(),
+            recent_routes: foldhash::HashSet::default(),
             udp_backends: BTreeSet::new(),
             last_collect: None,
             sizes,
@@ -131,20 +131,74 @@ impl Dataplane {
         self.attached.keys().map(String::as_str).collect()
     }
 
-    /// Syncs the maps (see [`Applier::sync`]), then attaches the tc programs to interfaces
-    /// that carry a NodePort address and do not have them yet.
+    /// Syncs the maps (see [`Applier::sync`]) and attaches the tc programs to the interfaces
+    /// that carry a NodePort address or route endpoints and do not have them yet. The
+    /// interfaces are found first, so that attaching them (each TCX link waits for an RCU
+    /// grace period in the kernel) runs on a thread of its own while the maps are written.
     pub fn sync(
         &mut self,
         desired: &DesiredState,
         changed: Option<&BTreeSet<ServicePortName>>,
     ) -> Result<apply::SyncReport, Error> {
+        let mut phases = Phases::start();
         let addresses = local_addresses()?;
         let mut render = self.config.render.clone();
         render.local_ips = addresses.iter().map(|(_, ip)| *ip).collect();
         render.local_ips.sort();
         render.local_ips.dedup();
         self.applier.set_local_ips(render.local_ips.clone());
-        let report = self.applier.sync(desired, changed).map_err(Error::Apply)?;
+        // As the applier decides it.
+        let full = changed.is_none() || self.applier.needs_full_sync();
+        phases.end("interface addresses");
+        let interfaces = self.wanted_interfaces(desired, changed, full, addresses, &render);
+        // An interface deleted and created again under its name lost its links with it.
+        self.attached.retain(|name, index| {
+            nix::net::if_::if_nametoindex(name.as_str()).ok() == Some(*index)
+        });
+        let to_attach: Vec<(String, u32)> = interfaces
+            .into_iter()
+            .filter(|name| !self.attached.contains_key(name))
+            .filter_map(|name| {
+                let index = nix::net::if_::if_nametoindex(name.as_str()).ok()?;
+                Some((name, index))
+            })
+            .collect();
+        phases.end("endpoint routes");
+        let (report, attached) = if to_attach.is_empty() {
+            let report = self.applier.sync(desired, changed);
+            phases.end("maps");
+            (report, (Vec::new(), None))
+        } else {
+            let programs = &mut self.programs;
+            let applier = &mut self.applier;
+            let pin_root = self.config.pin_root.as_deref();
+            let phases = &mut phases;
+            // The thread is created in this thread's network namespace, where the interface
+            // names are looked up.
+            std::thread::scope(|scope| {
+                let attach = scope.spawn(move || attach_tc(programs, &to_attach, pin_root));
+                let report = applier.sync(desired, changed);
+                phases.end("maps");
+                let attached = attach
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+                phases.end("tc attach, after the maps");
+                (report, attached)
+            })
+        };
+        let (attached, attach_failed) = attached;
+        for (name, index) in attached {
+            tracing::info!(interface = %name, "eBPF tc programs attached");
+            self.attached.insert(name, index);
+        }
+        let mut report = report.map_err(Error::Apply)?;
+        if let Some(e) = attach_failed {
+            return Err(Error::Programs(e));
+        }
+        let mut all = phases.take();
+        // The applier's own phases inside "maps".
+        all.extend(std::mem::take(&mut report.phases));
+        let mut phases = Phases::start();
         // UDP sockets connected to a backend that left: closed, so that they connect again
         // (looked for only when a UDP service port was written).
         let udp_written =
@@ -168,60 +222,6 @@ impl Dataplane {
                 }
             }
         }
-        let wanted: BTreeSet<IpAddr> = desired
-            .families
-            .iter()
-            .flat_map(|f| nodeport_ips(f, &render))
-            .filter(|ip| !ip.is_loopback())
-            .collect();
-        let mut interfaces: BTreeSet<String> = addresses
-            .into_iter()
-            .filter(|(_, ip)| wanted.contains(ip))
-            .map(|(name, _)| name)
-            .collect();
-        // Endpoints of the service ports this sync wrote: all of them on a full sync, the
-        // changed ones otherwise (a change costs the same whatever the number of Services).
-        if report.full {
-            self.remote_routes.clear();
-        }
-        let mut local_endpoints: BTreeSet<IpAddr> = BTreeSet::new();
-        let mut remote: BTreeSet<IpAddr> = BTreeSet::new();
-        for fam in &desired.families {
-            let written: Vec<&std::sync::Arc<crate::desired::ServicePortState>> = match changed {
-                Some(names) if !report.full => {
-                    names.iter().filter_map(|n| fam.services.get(n)).collect()
-                }
-                _ => fam.services.values().collect(),
-            };
-            for svc in written {
-                for e in svc.cluster_endpoints.iter().chain(&svc.local_endpoints) {
-                    if e.local {
-                        local_endpoints.insert(e.ip);
-                    } else if !self.remote_routes.contains_key(&e.ip) {
-                        remote.insert(e.ip);
-                    }
-                }
-            }
-        }
-        for ip in local_endpoints {
-            let via = self.routes.entry(ip).or_insert_with(|| route_interface(ip));
-            if let Some(name) = via {
-                interfaces.insert(name.clone());
-            }
-        }
-        // Replies of connections SNATed to a remote backend come back through the device
-        // that backend is routed through (a tunnel device, a pod network's link): the tc
-        // programs go there too, found by longest prefix match in the main routing tables
-        // (one dump per family when endpoints not seen since the last full sync appear, not
-        // one lookup per endpoint).
-        if !remote.is_empty() {
-            let table = route_table();
-            for ip in remote {
-                let via = route_device(&table, ip);
-                interfaces.extend(via.clone());
-                self.remote_routes.insert(ip, via);
-            }
-        }
         if self
             .last_collect
             .is_none_or(|t| t.elapsed() >= self.config.collect_every)
@@ -234,26 +234,98 @@ impl Dataplane {
                 Err(e) => tracing::warn!(error = %e, "collecting stale eBPF connections failed"),
             }
         }
-        // An interface deleted and created again under its name lost its links with it.
-        self.attached.retain(|name, index| {
-            nix::net::if_::if_nametoindex(name.as_str()).ok() == Some(*index)
-        });
-        for name in interfaces {
-            if self.attached.contains_key(&name) {
-                continue;
-            }
-            let Ok(index) = nix::net::if_::if_nametoindex(name.as_str()) else {
-                continue;
-            };
-            match &self.config.pin_root {
-                Some(root) => self.programs.attach_tc_pinned(&name, root),
-                None => self.programs.attach_tc(&name),
-            }
-            .map_err(Error::Programs)?;
-            tracing::info!(interface = %name, "eBPF tc programs attached");
-            self.attached.insert(name, index);
-        }
+        phases.end("UDP sockets and collector");
+        all.extend(phases.take());
+        report.phases = all;
         Ok(report)
+    }
+
+    /// The interfaces the tc programs belong on: those carrying a NodePort address, those
+    /// the node routes its local endpoints through, and those its routes send remote
+    /// endpoints through (the endpoints of the service ports this sync writes: all of them
+    /// on a full sync, the changed ones otherwise, so that a change costs the same whatever
+    /// the number of Services).
+    fn wanted_interfaces(
+        &mut self,
+        desired: &DesiredState,
+        changed: Option<&BTreeSet<ServicePortName>>,
+        full: bool,
+        addresses: Vec<(String, IpAddr)>,
+        render: &RenderConfig,
+    ) -> BTreeSet<String> {
+        let wanted: BTreeSet<IpAddr> = desired
+            .families
+            .iter()
+            .flat_map(|f| nodeport_ips(f, render))
+            .filter(|ip| !ip.is_loopback())
+            .collect();
+        let mut interfaces: BTreeSet<String> = addresses
+            .into_iter()
+            .filter(|(_, ip)| wanted.contains(ip))
+            .map(|(name, _)| name)
+            .collect();
+        // Replies of connections SNATed to a remote backend come back through the device
+        // that backend is routed through (a tunnel device, a pod network's link): the tc
+        // programs go there too, found by longest prefix match in the main routing tables.
+        // A full sync dumps them (one dump per family) for every endpoint; a partial sync
+        // only when a changed service port has a remote endpoint it did not have before,
+        // and that no partial sync since the last full one looked up (an endpoint that
+        // comes back after a readiness flap; the others' devices were found when they came).
+        // One table per family, dumped when first needed.
+        let mut tables: [Option<routes::RouteTable>; 2] = [None, None];
+        if full {
+            self.recent_routes.clear();
+        }
+        let mut devices: BTreeSet<std::sync::Arc<str>> = BTreeSet::new();
+        let mut local_endpoints: BTreeSet<IpAddr> = BTreeSet::new();
+        for fam in &desired.families {
+            let written: Vec<(&ServicePortName, &crate::desired::ServicePortState)> = match changed
+            {
+                Some(names) if !full => names
+                    .iter()
+                    .filter_map(|n| fam.services.get_key_value(n))
+                    .map(|(n, s)| (n, s.as_ref()))
+                    .collect(),
+                _ => fam.services.iter().map(|(n, s)| (n, s.as_ref())).collect(),
+            };
+            for (name, svc) in written {
+                let known = if full {
+                    foldhash::HashSet::default()
+                } else {
+                    self.applier.backend_addresses(name)
+                };
+                for e in svc.cluster_endpoints.iter().chain(&svc.local_endpoints) {
+                    if e.local {
+                        local_endpoints.insert(e.ip);
+                        continue;
+                    }
+                    if known.contains(&e.ip) || self.recent_routes.contains(&e.ip) {
+                        continue;
+                    }
+                    if !full {
+                        self.recent_routes.insert(e.ip);
+                    }
+                    let table = tables[usize::from(e.ip.is_ipv6())]
+                        .get_or_insert_with(|| routes::RouteTable::dump_for(e.ip));
+                    if let Some(dev) = table.device(e.ip)
+                        && !devices.contains(dev)
+                    {
+                        devices.insert(dev.clone());
+                    }
+                }
+            }
+        }
+        interfaces.extend(devices.iter().map(|d| d.to_string()));
+        for ip in local_endpoints {
+            let via = self
+                .routes
+                .entry(ip)
+                .or_insert_with(|| routes::route_interface(ip));
+            if let Some(name) = via {
+                interfaces.insert(name.clone());
+            }
+        }
+        interfaces
     }
 
     /// Runs the conntrack collector now; returns the entries deleted.
@@ -283,75 +355,25 @@ impl Dataplane {
     }
 }
 
-/// The interface the kernel routes `ip` through (`ip route get`), unless it is the loopback
-/// (a local address) or there is no route.
-pub fn route_interface(ip: IpAddr) -> Option<String> {
-    let out = std::process::Command::new("ip")
-        .args(["-o", "route", "get", &ip.to_string()])
-        .output()
-        .ok()?;
-    if !out.status.success() {
-        return None;
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
-    let mut words = text.split_whitespace();
-    words.find(|w| *w == "dev")?;
-    let dev = words.next()?;
-    (dev != "lo").then(|| dev.to_string())
-}
-
-/// The main routing tables of both families (`ip -o route show`, `ip -o -6 route show`):
-/// (destination, device) per route, the default routes as `/0`.
-pub fn route_table() -> Vec<(ipnet::IpNet, String)> {
-    let mut out = Vec::new();
-    for family in ["-4", "-6"] {
-        let Ok(o) = std::process::Command::new("ip")
-            .args([family, "-o", "route", "show"])
-            .output()
-        else {
-            continue;
+/// Attaches the tc programs to `interfaces` (pinned under `pin_root` when given); returns
+/// those attached, and the failure that stopped it, if one did.
+fn attach_tc(
+    programs: &mut Programs,
+    interfaces: &[(String, u32)],
+    pin_root: Option<&Path>,
+) -> (Vec<(String, u32)>, Option<programs::Error>) {
+    let mut done = Vec::new();
+    for (name, index) in interfaces {
+        let r = match pin_root {
+            Some(root) => programs.attach_tc_pinned(name, root),
+            None => programs.attach_tc(name),
         };
-        if o.status.success() {
-            out.extend(parse_routes(
-                &String::from_utf8_lossy(&o.stdout),
-                family == "-6",
-            ));
+        match r {
+            Ok(()) => done.push((name.clone(), *index)),
+            Err(e) => return (done, Some(e)),
         }
     }
-    out
-}
-
-/// Parses `ip -o route show` lines into (destination, device).
-pub fn parse_routes(text: &str, v6: bool) -> Vec<(ipnet::IpNet, String)> {
-    text.lines()
-        .filter_map(|line| {
-            let mut words = line.split_whitespace();
-            let mut dest = words.next()?;
-            // Route types ahead of the destination (`unreachable`, `blackhole`, ...) carry
-            // no device.
-            if matches!(dest, "unicast") {
-                dest = words.next()?;
-            }
-            let net: ipnet::IpNet = match dest {
-                "default" if v6 => "::/0".parse().ok()?,
-                "default" => "0.0.0.0/0".parse().ok()?,
-                d if d.contains('/') => d.parse().ok()?,
-                d => ipnet::IpNet::from(d.parse::<IpAddr>().ok()?),
-            };
-            words.find(|w| *w == "dev")?;
-            Some((net, words.next()?.to_string()))
-        })
-        .collect()
-}
-
-/// The device of the longest prefix in `table` containing `ip`, unless it is the loopback.
-pub fn route_device(table: &[(ipnet::IpNet, String)], ip: IpAddr) -> Option<String> {
-    table
-        .iter()
-        .filter(|(net, _)| net.contains(&ip))
-        .max_by_key(|(net, _)| net.prefix_len())
-        .filter(|(_, dev)| dev != "lo")
-        .map(|(_, dev)| dev.clone())
+    (done, None)
 }
 
 /// Every (interface, address) of this network namespace.
@@ -393,31 +415,6 @@ pub fn cgroup2_mount_in(mountinfo: &str) -> Option<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_remote_endpoint_is_routed_through_the_device_of_its_longest_prefix() {
-        let table = parse_routes(
-            "default via 192.0.2.1 dev eth0 proto static\n\
-             10.244.2.0/24 via 10.244.2.0 dev flannel.1 onlink\n\
-             10.244.2.7 dev vpod7 scope link\n\
-             192.0.2.0/24 dev eth0 proto kernel scope link src 192.0.2.10\n\
-             blackhole 10.9.0.0/16\n",
-            false,
-        );
-        assert_eq!(table.len(), 4, "{table:?}");
-        let dev = |ip: &str| route_device(&table, ip.parse().unwrap());
-        assert_eq!(dev("10.244.2.5").as_deref(), Some("flannel.1"));
-        assert_eq!(dev("10.244.2.7").as_deref(), Some("vpod7"));
-        assert_eq!(dev("198.51.100.1").as_deref(), Some("eth0"));
-        let v6 = parse_routes(
-            "default via fe80::1 dev eth1 metric 1024 pref medium\n",
-            true,
-        );
-        assert_eq!(
-            route_device(&v6, "2001:db8::1".parse().unwrap()).as_deref(),
-            Some("eth1")
-        );
-    }
 
     #[test]
     fn the_cgroup2_mount_is_found_in_a_hybrid_hierarchy() {

@@ -22,12 +22,15 @@
 //! # Files
 //!
 //! [`maps`] (keys and values, byte for byte), [`maglev`] (consistent hashing tables),
-//! [`programs`] (the object, loading, typed map access), [`mod@render`] (desired state →
-//! frontends and backend sets, pure), [`apply`] (the applier: ordered map writes, sweep,
-//! conntrack collector), [`dataplane`] (one node's dataplane: loading, pins, cgroup and
-//! tc attachment following the NodePort addresses, fill levels), [`sockets`] (closing UDP
-//! sockets connected to removed backends), [`tracer`] (what the programs do with a new
-//! connection, evaluated over the rendered maps).
+//! [`programs`] (the object, loading, typed map access), [`batch`] (batched map operations
+//! through the raw `bpf()` call, in one small `unsafe` block), [`mod@render`]
+//! (desired state → frontends and backend sets, pure), [`apply`] (the applier: map writes
+//! staged and issued in order, one batched call per map and step; sweep; conntrack
+//! collector), [`dataplane`] (one node's dataplane: loading, pins, cgroup and tc attachment
+//! following the NodePort addresses and the endpoints' routes, fill levels), [`routes`]
+//! (route dumps and look-ups over rtnetlink), [`sockets`] (closing UDP sockets connected to
+//! removed backends), [`tracer`] (what the programs do with a new connection, evaluated over
+//! the rendered maps).
 //!
 //! # Not handled by the programs
 //!
@@ -44,11 +47,13 @@
 //! programs are on (those carrying NodePort addresses and those routing endpoints).
 
 pub mod apply;
+pub mod batch;
 pub mod dataplane;
 pub mod maglev;
 pub mod maps;
 pub mod programs;
 pub mod render;
+pub mod routes;
 pub mod sockets;
 pub mod trace_events;
 pub mod tracer;

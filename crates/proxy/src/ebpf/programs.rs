@@ -13,7 +13,10 @@ use aya::programs::{
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use ipnet::IpNet;
 
-use super::maps::{self, BackendEntry, Frontend, FrontendKey, MAGLEV_M, Translation, Tuple, names};
+use super::batch::Batch;
+use super::maps::{
+    self, BackendEntry, Frontend, FrontendKey, MAGLEV_M, MemberKey, Translation, Tuple, names,
+};
 
 /// The object file, aligned for the ELF parser.
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/nodeport.bpf.o"));
@@ -32,6 +35,15 @@ pub const SOCK_PROGRAMS: [&str; 8] = [
     "np_recvmsg6_prog",
     "np_getpeername4_prog",
     "np_getpeername6_prog",
+];
+
+/// The maps the applier writes and a full sync walks.
+pub const APPLIER_MAPS: [&str; 5] = [
+    names::SERVICES,
+    names::BACKENDS,
+    names::MEMBERS,
+    names::MAGLEV,
+    names::SOURCE_RANGES,
 ];
 
 /// The LRU maps: full, they evict their least recently used entries (live connections,
@@ -162,6 +174,9 @@ pub enum Error {
     /// The object lacks a map or program (built from another source).
     #[error("the eBPF object has no {0}")]
     Missing(&'static str),
+    /// A batched map operation failed.
+    #[error("batched eBPF map operation")]
+    Batch(#[source] super::batch::Error),
 }
 
 /// A backend's place: (backend set, ordinal).
@@ -278,6 +293,10 @@ impl Programs {
         for (name, size) in sizes.entries() {
             loader.map_max_entries(name, size);
         }
+        // Maps created by this load start empty; pinned ones taken over hold what an
+        // earlier run wrote.
+        let known_empty =
+            pin_dir.is_none_or(|dir| APPLIER_MAPS.iter().all(|name| !dir.join(name).exists()));
         if let Some(dir) = pin_dir {
             for name in names::ALL.into_iter().chain([names::FRAGS]) {
                 loader.map_pin_path(name, dir.join(name));
@@ -306,7 +325,7 @@ impl Programs {
         for name in names::ALL {
             maps.insert(name, ebpf.take_map(name).ok_or(Error::Missing(name))?);
         }
-        Ok((Programs { ebpf }, Maps { maps }))
+        Ok((Programs { ebpf }, Maps { maps, known_empty }))
     }
 
     /// A loaded tc program ([`TC_INGRESS`] or [`TC_EGRESS`]).
@@ -418,6 +437,9 @@ impl Programs {
 /// (and tested) elsewhere: the kernel keeps the programs' references to them.
 pub struct Maps {
     maps: std::collections::BTreeMap<&'static str, aya::maps::Map>,
+    /// The maps the applier owns ([`APPLIER_MAPS`]) were created empty by this process's
+    /// load, and nothing has been written through this handle since.
+    known_empty: bool,
 }
 
 impl std::fmt::Debug for Maps {
@@ -437,7 +459,16 @@ impl Maps {
     }
 
     fn map_mut(&mut self, name: &'static str) -> Result<&mut aya::maps::Map, Error> {
+        self.known_empty = false;
         self.maps.get_mut(name).ok_or(Error::Missing(name))
+    }
+
+    /// Whether the maps the applier owns ([`APPLIER_MAPS`]) are known to be empty: this
+    /// process's load created them (no pins taken over), and nothing was written through
+    /// these maps since. A first sync need not read them then (a walk of an empty hash map
+    /// still visits each of its buckets: about 10 ms for the default sizes).
+    pub fn known_empty(&self) -> bool {
+        self.known_empty
     }
 
     fn hash<K: aya::Pod, V: aya::Pod>(
@@ -452,6 +483,104 @@ impl Maps {
         name: &'static str,
     ) -> Result<HashMap<&MapData, K, V>, Error> {
         HashMap::try_from(self.map(name)?).map_err(map_err(name))
+    }
+
+    fn data(&self, name: &'static str) -> Result<&MapData, Error> {
+        use aya::maps::Map;
+        match self.map(name)? {
+            Map::HashMap(d) | Map::LruHashMap(d) | Map::Array(d) | Map::LpmTrie(d) => Ok(d),
+            _ => Err(Error::Missing(name)),
+        }
+    }
+
+    /// Batched operations on one map (`BPF_MAP_*_BATCH`: one system call for any number of
+    /// entries).
+    pub fn batch(&self, name: &'static str) -> Result<Batch<'_>, Error> {
+        Batch::new(self.data(name)?, name).map_err(Error::Batch)
+    }
+
+    fn update_all(&mut self, name: &'static str, keys: &[u8], values: &[u8]) -> Result<(), Error> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        self.known_empty = false;
+        self.batch(name)?.update(keys, values).map_err(Error::Batch)
+    }
+
+    fn delete_all(&mut self, name: &'static str, keys: &[u8]) -> Result<(), Error> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        self.known_empty = false;
+        self.batch(name)?.delete(keys).map_err(Error::Batch)
+    }
+
+    /// Every entry of a map, read in batches: (keys, values) back to back.
+    fn read_all(&self, name: &'static str) -> Result<(Vec<u8>, Vec<u8>), Error> {
+        self.batch(name)?.lookup_all().map_err(Error::Batch)
+    }
+
+    /// Writes frontends, in one batched call.
+    pub fn set_frontends(&mut self, entries: &[(FrontendKey, Frontend)]) -> Result<(), Error> {
+        let mut keys = Vec::with_capacity(entries.len() * 20);
+        let mut values = Vec::with_capacity(entries.len() * 16);
+        for (k, v) in entries {
+            keys.extend_from_slice(&k.encode());
+            values.extend_from_slice(&v.encode());
+        }
+        self.update_all(names::SERVICES, &keys, &values)
+    }
+
+    /// Removes frontends (absent ones: nothing to do), in one batched call.
+    pub fn remove_frontends(&mut self, keys: &[FrontendKey]) -> Result<(), Error> {
+        let bytes: Vec<u8> = keys.iter().flat_map(|k| k.encode()).collect();
+        self.delete_all(names::SERVICES, &bytes)
+    }
+
+    /// Writes backends at their (set, ordinal), in one batched call.
+    pub fn set_backends(&mut self, entries: &[(BackendSlot, BackendEntry)]) -> Result<(), Error> {
+        let mut keys = Vec::with_capacity(entries.len() * 8);
+        let mut values = Vec::with_capacity(entries.len() * 20);
+        for ((set, ordinal), be) in entries {
+            keys.extend_from_slice(&maps::backend_key(*set, *ordinal));
+            values.extend_from_slice(&be.encode());
+        }
+        self.update_all(names::BACKENDS, &keys, &values)
+    }
+
+    /// Removes backends by (set, ordinal), in one batched call.
+    pub fn remove_backend_slots(&mut self, slots: &[BackendSlot]) -> Result<(), Error> {
+        let bytes: Vec<u8> = slots
+            .iter()
+            .flat_map(|(set, ordinal)| maps::backend_key(*set, *ordinal))
+            .collect();
+        self.delete_all(names::BACKENDS, &bytes)
+    }
+
+    /// Writes membership entries (set, address, port) → ordinal, in one batched call.
+    pub fn set_members(&mut self, entries: &[(MemberKey, u32)]) -> Result<(), Error> {
+        let mut keys = Vec::with_capacity(entries.len() * 24);
+        let mut values = Vec::with_capacity(entries.len() * 4);
+        for ((set, addr, port), ordinal) in entries {
+            keys.extend_from_slice(&maps::member_key(*set, *addr, *port));
+            values.extend_from_slice(&ordinal.to_ne_bytes());
+        }
+        self.update_all(names::MEMBERS, &keys, &values)
+    }
+
+    /// Removes membership entries, in one batched call.
+    pub fn remove_members(&mut self, keys: &[MemberKey]) -> Result<(), Error> {
+        let bytes: Vec<u8> = keys
+            .iter()
+            .flat_map(|(set, addr, port)| maps::member_key(*set, *addr, *port))
+            .collect();
+        self.delete_all(names::MEMBERS, &bytes)
+    }
+
+    /// Removes Maglev tables, in one batched call.
+    pub fn remove_maglevs(&mut self, sets: &[u32]) -> Result<(), Error> {
+        let bytes: Vec<u8> = sets.iter().flat_map(|s| s.to_ne_bytes()).collect();
+        self.delete_all(names::MAGLEV, &bytes)
     }
 
     /// Opens the maps pinned under `<pin_root>/maps/` by a running proxy, to read them
@@ -471,7 +600,10 @@ impl Maps {
             let map = aya::maps::Map::from_map_data(data).map_err(map_err(name))?;
             maps.insert(name, map);
         }
-        Ok(Maps { maps })
+        Ok(Maps {
+            maps,
+            known_empty: false,
+        })
     }
 
     /// Writes a frontend.
@@ -580,13 +712,37 @@ impl Maps {
 
     /// Every frontend in the map.
     pub fn frontends(&self) -> Result<Vec<(FrontendKey, Frontend)>, Error> {
-        let map = self.hash_ref::<[u8; 20], [u8; 16]>(names::SERVICES)?;
-        let mut out = Vec::new();
-        for entry in map.iter() {
-            let (k, v) = entry.map_err(map_err(names::SERVICES))?;
-            out.push((FrontendKey::decode(&k), Frontend::decode(&v)));
+        self.entries(names::SERVICES, |k: &[u8; 20], v: &[u8; 16]| {
+            (FrontendKey::decode(k), Frontend::decode(v))
+        })
+    }
+
+    /// Every entry of a map with `K`-byte keys and `V`-byte values, read in batches and
+    /// decoded by `decode`.
+    fn entries<const K: usize, const V: usize, T>(
+        &self,
+        name: &'static str,
+        decode: impl Fn(&[u8; K], &[u8; V]) -> T,
+    ) -> Result<Vec<T>, Error> {
+        let (keys, values) = self.read_all(name)?;
+        let keys = keys.as_chunks::<K>();
+        let values = values.as_chunks::<V>();
+        if !keys.1.is_empty() || !values.1.is_empty() || keys.0.len() != values.0.len() {
+            return Err(Error::Batch(super::batch::Error::Shape {
+                map: name,
+                keys: keys.0.len() * K + keys.1.len(),
+                values: values.0.len() * V + values.1.len(),
+                count: keys.0.len(),
+                key_size: K,
+                value_size: V,
+            }));
         }
-        Ok(out)
+        Ok(keys
+            .0
+            .iter()
+            .zip(values.0)
+            .map(|(k, v)| decode(k, v))
+            .collect())
     }
 
     /// Removes backend `ordinal` of a set and its membership entry.
@@ -631,24 +787,16 @@ impl Maps {
 
     /// Every membership entry: (set, address, port) → ordinal.
     pub fn members(&self) -> Result<Vec<(maps::MemberKey, u32)>, Error> {
-        let map = self.hash_ref::<[u8; 24], u32>(names::MEMBERS)?;
-        let mut out = Vec::new();
-        for entry in map.iter() {
-            let (k, v) = entry.map_err(map_err(names::MEMBERS))?;
-            out.push((maps::decode_member_key(&k), v));
-        }
-        Ok(out)
+        self.entries(names::MEMBERS, |k: &[u8; 24], v: &[u8; 4]| {
+            (maps::decode_member_key(k), u32::from_ne_bytes(*v))
+        })
     }
 
     /// Every backend entry: (set, ordinal) → backend.
     pub fn backends(&self) -> Result<Vec<(BackendSlot, BackendEntry)>, Error> {
-        let map = self.hash_ref::<[u8; 8], [u8; 20]>(names::BACKENDS)?;
-        let mut out = Vec::new();
-        for entry in map.iter() {
-            let (k, v) = entry.map_err(map_err(names::BACKENDS))?;
-            out.push((maps::decode_backend_key(&k), BackendEntry::decode(&v)));
-        }
-        Ok(out)
+        self.entries(names::BACKENDS, |k: &[u8; 8], v: &[u8; 20]| {
+            (maps::decode_backend_key(k), BackendEntry::decode(v))
+        })
     }
 
     /// Removes a set's Maglev table (absent: nothing to do).
@@ -692,31 +840,21 @@ impl Maps {
     /// Removes connections from `np_ct` (`nat: false`) or `np_nat` (`nat: true`).
     pub fn remove_connections(&mut self, nat: bool, tuples: &[Tuple]) -> Result<(), Error> {
         let name = if nat { names::NAT } else { names::CT };
-        let mut map = self.hash::<[u8; 40], [u8; 56]>(name)?;
-        for t in tuples {
-            absent_ok(map.remove(&t.encode()), name)?;
-        }
-        Ok(())
+        let keys: Vec<u8> = tuples.iter().flat_map(|t| t.encode()).collect();
+        self.delete_all(name, &keys)
     }
 
     /// How many entries an LRU map holds (`np_affinity` or `np_sock_rev`; a walk over
     /// every key: for the collector's pace, not per sync).
     pub fn lru_entries(&self, name: &'static str) -> Result<usize, Error> {
         match name {
-            names::AFFINITY => self.count::<[u8; 20], [u8; 32]>(name),
-            names::SOCK_REV => self.count::<[u8; 32], [u8; 20]>(name),
-            names::CT | names::NAT => self.count::<[u8; 40], [u8; 56]>(name),
+            names::AFFINITY | names::SOCK_REV | names::CT | names::NAT => {
+                let batch = self.batch(name)?;
+                let (keys, _) = batch.lookup_all().map_err(Error::Batch)?;
+                Ok(keys.len() / batch.key_size().max(1))
+            }
             _ => Err(Error::Missing(name)),
         }
-    }
-
-    fn count<K: aya::Pod, V: aya::Pod>(&self, name: &'static str) -> Result<usize, Error> {
-        // Keys that vanish during the walk (LRU evictions) are skipped, not errors.
-        Ok(self
-            .hash_ref::<K, V>(name)?
-            .keys()
-            .filter(Result::is_ok)
-            .count())
     }
 
     /// Sets the dataplane flags (`maps::FLAG_*`).
@@ -728,13 +866,9 @@ impl Maps {
     }
 
     fn translations(&self, name: &'static str) -> Result<Vec<(Tuple, Translation)>, Error> {
-        let map = self.hash_ref::<[u8; 40], [u8; 56]>(name)?;
-        let mut out = Vec::new();
-        for entry in map.iter() {
-            let (k, v) = entry.map_err(map_err(name))?;
-            out.push((Tuple::decode(&k), Translation::decode(&v)));
-        }
-        Ok(out)
+        self.entries(name, |k: &[u8; 40], v: &[u8; 56]| {
+            (Tuple::decode(k), Translation::decode(v))
+        })
     }
 
     /// The forward conntrack entries (`np_ct`).

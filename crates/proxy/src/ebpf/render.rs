@@ -217,12 +217,32 @@ pub fn from_maps(
 pub fn render(desired: &DesiredState, config: &RenderConfig) -> Rendered {
     let mut out = Rendered::default();
     for fam in &desired.families {
+        let ctx = FamilyContext::new(fam, config);
         for (name, svc) in &fam.services {
-            out.services
-                .insert((name.clone(), fam.family), render_service(svc, fam, config));
+            out.services.insert(
+                (name.clone(), fam.family),
+                render_service_in(svc, fam, config, &ctx),
+            );
         }
     }
     out
+}
+
+/// What every Service of a family renders alike, worked out once per family.
+#[derive(Debug, Clone)]
+pub struct FamilyContext {
+    nodeport_ips: Vec<IpAddr>,
+    cluster_cidrs: Vec<IpNet>,
+}
+
+impl FamilyContext {
+    /// The family's NodePort addresses and cluster CIDRs under `config`.
+    pub fn new(fam: &FamilyState, config: &RenderConfig) -> Self {
+        FamilyContext {
+            nodeport_ips: nodeport_ips(fam, config),
+            cluster_cidrs: config.cluster_cidrs_of(fam.family),
+        }
+    }
 }
 
 fn backends(eps: &[EndpointTarget]) -> Vec<BackendEntry> {
@@ -265,6 +285,17 @@ pub fn render_service(
     svc: &ServicePortState,
     fam: &FamilyState,
     config: &RenderConfig,
+) -> ServiceMaps {
+    render_service_in(svc, fam, config, &FamilyContext::new(fam, config))
+}
+
+/// [`render_service`] with the family's [`FamilyContext`] worked out already (a full sync
+/// renders every Service of a family with one).
+pub fn render_service_in(
+    svc: &ServicePortState,
+    fam: &FamilyState,
+    config: &RenderConfig,
+    ctx: &FamilyContext,
 ) -> ServiceMaps {
     let mut out = ServiceMaps::default();
     let port = &svc.port;
@@ -365,20 +396,19 @@ pub fn render_service(
     // under --masquerade-all, or from outside --cluster-cidr when it is set.
     let mut routed = spec(internal.clone(), internal_flags, &[]);
     if internal.is_some() {
-        let cidrs = config.cluster_cidrs_of(fam.family);
         if config.masquerade_all {
             routed.flags |= SVC_SNAT;
-        } else if !cidrs.is_empty() {
+        } else if !ctx.cluster_cidrs.is_empty() {
             routed.flags |= SVC_SNAT_OFF_CLUSTER;
-            routed.cluster_cidrs = cidrs;
+            routed.cluster_cidrs = ctx.cluster_cidrs.clone();
         }
     }
     out.frontends
         .insert(key(svc.cluster_ip, port.port, Scope::External), routed);
     let mut externals: Vec<(IpAddr, u16, &[IpNet])> = Vec::new();
     if let Some(node_port) = port.node_port {
-        for ip in nodeport_ips(fam, config) {
-            externals.push((ip, node_port, &[]));
+        for ip in &ctx.nodeport_ips {
+            externals.push((*ip, node_port, &[]));
         }
     }
     for ip in &svc.external_ips {
