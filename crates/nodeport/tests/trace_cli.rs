@@ -445,11 +445,32 @@ fn missing_or_conflicting_arguments_exit_64() {
             "192.0.2.11:80",
         ],
         vec!["-f", "objects.yaml", "--service", "web"],
-        vec!["--from", "203.0.113.5", "--to", "192.0.2.11:80"],
+        // What the proxy would program needs objects (without them the default is the
+        // kernel's rules, named from the kernel: `trace_kernel`).
+        vec![
+            "--rules",
+            "render",
+            "--from",
+            "203.0.113.5",
+            "--to",
+            "192.0.2.11:80",
+        ],
     ] {
         let (_, stderr, code) = trace(&args);
         assert_eq!(code, 64, "{args:?}: {stderr}");
     }
+    let (_, stderr, _) = trace(&[
+        "--rules",
+        "render",
+        "--to",
+        "192.0.2.11:80",
+        "--from",
+        "203.0.113.5",
+    ]);
+    assert!(
+        stderr.contains("--rules render traces what the proxy would program for objects: give -f FILE, --kubeconfig or --master"),
+        "{stderr}"
+    );
 }
 
 /// `127.0.0.1:<nodePort>` and another port of 127.0.0.1 from outside the node (kube-proxy's

@@ -27,7 +27,8 @@
 //! conntrack collector), [`dataplane`] (one node's dataplane: loading, pins, cgroup and
 //! tc attachment following the NodePort addresses, fill levels), [`sockets`] (closing UDP
 //! sockets connected to removed backends), [`tracer`] (what the programs do with a new
-//! connection, evaluated over the rendered maps).
+//! connection, evaluated over the rendered maps), [`recover`] (what the maps say of their
+//! Service ports, which they name by id only, for a trace without objects).
 //!
 //! # Not handled by the programs
 //!
@@ -48,6 +49,7 @@ pub mod dataplane;
 pub mod maglev;
 pub mod maps;
 pub mod programs;
+pub mod recover;
 pub mod render;
 pub mod sockets;
 pub mod trace_events;

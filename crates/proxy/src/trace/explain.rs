@@ -212,7 +212,8 @@ impl Explanation {
     }
 }
 
-/// `default/web:80/TCP`.
+/// `default/web:80/TCP`; a port known by a name without namespace (the ebpf mode's maps
+/// name none: `svc-7`, [`super::recover`]) is `svc-7:80/TCP`.
 fn port_label(svc: &ServicePortState) -> String {
     let p = &svc.port;
     let proto = match p.name.protocol {
@@ -220,6 +221,9 @@ fn port_label(svc: &ServicePortState) -> String {
         Protocol::Udp => "UDP",
         Protocol::Sctp => "SCTP",
     };
+    if p.name.namespace.is_empty() {
+        return format!("{}:{}/{proto}", p.name.name, p.port);
+    }
     format!("{}/{}:{}/{proto}", p.name.namespace, p.name.name, p.port)
 }
 
