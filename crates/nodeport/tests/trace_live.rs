@@ -1,6 +1,7 @@
 //! `nodeport trace --live` on a node a real `nodeport proxy` programmed (nftables, in network
 //! namespaces), with real packets from the client: the explanation printed for a real packet
-//! equals `--rules kernel`'s for the same packet, the endpoint named is the one that answered,
+//! equals `--rules kernel`'s for the same packet, and the offline trace's (`-f` with render's
+//! flags) in both nftables layouts, the endpoint named is the one that answered,
 //! a reject and a drop in another table are seen where they happen, two traces at once each
 //! report only their own packets, and the tracer's table is gone after a normal exit, Ctrl-C
 //! and SIGKILL.
@@ -447,6 +448,177 @@ fn real_packets_are_traced_named_by_conntrack_and_the_tracers_table_never_outliv
         "{err}"
     );
     no_table_left(&c.node, "a timeout");
+}
+
+/// `nodeport trace -f <objects> <render's flags>` of one packet, offline (no kernel, no
+/// server, outside the node): its explanation lines.
+fn offline_trace(
+    objects: &std::path::Path,
+    render_flags: &[&str],
+    from: &str,
+    to: &str,
+) -> Vec<String> {
+    let out = Command::new(env!("CARGO_BIN_EXE_nodeport"))
+        .arg("trace")
+        .arg("-f")
+        .arg(objects)
+        .args(render_flags)
+        .args(["--from", from, "--to", to])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.starts_with("rules       nftables ("),
+        "offline, as `nodeport render` programs them: {stdout}"
+    );
+    explanation(&stdout)
+}
+
+/// The test: real packets in the nftables mode, in both layouts, traced live; each
+/// printed explanation equals the offline trace (`-f` with the objects and `render`'s flags,
+/// the proxy's own) of the same packet: a NodePort DNATed to one of three pods, a Service
+/// without endpoints (rejected), `externalTrafficPolicy: Local` without a local endpoint
+/// (dropped), a pod to a ClusterIP. And no trace table is left after Ctrl-C or SIGKILL, in
+/// either layout.
+#[test]
+fn live_traces_of_real_packets_equal_the_offline_trace_of_the_same_packet_in_both_nftables_layouts()
+{
+    if !require_tools(
+        "live_traces_of_real_packets_equal_the_offline_trace_of_the_same_packet_in_both_nftables_layouts",
+        &["kubectl", "nft"],
+    ) {
+        return;
+    }
+    for (mode, layout) in [
+        (Mode::Nftables, "flat"),
+        (Mode::NftablesKubeProxy, "kube-proxy"),
+    ] {
+        let c = Cluster::start(mode, &[]);
+        c.apply(&service_yaml("web", 30080, "", &[1, 2, 3]))
+            .unwrap();
+        c.apply(&service_yaml("empty", 30090, "", &[])).unwrap();
+        c.apply(&service_yaml(
+            "local",
+            30070,
+            "  externalTrafficPolicy: Local",
+            &[2],
+        ))
+        .unwrap();
+        let web = format!("{NODE_IP}:30080");
+        eventually(&c.client, &web, "the NodePort answers", |r| {
+            matches!(r, Reply::Pod { .. })
+        });
+        eventually(
+            &c.client,
+            &format!("{NODE_IP}:30090"),
+            "the empty Service is refused",
+            |r| *r == Reply::Refused,
+        );
+        eventually(
+            &c.client,
+            &format!("{NODE_IP}:30070"),
+            "the Local Service without a local endpoint drops",
+            |r| *r == Reply::Timeout,
+        );
+        // The objects as the API server holds them, and the proxy's flags as render's.
+        let dir = tempfile::tempdir().unwrap();
+        let objects = dir.path().join("objects.yaml");
+        let listed = c
+            .kubectl(&["get", "svc,endpointslices,nodes", "-A", "-o", "yaml"])
+            .unwrap();
+        std::fs::write(&objects, listed).unwrap();
+        let render_flags = [
+            "--proxy-mode",
+            "nftables",
+            "--nftables-layout",
+            layout,
+            "--node-name",
+            "node-a",
+            "--cluster-cidr",
+            "10.244.0.0/16",
+        ];
+        let web_ip = c.cluster_ip("web");
+        // (who sends, from, to, what it gets, the exit code)
+        let cases: [(&Netns, &str, String, fn(&Reply) -> bool, i32); 4] = [
+            (
+                &c.client,
+                CLIENT_IP,
+                web.clone(),
+                |r| matches!(r, Reply::Pod { .. }),
+                0,
+            ),
+            (
+                &c.client,
+                CLIENT_IP,
+                format!("{NODE_IP}:30090"),
+                |r| *r == Reply::Refused,
+                1,
+            ),
+            (
+                &c.client,
+                CLIENT_IP,
+                format!("{NODE_IP}:30070"),
+                |r| *r == Reply::Timeout,
+                1,
+            ),
+            (
+                &c.pods[2],
+                "10.244.3.2",
+                format!("{web_ip}:80"),
+                |r| matches!(r, Reply::Pod { .. }),
+                0,
+            ),
+        ];
+        for (client, from, to, want, exit) in cases {
+            let to_tcp = format!("{to}/tcp");
+            let t = LiveTrace::start(
+                &c.node,
+                &["--to", &to_tcp, "--from", from, "--timeout", "20s"],
+            );
+            let got = get(client, &to, Duration::from_millis(1500));
+            let (out, err, code) = t.finish();
+            assert!(want(&got), "{layout}: {from} → {to}: {got:?}\n{out}{err}");
+            assert_eq!(code, Some(exit), "{layout}: {from} → {to}: {out}{err}");
+            assert!(
+                out.starts_with(&format!(
+                    "rules       nftables, as this node's kernel holds them (nft -j list table ip/ip6 kube-proxy, the {layout} layout)"
+                )),
+                "{out}"
+            );
+            let offline = offline_trace(&objects, &render_flags, from, &to_tcp);
+            assert!(
+                offline.iter().any(|l| l.starts_with("fate ")),
+                "{offline:?}"
+            );
+            assert_eq!(
+                explanation(&out),
+                offline,
+                "{layout}: {from} → {to}: the live trace, then the offline one"
+            );
+        }
+        // Ctrl-C and SIGKILL: the kernel removes the tracer's table with its socket.
+        for signal in [
+            nix::sys::signal::Signal::SIGINT,
+            nix::sys::signal::Signal::SIGKILL,
+        ] {
+            let t = LiveTrace::start(&c.node, &["--to", ":30080/tcp", "--timeout", "60s"]);
+            assert_eq!(trace_tables(&c.node).len(), 1, "{layout}");
+            t.signal(signal);
+            let (_, err, code) = t.finish();
+            let want = if signal == nix::sys::signal::Signal::SIGINT {
+                Some(130)
+            } else {
+                None
+            };
+            assert_eq!(code, want, "{layout} {signal}: {err}");
+            no_table_left(&c.node, &format!("{layout}, {signal}"));
+        }
+    }
 }
 
 #[test]
