@@ -1507,3 +1507,118 @@ fn loopback_destinations_from_outside_the_node_are_traced_live_to_the_localnet_g
     );
     no_table_left(&c.node, "the last trace");
 }
+
+/// The end-to-end suite's other connections that get no answer, met by a real client and
+/// traced with `--rules kernel` and `--live` (which agree): a process of the node to
+/// `127.0.0.1:<nodePort>` under `--nodeport-addresses 0.0.0.0/0,::/0` (the nftables mode leaves
+/// loopback out: refused by the node's own stack), an IPv6 NodePort of a Service without
+/// endpoints (rejected), a NodePort's number sent to an address the node does not hold (the
+/// suite's address not yet added, or removed: routing refuses it, network unreachable).
+#[test]
+fn the_end_to_end_suites_other_unanswered_connections_are_explained_with_their_cause() {
+    if !require_tools(
+        "the_end_to_end_suites_other_unanswered_connections_are_explained_with_their_cause",
+        &["kubectl", "nft"],
+    ) {
+        return;
+    }
+    let flags = ["--nodeport-addresses", "0.0.0.0/0,::/0"];
+    let c = Cluster::start_with(Mode::Nftables, &flags, Stack::Dual);
+    c.apply(&dual_stack_service_yaml("web", 30095, &[1]))
+        .unwrap();
+    c.apply(&dual_stack_service_yaml("empty", 30121, &[]))
+        .unwrap();
+    eventually(
+        &c.client,
+        &format!("{NODE_IP}:30095"),
+        "the NodePort answers",
+        |r| matches!(r, Reply::Pod { .. }),
+    );
+    let v6 = format!("[{NODE_IP6}]:30121");
+    // Over IPv6 the reject was seen to answer only the SYN's retransmission, a second after
+    // the connect began (proxy_end_to_end's dual-stack test): asked with 3 s to answer.
+    let slow = Duration::from_secs(3);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while get(&c.client, &v6, slow) != Reply::Refused {
+        assert!(
+            Instant::now() < deadline,
+            "the empty Service is refused over IPv6"
+        );
+        std::thread::sleep(Duration::from_millis(150));
+    }
+    c.client
+        .run(&["ip", "route", "add", "203.0.113.10/32", "via", NODE_IP])
+        .unwrap();
+    // (who asks, its address, the destination, what it gets, the fate and notes traced, seen live)
+    type Case<'a> = (
+        &'a Netns,
+        &'a str,
+        String,
+        fn(&Reply) -> bool,
+        String,
+        &'a str,
+    );
+    let cases: [Case<'_>; 3] = [
+        (
+            &c.node,
+            "127.0.0.1",
+            "127.0.0.1:30095".to_string(),
+            |r| *r == Reply::Refused,
+            "fate        not a NodePort address: 127.0.0.1 is not selected by \
+             --nodeport-addresses 0.0.0.0/0,::/0 (a selection of every address leaves loopback \
+             out in the nftables mode, as kube-proxy's does; 127.0.0.0/8 in --nodeport-addresses \
+             asks for localhost NodePorts), so NodePort 30095 of default/web:80/TCP does not \
+             answer there\n"
+                .to_string(),
+            "seen        passed on untranslated, not masqueraded; refused: 127.0.0.1 answered \
+             with a TCP reset (nothing listens on that port there, or a firewall rejects with a \
+             reset)",
+        ),
+        (
+            &c.client,
+            CLIENT_IP6,
+            v6.clone(),
+            |r| *r == Reply::Refused,
+            "fate        reject: default/empty:80/TCP has no endpoints\n".to_string(),
+            "seen        reject: default/empty:80/TCP has no endpoints (at ip6 kube-proxy \
+             nodeport-endpoints-check rule ",
+        ),
+        (
+            &c.client,
+            CLIENT_IP,
+            "203.0.113.10:30095".to_string(),
+            |r| matches!(r, Reply::Other(e) if e.contains("Network is unreachable")),
+            "fate        not a Service: no Service has 203.0.113.10:30095/tcp; passed on \
+             untranslated\nnote        30095/tcp is the NodePort of default/web:80/TCP, but \
+             203.0.113.10 is not an address of this node: NodePorts answer on the node's own \
+             addresses\nnote        no route to 203.0.113.10 on this node: routing refuses the \
+             packet (ICMP network unreachable) before any forward rule\n"
+                .to_string(),
+            "seen        accepted by every rule, then refused: this node (192.0.2.10) answered \
+             with ICMP network unreachable (code 0) (no route to the address)",
+        ),
+    ];
+    for (who, from, to, want, cause, seen_line) in cases {
+        let to_tcp = format!("{to}/tcp");
+        let (out, code) = kernel_verdict(&c, &flags, from, &to_tcp);
+        assert_eq!(code, Some(1), "{from} → {to}: {out}");
+        assert!(out.contains(&cause), "{from} → {to}: {out}");
+        let mut args = flags.to_vec();
+        args.extend(["--to", &to_tcp, "--timeout", "20s"]);
+        let t = LiveTrace::start(&c.node, &args);
+        let got = get(who, &to, slow);
+        let (live, err, code) = t.finish();
+        assert!(want(&got), "{from} → {to}: {got:?}\n{live}{err}");
+        assert_eq!(code, Some(1), "{from} → {to}: {live}{err}");
+        assert_eq!(
+            explanation(&live),
+            explanation(&out),
+            "{from} → {to}: live, then --rules kernel"
+        );
+        assert!(
+            seen(&live).iter().any(|l| l.starts_with(seen_line)),
+            "{from} → {to}: {live}"
+        );
+    }
+    no_table_left(&c.node, "the last trace");
+}

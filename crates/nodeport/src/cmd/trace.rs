@@ -16,6 +16,7 @@ use std::path::PathBuf;
 use nodeport_proxy::config::ProxyMode;
 use nodeport_proxy::model::{IpFamily, Protocol};
 use nodeport_proxy::trace::explain::{self, Dataplane, Explanation};
+use nodeport_proxy::trace::recover::Recovered;
 use nodeport_proxy::trace::{Env, Origin, Packet, Trace};
 use nodeport_proxy::{ebpf, iptables, nftables};
 use serde::Serialize;
@@ -861,8 +862,8 @@ impl KernelRules {
     }
 
     /// The Service ports the kernel names, recovered from its rules (or maps) alone.
-    fn recover(&self, local_ips: &[IpAddr]) -> nodeport_proxy::trace::recover::Recovered {
-        let mut r = nodeport_proxy::trace::recover::Recovered::default();
+    fn recover(&self, local_ips: &[IpAddr]) -> Recovered {
+        let mut r = Recovered::default();
         match self {
             KernelRules::Iptables { saved, .. } => {
                 for (family, s) in IpFamily::ALL.into_iter().zip(saved) {
@@ -909,20 +910,34 @@ impl KernelRules {
     }
 }
 
-/// Names what `kernel` holds from the kernel alone: the Services, their endpoints and the
-/// settings the rules show replace the (absent) objects' in `prepared`; so do
-/// `--cluster-cidr` and `--masquerade-all` when not given (the ClusterIP masquerade rules
-/// show them), and `--nodeport-addresses`, when not given, is said as the addresses the
-/// kernel serves NodePorts on.
-fn name_from_kernel(prepared: &mut Prepared, kernel: &KernelRules, flags: &render::Flags) {
-    let recovered = kernel.recover(&prepared.facts.local_ips);
-    let node = NodeRoutes::read(&recovered, &prepared.facts.local_ips);
+/// Names what the kernel holds from the kernel alone (`recovered` from its rules): the
+/// Services, their endpoints and the settings the rules show replace the (absent) objects'
+/// in `prepared`.
+fn name_from_kernel(prepared: &mut Prepared, recovered: &Recovered) {
+    let node = NodeRoutes::read(recovered, &prepared.facts.local_ips);
     prepared.desired = recovered.into_desired(&|ip| node.on_this_node(ip));
-    if !flags.cluster_cidr_given() {
+}
+
+/// Named from the kernel: the proxy's flags the trace was not given, as the kernel's rules
+/// show them (`recovered`): `--cluster-cidr` and `--masquerade-all` (the ClusterIP
+/// masquerade rules), and `--nodeport-addresses`, said as the addresses the kernel serves
+/// NodePorts on. (With objects the flags are `render`'s, the proxy's own, as given: taken
+/// from the kernel, a kernel missing its NodePort rules would look like a proxy told to
+/// serve no NodePort, not like one whose rules are gone.)
+fn follow_kernel(prepared: &mut Prepared, recovered: &Recovered, flags: &render::Flags) {
+    if !flags.cluster_cidr_given() && !recovered.cluster_cidrs.is_empty() {
         prepared.config.cluster_cidrs = recovered.cluster_cidrs.iter().copied().collect();
     }
     prepared.config.masquerade_all |= recovered.masquerade_all;
     if !flags.nodeport_addresses_given() {
+        for fam in &mut prepared.desired.families {
+            if let Some(facts) = recovered.families.get(&fam.family) {
+                fam.nodeport_ips = match &facts.nodeport_ips {
+                    Some(ips) => nodeport_proxy::nodeaddr::Selection::Ips(ips.clone()),
+                    None => nodeport_proxy::nodeaddr::Selection::MatchAll,
+                };
+            }
+        }
         let mut served = Vec::new();
         let mut every = false;
         for family in IpFamily::ALL {
@@ -960,7 +975,7 @@ struct NodeRoutes {
 }
 
 impl NodeRoutes {
-    fn read(recovered: &nodeport_proxy::trace::recover::Recovered, own: &[IpAddr]) -> Self {
+    fn read(recovered: &Recovered, own: &[IpAddr]) -> Self {
         let json = |args: &[&str]| -> Vec<serde_json::Value> {
             std::process::Command::new("ip")
                 .args(args)
@@ -1270,6 +1285,7 @@ impl Tracing {
                 && packet.dst.is_loopback()
                 && packet.dst.is_ipv4())
             .then(|| route_localnet(self.in_interface.as_deref())),
+            localhost_nodeports: p.config.localhost_nodeports,
         };
         let mut explanation = explain::explain(&p.desired, &ctx, &trace);
         if packet.origin == Origin::Remote {
@@ -1526,7 +1542,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let named = Rendered::of(&prepared)?;
         let k = KernelRules::read(prepared.mode, &args.ebpf_pin_root, &named)?;
         if !named_by_objects {
-            name_from_kernel(&mut prepared, &k, &args.render);
+            let recovered = k.recover(&prepared.facts.local_ips);
+            name_from_kernel(&mut prepared, &recovered);
+            follow_kernel(&mut prepared, &recovered, &args.render);
             names_from_kernel = Some(k.names_from());
         }
         Some(k)

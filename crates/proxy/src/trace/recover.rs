@@ -379,6 +379,7 @@ endpoints:
             local_addrs: &fx.local_ips,
             maglev: false,
             route_localnet: None,
+            localhost_nodeports: true,
         };
         let udp = UDP_PACKETS.iter().map(|p| (p, Protocol::Udp));
         PACKETS
