@@ -1622,3 +1622,165 @@ fn the_end_to_end_suites_other_unanswered_connections_are_explained_with_their_c
     }
     no_table_left(&c.node, "the last trace");
 }
+
+/// `nodeport trace --rules kernel` in the ebpf mode, the proxy's maps under its pin root:
+/// (stdout, exit code).
+fn ebpf_kernel_trace(c: &Cluster, extra: &[&str], from: &str, to: &str) -> (String, Option<i32>) {
+    let out = c
+        .node
+        .command(env!("CARGO_BIN_EXE_nodeport"))
+        .args([
+            "trace",
+            "--rules",
+            "kernel",
+            "--master",
+            "http://127.0.0.1:6443",
+        ])
+        .args(["--node-name", "node-a", "--cluster-cidr", "10.244.0.0/16"])
+        .arg("--ebpf-pin-root")
+        .arg(&c.ebpf.as_ref().expect("an ebpf cluster").pin_root)
+        .args(extra)
+        .args(["--from", from, "--to", to])
+        .env("NODEPORT_LOG", "error")
+        .output()
+        .unwrap();
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        out.status.code(),
+    )
+}
+
+/// The ebpf mode on the real kernel (the end-to-end suite's cases): a client outside
+/// `loadBalancerSourceRanges` is dropped by `np_tc_ingress`, which the live trace sees and
+/// `--rules kernel` names alike, while a listed client is translated; `127.0.0.1` sent to the
+/// node from outside (a NodePort with localhost NodePorts asked for, and a service of the
+/// node's own) is dropped by the kernel as a martian destination (route_localnet stays off
+/// in the ebpf mode), which `--rules kernel` says from the node's own sysctl.
+#[test]
+fn in_the_ebpf_mode_source_ranges_and_127_0_0_1_from_outside_are_traced_on_the_real_kernel() {
+    if !require_tools(
+        "in_the_ebpf_mode_source_ranges_and_127_0_0_1_from_outside_are_traced_on_the_real_kernel",
+        &["kubectl", "bpftool"],
+    ) {
+        return;
+    }
+    // The proxy's defaults first: its tc programs are on eth0, which holds the NodePort
+    // address (`primary`), where the load-balancer VIP arrives.
+    let mut c = Cluster::start(Mode::Ebpf, &[]);
+    let lb = service_yaml(
+        "lb",
+        30085,
+        &format!("  loadBalancerSourceRanges: [{CLIENT_IP}/32]"),
+        &[1, 2, 3],
+    )
+    .replace("type: NodePort", "type: LoadBalancer");
+    c.apply(&lb).unwrap();
+    c.kubectl(&[
+        "patch",
+        "svc",
+        "lb",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        r#"{"status":{"loadBalancer":{"ingress":[{"ip":"192.0.2.200"}]}}}"#,
+    ])
+    .unwrap();
+    c.apply(&service_yaml("here", 30093, "", &[1])).unwrap();
+    eventually(
+        &c.client,
+        "192.0.2.200:80",
+        "the listed client reaches the VIP",
+        |r| matches!(r, Reply::Pod { .. }),
+    );
+    let vip = "192.0.2.200:80/tcp";
+    let outside = "drop: 192.0.2.101 is not in loadBalancerSourceRanges 192.0.2.100/32 of \
+                   default/lb:80/TCP";
+
+    // Outside the ranges: the kernel's maps name the drop; live, the program reports it.
+    let (kernel, code) = ebpf_kernel_trace(&c, &[], CLIENT2_IP, vip);
+    assert_eq!(code, Some(1), "{kernel}");
+    assert!(
+        kernel.contains(&format!("fate        {outside}\n")),
+        "{kernel}"
+    );
+    let args = ["--to", vip, "--timeout", "20s"];
+    let t = LiveTrace::start_ebpf(&c, &args);
+    assert_eq!(
+        get(&c.client2, "192.0.2.200:80", Duration::from_millis(1500)),
+        Reply::Timeout
+    );
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(1), "{out}{err}");
+    assert_eq!(explanation(&out), explanation(&kernel), "{out}");
+    assert!(
+        out.contains(
+            "path        ebpf np_tc_ingress source ranges: 192.0.2.101 is not in np_src_ranges: drop\n"
+        ),
+        "{out}"
+    );
+    assert_eq!(
+        seen(&out),
+        [format!("seen        {outside} (at ebpf np_tc_ingress)").as_str()],
+        "{out}"
+    );
+    // Inside them: translated, and answered.
+    let (kernel, code) = ebpf_kernel_trace(&c, &[], CLIENT_IP, vip);
+    assert_eq!(code, Some(0), "{kernel}");
+    let t = LiveTrace::start_ebpf(&c, &args);
+    assert!(matches!(
+        get(&c.client, "192.0.2.200:80", Duration::from_secs(3)),
+        Reply::Pod { .. }
+    ));
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert_eq!(explanation(&out), explanation(&kernel), "{out}");
+    assert!(
+        seen(&out)[0].starts_with("seen        DNAT to 10.244.")
+            && seen(&out)[0].ends_with("; it answered"),
+        "{out}"
+    );
+
+    // 127.0.0.1 from outside, with localhost NodePorts asked for (the suite's flags): the
+    // client routes it to the node.
+    let flags = ["--nodeport-addresses", "127.0.0.0/8,198.51.100.0/24"];
+    c.restart_proxy_with(&flags);
+    c.eventually_in_node_cgroup(&c.node, "127.0.0.1:30093", "the localhost NodePort", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+    let _node_local = nodeport_testbed::server::Server::start_in(
+        &c.node,
+        nodeport_testbed::server::ServerConfig {
+            bind: "127.0.0.1".parse().unwrap(),
+            ..nodeport_testbed::server::ServerConfig::http("node-lo", 18080)
+        },
+    )
+    .unwrap();
+    c.client
+        .sh(&format!(
+            "ip rule add pref 100 lookup local && ip rule del pref 0 && \
+             ip rule add pref 10 to 127.0.0.1/32 lookup 100 && \
+             ip route add 127.0.0.1/32 via {NODE_IP} dev eth0 table 100 && \
+             sysctl -qw net.ipv4.conf.all.route_localnet=1"
+        ))
+        .unwrap();
+    let martian = "fate        drop: 127.0.0.1 from the network is a martian destination: with \
+                   route_localnet off the kernel's routing drops it, NodePort or not\n";
+    for to in ["127.0.0.1:30093", "127.0.0.1:18080"] {
+        assert_eq!(
+            get(&c.client, to, Duration::from_millis(1500)),
+            Reply::Timeout,
+            "{to}"
+        );
+        let (kernel, code) = ebpf_kernel_trace(&c, &flags, CLIENT_IP, &format!("{to}/tcp"));
+        assert_eq!(code, Some(1), "{to}: {kernel}");
+        assert!(kernel.contains(martian), "{to}: {kernel}");
+        assert!(kernel.contains("(input path), on eth0"), "{to}: {kernel}");
+    }
+    // The node's own socket to its localhost NodePort is served at connect().
+    let (kernel, code) = ebpf_kernel_trace(&c, &flags, "127.0.0.1", "127.0.0.1:30093/tcp");
+    assert_eq!(code, Some(0), "{kernel}");
+    assert!(
+        kernel.contains("fate        DNAT to 10.244.1.2:8080\n"),
+        "{kernel}"
+    );
+}
