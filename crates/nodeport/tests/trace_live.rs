@@ -544,7 +544,8 @@ fn live_traces_of_real_packets_equal_the_offline_trace_of_the_same_packet_in_bot
         ];
         let web_ip = c.cluster_ip("web");
         // (who sends, from, to, what it gets, the exit code)
-        let cases: [(&Netns, &str, String, fn(&Reply) -> bool, i32); 4] = [
+        type Case<'a> = (&'a Netns, &'a str, String, fn(&Reply) -> bool, i32);
+        let cases: [Case<'_>; 4] = [
             (
                 &c.client,
                 CLIENT_IP,
@@ -1136,26 +1137,45 @@ fn in_the_ebpf_mode_live_sees_what_the_programs_decide_for_each_new_connection_a
     }
 
     // The connect hook: a process on the node connecting to a ClusterIP, translated at
-    // connect(), and refused when the Service has no endpoints.
+    // connect(), and refused when the Service has no endpoints. Conntrack (which the
+    // tracer's nftables table has follow the node's connections) names the socket's real
+    // source, the node's address towards the pod, which --from selects by, and whether the
+    // pod answered.
     let web_ip = c.cluster_ip("web");
     let t = LiveTrace::start_ebpf(
         &c,
-        &["--to", &format!("{web_ip}:80/tcp"), "--timeout", "20s"],
+        &[
+            "--to",
+            &format!("{web_ip}:80/tcp"),
+            "--from",
+            "10.244.0.0/16",
+            "--timeout",
+            "20s",
+        ],
     );
-    assert!(matches!(
-        c.get_in_node_cgroup(&c.node, &format!("{web_ip}:80"), Duration::from_secs(3)),
-        Reply::Pod { .. }
-    ));
+    let Reply::Pod { pod, client } =
+        c.get_in_node_cgroup(&c.node, &format!("{web_ip}:80"), Duration::from_secs(3))
+    else {
+        panic!("the ClusterIP answers the node's socket")
+    };
     let (out, err, code) = t.finish();
     assert_eq!(code, Some(0), "{out}{err}");
-    assert!(out.contains("from this node (output path)"), "{out}");
-    let seen_line = seen(&out).join("\n");
+    let n = pod.trim_start_matches("pod");
+    // The source the pod saw is the one conntrack names, the explanation's too.
+    assert!(client.starts_with(&format!("10.244.{n}.1:")), "{client}");
     assert!(
-        seen_line.starts_with("seen        connected to 10.244."),
+        out.contains(&format!(
+            "packet      10.244.{n}.1 → {web_ip}:80/tcp, from this node (output path)"
+        )),
         "{out}"
     );
-    assert!(
-        seen_line.contains(":8080 at connect() (np_connect4)"),
+    assert_eq!(
+        seen(&out),
+        [format!(
+            "seen        connected to 10.244.{n}.2:8080 at connect() (np_connect4), from \
+             {client} (conntrack); it answered"
+        )
+        .as_str()],
         "{out}"
     );
     // The tracer withdrew its deadline: the programs report nothing more.
@@ -1623,6 +1643,11 @@ fn the_end_to_end_suites_other_unanswered_connections_are_explained_with_their_c
     no_table_left(&c.node, "the last trace");
 }
 
+/// Whether a live trace's path holds no step of the programs (a packet they passed on).
+fn no_np_ebpf_path(out: &str) -> bool {
+    !out.lines().any(|l| l.starts_with("path        ebpf "))
+}
+
 /// `nodeport trace --rules kernel` in the ebpf mode, the proxy's maps under its pin root:
 /// (stdout, exit code).
 fn ebpf_kernel_trace(c: &Cluster, extra: &[&str], from: &str, to: &str) -> (String, Option<i32>) {
@@ -1776,6 +1801,32 @@ fn in_the_ebpf_mode_source_ranges_and_127_0_0_1_from_outside_are_traced_on_the_r
         assert!(kernel.contains(martian), "{to}: {kernel}");
         assert!(kernel.contains("(input path), on eth0"), "{to}: {kernel}");
     }
+    // Live: the programs pass 127.0.0.1 to the stack untranslated (no tc frontend is ever
+    // loaded for loopback); the tracer's nftables table marks it there, and it is seen to
+    // leave no conntrack entry and get no answer: the martian drop, as explained.
+    let mut args = flags.to_vec();
+    args.extend(["--to", "127.0.0.1:30093/tcp", "--timeout", "20s"]);
+    let t = LiveTrace::start_ebpf(&c, &args);
+    assert_eq!(
+        get(&c.client, "127.0.0.1:30093", Duration::from_millis(1500)),
+        Reply::Timeout
+    );
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(1), "{out}{err}");
+    let (kernel, _) = ebpf_kernel_trace(&c, &flags, CLIENT_IP, "127.0.0.1:30093/tcp");
+    assert_eq!(explanation(&out), explanation(&kernel), "{out}");
+    assert_eq!(
+        seen(&out),
+        [format!(
+            "seen        {}: every rule accepted it, no conntrack entry is left and nothing came back",
+            martian
+                .trim_start_matches("fate        ")
+                .trim_end()
+        )
+        .as_str()],
+        "{out}"
+    );
+    assert!(no_np_ebpf_path(&out), "{out}");
     // The node's own socket to its localhost NodePort is served at connect().
     let (kernel, code) = ebpf_kernel_trace(&c, &flags, "127.0.0.1", "127.0.0.1:30093/tcp");
     assert_eq!(code, Some(0), "{kernel}");

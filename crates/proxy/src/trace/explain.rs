@@ -263,7 +263,7 @@ fn find<'a>(
                 Selection::Ips(ips) => ips.contains(&packet.dst),
                 Selection::MatchAll => {
                     ctx.local_addrs.contains(&packet.dst)
-                        && !(packet.dst.is_loopback() && !match_all_serves_loopback(ctx, packet))
+                        && (!packet.dst.is_loopback() || match_all_serves_loopback(ctx, packet))
                 }
             };
             if selected {
