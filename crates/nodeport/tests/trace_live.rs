@@ -28,11 +28,24 @@ impl LiveTrace {
     /// Starts it inside the node with `args` (objects from the node's API server) and waits
     /// until its table is in the kernel.
     fn start(node: &Netns, args: &[&str]) -> LiveTrace {
+        let mut all = vec![
+            "--master",
+            "http://127.0.0.1:6443",
+            "--node-name",
+            "node-a",
+            "--cluster-cidr",
+            "10.244.0.0/16",
+        ];
+        all.extend_from_slice(args);
+        Self::start_alone(node, &all)
+    }
+
+    /// [`LiveTrace::start`] with `args` only: without objects, named from the kernel.
+    fn start_alone(node: &Netns, args: &[&str]) -> LiveTrace {
         let before = trace_tables(node).len();
         let child = node
             .command(env!("CARGO_BIN_EXE_nodeport"))
-            .args(["trace", "--live", "--master", "http://127.0.0.1:6443"])
-            .args(["--node-name", "node-a", "--cluster-cidr", "10.244.0.0/16"])
+            .args(["trace", "--live"])
             .args(args)
             .env("NODEPORT_LOG", "error")
             .stdout(Stdio::piped())
@@ -591,6 +604,27 @@ fn live_traces_of_real_packets_equal_the_offline_trace_of_the_same_packet_in_bot
                 )),
                 "{out}"
             );
+            // The path names the Service's own steps: the flat layout's rules that found its
+            // elements (its NodePort's policy chain, its endpoint map's DNAT), kube-proxy's
+            // chains named for it.
+            if to == web {
+                let named: Vec<&str> = out
+                    .lines()
+                    .filter(|l| l.starts_with("path ") && l.ends_with(" (default/web:80/TCP)"))
+                    .collect();
+                let want = if layout == "flat" {
+                    "path        ip kube-proxy pick-nodeport-endpoints rule "
+                } else {
+                    "path        ip kube-proxy endpoint-"
+                };
+                assert!(named.iter().any(|l| l.starts_with(want)), "{out}");
+                assert!(
+                    named
+                        .iter()
+                        .all(|l| l.starts_with("path        ip kube-proxy ")),
+                    "{out}"
+                );
+            }
             let offline = offline_trace(&objects, &render_flags, from, &to_tcp);
             assert!(
                 offline.iter().any(|l| l.starts_with("fate ")),
@@ -685,6 +719,37 @@ fn in_the_iptables_mode_iptables_nft_chains_are_traced_live_as_the_kernels_rules
         out.contains("path        ip nat KUBE-NODEPORTS rule "),
         "{out}"
     );
+    // The Service's own chains are named for it.
+    let named = |out: &str| -> Vec<String> {
+        out.lines()
+            .filter(|l| l.ends_with(" (default/web:80/TCP)"))
+            .map(|l| l.split_whitespace().nth(3).unwrap_or("").to_string())
+            .collect()
+    };
+    let chains = named(&out);
+    for prefix in ["KUBE-EXT-", "KUBE-SVC-", "KUBE-SEP-"] {
+        assert!(
+            chains.iter().any(|c| c.starts_with(prefix)),
+            "{prefix}: {out}"
+        );
+    }
+    assert!(chains.iter().all(|c| c.starts_with("KUBE-")), "{out}");
+    // Without objects, the rules' comments name the same Service and chains.
+    let t = LiveTrace::start_alone(
+        &c.node,
+        &["--to", &format!("{web}/tcp"), "--timeout", "20s"],
+    );
+    assert!(matches!(
+        get(&c.client, &web, Duration::from_secs(3)),
+        Reply::Pod { .. }
+    ));
+    let (alone, err, code) = t.finish();
+    assert_eq!(code, Some(0), "{alone}{err}");
+    assert!(
+        alone.contains("names from the kernel (its rules' comments)"),
+        "{alone}"
+    );
+    assert_eq!(named(&alone), chains, "{alone}");
     assert_eq!(
         seen(&out),
         ["seen        DNAT to 10.244.2.2:8080 (conntrack), masqueraded to 10.244.2.1; it answered"],

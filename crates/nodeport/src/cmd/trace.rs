@@ -916,6 +916,9 @@ impl KernelRules {
 fn name_from_kernel(prepared: &mut Prepared, recovered: &Recovered) {
     let node = NodeRoutes::read(recovered, &prepared.facts.local_ips);
     prepared.desired = recovered.into_desired(&|ip| node.on_this_node(ip));
+    // The node's own addresses, for what it sends itself (`--service`'s ClusterIPs): those
+    // of the node network.
+    prepared.facts.node_ips = node.node_addresses.clone();
 }
 
 /// Named from the kernel: the proxy's flags the trace was not given, as the kernel's rules
@@ -938,23 +941,22 @@ fn follow_kernel(prepared: &mut Prepared, recovered: &Recovered, flags: &render:
                 };
             }
         }
+        // Per family: the addresses the kernel lists, or every address of the node's.
         let mut served = Vec::new();
-        let mut every = false;
-        for family in IpFamily::ALL {
-            match recovered.nodeport_ips(family) {
+        for (family, facts) in &recovered.families {
+            match &facts.nodeport_ips {
                 Some(ips) => served.extend(ips.iter().map(|ip| ip.to_string())),
-                None => every |= recovered.families.contains_key(&family),
+                None => served.push(format!("every {} address of its own", family.as_str())),
             }
         }
-        prepared.nodeport_addresses = if every {
-            "of the proxy (this node's kernel serves NodePorts on every address of its own)"
-                .to_string()
-        } else {
-            format!(
-                "of the proxy (this node's kernel serves NodePorts on {} only)",
+        prepared.nodeport_addresses = format!(
+            "of the proxy (this node's kernel serves NodePorts on {})",
+            if served.is_empty() {
+                "no address".to_string()
+            } else {
                 served.join(", ")
-            )
-        };
+            }
+        );
     }
 }
 
@@ -970,6 +972,8 @@ struct NodeRoutes {
     routes: Vec<(ipnet::IpNet, bool, String)>,
     /// The node network's interfaces.
     node_interfaces: std::collections::BTreeSet<String>,
+    /// Their addresses (loopback and link-local aside), in the kernel's order.
+    node_addresses: Vec<IpAddr>,
     /// The node's own addresses.
     own: Vec<IpAddr>,
 }
@@ -1045,9 +1049,19 @@ impl NodeRoutes {
                     .map(|(name, _)| name.clone()),
             );
         }
+        let node_addresses = addresses
+            .iter()
+            .filter(|(name, ip)| {
+                node_interfaces.contains(name)
+                    && !ip.is_loopback()
+                    && !matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local())
+            })
+            .map(|(_, ip)| *ip)
+            .collect();
         NodeRoutes {
             routes,
             node_interfaces,
+            node_addresses,
             own: own.to_vec(),
         }
     }

@@ -220,7 +220,7 @@ impl Explanation {
 
 /// `default/web:80/TCP`; a port known by a name without namespace (the ebpf mode's maps
 /// name none: `svc-7`, [`super::recover`]) is `svc-7:80/TCP`.
-fn port_label(svc: &ServicePortState) -> String {
+pub fn port_label(svc: &ServicePortState) -> String {
     let p = &svc.port;
     let proto = match p.name.protocol {
         Protocol::Tcp => "TCP",

@@ -106,6 +106,11 @@ struct Step {
     /// `rule`, `return` or `policy`.
     kind: &'static str,
     verdict: String,
+    /// The Service port the rule is for (`default/web:80/TCP`): a chain of its own
+    /// (kube-proxy's nftables layout, iptables), or a rule of the flat layout's shared chains
+    /// that matched its element.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    service: Option<String>,
 }
 
 /// What the kernel did with a real packet.
@@ -446,8 +451,10 @@ fn explain_packet(tracing: &Tracing, traced: Traced, protocol: Protocol) -> Opti
                 .verdict
                 .as_ref()
                 .map_or_else(String::new, |v| v.to_string()),
+            service: None,
         })
         .collect();
+    let path = named_steps(tracing, &explanation, path);
     let seen = match traced.dropped_by() {
         Some(e) if is_proxys(e) => {
             // The proxy's own drop or reject: the explanation says why.
@@ -507,6 +514,77 @@ fn explain_packet(tracing: &Tracing, traced: Traced, protocol: Protocol) -> Opti
         path,
         seen,
     })
+}
+
+/// The path's steps with the Service port the packet addressed where a step is that port's:
+/// in a chain named for it (kube-proxy's nftables layout: `service-<H>-…`, `endpoint-<H>-…`;
+/// iptables: `KUBE-SVC-<H>`, `KUBE-SEP-<H>`, … of its hashes), or, in the flat layout's
+/// shared chains, a rule that decided for the packet (a lookup that found the port's element
+/// and jumped, the DNAT from its endpoint map, its no-endpoint or source-range drop).
+fn named_steps(tracing: &Tracing, explanation: &Explanation, mut path: Vec<Step>) -> Vec<Step> {
+    use nodeport_proxy::nftables::names as nft;
+    let Some(label) = explanation.service.as_ref().map(|s| s.port.clone()) else {
+        return path;
+    };
+    let Some(svc) = tracing
+        .prepared
+        .desired
+        .families
+        .iter()
+        .flat_map(|f| f.services.values())
+        .find(|s| nodeport_proxy::trace::explain::port_label(s) == label)
+    else {
+        return path;
+    };
+    let name = svc.name();
+    let nft_chains = nft::ServiceChainNames::new(name);
+    let ipt_chains = nodeport_proxy::iptables::names::ServiceChainNames::new(name);
+    let mut own: std::collections::BTreeSet<String> = [
+        nft_chains.cluster,
+        nft_chains.local,
+        nft_chains.external,
+        nft_chains.firewall,
+        ipt_chains.cluster,
+        ipt_chains.local,
+        ipt_chains.external,
+        ipt_chains.firewall,
+    ]
+    .into();
+    for e in svc.cluster_endpoints.iter().chain(&svc.local_endpoints) {
+        own.insert(nft::EndpointNames::new(name, e.ip, e.port).chain);
+        own.insert(nodeport_proxy::iptables::names::endpoint_chain(
+            name, e.ip, e.port,
+        ));
+    }
+    // The flat layout's chains that decide per destination, by the port's elements.
+    let shared = [
+        nft::SERVICES,
+        nft::CLUSTER_IP_POLICY,
+        nft::EXTERNAL_CLUSTER_POLICY,
+        nft::EXTERNAL_LOCAL_POLICY,
+        nft::NODEPORT_CLUSTER_POLICY,
+        nft::NODEPORT_LOCAL_POLICY,
+        nft::PICK_SERVICE_ENDPOINTS,
+        nft::PICK_NODEPORT_ENDPOINTS,
+        nft::PICK_SERVICE_CLUSTER_ENDPOINTS,
+        nft::PICK_NODEPORT_CLUSTER_ENDPOINTS,
+        nft::SERVICE_ENDPOINTS_CHECK,
+        nft::NODEPORT_ENDPOINTS_CHECK,
+        nft::FIREWALL_CHECK,
+    ];
+    let flat = tracing.layout() == Some("flat");
+    for step in &mut path {
+        let proxys = step.table == nodeport_proxy::nftables::ruleset::TABLE
+            || step.chain.starts_with("KUBE-");
+        let decided = step.kind == "rule" && step.verdict != "continue";
+        if proxys
+            && (own.contains(&step.chain)
+                || (flat && decided && shared.contains(&step.chain.as_str())))
+        {
+            step.service = Some(label.clone());
+        }
+    }
+    path
 }
 
 fn verdict_name(v: Fate) -> &'static str {
@@ -741,8 +819,12 @@ fn print_packet(n: usize, p: &LivePacket) {
             "return" => "return".to_string(),
             _ => s.verdict.clone(),
         };
+        let service = s
+            .service
+            .as_ref()
+            .map_or_else(String::new, |l| format!(" ({l})"));
         println!(
-            "path        {} {} {}{rule}: {what}",
+            "path        {} {} {}{rule}: {what}{service}",
             s.family, s.table, s.chain
         );
     }
@@ -1075,6 +1157,7 @@ fn ebpf_packet(
         rule_handle: None,
         kind: "rule",
         verdict,
+        service: None,
     };
     let frontend = match &explanation.service {
         Some(s) => format!(
