@@ -290,6 +290,36 @@ fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mod
     }
     assert!(kernel.contains("198.51.100.10:30080/tcp"), "{kernel}");
     assert!(!kernel.contains("note"), "{mode:?}: {kernel}");
+    // Named from the kernel, the same addresses, the ClusterIP from the node network's
+    // address (the ebpf mode's maps have no names to ask for).
+    let (alone, stderr, code) = trace_alone(&c, &["--service", "default/web"]);
+    if mode == Mode::Ebpf {
+        assert_eq!(code, 3, "{alone}{stderr}");
+        assert!(
+            stderr.contains("no Service default/web in the kernel (or it has no ClusterIP) (the ebpf mode's maps hold no names: give -f or --kubeconfig)"),
+            "{stderr}"
+        );
+    } else {
+        assert_eq!(code, 0, "{mode:?}: {alone}{stderr}");
+        let lines: Vec<String> = alone
+            .lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+            .collect();
+        let cluster_ip = c.cluster_ip("web");
+        assert!(
+            lines.iter().any(|l| l.starts_with(&format!(
+                "{cluster_ip}:80/tcp ClusterIP from {NODE_IP} DNAT to one of"
+            ))),
+            "{mode:?}: {alone}"
+        );
+        assert!(
+            lines
+                .iter()
+                .any(|l| l
+                    .starts_with("192.0.2.10:30080/tcp NodePort from 203.0.113.1 DNAT to one of")),
+            "{mode:?}: {alone}"
+        );
+    }
 
     // The fates themselves, as the client met them above.
     let (out, code) = trace(&c, mode, "kernel", &["--from", CLIENT_IP, "--to", &web_to]);
