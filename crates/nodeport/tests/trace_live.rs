@@ -612,12 +612,17 @@ fn live_traces_of_real_packets_equal_the_offline_trace_of_the_same_packet_in_bot
                     .lines()
                     .filter(|l| l.starts_with("path ") && l.ends_with(" (default/web:80/TCP)"))
                     .collect();
-                let want = if layout == "flat" {
-                    "path        ip kube-proxy pick-nodeport-endpoints rule "
+                let want: &[&str] = if layout == "flat" {
+                    &["path        ip kube-proxy pick-nodeport-endpoints rule "]
                 } else {
-                    "path        ip kube-proxy endpoint-"
+                    &[
+                        "path        ip kube-proxy services rule ",
+                        "path        ip kube-proxy endpoint-",
+                    ]
                 };
-                assert!(named.iter().any(|l| l.starts_with(want)), "{out}");
+                for w in want {
+                    assert!(named.iter().any(|l| l.starts_with(w)), "{w}: {out}");
+                }
                 assert!(
                     named
                         .iter()
@@ -727,7 +732,7 @@ fn in_the_iptables_mode_iptables_nft_chains_are_traced_live_as_the_kernels_rules
             .collect()
     };
     let chains = named(&out);
-    for prefix in ["KUBE-EXT-", "KUBE-SVC-", "KUBE-SEP-"] {
+    for prefix in ["KUBE-NODEPORTS", "KUBE-EXT-", "KUBE-SVC-", "KUBE-SEP-"] {
         assert!(
             chains.iter().any(|c| c.starts_with(prefix)),
             "{prefix}: {out}"

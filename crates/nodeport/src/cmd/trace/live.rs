@@ -518,9 +518,10 @@ fn explain_packet(tracing: &Tracing, traced: Traced, protocol: Protocol) -> Opti
 
 /// The path's steps with the Service port the packet addressed where a step is that port's:
 /// in a chain named for it (kube-proxy's nftables layout: `service-<H>-…`, `endpoint-<H>-…`;
-/// iptables: `KUBE-SVC-<H>`, `KUBE-SEP-<H>`, … of its hashes), or, in the flat layout's
-/// shared chains, a rule that decided for the packet (a lookup that found the port's element
-/// and jumped, the DNAT from its endpoint map, its no-endpoint or source-range drop).
+/// iptables: `KUBE-SVC-<H>`, `KUBE-SEP-<H>`, … of its hashes) or jumping into one, or, in the
+/// flat layout's shared chains, a rule that decided for the packet (a lookup that found the
+/// port's element and jumped, the DNAT from its endpoint map, its no-endpoint or source-range
+/// drop).
 fn named_steps(tracing: &Tracing, explanation: &Explanation, mut path: Vec<Step>) -> Vec<Step> {
     use nodeport_proxy::nftables::names as nft;
     let Some(label) = explanation.service.as_ref().map(|s| s.port.clone()) else {
@@ -577,8 +578,15 @@ fn named_steps(tracing: &Tracing, explanation: &Explanation, mut path: Vec<Step>
         let proxys = step.table == nodeport_proxy::nftables::ruleset::TABLE
             || step.chain.starts_with("KUBE-");
         let decided = step.kind == "rule" && step.verdict != "continue";
+        // A jump or goto into one of the port's chains (kube-proxy's `services` map, the
+        // `KUBE-NODEPORTS` rule) is the port's too.
+        let into_own = step
+            .verdict
+            .split_once(' ')
+            .is_some_and(|(verb, to)| matches!(verb, "jump" | "goto") && own.contains(to));
         if proxys
             && (own.contains(&step.chain)
+                || into_own
                 || (flat && decided && shared.contains(&step.chain.as_str())))
         {
             step.service = Some(label.clone());
