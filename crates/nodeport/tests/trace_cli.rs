@@ -445,11 +445,32 @@ fn missing_or_conflicting_arguments_exit_64() {
             "192.0.2.11:80",
         ],
         vec!["-f", "objects.yaml", "--service", "web"],
-        vec!["--from", "203.0.113.5", "--to", "192.0.2.11:80"],
+        // What the proxy would program needs objects (without them the default is the
+        // kernel's rules, named from the kernel: `trace_kernel`).
+        vec![
+            "--rules",
+            "render",
+            "--from",
+            "203.0.113.5",
+            "--to",
+            "192.0.2.11:80",
+        ],
     ] {
         let (_, stderr, code) = trace(&args);
         assert_eq!(code, 64, "{args:?}: {stderr}");
     }
+    let (_, stderr, _) = trace(&[
+        "--rules",
+        "render",
+        "--to",
+        "192.0.2.11:80",
+        "--from",
+        "203.0.113.5",
+    ]);
+    assert!(
+        stderr.contains("--rules render traces what the proxy would program for objects: give -f FILE, --kubeconfig or --master"),
+        "{stderr}"
+    );
 }
 
 /// `127.0.0.1:<nodePort>` and another port of 127.0.0.1 from outside the node (kube-proxy's
@@ -527,4 +548,72 @@ fn loopback_destinations_from_outside_the_node_are_traced_to_the_localnet_guard_
         "{text}"
     );
     check_golden("localnet.txt", &text);
+}
+
+/// The end-to-end suite's `0.0.0.0/0` case: a process of the node to `127.0.0.1:<nodePort>`
+/// is served in the iptables mode (kube-proxy's `localhostNodePorts`), refused by the node's
+/// own stack in the nftables and ebpf modes, whose selection of every address leaves loopback
+/// out: traced as "not a NodePort address", saying so. And a NodePort's number sent to an
+/// address the node does not hold is no Service there, with a note naming whose NodePort it is.
+#[test]
+fn loopback_under_a_selection_of_every_address_and_a_nodeport_to_a_foreign_address_are_explained() {
+    for (mode, exit, fate) in [
+        (
+            &["--proxy-mode", "nftables"][..],
+            1,
+            "fate        not a NodePort address: 127.0.0.1 is not selected by --nodeport-addresses \
+             0.0.0.0/0 (a selection of every address leaves loopback out in the nftables mode, \
+             as kube-proxy's does; 127.0.0.0/8 in --nodeport-addresses asks for localhost \
+             NodePorts), so NodePort 30569 of default/web:80/TCP does not answer there\n",
+        ),
+        (
+            &["--proxy-mode", "ebpf"][..],
+            1,
+            "fate        not a NodePort address: 127.0.0.1 is not selected by --nodeport-addresses \
+             0.0.0.0/0 (a selection of every address leaves loopback out in the ebpf mode; \
+             127.0.0.0/8 in --nodeport-addresses asks for localhost NodePorts), so NodePort \
+             30569 of default/web:80/TCP does not answer there\n",
+        ),
+        (
+            &["--proxy-mode", "iptables"][..],
+            0,
+            "fate        DNAT to one of 10.244.1.5:8080, 10.244.2.7:8080\n",
+        ),
+        (
+            &[
+                "--proxy-mode",
+                "iptables",
+                "--iptables-localhost-nodeports=false",
+            ][..],
+            1,
+            "fate        not a NodePort address: 127.0.0.1 is not selected by --nodeport-addresses \
+             0.0.0.0/0 (--iptables-localhost-nodeports is off), so NodePort 30569 of \
+             default/web:80/TCP does not answer there\n",
+        ),
+    ] {
+        let mut args = vec!["-f", "objects.yaml", "--nodeport-addresses", "0.0.0.0/0"];
+        args.extend_from_slice(mode);
+        args.extend_from_slice(&["--from", "127.0.0.1", "--to", "127.0.0.1:30569/tcp"]);
+        let (stdout, stderr, code) = trace(&args);
+        assert!(stderr.is_empty(), "{args:?}: {stderr}");
+        assert_eq!(code, exit, "{args:?}: {stdout}");
+        assert!(stdout.contains(fate), "{args:?}: {stdout}");
+    }
+    let (stdout, _, code) = trace(&[
+        "-f",
+        "objects.yaml",
+        "--from",
+        "203.0.113.5",
+        "--to",
+        "203.0.113.10:30569/tcp",
+    ]);
+    assert_eq!(code, 1, "{stdout}");
+    assert!(
+        stdout.contains(
+            "fate        not a Service: no Service has 203.0.113.10:30569/tcp; passed on untranslated\n\
+             note        30569/tcp is the NodePort of default/web:80/TCP, but 203.0.113.10 is not \
+             an address of this node: NodePorts answer on the node's own addresses\n"
+        ),
+        "{stdout}"
+    );
 }

@@ -59,6 +59,59 @@ fn trace(c: &Cluster, mode: Mode, rules: &str, args: &[&str]) -> (String, i32) {
     (body.join("\n"), out.status.code().expect("exited"))
 }
 
+/// `nodeport trace` inside the node with no objects at all (no `-f`, no API server, none of
+/// the proxy's flags): (stdout, stderr, exit code).
+fn trace_alone(c: &Cluster, args: &[&str]) -> (String, String, i32) {
+    let mut cmd = c.node.command(env!("CARGO_BIN_EXE_nodeport"));
+    cmd.arg("trace");
+    if let Some(ebpf) = &c.ebpf {
+        cmd.arg("--ebpf-pin-root").arg(&ebpf.pin_root);
+    }
+    let out = cmd
+        .args(args)
+        .env("NODEPORT_LOG", "error")
+        .output()
+        .unwrap();
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+        out.status.code().expect("exited"),
+    )
+}
+
+/// A trace's lines with what names and places differ by left out: the `rules` line and the
+/// interface; an endpoint's node; the ebpf mode's service ids (`svc-3:`) and the Services'
+/// names (`default/web:`) both as `svc-?:`.
+fn comparable(out: &str) -> Vec<String> {
+    out.lines()
+        .filter(|l| !l.starts_with("rules "))
+        .map(|l| {
+            let mut l = match l.split_once(", on ") {
+                Some((head, _)) if l.starts_with("packet ") => head.to_string(),
+                _ => l.to_string(),
+            };
+            if l.starts_with("endpoint ") {
+                l = l.replace("on another node", "on this node");
+            }
+            for name in ["web", "empty", "local", "sticky"] {
+                l = l.replace(&format!("default/{name}:"), "svc-?:");
+            }
+            while let Some(at) = l
+                .find("svc-")
+                .filter(|at| l[at + 4..].starts_with(|c: char| c.is_ascii_digit()))
+            {
+                let end = at
+                    + 4
+                    + l[at + 4..]
+                        .find(|c: char| !c.is_ascii_digit())
+                        .unwrap_or(l.len() - at - 4);
+                l.replace_range(at..end, "svc-?");
+            }
+            l
+        })
+        .collect()
+}
+
 fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mode: Mode) {
     let mut tools = vec!["kubectl", "curl"];
     tools.extend(mode.tools());
@@ -126,7 +179,67 @@ fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mod
         assert_eq!(kernel, render, "{mode:?} {args:?}");
         assert_eq!(kernel_code, render_code, "{mode:?} {args:?}");
         assert!(!kernel.contains("note"), "{mode:?} {args:?}: {kernel}");
+
+        // With no objects at all, the kernel names the same Services (the ebpf mode's maps
+        // by service id), endpoints, policies and reasons: the same explanation.
+        let (alone, stderr, alone_code) = trace_alone(&c, &args);
+        assert!(stderr.is_empty(), "{mode:?} {args:?}: {stderr}");
+        assert_eq!(alone_code, kernel_code, "{mode:?} {args:?}: {alone}");
+        assert_eq!(comparable(&alone), comparable(&kernel), "{mode:?} {args:?}");
+        let names = match mode {
+            Mode::Nftables => "; names from the kernel (its elements' comments)\n",
+            Mode::NftablesKubeProxy => {
+                "; names from the kernel (its chains' names and its elements' comments)\n"
+            }
+            Mode::Iptables => "; names from the kernel (its rules' comments)\n",
+            Mode::Ebpf => {
+                "; names from the kernel, whose BPF maps hold no names: ports are named by their service id (svc-<id>)\n"
+            }
+        };
+        assert!(
+            alone.starts_with("rules ") && alone.contains(names),
+            "{alone}"
+        );
+        if mode != Mode::Ebpf {
+            assert!(!alone.contains("svc-"), "{alone}");
+        }
     }
+    // Named from the kernel: the pods the node routes to over its own links (all three in
+    // this topology, whatever their Node objects say) are on this node; the ebpf mode's maps
+    // say it themselves (the objects' word, their remote flag).
+    let (alone, _, _) = trace_alone(&c, &["--from", CLIENT_IP, "--to", &web_to]);
+    let places: Vec<&str> = alone
+        .lines()
+        .filter(|l| l.starts_with("endpoint "))
+        .map(|l| l.rsplit("  ").next().unwrap())
+        .collect();
+    let want = if mode == Mode::Ebpf {
+        ["on this node", "on another node", "on another node"]
+    } else {
+        ["on this node"; 3]
+    };
+    assert_eq!(places, want, "{mode:?}: {alone}");
+    // An API server that cannot be read: named from the kernel, said on stderr.
+    let (fallback, stderr, code) = trace_alone(
+        &c,
+        &[
+            "--master",
+            "http://127.0.0.1:9",
+            "--rules",
+            "kernel",
+            "--from",
+            CLIENT_IP,
+            "--to",
+            &web_to,
+        ],
+    );
+    assert_eq!(code, 0, "{mode:?}: {fallback}{stderr}");
+    assert!(
+        stderr.contains("nodeport trace: the objects of http://127.0.0.1:9 cannot be read (")
+            && stderr.contains("naming what the kernel holds from the kernel alone"),
+        "{mode:?}: {stderr}"
+    );
+    assert_eq!(comparable(&fallback), comparable(&alone), "{mode:?}");
     if mode == Mode::Nftables {
         // The flat layout's affinity maps remember a client that connected: the kernel's
         // trace shows a new client's path (as the render) and says where this one goes.
@@ -177,6 +290,36 @@ fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mod
     }
     assert!(kernel.contains("198.51.100.10:30080/tcp"), "{kernel}");
     assert!(!kernel.contains("note"), "{mode:?}: {kernel}");
+    // Named from the kernel, the same addresses, the ClusterIP from the node network's
+    // address (the ebpf mode's maps have no names to ask for).
+    let (alone, stderr, code) = trace_alone(&c, &["--service", "default/web"]);
+    if mode == Mode::Ebpf {
+        assert_eq!(code, 3, "{alone}{stderr}");
+        assert!(
+            stderr.contains("no Service default/web in the kernel (or it has no ClusterIP) (the ebpf mode's maps hold no names: give -f or --kubeconfig)"),
+            "{stderr}"
+        );
+    } else {
+        assert_eq!(code, 0, "{mode:?}: {alone}{stderr}");
+        let lines: Vec<String> = alone
+            .lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+            .collect();
+        let cluster_ip = c.cluster_ip("web");
+        assert!(
+            lines.iter().any(|l| l.starts_with(&format!(
+                "{cluster_ip}:80/tcp ClusterIP from {NODE_IP} DNAT to one of"
+            ))),
+            "{mode:?}: {alone}"
+        );
+        assert!(
+            lines
+                .iter()
+                .any(|l| l
+                    .starts_with("192.0.2.10:30080/tcp NodePort from 203.0.113.1 DNAT to one of")),
+            "{mode:?}: {alone}"
+        );
+    }
 
     // The fates themselves, as the client met them above.
     let (out, code) = trace(&c, mode, "kernel", &["--from", CLIENT_IP, "--to", &web_to]);

@@ -1,6 +1,7 @@
 //! `nodeport trace --live` on a node a real `nodeport proxy` programmed (nftables, in network
 //! namespaces), with real packets from the client: the explanation printed for a real packet
-//! equals `--rules kernel`'s for the same packet, the endpoint named is the one that answered,
+//! equals `--rules kernel`'s for the same packet, and the offline trace's (`-f` with render's
+//! flags) in both nftables layouts, the endpoint named is the one that answered,
 //! a reject and a drop in another table are seen where they happen, two traces at once each
 //! report only their own packets, and the tracer's table is gone after a normal exit, Ctrl-C
 //! and SIGKILL.
@@ -27,11 +28,24 @@ impl LiveTrace {
     /// Starts it inside the node with `args` (objects from the node's API server) and waits
     /// until its table is in the kernel.
     fn start(node: &Netns, args: &[&str]) -> LiveTrace {
+        let mut all = vec![
+            "--master",
+            "http://127.0.0.1:6443",
+            "--node-name",
+            "node-a",
+            "--cluster-cidr",
+            "10.244.0.0/16",
+        ];
+        all.extend_from_slice(args);
+        Self::start_alone(node, &all)
+    }
+
+    /// [`LiveTrace::start`] with `args` only: without objects, named from the kernel.
+    fn start_alone(node: &Netns, args: &[&str]) -> LiveTrace {
         let before = trace_tables(node).len();
         let child = node
             .command(env!("CARGO_BIN_EXE_nodeport"))
-            .args(["trace", "--live", "--master", "http://127.0.0.1:6443"])
-            .args(["--node-name", "node-a", "--cluster-cidr", "10.244.0.0/16"])
+            .args(["trace", "--live"])
             .args(args)
             .env("NODEPORT_LOG", "error")
             .stdout(Stdio::piped())
@@ -449,6 +463,204 @@ fn real_packets_are_traced_named_by_conntrack_and_the_tracers_table_never_outliv
     no_table_left(&c.node, "a timeout");
 }
 
+/// `nodeport trace -f <objects> <render's flags>` of one packet, offline (no kernel, no
+/// server, outside the node): its explanation lines.
+fn offline_trace(
+    objects: &std::path::Path,
+    render_flags: &[&str],
+    from: &str,
+    to: &str,
+) -> Vec<String> {
+    let out = Command::new(env!("CARGO_BIN_EXE_nodeport"))
+        .arg("trace")
+        .arg("-f")
+        .arg(objects)
+        .args(render_flags)
+        .args(["--from", from, "--to", to])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.starts_with("rules       nftables ("),
+        "offline, as `nodeport render` programs them: {stdout}"
+    );
+    explanation(&stdout)
+}
+
+/// The issue's test: real packets in the nftables mode, in both layouts, traced live; each
+/// printed explanation equals the offline trace (`-f` with the objects and `render`'s flags,
+/// the proxy's own) of the same packet: a NodePort DNATed to one of three pods, a Service
+/// without endpoints (rejected), `externalTrafficPolicy: Local` without a local endpoint
+/// (dropped), a pod to a ClusterIP. And no trace table is left after Ctrl-C or SIGKILL, in
+/// either layout.
+#[test]
+fn live_traces_of_real_packets_equal_the_offline_trace_of_the_same_packet_in_both_nftables_layouts()
+{
+    if !require_tools(
+        "live_traces_of_real_packets_equal_the_offline_trace_of_the_same_packet_in_both_nftables_layouts",
+        &["kubectl", "nft"],
+    ) {
+        return;
+    }
+    for (mode, layout) in [
+        (Mode::Nftables, "flat"),
+        (Mode::NftablesKubeProxy, "kube-proxy"),
+    ] {
+        let c = Cluster::start(mode, &[]);
+        c.apply(&service_yaml("web", 30080, "", &[1, 2, 3]))
+            .unwrap();
+        c.apply(&service_yaml("empty", 30090, "", &[])).unwrap();
+        c.apply(&service_yaml(
+            "local",
+            30070,
+            "  externalTrafficPolicy: Local",
+            &[2],
+        ))
+        .unwrap();
+        let web = format!("{NODE_IP}:30080");
+        eventually(&c.client, &web, "the NodePort answers", |r| {
+            matches!(r, Reply::Pod { .. })
+        });
+        eventually(
+            &c.client,
+            &format!("{NODE_IP}:30090"),
+            "the empty Service is refused",
+            |r| *r == Reply::Refused,
+        );
+        eventually(
+            &c.client,
+            &format!("{NODE_IP}:30070"),
+            "the Local Service without a local endpoint drops",
+            |r| *r == Reply::Timeout,
+        );
+        // The objects as the API server holds them, and the proxy's flags as render's.
+        let dir = tempfile::tempdir().unwrap();
+        let objects = dir.path().join("objects.yaml");
+        let listed = c
+            .kubectl(&["get", "svc,endpointslices,nodes", "-A", "-o", "yaml"])
+            .unwrap();
+        std::fs::write(&objects, listed).unwrap();
+        let render_flags = [
+            "--proxy-mode",
+            "nftables",
+            "--nftables-layout",
+            layout,
+            "--node-name",
+            "node-a",
+            "--cluster-cidr",
+            "10.244.0.0/16",
+        ];
+        let web_ip = c.cluster_ip("web");
+        // (who sends, from, to, what it gets, the exit code)
+        type Case<'a> = (&'a Netns, &'a str, String, fn(&Reply) -> bool, i32);
+        let cases: [Case<'_>; 4] = [
+            (
+                &c.client,
+                CLIENT_IP,
+                web.clone(),
+                |r| matches!(r, Reply::Pod { .. }),
+                0,
+            ),
+            (
+                &c.client,
+                CLIENT_IP,
+                format!("{NODE_IP}:30090"),
+                |r| *r == Reply::Refused,
+                1,
+            ),
+            (
+                &c.client,
+                CLIENT_IP,
+                format!("{NODE_IP}:30070"),
+                |r| *r == Reply::Timeout,
+                1,
+            ),
+            (
+                &c.pods[2],
+                "10.244.3.2",
+                format!("{web_ip}:80"),
+                |r| matches!(r, Reply::Pod { .. }),
+                0,
+            ),
+        ];
+        for (client, from, to, want, exit) in cases {
+            let to_tcp = format!("{to}/tcp");
+            let t = LiveTrace::start(
+                &c.node,
+                &["--to", &to_tcp, "--from", from, "--timeout", "20s"],
+            );
+            let got = get(client, &to, Duration::from_millis(1500));
+            let (out, err, code) = t.finish();
+            assert!(want(&got), "{layout}: {from} → {to}: {got:?}\n{out}{err}");
+            assert_eq!(code, Some(exit), "{layout}: {from} → {to}: {out}{err}");
+            assert!(
+                out.starts_with(&format!(
+                    "rules       nftables, as this node's kernel holds them (nft -j list table ip/ip6 kube-proxy, the {layout} layout)"
+                )),
+                "{out}"
+            );
+            // The path names the Service's own steps: the flat layout's rules that found its
+            // elements (its NodePort's policy chain, its endpoint map's DNAT), kube-proxy's
+            // chains named for it.
+            if to == web {
+                let named: Vec<&str> = out
+                    .lines()
+                    .filter(|l| l.starts_with("path ") && l.ends_with(" (default/web:80/TCP)"))
+                    .collect();
+                let want: &[&str] = if layout == "flat" {
+                    &["path        ip kube-proxy pick-nodeport-endpoints rule "]
+                } else {
+                    &[
+                        "path        ip kube-proxy services rule ",
+                        "path        ip kube-proxy endpoint-",
+                    ]
+                };
+                for w in want {
+                    assert!(named.iter().any(|l| l.starts_with(w)), "{w}: {out}");
+                }
+                assert!(
+                    named
+                        .iter()
+                        .all(|l| l.starts_with("path        ip kube-proxy ")),
+                    "{out}"
+                );
+            }
+            let offline = offline_trace(&objects, &render_flags, from, &to_tcp);
+            assert!(
+                offline.iter().any(|l| l.starts_with("fate ")),
+                "{offline:?}"
+            );
+            assert_eq!(
+                explanation(&out),
+                offline,
+                "{layout}: {from} → {to}: the live trace, then the offline one"
+            );
+        }
+        // Ctrl-C and SIGKILL: the kernel removes the tracer's table with its socket.
+        for signal in [
+            nix::sys::signal::Signal::SIGINT,
+            nix::sys::signal::Signal::SIGKILL,
+        ] {
+            let t = LiveTrace::start(&c.node, &["--to", ":30080/tcp", "--timeout", "60s"]);
+            assert_eq!(trace_tables(&c.node).len(), 1, "{layout}");
+            t.signal(signal);
+            let (_, err, code) = t.finish();
+            let want = if signal == nix::sys::signal::Signal::SIGINT {
+                Some(130)
+            } else {
+                None
+            };
+            assert_eq!(code, want, "{layout} {signal}: {err}");
+            no_table_left(&c.node, &format!("{layout}, {signal}"));
+        }
+    }
+}
+
 #[test]
 fn live_rejects_a_cidr_of_the_other_family_and_a_bad_timeout_as_usage_errors() {
     for (args, want) in [
@@ -512,6 +724,37 @@ fn in_the_iptables_mode_iptables_nft_chains_are_traced_live_as_the_kernels_rules
         out.contains("path        ip nat KUBE-NODEPORTS rule "),
         "{out}"
     );
+    // The Service's own chains are named for it.
+    let named = |out: &str| -> Vec<String> {
+        out.lines()
+            .filter(|l| l.ends_with(" (default/web:80/TCP)"))
+            .map(|l| l.split_whitespace().nth(3).unwrap_or("").to_string())
+            .collect()
+    };
+    let chains = named(&out);
+    for prefix in ["KUBE-NODEPORTS", "KUBE-EXT-", "KUBE-SVC-", "KUBE-SEP-"] {
+        assert!(
+            chains.iter().any(|c| c.starts_with(prefix)),
+            "{prefix}: {out}"
+        );
+    }
+    assert!(chains.iter().all(|c| c.starts_with("KUBE-")), "{out}");
+    // Without objects, the rules' comments name the same Service and chains.
+    let t = LiveTrace::start_alone(
+        &c.node,
+        &["--to", &format!("{web}/tcp"), "--timeout", "20s"],
+    );
+    assert!(matches!(
+        get(&c.client, &web, Duration::from_secs(3)),
+        Reply::Pod { .. }
+    ));
+    let (alone, err, code) = t.finish();
+    assert_eq!(code, Some(0), "{alone}{err}");
+    assert!(
+        alone.contains("names from the kernel (its rules' comments)"),
+        "{alone}"
+    );
+    assert_eq!(named(&alone), chains, "{alone}");
     assert_eq!(
         seen(&out),
         ["seen        DNAT to 10.244.2.2:8080 (conntrack), masqueraded to 10.244.2.1; it answered"],
@@ -964,26 +1207,45 @@ fn in_the_ebpf_mode_live_sees_what_the_programs_decide_for_each_new_connection_a
     }
 
     // The connect hook: a process on the node connecting to a ClusterIP, translated at
-    // connect(), and refused when the Service has no endpoints.
+    // connect(), and refused when the Service has no endpoints. Conntrack (which the
+    // tracer's nftables table has follow the node's connections) names the socket's real
+    // source, the node's address towards the pod, which --from selects by, and whether the
+    // pod answered.
     let web_ip = c.cluster_ip("web");
     let t = LiveTrace::start_ebpf(
         &c,
-        &["--to", &format!("{web_ip}:80/tcp"), "--timeout", "20s"],
+        &[
+            "--to",
+            &format!("{web_ip}:80/tcp"),
+            "--from",
+            "10.244.0.0/16",
+            "--timeout",
+            "20s",
+        ],
     );
-    assert!(matches!(
-        c.get_in_node_cgroup(&c.node, &format!("{web_ip}:80"), Duration::from_secs(3)),
-        Reply::Pod { .. }
-    ));
+    let Reply::Pod { pod, client } =
+        c.get_in_node_cgroup(&c.node, &format!("{web_ip}:80"), Duration::from_secs(3))
+    else {
+        panic!("the ClusterIP answers the node's socket")
+    };
     let (out, err, code) = t.finish();
     assert_eq!(code, Some(0), "{out}{err}");
-    assert!(out.contains("from this node (output path)"), "{out}");
-    let seen_line = seen(&out).join("\n");
+    let n = pod.trim_start_matches("pod");
+    // The source the pod saw is the one conntrack names, the explanation's too.
+    assert!(client.starts_with(&format!("10.244.{n}.1:")), "{client}");
     assert!(
-        seen_line.starts_with("seen        connected to 10.244."),
+        out.contains(&format!(
+            "packet      10.244.{n}.1 → {web_ip}:80/tcp, from this node (output path)"
+        )),
         "{out}"
     );
-    assert!(
-        seen_line.contains(":8080 at connect() (np_connect4)"),
+    assert_eq!(
+        seen(&out),
+        [format!(
+            "seen        connected to 10.244.{n}.2:8080 at connect() (np_connect4), from \
+             {client} (conntrack); it answered"
+        )
+        .as_str()],
         "{out}"
     );
     // The tracer withdrew its deadline: the programs report nothing more.
@@ -1334,4 +1596,312 @@ fn loopback_destinations_from_outside_the_node_are_traced_live_to_the_localnet_g
         "{out}"
     );
     no_table_left(&c.node, "the last trace");
+}
+
+/// The end-to-end suite's other connections that get no answer, met by a real client and
+/// traced with `--rules kernel` and `--live` (which agree): a process of the node to
+/// `127.0.0.1:<nodePort>` under `--nodeport-addresses 0.0.0.0/0,::/0` (the nftables mode leaves
+/// loopback out: refused by the node's own stack), an IPv6 NodePort of a Service without
+/// endpoints (rejected), a NodePort's number sent to an address the node does not hold (the
+/// suite's address not yet added, or removed: routing refuses it, network unreachable).
+#[test]
+fn the_end_to_end_suites_other_unanswered_connections_are_explained_with_their_cause() {
+    if !require_tools(
+        "the_end_to_end_suites_other_unanswered_connections_are_explained_with_their_cause",
+        &["kubectl", "nft"],
+    ) {
+        return;
+    }
+    let flags = ["--nodeport-addresses", "0.0.0.0/0,::/0"];
+    let c = Cluster::start_with(Mode::Nftables, &flags, Stack::Dual);
+    c.apply(&dual_stack_service_yaml("web", 30095, &[1]))
+        .unwrap();
+    c.apply(&dual_stack_service_yaml("empty", 30121, &[]))
+        .unwrap();
+    eventually(
+        &c.client,
+        &format!("{NODE_IP}:30095"),
+        "the NodePort answers",
+        |r| matches!(r, Reply::Pod { .. }),
+    );
+    let v6 = format!("[{NODE_IP6}]:30121");
+    // Over IPv6 the reject was seen to answer only the SYN's retransmission, a second after
+    // the connect began (proxy_end_to_end's dual-stack test): asked with 3 s to answer.
+    let slow = Duration::from_secs(3);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while get(&c.client, &v6, slow) != Reply::Refused {
+        assert!(
+            Instant::now() < deadline,
+            "the empty Service is refused over IPv6"
+        );
+        std::thread::sleep(Duration::from_millis(150));
+    }
+    c.client
+        .run(&["ip", "route", "add", "203.0.113.10/32", "via", NODE_IP])
+        .unwrap();
+    // (who asks, its address, the destination, what it gets, the fate and notes traced, seen live)
+    type Case<'a> = (
+        &'a Netns,
+        &'a str,
+        String,
+        fn(&Reply) -> bool,
+        String,
+        &'a str,
+    );
+    let cases: [Case<'_>; 3] = [
+        (
+            &c.node,
+            "127.0.0.1",
+            "127.0.0.1:30095".to_string(),
+            |r| *r == Reply::Refused,
+            "fate        not a NodePort address: 127.0.0.1 is not selected by \
+             --nodeport-addresses 0.0.0.0/0,::/0 (a selection of every address leaves loopback \
+             out in the nftables mode, as kube-proxy's does; 127.0.0.0/8 in --nodeport-addresses \
+             asks for localhost NodePorts), so NodePort 30095 of default/web:80/TCP does not \
+             answer there\n"
+                .to_string(),
+            "seen        passed on untranslated, not masqueraded; refused: 127.0.0.1 answered \
+             with a TCP reset (nothing listens on that port there, or a firewall rejects with a \
+             reset)",
+        ),
+        (
+            &c.client,
+            CLIENT_IP6,
+            v6.clone(),
+            |r| *r == Reply::Refused,
+            "fate        reject: default/empty:80/TCP has no endpoints\n".to_string(),
+            "seen        reject: default/empty:80/TCP has no endpoints (at ip6 kube-proxy \
+             nodeport-endpoints-check rule ",
+        ),
+        (
+            &c.client,
+            CLIENT_IP,
+            "203.0.113.10:30095".to_string(),
+            |r| matches!(r, Reply::Other(e) if e.contains("Network is unreachable")),
+            "fate        not a Service: no Service has 203.0.113.10:30095/tcp; passed on \
+             untranslated\nnote        30095/tcp is the NodePort of default/web:80/TCP, but \
+             203.0.113.10 is not an address of this node: NodePorts answer on the node's own \
+             addresses\nnote        no route to 203.0.113.10 on this node: routing refuses the \
+             packet (ICMP network unreachable) before any forward rule\n"
+                .to_string(),
+            "seen        accepted by every rule, then refused: this node (192.0.2.10) answered \
+             with ICMP network unreachable (code 0) (no route to the address)",
+        ),
+    ];
+    for (who, from, to, want, cause, seen_line) in cases {
+        let to_tcp = format!("{to}/tcp");
+        let (out, code) = kernel_verdict(&c, &flags, from, &to_tcp);
+        assert_eq!(code, Some(1), "{from} → {to}: {out}");
+        assert!(out.contains(&cause), "{from} → {to}: {out}");
+        let mut args = flags.to_vec();
+        args.extend(["--to", &to_tcp, "--timeout", "20s"]);
+        let t = LiveTrace::start(&c.node, &args);
+        let got = get(who, &to, slow);
+        let (live, err, code) = t.finish();
+        assert!(want(&got), "{from} → {to}: {got:?}\n{live}{err}");
+        assert_eq!(code, Some(1), "{from} → {to}: {live}{err}");
+        assert_eq!(
+            explanation(&live),
+            explanation(&out),
+            "{from} → {to}: live, then --rules kernel"
+        );
+        assert!(
+            seen(&live).iter().any(|l| l.starts_with(seen_line)),
+            "{from} → {to}: {live}"
+        );
+    }
+    no_table_left(&c.node, "the last trace");
+}
+
+/// Whether a live trace's path holds no step of the programs (a packet they passed on).
+fn no_np_ebpf_path(out: &str) -> bool {
+    !out.lines().any(|l| l.starts_with("path        ebpf "))
+}
+
+/// `nodeport trace --rules kernel` in the ebpf mode, the proxy's maps under its pin root:
+/// (stdout, exit code).
+fn ebpf_kernel_trace(c: &Cluster, extra: &[&str], from: &str, to: &str) -> (String, Option<i32>) {
+    let out = c
+        .node
+        .command(env!("CARGO_BIN_EXE_nodeport"))
+        .args([
+            "trace",
+            "--rules",
+            "kernel",
+            "--master",
+            "http://127.0.0.1:6443",
+        ])
+        .args(["--node-name", "node-a", "--cluster-cidr", "10.244.0.0/16"])
+        .arg("--ebpf-pin-root")
+        .arg(&c.ebpf.as_ref().expect("an ebpf cluster").pin_root)
+        .args(extra)
+        .args(["--from", from, "--to", to])
+        .env("NODEPORT_LOG", "error")
+        .output()
+        .unwrap();
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        out.status.code(),
+    )
+}
+
+/// The ebpf mode on the real kernel (the end-to-end suite's cases): a client outside
+/// `loadBalancerSourceRanges` is dropped by `np_tc_ingress`, which the live trace sees and
+/// `--rules kernel` names alike, while a listed client is translated; `127.0.0.1` sent to the
+/// node from outside (a NodePort with localhost NodePorts asked for, and a service of the
+/// node's own) is dropped by the kernel as a martian destination (route_localnet stays off
+/// in the ebpf mode), which `--rules kernel` says from the node's own sysctl.
+#[test]
+fn in_the_ebpf_mode_source_ranges_and_127_0_0_1_from_outside_are_traced_on_the_real_kernel() {
+    if !require_tools(
+        "in_the_ebpf_mode_source_ranges_and_127_0_0_1_from_outside_are_traced_on_the_real_kernel",
+        &["kubectl", "bpftool"],
+    ) {
+        return;
+    }
+    // The proxy's defaults first: its tc programs are on eth0, which holds the NodePort
+    // address (`primary`), where the load-balancer VIP arrives.
+    let mut c = Cluster::start(Mode::Ebpf, &[]);
+    let lb = service_yaml(
+        "lb",
+        30085,
+        &format!("  loadBalancerSourceRanges: [{CLIENT_IP}/32]"),
+        &[1, 2, 3],
+    )
+    .replace("type: NodePort", "type: LoadBalancer");
+    c.apply(&lb).unwrap();
+    c.kubectl(&[
+        "patch",
+        "svc",
+        "lb",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        r#"{"status":{"loadBalancer":{"ingress":[{"ip":"192.0.2.200"}]}}}"#,
+    ])
+    .unwrap();
+    c.apply(&service_yaml("here", 30093, "", &[1])).unwrap();
+    eventually(
+        &c.client,
+        "192.0.2.200:80",
+        "the listed client reaches the VIP",
+        |r| matches!(r, Reply::Pod { .. }),
+    );
+    let vip = "192.0.2.200:80/tcp";
+    let outside = "drop: 192.0.2.101 is not in loadBalancerSourceRanges 192.0.2.100/32 of \
+                   default/lb:80/TCP";
+
+    // Outside the ranges: the kernel's maps name the drop; live, the program reports it.
+    let (kernel, code) = ebpf_kernel_trace(&c, &[], CLIENT2_IP, vip);
+    assert_eq!(code, Some(1), "{kernel}");
+    assert!(
+        kernel.contains(&format!("fate        {outside}\n")),
+        "{kernel}"
+    );
+    let args = ["--to", vip, "--timeout", "20s"];
+    let t = LiveTrace::start_ebpf(&c, &args);
+    assert_eq!(
+        get(&c.client2, "192.0.2.200:80", Duration::from_millis(1500)),
+        Reply::Timeout
+    );
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(1), "{out}{err}");
+    assert_eq!(explanation(&out), explanation(&kernel), "{out}");
+    assert!(
+        out.contains(
+            "path        ebpf np_tc_ingress source ranges: 192.0.2.101 is not in np_src_ranges: drop\n"
+        ),
+        "{out}"
+    );
+    assert_eq!(
+        seen(&out),
+        [format!("seen        {outside} (at ebpf np_tc_ingress)").as_str()],
+        "{out}"
+    );
+    // Inside them: translated, and answered.
+    let (kernel, code) = ebpf_kernel_trace(&c, &[], CLIENT_IP, vip);
+    assert_eq!(code, Some(0), "{kernel}");
+    let t = LiveTrace::start_ebpf(&c, &args);
+    assert!(matches!(
+        get(&c.client, "192.0.2.200:80", Duration::from_secs(3)),
+        Reply::Pod { .. }
+    ));
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert_eq!(explanation(&out), explanation(&kernel), "{out}");
+    assert!(
+        seen(&out)[0].starts_with("seen        DNAT to 10.244.")
+            && seen(&out)[0].ends_with("; it answered"),
+        "{out}"
+    );
+
+    // 127.0.0.1 from outside, with localhost NodePorts asked for (the suite's flags): the
+    // client routes it to the node.
+    let flags = ["--nodeport-addresses", "127.0.0.0/8,198.51.100.0/24"];
+    c.restart_proxy_with(&flags);
+    c.eventually_in_node_cgroup(&c.node, "127.0.0.1:30093", "the localhost NodePort", |r| {
+        matches!(r, Reply::Pod { .. })
+    });
+    let _node_local = nodeport_testbed::server::Server::start_in(
+        &c.node,
+        nodeport_testbed::server::ServerConfig {
+            bind: "127.0.0.1".parse().unwrap(),
+            ..nodeport_testbed::server::ServerConfig::http("node-lo", 18080)
+        },
+    )
+    .unwrap();
+    c.client
+        .sh(&format!(
+            "ip rule add pref 100 lookup local && ip rule del pref 0 && \
+             ip rule add pref 10 to 127.0.0.1/32 lookup 100 && \
+             ip route add 127.0.0.1/32 via {NODE_IP} dev eth0 table 100 && \
+             sysctl -qw net.ipv4.conf.all.route_localnet=1"
+        ))
+        .unwrap();
+    let martian = "fate        drop: 127.0.0.1 from the network is a martian destination: with \
+                   route_localnet off the kernel's routing drops it, NodePort or not\n";
+    for to in ["127.0.0.1:30093", "127.0.0.1:18080"] {
+        assert_eq!(
+            get(&c.client, to, Duration::from_millis(1500)),
+            Reply::Timeout,
+            "{to}"
+        );
+        let (kernel, code) = ebpf_kernel_trace(&c, &flags, CLIENT_IP, &format!("{to}/tcp"));
+        assert_eq!(code, Some(1), "{to}: {kernel}");
+        assert!(kernel.contains(martian), "{to}: {kernel}");
+        assert!(kernel.contains("(input path), on eth0"), "{to}: {kernel}");
+    }
+    // Live: the programs pass 127.0.0.1 to the stack untranslated (no tc frontend is ever
+    // loaded for loopback); the tracer's nftables table marks it there, and it is seen to
+    // leave no conntrack entry and get no answer: the martian drop, as explained.
+    let mut args = flags.to_vec();
+    args.extend(["--to", "127.0.0.1:30093/tcp", "--timeout", "20s"]);
+    let t = LiveTrace::start_ebpf(&c, &args);
+    assert_eq!(
+        get(&c.client, "127.0.0.1:30093", Duration::from_millis(1500)),
+        Reply::Timeout
+    );
+    let (out, err, code) = t.finish();
+    assert_eq!(code, Some(1), "{out}{err}");
+    let (kernel, _) = ebpf_kernel_trace(&c, &flags, CLIENT_IP, "127.0.0.1:30093/tcp");
+    assert_eq!(explanation(&out), explanation(&kernel), "{out}");
+    assert_eq!(
+        seen(&out),
+        [format!(
+            "seen        {}: every rule accepted it, no conntrack entry is left and nothing came back",
+            martian
+                .trim_start_matches("fate        ")
+                .trim_end()
+        )
+        .as_str()],
+        "{out}"
+    );
+    assert!(no_np_ebpf_path(&out), "{out}");
+    // The node's own socket to its localhost NodePort is served at connect().
+    let (kernel, code) = ebpf_kernel_trace(&c, &flags, "127.0.0.1", "127.0.0.1:30093/tcp");
+    assert_eq!(code, Some(0), "{kernel}");
+    assert!(
+        kernel.contains("fate        DNAT to 10.244.1.2:8080\n"),
+        "{kernel}"
+    );
 }

@@ -220,6 +220,8 @@ fn tuple_fields(tuple: &[Tuple]) -> TupleFields {
                 for p in ps {
                     match p {
                         ProtoTuple::Protocol(CtProto::Udp) => proto = Some(17),
+                        ProtoTuple::Protocol(CtProto::Tcp) => proto = Some(6),
+                        ProtoTuple::Protocol(CtProto::Sctp) => proto = Some(132),
                         ProtoTuple::Protocol(_) => proto = Some(0),
                         ProtoTuple::SourcePort(p) => sport = Some(*p),
                         ProtoTuple::DestinationPort(p) => dport = Some(*p),
@@ -352,6 +354,80 @@ pub fn get(
         Err(e) => Err(e),
         Ok(()) => Ok(found),
     }
+}
+
+/// A connection as a dump lists it (`nodeport trace --live` in the ebpf mode finds the node's
+/// own sockets with it: the connect hook sends them to their backend, where conntrack sees
+/// them with their real source).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Entry {
+    /// IP protocol number.
+    pub protocol: u8,
+    /// Original direction: source address.
+    pub orig_src: IpAddr,
+    /// Original direction: source port.
+    pub orig_sport: u16,
+    /// Original direction: destination address.
+    pub orig_dst: IpAddr,
+    /// Original direction: destination port.
+    pub orig_dport: u16,
+    /// The other side has sent something back (`IPS_SEEN_REPLY`).
+    pub seen_reply: bool,
+    /// TCP: conntrack's state (`TCP_CONNTRACK_*`: 3 established, 7 time wait, 8 close).
+    pub tcp_state: Option<u8>,
+}
+
+/// Dumps every conntrack entry of a family.
+pub fn dump(family: IpFamily) -> Result<Vec<Entry>, Error> {
+    let s = socket()?;
+    send(
+        &s,
+        NLM_F_REQUEST | NLM_F_DUMP,
+        family,
+        ConntrackMessage::Get(vec![]),
+    )?;
+    let mut entries = Vec::new();
+    receive(&s, |attrs| {
+        let mut orig = None;
+        let mut seen_reply = false;
+        let mut tcp_state = None;
+        for a in attrs {
+            match a {
+                ConntrackAttribute::CtaTupleOrig(t) => orig = Some(tuple_fields(t)),
+                ConntrackAttribute::CtaStatus(status) => {
+                    seen_reply =
+                        status.contains(netlink_packet_netfilter::conntrack::Status::SeenReply);
+                }
+                ConntrackAttribute::CtaProtoInfo(info) => {
+                    for i in info {
+                        if let netlink_packet_netfilter::conntrack::ProtoInfo::TCP(tcp) = i {
+                            for t in tcp {
+                                if let netlink_packet_netfilter::conntrack::ProtoInfoTCP::State(
+                                    state,
+                                ) = t
+                                {
+                                    tcp_state = Some(*state);
+                                }
+                            }
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        if let Some((Some(src), Some(dst), Some(protocol), Some(sport), Some(dport))) = orig {
+            entries.push(Entry {
+                protocol,
+                orig_src: src,
+                orig_sport: sport,
+                orig_dst: dst,
+                orig_dport: dport,
+                seen_reply,
+                tcp_state,
+            });
+        }
+    })?;
+    Ok(entries)
 }
 
 /// Cleans one family: dump, filter, delete. Returns the number of entries deleted.

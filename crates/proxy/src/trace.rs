@@ -2,7 +2,8 @@
 //! around the rules, and the [`Trace`] of [`Fate`]s a backend's tracer finds
 //! ([`nftables::tracer`](crate::nftables::tracer), [`iptables::tracer`](crate::iptables::tracer),
 //! [`ebpf::tracer`](crate::ebpf::tracer)). [`explain`] names those fates in Kubernetes'
-//! words (the Service port, its endpoints, why masqueraded, why dropped) for `nodeport trace`.
+//! words (the Service port, its endpoints, why masqueraded, why dropped) for `nodeport trace`;
+//! [`recover`] reads the Services a kernel's rules name, for a trace without objects.
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -11,6 +12,7 @@ use std::net::{IpAddr, SocketAddr};
 use crate::model::Protocol;
 
 pub mod explain;
+pub mod recover;
 
 /// Where the packet comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -83,6 +83,20 @@ pub struct Flags {
     ebpf_lb_algorithm: String,
 }
 
+impl Flags {
+    /// Whether `--cluster-cidr` was given (`trace` otherwise reads it from the kernel's
+    /// rules when it names from the kernel).
+    pub fn cluster_cidr_given(&self) -> bool {
+        self.cluster_cidr.is_some()
+    }
+
+    /// Whether `--nodeport-addresses` was given (`trace` otherwise says which addresses the
+    /// kernel serves NodePorts on when it names from the kernel).
+    pub fn nodeport_addresses_given(&self) -> bool {
+        self.nodeport_addresses.is_some()
+    }
+}
+
 fn usage(message: impl Into<String>) -> anyhow::Error {
     UsageError(message.into()).into()
 }

@@ -16,6 +16,7 @@ use std::path::PathBuf;
 use nodeport_proxy::config::ProxyMode;
 use nodeport_proxy::model::{IpFamily, Protocol};
 use nodeport_proxy::trace::explain::{self, Dataplane, Explanation};
+use nodeport_proxy::trace::recover::Recovered;
 use nodeport_proxy::trace::{Env, Origin, Packet, Trace};
 use nodeport_proxy::{ebpf, iptables, nftables};
 use serde::Serialize;
@@ -40,10 +41,11 @@ const OUTSIDE_V6: &str = "2001:db8:ffff::1";
 pub struct Args {
     /// Multi-document YAML of Services, EndpointSlices, ServiceCIDRs and optionally Nodes
     /// ("-" reads standard input): trace what `nodeport render` would program for them.
+    /// Without -f, --kubeconfig and --master: the rules this node's kernel holds, named from
+    /// the kernel alone (--rules kernel).
     #[arg(
         short = 'f',
         long = "filename",
-        required_unless_present_any = ["kubeconfig", "master"],
         conflicts_with_all = ["kubeconfig", "master"]
     )]
     file: Option<PathBuf>,
@@ -97,11 +99,13 @@ pub struct Args {
     #[arg(long, value_name = "NAME")]
     in_interface: Option<String>,
     /// Which rules to trace: "render" (what the proxy would program for the objects) or
-    /// "kernel" (what this node's kernel holds now, named with the objects: the nftables
-    /// mode's table read with `nft -j`, the iptables mode's with iptables-save, the variant
-    /// detected as the proxy does; the ebpf mode's pinned maps).
-    #[arg(long, default_value = "render", value_name = "render|kernel")]
-    rules: String,
+    /// "kernel" (what this node's kernel holds now: the nftables mode's table read with `nft
+    /// -j`, the iptables mode's with iptables-save, the variant detected as the proxy does;
+    /// the ebpf mode's pinned maps), named with the objects, or without them (or when the
+    /// API server cannot be read) from the kernel alone [default: render with -f,
+    /// --kubeconfig or --master, kernel without].
+    #[arg(long, value_name = "render|kernel")]
+    rules: Option<String>,
     /// Trace real packets: the first packet of each of the next --count new connections to
     /// --to (from --from), as the kernel sees them (nftables trace events, conntrack), each
     /// explained as --rules kernel explains it. nftables and iptables-nft only; in
@@ -285,6 +289,9 @@ struct Tracing {
     in_interface: Option<String>,
     /// `--rules kernel`: other tables' base chains that can drop packets.
     foreign: Vec<ForeignChain>,
+    /// `--rules kernel` without objects: what in the kernel named the Services (the
+    /// Services traced with are recovered from the kernel's rules, [`KernelRules::recover`]).
+    names_from_kernel: Option<String>,
 }
 
 /// A base chain outside the proxy's rules that holds drop or reject rules, or a drop policy
@@ -854,6 +861,41 @@ impl KernelRules {
         }
     }
 
+    /// The Service ports the kernel names, recovered from its rules (or maps) alone.
+    fn recover(&self, local_ips: &[IpAddr]) -> Recovered {
+        let mut r = Recovered::default();
+        match self {
+            KernelRules::Iptables { saved, .. } => {
+                for (family, s) in IpFamily::ALL.into_iter().zip(saved) {
+                    iptables::recover::recover(&s.view, family, &mut r);
+                }
+            }
+            KernelRules::Nftables { listed } => {
+                for l in listed.iter().flatten() {
+                    nftables::recover::recover(&l.table, &mut r);
+                }
+            }
+            KernelRules::Ebpf { maps, .. } => ebpf::recover::recover(maps, local_ips, &mut r),
+        }
+        r
+    }
+
+    /// Where the kernel's names come from, for the `rules` line.
+    fn names_from(&self) -> String {
+        match self {
+            KernelRules::Iptables { .. } => "the kernel (its rules' comments)".to_string(),
+            KernelRules::Nftables { .. } if self.layout() == Some("flat") => {
+                "the kernel (its elements' comments)".to_string()
+            }
+            KernelRules::Nftables { .. } => {
+                "the kernel (its chains' names and its elements' comments)".to_string()
+            }
+            KernelRules::Ebpf { .. } => "the kernel, whose BPF maps hold no names: ports are \
+                 named by their service id (svc-<id>)"
+                .to_string(),
+        }
+    }
+
     /// Rules of the packet's family that were left out.
     fn skipped(&self, family: IpFamily) -> &[String] {
         let i = usize::from(family == IpFamily::V6);
@@ -865,6 +907,177 @@ impl KernelRules {
             // Every frontend, backend and range is read.
             KernelRules::Ebpf { .. } => &[],
         }
+    }
+}
+
+/// Names what the kernel holds from the kernel alone (`recovered` from its rules): the
+/// Services, their endpoints and the settings the rules show replace the (absent) objects'
+/// in `prepared`.
+fn name_from_kernel(prepared: &mut Prepared, recovered: &Recovered) {
+    let node = NodeRoutes::read(recovered, &prepared.facts.local_ips);
+    prepared.desired = recovered.into_desired(&|ip| node.on_this_node(ip));
+    // The node's own addresses, for what it sends itself (`--service`'s ClusterIPs): those
+    // of the node network.
+    prepared.facts.node_ips = node.node_addresses.clone();
+}
+
+/// Named from the kernel: the proxy's flags the trace was not given, as the kernel's rules
+/// show them (`recovered`): `--cluster-cidr` and `--masquerade-all` (the ClusterIP
+/// masquerade rules), and `--nodeport-addresses`, said as the addresses the kernel serves
+/// NodePorts on. (With objects the flags are `render`'s, the proxy's own, as given: taken
+/// from the kernel, a kernel missing its NodePort rules would look like a proxy told to
+/// serve no NodePort, not like one whose rules are gone.)
+fn follow_kernel(prepared: &mut Prepared, recovered: &Recovered, flags: &render::Flags) {
+    if !flags.cluster_cidr_given() && !recovered.cluster_cidrs.is_empty() {
+        prepared.config.cluster_cidrs = recovered.cluster_cidrs.iter().copied().collect();
+    }
+    prepared.config.masquerade_all |= recovered.masquerade_all;
+    if !flags.nodeport_addresses_given() {
+        for fam in &mut prepared.desired.families {
+            if let Some(facts) = recovered.families.get(&fam.family) {
+                fam.nodeport_ips = match &facts.nodeport_ips {
+                    Some(ips) => nodeport_proxy::nodeaddr::Selection::Ips(ips.clone()),
+                    None => nodeport_proxy::nodeaddr::Selection::MatchAll,
+                };
+            }
+        }
+        // Per family: the addresses the kernel lists, or every address of the node's.
+        let mut served = Vec::new();
+        for (family, facts) in &recovered.families {
+            match &facts.nodeport_ips {
+                Some(ips) => served.extend(ips.iter().map(|ip| ip.to_string())),
+                None => served.push(format!("every {} address of its own", family.as_str())),
+            }
+        }
+        prepared.nodeport_addresses = format!(
+            "of the proxy (this node's kernel serves NodePorts on {})",
+            if served.is_empty() {
+                "no address".to_string()
+            } else {
+                served.join(", ")
+            }
+        );
+    }
+}
+
+/// This node's routes and interfaces, read once (`ip -j route`, `ip -j address`): whether
+/// an endpoint whose place the kernel's rules do not say is on this node. It is when it is
+/// one of the node's addresses, or when the route to it has no gateway and leaves through
+/// an interface other than the node network's (the interfaces holding the NodePort
+/// addresses the kernel lists, else those holding a default route, else the first
+/// interface with a global address): a pod's veth or bridge. An endpoint behind a gateway,
+/// or a neighbour on the node network, is on another node.
+struct NodeRoutes {
+    /// Unicast routes of the main table: destination, whether via a gateway, interface.
+    routes: Vec<(ipnet::IpNet, bool, String)>,
+    /// The node network's interfaces.
+    node_interfaces: std::collections::BTreeSet<String>,
+    /// Their addresses (loopback and link-local aside), in the kernel's order.
+    node_addresses: Vec<IpAddr>,
+    /// The node's own addresses.
+    own: Vec<IpAddr>,
+}
+
+impl NodeRoutes {
+    fn read(recovered: &Recovered, own: &[IpAddr]) -> Self {
+        let json = |args: &[&str]| -> Vec<serde_json::Value> {
+            std::process::Command::new("ip")
+                .args(args)
+                .output()
+                .ok()
+                .filter(|o| o.status.success())
+                .and_then(|o| serde_json::from_slice(&o.stdout).ok())
+                .unwrap_or_default()
+        };
+        let mut routes = Vec::new();
+        for (family, any) in [("-4", "0.0.0.0/0"), ("-6", "::/0")] {
+            for r in json(&[family, "-j", "route", "show", "table", "main"]) {
+                if !matches!(r["type"].as_str(), None | Some("unicast")) {
+                    continue;
+                }
+                let (Some(dst), Some(dev)) = (r["dst"].as_str(), r["dev"].as_str()) else {
+                    continue;
+                };
+                let dst = if dst == "default" { any } else { dst };
+                let net = dst
+                    .parse::<ipnet::IpNet>()
+                    .or_else(|_| dst.parse::<IpAddr>().map(ipnet::IpNet::from));
+                if let Ok(net) = net {
+                    routes.push((net, r.get("gateway").is_some(), dev.to_string()));
+                }
+            }
+        }
+        // Interface → its addresses, in the kernel's order.
+        let mut addresses: Vec<(String, IpAddr)> = Vec::new();
+        for link in json(&["-j", "address", "show"]) {
+            let Some(name) = link["ifname"].as_str() else {
+                continue;
+            };
+            for a in link["addr_info"].as_array().into_iter().flatten() {
+                if let Some(ip) = a["local"].as_str().and_then(|s| s.parse::<IpAddr>().ok()) {
+                    addresses.push((name.to_string(), ip));
+                }
+            }
+        }
+        let listed: Vec<IpAddr> = IpFamily::ALL
+            .into_iter()
+            .filter_map(|f| recovered.nodeport_ips(f))
+            .flatten()
+            .copied()
+            .filter(|ip| !ip.is_loopback())
+            .collect();
+        let mut node_interfaces: std::collections::BTreeSet<String> = addresses
+            .iter()
+            .filter(|(_, ip)| listed.contains(ip))
+            .map(|(name, _)| name.clone())
+            .collect();
+        if node_interfaces.is_empty() {
+            node_interfaces = routes
+                .iter()
+                .filter(|(net, _, _)| net.prefix_len() == 0)
+                .map(|(_, _, dev)| dev.clone())
+                .collect();
+        }
+        if node_interfaces.is_empty() {
+            node_interfaces.extend(
+                addresses
+                    .iter()
+                    .find(|(_, ip)| {
+                        !ip.is_loopback()
+                            && !matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local())
+                    })
+                    .map(|(name, _)| name.clone()),
+            );
+        }
+        let node_addresses = addresses
+            .iter()
+            .filter(|(name, ip)| {
+                node_interfaces.contains(name)
+                    && !ip.is_loopback()
+                    && !matches!(ip, IpAddr::V6(v6) if v6.is_unicast_link_local())
+            })
+            .map(|(_, ip)| *ip)
+            .collect();
+        NodeRoutes {
+            routes,
+            node_interfaces,
+            node_addresses,
+            own: own.to_vec(),
+        }
+    }
+
+    fn on_this_node(&self, ip: IpAddr) -> bool {
+        if self.own.contains(&ip) {
+            return true;
+        }
+        let best = self
+            .routes
+            .iter()
+            .filter(|(net, _, _)| net.contains(&ip))
+            .max_by_key(|(net, _, _)| net.prefix_len());
+        best.is_some_and(|(_, via_gateway, dev)| {
+            !via_gateway && !self.node_interfaces.contains(dev)
+        })
     }
 }
 
@@ -1086,6 +1299,7 @@ impl Tracing {
                 && packet.dst.is_loopback()
                 && packet.dst.is_ipv4())
             .then(|| route_localnet(self.in_interface.as_deref())),
+            localhost_nodeports: p.config.localhost_nodeports,
         };
         let mut explanation = explain::explain(&p.desired, &ctx, &trace);
         if packet.origin == Origin::Remote {
@@ -1147,7 +1361,8 @@ impl Tracing {
                      until the entry expires (shown is a new client's path)"
                 ));
             }
-            if fates_key(&rendered) != fates_key(&trace) {
+            // Named from the kernel, the objects are the kernel's own: nothing to compare.
+            if self.names_from_kernel.is_none() && fates_key(&rendered) != fates_key(&trace) {
                 let would = explain::explain(&p.desired, &ctx, &rendered);
                 let fate = would
                     .outcomes
@@ -1182,12 +1397,22 @@ impl Tracing {
                 "rules       {}, as this node's kernel holds them ({}); names from {}",
                 self.prepared.mode.as_str(),
                 k.describe(),
-                self.source
+                self.names_from_kernel.as_deref().unwrap_or(&self.source)
             ),
             None => format!(
                 "rules       {mode}, as `nodeport render` programs them for {}",
                 self.source
             ),
+        }
+    }
+
+    /// The hint for a `--service` the kernel's names lack.
+    fn missing_service_hint(&self) -> &'static str {
+        match (&self.kernel, &self.names_from_kernel) {
+            (Some(KernelRules::Ebpf { .. }), Some(_)) => {
+                " (the ebpf mode's maps hold no names: give -f or --kubeconfig)"
+            }
+            _ => "",
         }
     }
 
@@ -1263,29 +1488,58 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         )));
     }
     let mut args = args;
-    if args.live {
+    let has_objects = args.file.is_some() || args.kubeconfig.is_some() || args.master.is_some();
+    let kernel_rules = match (args.rules.as_deref(), args.live) {
         // Real packets are explained with what the kernel holds.
-        args.rules = "kernel".to_string();
+        (_, true) | (Some("kernel"), _) => true,
+        (Some("render"), _) => false,
+        (Some(other), _) => {
+            return Err(usage(format!(
+                "invalid value {other:?} for --rules: must be render or kernel"
+            )));
+        }
+        (None, _) => !has_objects,
+    };
+    if !kernel_rules && !has_objects {
+        return Err(usage(
+            "--rules render traces what the proxy would program for objects: give -f FILE, \
+             --kubeconfig or --master (without them, --rules kernel traces what this node's \
+             kernel holds, named from the kernel)",
+        ));
     }
-    if args.rules == "kernel" && args.render.proxy_mode.is_none() {
+    if kernel_rules && args.render.proxy_mode.is_none() {
         args.render.proxy_mode = Some(detect_mode(&args.ebpf_pin_root)?.as_str().to_string());
     }
-    let (text, source, origin) = match &args.file {
-        Some(file) => (
+    let objects = match &args.file {
+        Some(file) => Some((
             render::read_file(file).map_err(|e| untraceable(format!("{e:#}")))?,
             file.display().to_string(),
             "file",
-        ),
-        None => {
-            let text = objects_from_api(args.kubeconfig.clone(), args.master.as_deref())?;
+        )),
+        None if has_objects => {
             let server = match (&args.master, &args.kubeconfig) {
                 (Some(url), _) => url.clone(),
                 (None, Some(path)) => format!("kubeconfig {}", path.display()),
-                (None, None) => unreachable!("clap requires -f, --kubeconfig or --master"),
+                (None, None) => unreachable!("has_objects: --kubeconfig or --master"),
             };
-            (text, format!("the objects of {server}"), "apiserver")
+            match objects_from_api(args.kubeconfig.clone(), args.master.as_deref()) {
+                Ok(text) => Some((text, format!("the objects of {server}"), "apiserver")),
+                // The kernel's rules need no server: named from the kernel instead.
+                Err(e) if kernel_rules && !e.is::<UsageError>() => {
+                    eprintln!(
+                        "nodeport trace: the objects of {server} cannot be read ({e:#}); \
+                         naming what the kernel holds from the kernel alone"
+                    );
+                    None
+                }
+                Err(e) => return Err(e),
+            }
         }
+        None => None,
     };
+    let named_by_objects = objects.is_some();
+    let (text, source, origin) =
+        objects.unwrap_or_else(|| (String::new(), "the kernel".to_string(), "kernel"));
     let prepared = render::prepare(&args.render, &text, &source).map_err(|e| {
         if e.is::<UsageError>() {
             e
@@ -1294,24 +1548,22 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     })?;
     let mut prepared = prepared;
-    let kernel = match args.rules.as_str() {
-        "render" => None,
-        "kernel" => {
-            // The node as it is: its own addresses decide the path and `fib … type local`
-            // (and name the ebpf mode's frontends, which are per address).
-            prepared.facts.local_ips = local_addresses()?;
-            let named = Rendered::of(&prepared)?;
-            Some(KernelRules::read(
-                prepared.mode,
-                &args.ebpf_pin_root,
-                &named,
-            )?)
+    let mut names_from_kernel = None;
+    let kernel = if kernel_rules {
+        // The node as it is: its own addresses decide the path and `fib … type local`
+        // (and name the ebpf mode's frontends, which are per address).
+        prepared.facts.local_ips = local_addresses()?;
+        let named = Rendered::of(&prepared)?;
+        let k = KernelRules::read(prepared.mode, &args.ebpf_pin_root, &named)?;
+        if !named_by_objects {
+            let recovered = k.recover(&prepared.facts.local_ips);
+            name_from_kernel(&mut prepared, &recovered);
+            follow_kernel(&mut prepared, &recovered, &args.render);
+            names_from_kernel = Some(k.names_from());
         }
-        other => {
-            return Err(usage(format!(
-                "invalid value {other:?} for --rules: must be render or kernel"
-            )));
-        }
+        Some(k)
+    } else {
+        None
     };
     let rendered = Rendered::of(&prepared)?;
     let prepared_mode = prepared.mode;
@@ -1323,11 +1575,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         kernel,
         in_interface: args.in_interface.clone(),
         // The ebpf mode forwards what it translates at tc, past netfilter's hooks.
-        foreign: if args.rules == "kernel" && prepared_mode != ProxyMode::Ebpf {
+        foreign: if kernel_rules && prepared_mode != ProxyMode::Ebpf {
             read_foreign_chains()
         } else {
             Vec::new()
         },
+        names_from_kernel,
     };
     if args.live {
         let (daddr, dport, protocol) = live_to.expect("clap requires --to with --live");
@@ -1454,8 +1707,9 @@ fn trace_service(
     }
     if packets.is_empty() {
         return Err(untraceable(format!(
-            "no Service {ns}/{name} in {} (or it has no ClusterIP)",
-            tracing.source
+            "no Service {ns}/{name} in {} (or it has no ClusterIP){}",
+            tracing.source,
+            tracing.missing_service_hint()
         )));
     }
     let traces: Vec<Explanation> = packets

@@ -30,7 +30,8 @@
 //! following the NodePort addresses and the endpoints' routes, fill levels), [`routes`]
 //! (route dumps and look-ups over rtnetlink), [`sockets`] (closing UDP sockets connected to
 //! removed backends), [`tracer`] (what the programs do with a new connection, evaluated over
-//! the rendered maps).
+//! the rendered maps), [`recover`] (what the maps say of their Service ports, which they
+//! name by id only, for a trace without objects).
 //!
 //! # Not handled by the programs
 //!
@@ -52,6 +53,7 @@ pub mod dataplane;
 pub mod maglev;
 pub mod maps;
 pub mod programs;
+pub mod recover;
 pub mod render;
 pub mod routes;
 pub mod sockets;

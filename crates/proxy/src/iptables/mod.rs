@@ -77,10 +77,12 @@
 //! [`names`] (chain names), [`mod@render`] (desired state → [`ruleset::Ruleset`], pure),
 //! [`ruleset`] (rules, restores and their text), [`apply`] (the [`apply::Kernel`] trait,
 //! the `iptables` tools runner, a fake, and the applier), [`tracer`] (evaluates the chains for
-//! a packet), [`save`] (`iptables-save` output read back for the tracer).
+//! a packet), [`save`] (`iptables-save` output read back for the tracer), [`recover`] (the
+//! Service ports the chains' comments name, for a trace without objects).
 
 pub mod apply;
 pub mod names;
+pub mod recover;
 pub mod render;
 pub mod ruleset;
 pub mod save;

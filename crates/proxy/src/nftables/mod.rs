@@ -101,13 +101,15 @@
 //! [`ruleset`] (the structured ruleset, transactions and their `nft -f` text), [`apply`]
 //! (the [`apply::Kernel`] trait, `nft` runner, fake, and the applier that computes partial
 //! and full transactions), [`netlink`] (the netlink kernel), [`tracer`] (evaluates a ruleset
-//! for a packet), [`listing`] (`nft -j list table` read back for the tracer).
+//! for a packet), [`listing`] (`nft -j list table` read back for the tracer), [`recover`]
+//! (the Service ports a table names, for a trace without objects).
 
 pub mod apply;
 pub mod flat;
 pub mod listing;
 pub mod names;
 pub mod netlink;
+pub mod recover;
 pub mod render;
 pub mod ruleset;
 pub mod tracer;

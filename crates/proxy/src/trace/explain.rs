@@ -50,6 +50,11 @@ pub struct Context<'a> {
     /// `None`: as the proxy leaves it, on only with its CVE-2020-8558 guard, which drops
     /// every packet from the network to 127.0.0.0/8 the rules do not translate.
     pub route_localnet: Option<bool>,
+    /// iptables mode: a selection of every address (`0.0.0.0/0`) serves NodePorts on
+    /// 127.0.0.1 too (`--iptables-localhost-nodeports`, default true, kube-proxy's). The
+    /// nftables and ebpf modes never serve loopback under such a selection, nor any mode
+    /// `::1`.
+    pub localhost_nodeports: bool,
 }
 
 /// Which of a Service's addresses the packet was sent to.
@@ -199,8 +204,9 @@ pub struct Explanation {
     pub endpoints: Vec<Candidate>,
     /// Every way it ends, most likely first; the first is the fate printed.
     pub outcomes: Vec<Outcome>,
-    /// What the caller adds: rules that were not evaluated, a disagreement between the
-    /// kernel and what the proxy would program.
+    /// Whose NodePort a packet to another address carries; and what the caller adds: rules
+    /// that were not evaluated, a disagreement between the kernel and what the proxy would
+    /// program.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub notes: Vec<String>,
 }
@@ -212,14 +218,18 @@ impl Explanation {
     }
 }
 
-/// `default/web:80/TCP`.
-fn port_label(svc: &ServicePortState) -> String {
+/// `default/web:80/TCP`; a port known by a name without namespace (the ebpf mode's maps
+/// name none: `svc-7`, [`super::recover`]) is `svc-7:80/TCP`.
+pub fn port_label(svc: &ServicePortState) -> String {
     let p = &svc.port;
     let proto = match p.name.protocol {
         Protocol::Tcp => "TCP",
         Protocol::Udp => "UDP",
         Protocol::Sctp => "SCTP",
     };
+    if p.name.namespace.is_empty() {
+        return format!("{}:{}/{proto}", p.name.name, p.port);
+    }
     format!("{}/{}:{}/{proto}", p.name.namespace, p.name.name, p.port)
 }
 
@@ -251,7 +261,10 @@ fn find<'a>(
         if port.node_port == Some(packet.dport) {
             let selected = match &fam.nodeport_ips {
                 Selection::Ips(ips) => ips.contains(&packet.dst),
-                Selection::MatchAll => ctx.local_addrs.contains(&packet.dst),
+                Selection::MatchAll => {
+                    ctx.local_addrs.contains(&packet.dst)
+                        && (!packet.dst.is_loopback() || match_all_serves_loopback(ctx, packet))
+                }
             };
             if selected {
                 return Some((svc, Frontend::NodePort, false));
@@ -262,6 +275,35 @@ fn find<'a>(
         }
     }
     unselected
+}
+
+/// Whether a selection of every address serves NodePorts on the packet's loopback
+/// destination: only the iptables mode's, for IPv4, with localhost NodePorts (kube-proxy's
+/// `localhostNodePorts`); the nftables mode leaves loopback out (kube-proxy's nftables mode
+/// has no localhost NodePorts), the ebpf mode serves no frontend on it under such a
+/// selection.
+fn match_all_serves_loopback(ctx: &Context<'_>, packet: &Packet) -> bool {
+    ctx.dataplane == Dataplane::Iptables && ctx.localhost_nodeports && packet.dst.is_ipv4()
+}
+
+/// Why a selection of every address leaves the packet's loopback destination out, for the
+/// "not a NodePort address" reason.
+fn loopback_left_out(ctx: &Context<'_>, packet: &Packet) -> &'static str {
+    if packet.dst.is_ipv6() {
+        return " (no mode serves NodePorts on the IPv6 loopback address)";
+    }
+    match ctx.dataplane {
+        Dataplane::Nftables => {
+            " (a selection of every address leaves loopback out in the nftables mode, as \
+             kube-proxy's does; 127.0.0.0/8 in --nodeport-addresses asks for localhost \
+             NodePorts)"
+        }
+        Dataplane::Ebpf => {
+            " (a selection of every address leaves loopback out in the ebpf mode; 127.0.0.0/8 \
+             in --nodeport-addresses asks for localhost NodePorts)"
+        }
+        Dataplane::Iptables => " (--iptables-localhost-nodeports is off)",
+    }
 }
 
 /// Explains `trace` (of `packet`) with the Services of `desired`.
@@ -307,12 +349,21 @@ pub fn explain(desired: &DesiredState, ctx: &Context<'_>, trace: &Trace) -> Expl
         let cidrs = desired
             .family(IpFamily::of(packet.dst))
             .map_or(&[][..], |f| &f.service_cidrs[..]);
+        let match_all = desired
+            .family(IpFamily::of(packet.dst))
+            .is_some_and(|f| f.nodeport_ips == Selection::MatchAll);
         let (verdict, reason, message) =
             match loopback_from_network(ctx, packet, verdict, chain.as_deref()) {
                 Some(kernel) => kernel,
                 None => {
-                    let (reason, message) =
-                        why(ctx, packet, found, cidrs, verdict, chain.as_deref());
+                    let (reason, message) = why(
+                        ctx,
+                        packet,
+                        found,
+                        (cidrs, match_all),
+                        verdict,
+                        chain.as_deref(),
+                    );
                     (verdict, reason, message)
                 }
             };
@@ -348,6 +399,29 @@ pub fn explain(desired: &DesiredState, ctx: &Context<'_>, trace: &Trace) -> Expl
         });
     }
     outcomes.sort_by(|a, b| b.probability.total_cmp(&a.probability));
+    // A NodePort's number to an address that is not the node's: not a Service there, but
+    // say whose NodePort it is (a client that got the address wrong, or one the node no
+    // longer holds).
+    let mut notes = Vec::new();
+    if outcomes.iter().any(|o| o.reason == Reason::NotAService)
+        && !ctx.local_addrs.contains(&packet.dst)
+        && let Some(svc) = desired
+            .family(IpFamily::of(packet.dst))
+            .into_iter()
+            .flat_map(|f| f.services.values())
+            .find(|s| {
+                s.port.node_port == Some(packet.dport) && s.port.name.protocol == packet.proto
+            })
+    {
+        notes.push(format!(
+            "{}/{} is the NodePort of {}, but {} is not an address of this node: NodePorts \
+             answer on the node's own addresses",
+            packet.dport,
+            packet.proto.as_lower(),
+            port_label(svc),
+            packet.dst
+        ));
+    }
     Explanation {
         packet: PacketView {
             from: packet.src,
@@ -364,7 +438,7 @@ pub fn explain(desired: &DesiredState, ctx: &Context<'_>, trace: &Trace) -> Expl
         service,
         endpoints,
         outcomes,
-        notes: Vec::new(),
+        notes,
     }
 }
 
@@ -378,12 +452,13 @@ fn policy(svc: &ServicePortState, frontend: Frontend) -> &'static str {
 }
 
 /// Why a packet that is not translated ends as it does, from the Service's settings; a
-/// verdict they do not explain is `Other`, naming the chain.
+/// verdict they do not explain is `Other`, naming the chain. `match_all`: the NodePort
+/// addresses are every address of the node.
 fn why(
     ctx: &Context<'_>,
     packet: &Packet,
     found: Option<(&ServicePortState, Frontend, bool)>,
-    service_cidrs: &[IpNet],
+    (service_cidrs, match_all): (&[IpNet], bool),
     verdict: Verdict,
     chain: Option<&str>,
 ) -> (Reason, String) {
@@ -420,11 +495,17 @@ fn why(
     };
     let label = port_label(svc);
     if unselected {
+        let why =
+            if match_all && packet.dst.is_loopback() && !match_all_serves_loopback(ctx, packet) {
+                loopback_left_out(ctx, packet)
+            } else {
+                ""
+            };
         return (
             Reason::NotNodePortAddress,
             format!(
-                "not a NodePort address: {} is not selected by --nodeport-addresses {}, so \
-                 NodePort {} of {label} does not answer there",
+                "not a NodePort address: {} is not selected by --nodeport-addresses {}{why}, \
+                 so NodePort {} of {label} does not answer there",
                 packet.dst, ctx.nodeport_addresses, packet.dport
             ),
         );
@@ -752,6 +833,7 @@ endpoints: [{addresses: [10.244.1.5], nodeName: node-a}]
             local_addrs: &addrs,
             maglev: false,
             route_localnet: None,
+            localhost_nodeports: true,
         };
         explain(&state, &ctx, &Trace { packet, fates })
     }

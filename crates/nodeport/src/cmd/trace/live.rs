@@ -6,7 +6,9 @@
 //! its path and what the kernel did (`seen`).
 //!
 //! The ebpf mode reads the programs' trace events instead ([`run_ebpf`]): what
-//! `np_tc_ingress` and the connect hook decide for each new connection while a trace runs.
+//! `np_tc_ingress` and the connect hook decide for each new connection while a trace runs;
+//! the same trace table beside them sees what the programs pass on untranslated, and has
+//! conntrack follow the node's own sockets to their backends ([`Sockets`]).
 //!
 //! The table is owned by the tracing process's netlink socket
 //! ([`nftrace`](nodeport_proxy::nftables::netlink::nftrace)): it is deleted on a normal
@@ -104,6 +106,11 @@ struct Step {
     /// `rule`, `return` or `policy`.
     kind: &'static str,
     verdict: String,
+    /// The Service port the rule is for (`default/web:80/TCP`): a chain of its own
+    /// (kube-proxy's nftables layout, iptables), or a rule of the flat layout's shared chains
+    /// that matched its element.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    service: Option<String>,
 }
 
 /// What the kernel did with a real packet.
@@ -444,8 +451,10 @@ fn explain_packet(tracing: &Tracing, traced: Traced, protocol: Protocol) -> Opti
                 .verdict
                 .as_ref()
                 .map_or_else(String::new, |v| v.to_string()),
+            service: None,
         })
         .collect();
+    let path = named_steps(tracing, &explanation, path);
     let seen = match traced.dropped_by() {
         Some(e) if is_proxys(e) => {
             // The proxy's own drop or reject: the explanation says why.
@@ -505,6 +514,85 @@ fn explain_packet(tracing: &Tracing, traced: Traced, protocol: Protocol) -> Opti
         path,
         seen,
     })
+}
+
+/// The path's steps with the Service port the packet addressed where a step is that port's:
+/// in a chain named for it (kube-proxy's nftables layout: `service-<H>-…`, `endpoint-<H>-…`;
+/// iptables: `KUBE-SVC-<H>`, `KUBE-SEP-<H>`, … of its hashes) or jumping into one, or, in the
+/// flat layout's shared chains, a rule that decided for the packet (a lookup that found the
+/// port's element and jumped, the DNAT from its endpoint map, its no-endpoint or source-range
+/// drop).
+fn named_steps(tracing: &Tracing, explanation: &Explanation, mut path: Vec<Step>) -> Vec<Step> {
+    use nodeport_proxy::nftables::names as nft;
+    let Some(label) = explanation.service.as_ref().map(|s| s.port.clone()) else {
+        return path;
+    };
+    let Some(svc) = tracing
+        .prepared
+        .desired
+        .families
+        .iter()
+        .flat_map(|f| f.services.values())
+        .find(|s| nodeport_proxy::trace::explain::port_label(s) == label)
+    else {
+        return path;
+    };
+    let name = svc.name();
+    let nft_chains = nft::ServiceChainNames::new(name);
+    let ipt_chains = nodeport_proxy::iptables::names::ServiceChainNames::new(name);
+    let mut own: std::collections::BTreeSet<String> = [
+        nft_chains.cluster,
+        nft_chains.local,
+        nft_chains.external,
+        nft_chains.firewall,
+        ipt_chains.cluster,
+        ipt_chains.local,
+        ipt_chains.external,
+        ipt_chains.firewall,
+    ]
+    .into();
+    for e in svc.cluster_endpoints.iter().chain(&svc.local_endpoints) {
+        own.insert(nft::EndpointNames::new(name, e.ip, e.port).chain);
+        own.insert(nodeport_proxy::iptables::names::endpoint_chain(
+            name, e.ip, e.port,
+        ));
+    }
+    // The flat layout's chains that decide per destination, by the port's elements.
+    let shared = [
+        nft::SERVICES,
+        nft::CLUSTER_IP_POLICY,
+        nft::EXTERNAL_CLUSTER_POLICY,
+        nft::EXTERNAL_LOCAL_POLICY,
+        nft::NODEPORT_CLUSTER_POLICY,
+        nft::NODEPORT_LOCAL_POLICY,
+        nft::PICK_SERVICE_ENDPOINTS,
+        nft::PICK_NODEPORT_ENDPOINTS,
+        nft::PICK_SERVICE_CLUSTER_ENDPOINTS,
+        nft::PICK_NODEPORT_CLUSTER_ENDPOINTS,
+        nft::SERVICE_ENDPOINTS_CHECK,
+        nft::NODEPORT_ENDPOINTS_CHECK,
+        nft::FIREWALL_CHECK,
+    ];
+    let flat = tracing.layout() == Some("flat");
+    for step in &mut path {
+        let proxys = step.table == nodeport_proxy::nftables::ruleset::TABLE
+            || step.chain.starts_with("KUBE-");
+        let decided = step.kind == "rule" && step.verdict != "continue";
+        // A jump or goto into one of the port's chains (kube-proxy's `services` map, the
+        // `KUBE-NODEPORTS` rule) is the port's too.
+        let into_own = step
+            .verdict
+            .split_once(' ')
+            .is_some_and(|(verb, to)| matches!(verb, "jump" | "goto") && own.contains(to));
+        if proxys
+            && (own.contains(&step.chain)
+                || into_own
+                || (flat && decided && shared.contains(&step.chain.as_str())))
+        {
+            step.service = Some(label.clone());
+        }
+    }
+    path
 }
 
 fn verdict_name(v: Fate) -> &'static str {
@@ -739,14 +827,96 @@ fn print_packet(n: usize, p: &LivePacket) {
             "return" => "return".to_string(),
             _ => s.verdict.clone(),
         };
+        let service = s
+            .service
+            .as_ref()
+            .map_or_else(String::new, |l| format!(" ({l})"));
         println!(
-            "path        {} {} {}{rule}: {what}",
+            "path        {} {} {}{rule}: {what}{service}",
             s.family, s.table, s.chain
         );
     }
     match &p.seen.at {
         Some(at) => println!("seen        {} (at {at})", p.seen.message),
         None => println!("seen        {}", p.seen.message),
+    }
+}
+
+/// The node's own sockets as conntrack holds them while an ebpf trace runs (its nftables
+/// trace table's `ct state` rule has conntrack follow this node's connections): a socket
+/// the connect hook sent to a backend is the new entry from one of the node's addresses to
+/// that backend (not in the table when the trace began, not another reported socket's). It
+/// names the socket's real source and whether the backend answered.
+struct Sockets {
+    /// Entries in the table when the trace began.
+    before: std::collections::HashSet<(IpAddr, u16, IpAddr, u16, u8)>,
+    /// Entries already taken for a reported socket.
+    taken: std::collections::HashSet<(IpAddr, u16, IpAddr, u16, u8)>,
+    /// The node's addresses.
+    local: Vec<IpAddr>,
+}
+
+fn entry_key(e: &conntrack::Entry) -> (IpAddr, u16, IpAddr, u16, u8) {
+    (
+        e.orig_src,
+        e.orig_sport,
+        e.orig_dst,
+        e.orig_dport,
+        e.protocol,
+    )
+}
+
+impl Sockets {
+    fn start(local: &[IpAddr]) -> Self {
+        let before = [
+            nodeport_proxy::model::IpFamily::V4,
+            nodeport_proxy::model::IpFamily::V6,
+        ]
+        .into_iter()
+        .flat_map(|f| conntrack::dump(f).unwrap_or_default())
+        .map(|e| entry_key(&e))
+        .collect();
+        Sockets {
+            before,
+            taken: Default::default(),
+            local: local.to_vec(),
+        }
+    }
+
+    /// The entry of a socket sent to `to` over `protocol`, waiting up to [`ANSWER_WAIT`] for
+    /// its backend to answer; `None` when conntrack shows none.
+    fn find(&mut self, to: SocketAddr, protocol: Protocol) -> Option<conntrack::Entry> {
+        let proto = nodeport_proxy::ebpf::maps::ip_proto(protocol);
+        let family = nodeport_proxy::model::IpFamily::of(to.ip());
+        let deadline = Instant::now() + ANSWER_WAIT;
+        let mut found = None;
+        loop {
+            let candidates: Vec<conntrack::Entry> = conntrack::dump(family)
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|e| {
+                    e.protocol == proto
+                        && e.orig_dst == to.ip()
+                        && e.orig_dport == to.port()
+                        && self.local.contains(&e.orig_src)
+                        && !self.before.contains(&entry_key(e))
+                        && !self.taken.contains(&entry_key(e))
+                })
+                .collect();
+            if let Some(answered) = candidates.iter().find(|e| e.seen_reply) {
+                found = Some(*answered);
+                break;
+            }
+            found = candidates.first().copied().or(found);
+            if Instant::now() >= deadline {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if let Some(e) = &found {
+            self.taken.insert(entry_key(e));
+        }
+        found
     }
 }
 
@@ -758,6 +928,13 @@ fn print_packet(n: usize, p: &LivePacket) {
 /// each event matching the selector is a new connection, explained as `--rules kernel`
 /// explains its first packet, with the programs' steps as its path. A translated
 /// connection's answer is read from `np_nat` (its reply entry records one).
+///
+/// Beside the log, a trace table of the nftables tracer's own ([`Session`]): the programs'
+/// translations bypass netfilter (tc redirects them), so what it marks is what the programs
+/// passed to the stack untranslated (a packet for no frontend, 127.0.0.1 from outside),
+/// traced as in the nftables mode; and its `ct state` rule has conntrack follow the node's
+/// connections while the trace runs, which names a socket's real source (its packets leave
+/// with the backend as destination) and whether the backend answered ([`Sockets`]).
 fn run_ebpf(
     tracing: &Tracing,
     selector: &Selector,
@@ -780,25 +957,47 @@ fn run_ebpf(
     // From now on (before the `live` line tells that the trace runs).
     let started_ns = monotonic_now_ns();
     events.report_until(deadline_ns).map_err(failed_to_read)?;
+    let mut session = match Session::start(selector) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            eprintln!(
+                "nodeport trace: no nftables trace table ({}): packets the programs pass \
+                 untranslated are not traced, nor the node's sockets' sources and answers",
+                anyhow::Error::from(e)
+                    .chain()
+                    .map(|c| c.to_string())
+                    .collect::<Vec<_>>()
+                    .join(": ")
+            );
+            None
+        }
+    };
+    let mut collector = session.as_ref().map(|s| Collector::new(s.table()));
+    let mut sockets = session
+        .as_ref()
+        .map(|_| Sockets::start(&tracing.prepared.facts.local_ips));
     let wanted = |t: &Tuple, socket: bool| {
         t.proto == ip_proto(selector.protocol)
             && t.dport == selector.dport
             && selector.daddr.is_none_or(|d| d == t.daddr)
-            // A socket's source is not known at connect(): only without --from.
-            && if socket {
-                selector.from.is_none()
-            } else {
-                selector.from.is_none_or(|n| n.contains(&t.saddr))
-            }
+            // A socket's source is not known at connect(): checked once conntrack names it.
+            && (socket || selector.from.is_none_or(|n| n.contains(&t.saddr)))
     };
     let table = nodeport_proxy::ebpf::maps::names::TRACE_LOG.to_string();
     let (to, from) = described(selector);
     if !json {
         println!("{}", tracing.rules_line());
+        let beside = session.as_ref().map_or_else(String::new, |s| {
+            format!(
+                ", and what they pass untranslated as table inet {} marks it (removed when \
+                 this trace ends)",
+                s.table()
+            )
+        });
         println!(
             "live        the next {count} new connection(s) to {to}/{} from {from}, within \
              {timeout:?}, as np_tc_ingress and the connect hook record them in {table} (while \
-             this trace runs)",
+             this trace runs){beside}",
             selector.protocol.as_lower()
         );
     }
@@ -806,44 +1005,120 @@ fn run_ebpf(
     let mut reported: std::collections::HashSet<Tuple> = Default::default();
     let mut packets: Vec<LivePacket> = Vec::new();
     let mut failed = false;
+    let mut report = |p: LivePacket, packets: &mut Vec<LivePacket>| {
+        failed |= !matches!(p.seen.reason, "endpoint");
+        if !json {
+            print_packet(packets.len() + 1, &p);
+        }
+        packets.push(p);
+    };
+    // A packet the nftables table marked that the programs did not report: passed to the
+    // stack untranslated.
+    let untranslated =
+        |traced: &Traced, events: &[nodeport_proxy::ebpf::trace_events::TraceEvent]| {
+            traced.headers.as_ref().is_some_and(|h| {
+                !events.iter().any(|e| {
+                    e.tuple.saddr == h.src
+                        && e.tuple.daddr == h.dst
+                        && e.tuple.sport == h.sport
+                        && e.tuple.dport == h.dport
+                })
+            })
+        };
     'polling: while packets.len() < count && interrupt.check().is_ok() && Instant::now() < deadline
     {
-        for e in events.since(started_ns) {
+        let logged = events.since(started_ns);
+        for e in &logged {
             let socket = matches!(e.kind, EventKind::SockDnat | EventKind::SockRefused);
             // A dropped connection's retransmissions are recorded again: once is enough.
             if !wanted(&e.tuple, socket) || !reported.insert(e.tuple) {
                 continue;
             }
-            let p = ebpf_packet(tracing, (&maps, pin_root), &e, selector.protocol)?;
-            failed |= !matches!(p.seen.reason, "endpoint");
-            if !json {
-                print_packet(packets.len() + 1, &p);
+            // A socket sent to a backend: conntrack names its source (when it follows the
+            // node's connections), which --from selects by.
+            let entry = match (e.kind, &mut sockets) {
+                (EventKind::SockDnat, Some(sockets)) => {
+                    e.to.and_then(|to| sockets.find(to, selector.protocol))
+                }
+                _ => None,
+            };
+            if socket
+                && let Some(from) = selector.from
+                && !entry.is_some_and(|c| from.contains(&c.orig_src))
+            {
+                continue;
             }
-            packets.push(p);
+            let p = ebpf_packet(tracing, (&maps, pin_root), e, selector.protocol, entry)?;
+            report(p, &mut packets);
             if packets.len() >= count {
                 break 'polling;
             }
         }
-        std::thread::sleep(Duration::from_millis(50));
+        let (Some(session), Some(collector)) = (session.as_mut(), collector.as_mut()) else {
+            std::thread::sleep(Duration::from_millis(50));
+            continue;
+        };
+        let event = session
+            .next(Duration::from_millis(50))
+            .map_err(|e| untraceable(format!("--live: reading trace events: {e}")))?;
+        let now = Instant::now();
+        let mut done: Vec<Traced> = collector.quiet(now, QUIET);
+        if let Some(e) = event
+            && let Some(d) = collector.push(e, now)
+        {
+            done.push(d);
+        }
+        for traced in done {
+            if packets.len() < count
+                && untranslated(&traced, &logged)
+                && let Some(p) = explain_packet(tracing, traced, selector.protocol)
+            {
+                report(p, &mut packets);
+            }
+        }
+    }
+    let mut lost = 0;
+    if let (Some(session), Some(collector)) = (session, collector.as_mut()) {
+        lost = session.overruns();
+        let logged = events.since(started_ns);
+        for traced in collector.drain() {
+            if packets.len() < count
+                && untranslated(&traced, &logged)
+                && let Some(p) = explain_packet(tracing, traced, selector.protocol)
+            {
+                report(p, &mut packets);
+            }
+        }
+        let table = session.table().to_string();
+        session
+            .close()
+            .map_err(|e| untraceable(format!("--live: removing table inet {table}: {e}")))?;
     }
     events.stop(deadline_ns).map_err(failed_to_read)?;
-    finish(tracing, selector, timeout, json, table, packets, 0, failed)
+    finish(
+        tracing, selector, timeout, json, table, packets, lost, failed,
+    )
 }
 
 /// One connection the programs reported: its explanation, the programs' steps, and what
-/// happened (a translated connection's answer read from `np_nat`).
+/// happened (a translated connection's answer read from `np_nat`; a socket's from
+/// conntrack's `entry` for it, when there is one).
 fn ebpf_packet(
     tracing: &Tracing,
     (maps, pin_root): (&nodeport_proxy::ebpf::programs::Maps, &std::path::Path),
     e: &nodeport_proxy::ebpf::trace_events::TraceEvent,
     protocol: Protocol,
+    entry: Option<conntrack::Entry>,
 ) -> anyhow::Result<LivePacket> {
     use nodeport_proxy::ebpf::maps::{CT_REPLY, CT_SNAT, Tuple};
     use nodeport_proxy::ebpf::trace_events::EventKind;
     let socket = matches!(e.kind, EventKind::SockDnat | EventKind::SockRefused);
     let t = &e.tuple;
-    // A socket's connection is explained as one from the node's own address of its family.
-    let src = if socket {
+    // A socket's connection: from the source conntrack names, else explained as one from
+    // the node's own address of its family (a source is not known at connect()).
+    let src = if let Some(c) = entry {
+        c.orig_src
+    } else if socket {
         tracing
             .prepared
             .facts
@@ -890,6 +1165,7 @@ fn ebpf_packet(
         rule_handle: None,
         kind: "rule",
         verdict,
+        service: None,
     };
     let frontend = match &explanation.service {
         Some(s) => format!(
@@ -1021,15 +1297,58 @@ fn ebpf_packet(
                 "backend",
                 format!("{to} chosen: connect() goes there"),
             ));
-            Seen {
-                verdict: "dnat",
-                reason: "endpoint",
-                message: format!(
-                    "connected to {to} at connect() ({program}): the socket's packets go to \
-                     the backend untranslated (whether it answers is the socket's to see)"
-                ),
-                endpoint: Some(to),
-                ..Seen::default()
+            match entry {
+                // TCP's conntrack states: 8 is CLOSE, where a reset ends a connection.
+                Some(c) if c.seen_reply && c.tcp_state == Some(8) => Seen {
+                    verdict: "dnat",
+                    reason: "refused",
+                    message: format!(
+                        "connected to {to} at connect() ({program}), from {} (conntrack); \
+                         refused: a TCP reset came back (nothing listens on that port there, \
+                         or a firewall rejects with a reset)",
+                        SocketAddr::new(c.orig_src, c.orig_sport)
+                    ),
+                    endpoint: Some(to),
+                    source_seen_by_endpoint: Some(c.orig_src),
+                    answered: Some(false),
+                    refused_with: Some("tcp_reset"),
+                    refused_by: Some(to.ip()),
+                    ..Seen::default()
+                },
+                Some(c) => {
+                    let (reason, answer) = if c.seen_reply {
+                        ("endpoint", "it answered".to_string())
+                    } else {
+                        (
+                            "not_answering",
+                            format!("it has not answered within {ANSWER_WAIT:?}"),
+                        )
+                    };
+                    Seen {
+                        verdict: "dnat",
+                        reason,
+                        message: format!(
+                            "connected to {to} at connect() ({program}), from {} (conntrack); \
+                             {answer}",
+                            SocketAddr::new(c.orig_src, c.orig_sport)
+                        ),
+                        endpoint: Some(to),
+                        source_seen_by_endpoint: Some(c.orig_src),
+                        answered: Some(c.seen_reply),
+                        ..Seen::default()
+                    }
+                }
+                None => Seen {
+                    verdict: "dnat",
+                    reason: "endpoint",
+                    message: format!(
+                        "connected to {to} at connect() ({program}): the socket's packets go \
+                         to the backend untranslated; conntrack shows no connection of this \
+                         node's to it (whether it answers is the socket's to see)"
+                    ),
+                    endpoint: Some(to),
+                    ..Seen::default()
+                },
             }
         }
         EventKind::SockRefused => {
@@ -1040,7 +1359,7 @@ fn ebpf_packet(
         }
     };
     Ok(LivePacket {
-        source_port: t.sport,
+        source_port: entry.map_or(t.sport, |c| c.orig_sport),
         trace_id: None,
         explanation,
         path,
