@@ -617,3 +617,49 @@ fn loopback_under_a_selection_of_every_address_and_a_nodeport_to_a_foreign_addre
         "{stdout}"
     );
 }
+
+/// `nodeport trace … | head -1` and the like: a reader that leaves early closes the pipe, and
+/// the command ends quietly with 141 (128 + SIGPIPE, what a shell reports for a program killed
+/// by it), not with a panic's backtrace. The pipe's read end is closed before the command
+/// starts, so its first write fails.
+#[test]
+fn a_closed_stdout_ends_trace_render_and_version_quietly() {
+    for args in [
+        &["trace", "-f", "objects.yaml", "--service", "default/web"][..],
+        &[
+            "trace",
+            "-f",
+            "objects.yaml",
+            "--from",
+            "203.0.113.5",
+            "--to",
+            "192.0.2.11:30569/tcp",
+        ][..],
+        &[
+            "trace",
+            "-f",
+            "objects.yaml",
+            "-o",
+            "json",
+            "--from",
+            "203.0.113.5",
+            "--to",
+            "192.0.2.11:30569/tcp",
+        ][..],
+        &["render", "-f", "objects.yaml"][..],
+        &["version"][..],
+    ] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = Command::new(env!("CARGO_BIN_EXE_nodeport"))
+            .args(args)
+            .current_dir(testdata())
+            .stdout(writer)
+            .stderr(std::process::Stdio::piped())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert_eq!(out.status.code(), Some(141), "{args:?}: {stderr}");
+    }
+}

@@ -1,5 +1,6 @@
 //! `nodeport proxy`: the node agent (kube-proxy's flags and `--config` file).
 
+use crate::cmd::outln;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -397,12 +398,12 @@ fn validate(
         .map(ToString::to_string)
         .collect();
     let addr = |a: Option<SocketAddr>| a.map_or_else(|| "off".to_owned(), |a| a.to_string());
-    println!("nodeport proxy: the configuration is valid");
-    println!("  node:                {}", config.node_name);
-    println!("  proxy mode:          {}", config.mode.as_str());
-    println!("  API server:          {server}");
-    println!("  nodeport addresses:  {}", config.nodeport_addresses);
-    println!(
+    outln!("nodeport proxy: the configuration is valid");
+    outln!("  node:                {}", config.node_name);
+    outln!("  proxy mode:          {}", config.mode.as_str());
+    outln!("  API server:          {server}");
+    outln!("  nodeport addresses:  {}", config.nodeport_addresses);
+    outln!(
         "  cluster CIDRs:       {}",
         if cidrs.is_empty() {
             "none".to_owned()
@@ -410,17 +411,18 @@ fn validate(
             cidrs.join(",")
         }
     );
-    println!(
+    outln!(
         "  healthz:             {}",
         addr(config.healthz_bind_address)
     );
-    println!(
+    outln!(
         "  metrics:             {}",
         addr(config.metrics_bind_address)
     );
-    println!(
+    outln!(
         "  sync period:         {:?} (minimum interval {:?})",
-        config.sync_period, config.min_sync_period
+        config.sync_period,
+        config.min_sync_period
     );
     Ok(())
 }

@@ -10,6 +10,7 @@
 //! endpoint (every served address does, with `--service`), 1 it is dropped, rejected or not
 //! for a Service, 3 it could not be traced (or no such Service), 64 bad usage.
 
+use crate::cmd::{out, outln};
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 
@@ -1635,10 +1636,10 @@ fn trace_packet(
             nftables_layout: tracing.layout(),
             explanation: &explanation,
         };
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        outln!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        println!("{}", tracing.rules_line());
-        print!("{explanation}");
+        outln!("{}", tracing.rules_line());
+        out!("{explanation}");
     }
     Ok(explanation.reaches_endpoint())
 }
@@ -1735,11 +1736,11 @@ fn trace_service(
             service: &label,
             traces: &traces,
         };
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        outln!("{}", serde_json::to_string_pretty(&report)?);
         return Ok(reached);
     }
-    println!("{}", tracing.rules_line());
-    println!("service     {label}: every address this node serves it on");
+    outln!("{}", tracing.rules_line());
+    outln!("service     {label}: every address this node serves it on");
     let width = traces
         .iter()
         .map(|e| format!("{}/{}", e.packet.to, e.packet.protocol).len())
@@ -1769,12 +1770,12 @@ fn trace_service(
             (false, true) => ", masqueraded to some",
             (false, false) => ", not masqueraded",
         };
-        println!(
+        outln!(
             "{to:<width$}  {kind:<16}  from {:<from_width$}  {fate}{masq}",
             e.packet.from.to_string()
         );
         for note in &e.notes {
-            println!("{:width$}  note: {note}", "");
+            outln!("{:width$}  note: {note}", "");
         }
     }
     Ok(reached)

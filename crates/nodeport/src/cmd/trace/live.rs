@@ -15,6 +15,7 @@
 //! exit, and the kernel deletes it when the process ends in any other way (an error,
 //! Ctrl-C, SIGKILL).
 
+use crate::cmd::{out, outln};
 use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
@@ -295,8 +296,8 @@ fn run_nftables(
     let table = session.table().to_string();
     let (to, from) = described(selector);
     if !json {
-        println!("{}", tracing.rules_line());
-        println!(
+        outln!("{}", tracing.rules_line());
+        outln!(
             "live        the first packet of the next {count} new connection(s) to {to}/{} \
              from {from}, within {timeout:?} (marked by table inet {table}, removed when \
              this trace ends)",
@@ -378,16 +379,16 @@ fn finish(
             packets,
             lost_events: lost,
         };
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        outln!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         if lost > 0 {
-            println!(
+            outln!(
                 "note        {lost} batch(es) of trace events were lost (the socket's buffer \
                  was full): a path may lack steps"
             );
         }
         if none {
-            println!("seen        no such packet within {timeout:?}");
+            outln!("seen        no such packet within {timeout:?}");
         }
     }
     if none {
@@ -813,11 +814,14 @@ fn print_packet(n: usize, p: &LivePacket) {
     let id = p
         .trace_id
         .map_or_else(String::new, |id| format!(", trace id {id:#010x}"));
-    println!(
+    outln!(
         "live        packet {n}: {} → {}/{}, source port {}{id}",
-        e.packet.from, e.packet.to, e.packet.protocol, p.source_port
+        e.packet.from,
+        e.packet.to,
+        e.packet.protocol,
+        p.source_port
     );
-    print!("{e}");
+    out!("{e}");
     for s in &p.path {
         let rule = s
             .rule_handle
@@ -831,14 +835,16 @@ fn print_packet(n: usize, p: &LivePacket) {
             .service
             .as_ref()
             .map_or_else(String::new, |l| format!(" ({l})"));
-        println!(
+        outln!(
             "path        {} {} {}{rule}: {what}{service}",
-            s.family, s.table, s.chain
+            s.family,
+            s.table,
+            s.chain
         );
     }
     match &p.seen.at {
-        Some(at) => println!("seen        {} (at {at})", p.seen.message),
-        None => println!("seen        {}", p.seen.message),
+        Some(at) => outln!("seen        {} (at {at})", p.seen.message),
+        None => outln!("seen        {}", p.seen.message),
     }
 }
 
@@ -986,7 +992,7 @@ fn run_ebpf(
     let table = nodeport_proxy::ebpf::maps::names::TRACE_LOG.to_string();
     let (to, from) = described(selector);
     if !json {
-        println!("{}", tracing.rules_line());
+        outln!("{}", tracing.rules_line());
         let beside = session.as_ref().map_or_else(String::new, |s| {
             format!(
                 ", and what they pass untranslated as table inet {} marks it (removed when \
@@ -994,7 +1000,7 @@ fn run_ebpf(
                 s.table()
             )
         });
-        println!(
+        outln!(
             "live        the next {count} new connection(s) to {to}/{} from {from}, within \
              {timeout:?}, as np_tc_ingress and the connect hook record them in {table} (while \
              this trace runs){beside}",
