@@ -212,6 +212,42 @@ fn json_output_follows_the_documented_schema() {
     assert_eq!(v["endpoints"].as_array().unwrap().len(), 2);
     assert_eq!(v["outcomes"][0]["verdict"], "dnat");
     assert_eq!(v["outcomes"][0]["reason"], "endpoint");
+    // The path: each rule that matched (its chain, its place, its verdict, the elements it
+    // matched, the Service port it is for), each chain's end, each base chain's policy, and
+    // the random choice once, each candidate with its share and its own steps.
+    let path = v["path"].as_array().unwrap();
+    assert_eq!(path[0]["family"], "ip");
+    assert_eq!(path[0]["table"], "kube-proxy");
+    assert_eq!(path[0]["chain"], "filter-prerouting-pre-dnat");
+    assert_eq!(path[0]["rule_index"], 1);
+    assert_eq!(path[0]["kind"], "rule");
+    assert_eq!(path[0]["verdict"], "jump firewall-check");
+    assert!(path.iter().any(|s| s["kind"] == "policy"), "{stdout}");
+    let lookup = path
+        .iter()
+        .find(|s| s["chain"] == "services" && s["kind"] == "rule")
+        .unwrap();
+    assert_eq!(lookup["service"], "default/web:80/TCP");
+    assert_eq!(
+        lookup["elements"][1],
+        "@masquerade-nodeports { tcp . 30569 comment \"default/web:http\" }"
+    );
+    let choices: Vec<&serde_json::Value> = path.iter().filter(|s| s["kind"] == "choice").collect();
+    assert_eq!(choices.len(), 1, "{stdout}");
+    let candidates = choices[0]["candidates"].as_array().unwrap();
+    let to: Vec<&serde_json::Value> = candidates.iter().map(|c| &c["endpoint"]).collect();
+    let endpoints: Vec<&serde_json::Value> = v["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| &e["endpoint"])
+        .collect();
+    assert_eq!(to, endpoints);
+    for c in candidates {
+        assert_eq!(c["probability"], 0.5);
+        assert_eq!(c["verdict"], "dnat");
+        assert_eq!(c["path"][0]["verdict"], "accept");
+    }
 
     let (stdout, _, code) = trace(&[
         "-f",

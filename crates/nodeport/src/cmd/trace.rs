@@ -17,6 +17,7 @@ use std::path::PathBuf;
 use nodeport_proxy::config::ProxyMode;
 use nodeport_proxy::model::{IpFamily, Protocol};
 use nodeport_proxy::trace::explain::{self, Dataplane, Explanation};
+use nodeport_proxy::trace::path::Step;
 use nodeport_proxy::trace::recover::Recovered;
 use nodeport_proxy::trace::{Env, Origin, Packet, Trace};
 use nodeport_proxy::{ebpf, iptables, nftables};
@@ -824,18 +825,32 @@ impl KernelRules {
         Some(if flat { "flat" } else { "kube-proxy" })
     }
 
-    /// The packet through the kernel's rules.
+    /// The packet through the kernel's rules; each rule of its path named by its place in
+    /// the kernel's chain (and, nftables, its handle), as the kernel lists it.
     fn trace(&self, packet: &Packet, env: &Env) -> Trace {
         let i = usize::from(IpFamily::of(packet.dst) == IpFamily::V6);
         match self {
             KernelRules::Iptables { saved, .. } => {
-                iptables::tracer::trace(&saved[i].view, packet, env)
+                let mut trace = iptables::tracer::trace(&saved[i].view, packet, env);
+                placed(&mut trace, |s, index| {
+                    let table = match s.table.as_str() {
+                        "nat" => iptables::ruleset::Table::Nat,
+                        "filter" => iptables::ruleset::Table::Filter,
+                        _ => iptables::ruleset::Table::Mangle,
+                    };
+                    saved[i].place(table, &s.chain, index).map(|p| (p, None))
+                });
+                trace
             }
             KernelRules::Nftables { listed } => {
                 let ruleset = nftables::ruleset::Ruleset {
                     tables: listed[i].iter().map(|l| l.table.clone()).collect(),
                 };
-                nftables::tracer::trace(&ruleset, packet, env)
+                let mut trace = nftables::tracer::trace(&ruleset, packet, env);
+                if let Some(l) = &listed[i] {
+                    placed(&mut trace, |s, index| l.place(&s.chain, index));
+                }
+                trace
             }
             KernelRules::Ebpf { maps, .. } => ebpf::tracer::trace(maps, packet, env),
         }
@@ -907,6 +922,21 @@ impl KernelRules {
             }
             // Every frontend, backend and range is read.
             KernelRules::Ebpf { .. } => &[],
+        }
+    }
+}
+
+/// Names each rule of `trace`'s walks as the kernel holds it: `place(step, index)` gives the
+/// place (from 1) and handle of the rule read as the chain's `index`-th (from 0).
+fn placed(trace: &mut Trace, place: impl Fn(&Step, usize) -> Option<(usize, Option<u64>)>) {
+    for w in &mut trace.walks {
+        for s in &mut w.steps {
+            if let Some(index) = s.rule_index
+                && let Some((at, handle)) = place(s, index - 1)
+            {
+                s.rule_index = Some(at);
+                s.rule_handle = handle;
+            }
         }
     }
 }
@@ -1301,6 +1331,7 @@ impl Tracing {
                 && packet.dst.is_ipv4())
             .then(|| route_localnet(self.in_interface.as_deref())),
             localhost_nodeports: p.config.localhost_nodeports,
+            flat_layout: self.layout() == Some("flat"),
         };
         let mut explanation = explain::explain(&p.desired, &ctx, &trace);
         if packet.origin == Origin::Remote {

@@ -137,6 +137,9 @@ pub struct ServiceMaps {
 pub struct Rendered {
     /// Service ports, by name and family.
     pub services: BTreeMap<(ServicePortName, IpFamily), ServiceMaps>,
+    /// Read from the kernel ([`from_maps`]): each frontend's value as the map holds it (its
+    /// service and backend set ids), for the tracer's path. Empty when rendered.
+    pub held: BTreeMap<FrontendKey, super::maps::Frontend>,
 }
 
 /// What the kernel's maps hold (the pinned maps of a running proxy: frontends, backends by
@@ -180,6 +183,7 @@ pub fn from_maps(
             .map(|((_, ordinal), b)| (*ordinal, *b))
             .collect();
         members.sort_by_key(|(ordinal, _)| *ordinal);
+        out.held.insert(*key, *fe);
         let maps = out.services.entry((service.clone(), family)).or_default();
         if fe.count > 0 {
             maps.sets

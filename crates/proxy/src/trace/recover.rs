@@ -380,6 +380,8 @@ endpoints:
             maglev: false,
             route_localnet: None,
             localhost_nodeports: true,
+            flat_layout: dataplane == Dataplane::Nftables
+                && fx.config.nftables_layout == NftablesLayout::Flat,
         };
         let udp = UDP_PACKETS.iter().map(|p| (p, Protocol::Udp));
         PACKETS
