@@ -603,7 +603,8 @@ fn traced_path(v: &serde_json::Value, endpoint: Option<&str>, at: &str) -> Vec<N
 /// printed explanation equals the offline trace (`-f` with the objects and `render`'s flags,
 /// the proxy's own) of the same packet: a NodePort DNATed to one of three pods, a Service
 /// without endpoints (rejected), `externalTrafficPolicy: Local` without a local endpoint
-/// (dropped), a pod to a ClusterIP. So does its path, step for step through the proxy's
+/// (dropped), a pod to a ClusterIP, the node itself to a NodePort without endpoints
+/// (rejected on its way back in through loopback). So does its path, step for step through the proxy's
 /// table: the offline trace's (its random choice taken as conntrack says the packet took
 /// it), and `--rules kernel`'s down to each rule's handle. (Where they cannot agree: nftrace
 /// names rules, not the elements they matched; an offline trace names a rule by its place,
@@ -669,7 +670,7 @@ fn live_traces_of_real_packets_equal_the_offline_trace_of_the_same_packet_in_bot
         let web_ip = c.cluster_ip("web");
         // (who sends, from, to, what it gets, the exit code)
         type Case<'a> = (&'a Netns, &'a str, String, fn(&Reply) -> bool, i32);
-        let cases: [Case<'_>; 4] = [
+        let cases: [Case<'_>; 5] = [
             (
                 &c.client,
                 CLIENT_IP,
@@ -697,6 +698,15 @@ fn live_traces_of_real_packets_equal_the_offline_trace_of_the_same_packet_in_bot
                 format!("{web_ip}:80"),
                 |r| matches!(r, Reply::Pod { .. }),
                 0,
+            ),
+            // The node's own connection to its NodePort without endpoints: out untranslated,
+            // rejected on its way back in through loopback.
+            (
+                &c.node,
+                NODE_IP,
+                format!("{NODE_IP}:30090"),
+                |r| *r == Reply::Refused,
+                1,
             ),
         ];
         for (client, from, to, want, exit) in cases {

@@ -1083,3 +1083,17 @@ fn a_nodeports_path_is_each_rule_it_matched_and_the_statistic_choice_once() {
         "{text}"
     );
 }
+
+#[test]
+fn the_nodes_own_connection_to_its_nodeport_without_endpoints_is_rejected_back_in_through_loopback()
+{
+    // Out through nat OUTPUT, filter OUTPUT and nat POSTROUTING untranslated, then in again
+    // through loopback: filter INPUT's KUBE-EXTERNAL-SERVICES rejects it.
+    let w = World::new(&web("", ""));
+    let t = w.trace(Packet::local(NODE_IP, NODE_IP, Protocol::Tcp, 30080));
+    assert_eq!(
+        t.only(),
+        &Fate::Rejected("KUBE-EXTERNAL-SERVICES".into()),
+        "{t}"
+    );
+}

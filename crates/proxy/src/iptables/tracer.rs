@@ -159,7 +159,20 @@ fn walk(view: &TableView, packet: &Packet, env: &Env) -> Result<Vec<Walk>, GiveU
             (Origin::Remote, false) => &[(Table::Filter, "FORWARD"), (Table::Nat, "POSTROUTING")],
             (Origin::Local, _) => &[(Table::Nat, "POSTROUTING")],
         };
-        let ways = t.hooks(next, vec![(p, state, End::Continue)])?;
+        let mut ways = t.hooks(next, vec![(p, state, End::Continue)])?;
+        if packet.origin == Origin::Local {
+            // The node's own packet for one of its addresses comes back in through
+            // loopback: filter INPUT (its NAT done, nat PREROUTING does not run again).
+            let mut back = Vec::new();
+            for (p, s, e) in ways {
+                if stopped(&e).is_some() || !is_local(env, s.dst) {
+                    back.push((p, s, e));
+                } else {
+                    back.extend(t.hooks(&[(Table::Filter, "INPUT")], vec![(p, s, e)])?);
+                }
+            }
+            ways = back;
+        }
         for (p2, s2, e2) in ways {
             let fate = stopped(&e2).unwrap_or(Fate::Delivered {
                 dnat: s2.dnat,

@@ -1037,3 +1037,41 @@ fn flat_a_reject_ends_the_path_at_its_rule() {
         "{lines:#?}"
     );
 }
+
+#[test]
+fn flat_the_nodes_own_connection_to_its_nodeport_without_endpoints_is_rejected_back_in_through_loopback()
+ {
+    // Out through output and postrouting untranslated, then in again through loopback:
+    // filter-input's no-endpoint check rejects it (traced as passed on before).
+    let w = World::flat(&web("", ""));
+    let t = w.trace(Packet::local(NODE_IP, NODE_IP, Protocol::Tcp, 30080));
+    assert_eq!(
+        t.only(),
+        &Fate::Rejected(NODEPORT_ENDPOINTS_CHECK.into()),
+        "{t}"
+    );
+    let lines = path_lines(&t);
+    assert!(
+        lines.iter().any(|l| l.starts_with(
+            "path        ip kube-proxy filter-input rule #1: jump nodeport-endpoints-check"
+        )),
+        "{lines:#?}"
+    );
+    // Its NAT was done on the way out: no nat chain runs on the way back in.
+    let back = lines
+        .iter()
+        .position(|l| l.contains("filter-prerouting-pre-dnat"))
+        .unwrap();
+    assert!(
+        !lines[back..].iter().any(|l| l.contains(" nat-")),
+        "{lines:#?}"
+    );
+    // With endpoints it is DNATed on the way out, to a pod: nothing comes back in.
+    let w = World::flat(&web("", THREE_ENDPOINTS));
+    let t = w.trace(Packet::local(NODE_IP, NODE_IP, Protocol::Tcp, 30080));
+    assert_eq!(t.endpoints().len(), 3, "{t}");
+    assert!(
+        !path_lines(&t).iter().any(|l| l.contains("filter-input")),
+        "{t}"
+    );
+}

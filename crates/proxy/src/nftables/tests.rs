@@ -1045,3 +1045,13 @@ fn a_nodeports_path_goes_through_the_ports_own_chains_and_chooses_the_endpoint_c
         "{path:#?}"
     );
 }
+
+#[test]
+fn the_nodes_own_connection_to_its_nodeport_without_endpoints_is_rejected_back_in_through_loopback()
+{
+    // Out untranslated, then in again through loopback: filter-input's
+    // nodeport-endpoints-check sends it to kube-proxy's reject chain.
+    let w = World::new(&web("", ""));
+    let t = w.trace(Packet::local(NODE_IP, NODE_IP, Protocol::Tcp, 30080));
+    assert_eq!(t.only(), &Fate::Rejected("reject-chain".into()), "{t}");
+}

@@ -31,6 +31,9 @@ struct State {
     mark: u32,
     masqueraded: bool,
     affinity: Vec<String>,
+    /// Back in through loopback (a packet of the node to one of its own addresses): its
+    /// connection's NAT is set up already, no NAT chain runs again.
+    looped: bool,
     /// The steps so far.
     trail: Trail,
 }
@@ -44,6 +47,7 @@ impl State {
             mark: 0,
             masqueraded: false,
             affinity: Vec::new(),
+            looped: false,
             trail: Trail::default(),
         }
     }
@@ -102,7 +106,10 @@ pub fn trace(ruleset: &Ruleset, packet: &Packet, env: &Env) -> Trace {
                     (Origin::Remote, false) => &[Hook::Forward, Hook::Postrouting],
                     (Origin::Local, _) => &[Hook::Postrouting],
                 };
-                let ways = t.hooks(next, vec![(p, state, End::Continue)]);
+                let mut ways = t.hooks(next, vec![(p, state, End::Continue)]);
+                if packet.origin == Origin::Local {
+                    ways = t.looped_back(ways);
+                }
                 for (p2, s2, e2) in ways {
                     let fate = match e2 {
                         End::Drop(c) => Fate::Dropped(c),
@@ -253,10 +260,10 @@ impl<'a> Tracer<'a> {
                         continue;
                     }
                     // NAT chains see only the first packet, once; a DNATed packet is not
-                    // translated again by a later nat chain of the same hook.
+                    // translated again by a later nat chain of the same hook, nor one back
+                    // in through loopback by any.
                     if kind == Some(ChainType::Nat)
-                        && *hook != Hook::Postrouting
-                        && state.dnat.is_some()
+                        && (state.looped || (*hook != Hook::Postrouting && state.dnat.is_some()))
                     {
                         next.push((p, state, End::Continue));
                         continue;
@@ -283,6 +290,26 @@ impl<'a> Tracer<'a> {
             }
         }
         branches
+    }
+
+    /// A packet of the node's own that is (still) for one of its addresses leaves through
+    /// loopback and comes back in: prerouting and input again, as the same connection (its
+    /// state still `new`, its NAT done). What a branch dropped stays dropped.
+    fn looped_back(&self, branches: Branches) -> Branches {
+        let mut out = Vec::new();
+        for (p, mut state, end) in branches {
+            let own = state.dst.is_loopback() || self.env.local_addrs.contains(&state.dst);
+            if matches!(end, End::Drop(_) | End::Reject(_)) || !own {
+                out.push((p, state, end));
+                continue;
+            }
+            state.looped = true;
+            out.extend(self.hooks(
+                &[Hook::Prerouting, Hook::Input],
+                vec![(p, state, End::Continue)],
+            ));
+        }
+        out
     }
 
     fn chain(&self, name: &str, state: State, depth: usize) -> Branches {
