@@ -135,9 +135,9 @@ fn path_unnumbered(out: &str) -> String {
         .join("\n")
 }
 
-/// A trace's lines with what names and places differ by left out: the `rules` line and the
-/// interface; an endpoint's node; the ebpf mode's service ids (`svc-3:`) and the Services'
-/// names (`default/web:`) both as `svc-?:`.
+/// A trace's lines with what places differ by left out: the `rules` line and the interface;
+/// an endpoint's node. The Service ports' names are compared as they are: the kernel's own
+/// (the ebpf mode's `np_svc_names` too) must name them as the objects do.
 fn comparable(out: &str) -> Vec<String> {
     out.lines()
         .filter(|l| !l.starts_with("rules "))
@@ -148,20 +148,6 @@ fn comparable(out: &str) -> Vec<String> {
             };
             if l.starts_with("endpoint ") {
                 l = l.replace("on another node", "on this node");
-            }
-            for name in ["web", "empty", "local", "sticky"] {
-                l = l.replace(&format!("default/{name}:"), "svc-?:");
-            }
-            while let Some(at) = l
-                .find("svc-")
-                .filter(|at| l[at + 4..].starts_with(|c: char| c.is_ascii_digit()))
-            {
-                let end = at
-                    + 4
-                    + l[at + 4..]
-                        .find(|c: char| !c.is_ascii_digit())
-                        .unwrap_or(l.len() - at - 4);
-                l.replace_range(at..end, "svc-?");
             }
             l
         })
@@ -258,7 +244,7 @@ fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mod
         assert!(!kernel.contains("note"), "{mode:?} {args:?}: {kernel}");
 
         // With no objects at all, the kernel names the same Services (the ebpf mode's maps
-        // by service id), endpoints, policies and reasons: the same explanation.
+        // from np_svc_names), endpoints, policies and reasons: the same explanation.
         let (alone, stderr, alone_code) = trace_alone(&c, &args);
         assert!(stderr.is_empty(), "{mode:?} {args:?}: {stderr}");
         assert_eq!(alone_code, kernel_code, "{mode:?} {args:?}: {alone}");
@@ -269,17 +255,13 @@ fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mod
                 "; names from the kernel (its chains' names and its elements' comments)\n"
             }
             Mode::Iptables => "; names from the kernel (its rules' comments)\n",
-            Mode::Ebpf => {
-                "; names from the kernel, whose BPF maps hold no names: ports are named by their service id (svc-<id>)\n"
-            }
+            Mode::Ebpf => "; names from the kernel (its np_svc_names map)\n",
         };
         assert!(
             alone.starts_with("rules ") && alone.contains(names),
             "{alone}"
         );
-        if mode != Mode::Ebpf {
-            assert!(!alone.contains("svc-"), "{alone}");
-        }
+        assert!(!alone.contains("svc-"), "{alone}");
     }
     // The path as JSON: the kernel's rules in the same places as the render's, each named by
     // its handle too in the nftables mode.
@@ -383,35 +365,26 @@ fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mod
     assert!(kernel.contains("198.51.100.10:30080/tcp"), "{kernel}");
     assert!(!kernel.contains("note"), "{mode:?}: {kernel}");
     // Named from the kernel, the same addresses, the ClusterIP from the node network's
-    // address (the ebpf mode's maps have no names to ask for).
+    // address.
     let (alone, stderr, code) = trace_alone(&c, &["--service", "default/web"]);
-    if mode == Mode::Ebpf {
-        assert_eq!(code, 3, "{alone}{stderr}");
-        assert!(
-            stderr.contains("no Service default/web in the kernel (or it has no ClusterIP) (the ebpf mode's maps hold no names: give -f or --kubeconfig)"),
-            "{stderr}"
-        );
-    } else {
-        assert_eq!(code, 0, "{mode:?}: {alone}{stderr}");
-        let lines: Vec<String> = alone
-            .lines()
-            .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
-            .collect();
-        let cluster_ip = c.cluster_ip("web");
-        assert!(
-            lines.iter().any(|l| l.starts_with(&format!(
-                "{cluster_ip}:80/tcp ClusterIP from {NODE_IP} DNAT to one of"
-            ))),
-            "{mode:?}: {alone}"
-        );
-        assert!(
-            lines
-                .iter()
-                .any(|l| l
-                    .starts_with("192.0.2.10:30080/tcp NodePort from 203.0.113.1 DNAT to one of")),
-            "{mode:?}: {alone}"
-        );
-    }
+    assert_eq!(code, 0, "{mode:?}: {alone}{stderr}");
+    let lines: Vec<String> = alone
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect();
+    let web_ip = c.cluster_ip("web");
+    assert!(
+        lines.iter().any(|l| l.starts_with(&format!(
+            "{web_ip}:80/tcp ClusterIP from {NODE_IP} DNAT to one of"
+        ))),
+        "{mode:?}: {alone}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("192.0.2.10:30080/tcp NodePort from 203.0.113.1 DNAT to one of")),
+        "{mode:?}: {alone}"
+    );
 
     // The fates themselves, as the client met them above.
     let (out, code) = trace(&c, mode, "kernel", &["--from", CLIENT_IP, "--to", &web_to]);

@@ -702,8 +702,11 @@ enum KernelRules {
     Ebpf {
         /// The pin root read.
         pin_root: PathBuf,
-        /// Frontends, backends and source ranges as the kernel holds them.
+        /// Frontends, backends and source ranges as the kernel holds them, named as
+        /// `np_svc_names` names them (or by service id).
         maps: ebpf::render::Rendered,
+        /// The maps have `np_svc_names` (a proxy older than it wrote none).
+        named_in_kernel: bool,
     },
 }
 
@@ -719,13 +722,35 @@ impl KernelRules {
             (ProxyMode::Ebpf, Rendered::Ebpf(named)) => {
                 let read = || -> Result<_, ebpf::programs::Error> {
                     let maps = ebpf::programs::Maps::open_pinned(pin_root)?;
-                    Ok((maps.frontends()?, maps.backends()?, maps.source_ranges()?))
+                    // A proxy older than np_svc_names has none: ports by service id then.
+                    let names = match maps.has(ebpf::maps::names::SVC_NAMES) {
+                        true => Some(
+                            maps.names()?
+                                .into_iter()
+                                .filter_map(|(id, v)| Some((id, ebpf::maps::decode_svc_name(&v)?)))
+                                .collect(),
+                        ),
+                        false => None,
+                    };
+                    Ok((
+                        maps.frontends()?,
+                        maps.backends()?,
+                        maps.source_ranges()?,
+                        names,
+                    ))
                 };
-                let (frontends, backends, ranges) =
+                let (frontends, backends, ranges, names) =
                     read().map_err(|e| unreadable_pinned_maps("--rules kernel", pin_root, e))?;
                 Ok(KernelRules::Ebpf {
                     pin_root: pin_root.to_path_buf(),
-                    maps: ebpf::render::from_maps(&frontends, &backends, &ranges, named),
+                    maps: ebpf::render::from_maps(
+                        &frontends,
+                        &backends,
+                        &ranges,
+                        names.as_ref().unwrap_or(&Default::default()),
+                        named,
+                    ),
+                    named_in_kernel: names.is_some(),
                 })
             }
             (other, _) => Err(untraceable(format!(
@@ -906,8 +931,13 @@ impl KernelRules {
             KernelRules::Nftables { .. } => {
                 "the kernel (its chains' names and its elements' comments)".to_string()
             }
-            KernelRules::Ebpf { .. } => "the kernel, whose BPF maps hold no names: ports are \
-                 named by their service id (svc-<id>)"
+            KernelRules::Ebpf {
+                named_in_kernel: true,
+                ..
+            } => "the kernel (its np_svc_names map)".to_string(),
+            KernelRules::Ebpf { .. } => "the kernel, whose BPF maps hold no np_svc_names (a \
+                 proxy older than it pinned them): ports are named by their service id \
+                 (svc-<id>)"
                 .to_string(),
         }
     }
@@ -1441,9 +1471,13 @@ impl Tracing {
     /// The hint for a `--service` the kernel's names lack.
     fn missing_service_hint(&self) -> &'static str {
         match (&self.kernel, &self.names_from_kernel) {
-            (Some(KernelRules::Ebpf { .. }), Some(_)) => {
-                " (the ebpf mode's maps hold no names: give -f or --kubeconfig)"
-            }
+            (
+                Some(KernelRules::Ebpf {
+                    named_in_kernel: false,
+                    ..
+                }),
+                Some(_),
+            ) => " (these ebpf maps hold no np_svc_names: give -f or --kubeconfig)",
             _ => "",
         }
     }

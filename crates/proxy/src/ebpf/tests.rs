@@ -342,7 +342,7 @@ fn maps_read_back_trace_as_rendered_and_a_frontend_the_objects_lack_is_named_by_
             ..Default::default()
         },
     ));
-    let read = super::render::from_maps(&frontends, &backends, &[], &rendered);
+    let read = super::render::from_maps(&frontends, &backends, &[], &Default::default(), &rendered);
     for packet in [
         Packet::remote("203.0.113.5", "192.0.2.10", Protocol::Tcp, 30080),
         Packet::local("192.0.2.10", "10.96.0.10", Protocol::Tcp, 80),
