@@ -577,6 +577,12 @@ impl Maps {
         )
     }
 
+    /// The kernel's id of the map `name` (`bpftool map show id <id>` shows its memory).
+    pub fn map_id(&self, name: &'static str) -> Result<u32, Error> {
+        let info = self.data(name)?.info().map_err(map_err(name))?;
+        Ok(info.id())
+    }
+
     /// Whether this handle has the map `name` (a trace of a proxy started before the map
     /// existed opens its maps without it).
     pub fn has(&self, name: &'static str) -> bool {
