@@ -402,7 +402,7 @@ fn the_tracers_path_is_the_programs_map_look_ups_with_the_backend_chosen_once() 
         path_of(&t, crate::trace::path::Choosing::Random),
         "path        ebpf np_tc_ingress frontend: 198.51.100.200:80/tcp: frontend; np_services { 198.51.100.200:80 tcp external : 2 backends, affinity, ranges, snat }\n\
          path        ebpf np_tc_ingress source ranges: 203.0.113.5 is in np_src_ranges; np_src_ranges { 203.0.113.0/24 }\n\
-         path        ebpf np_tc_ingress affinity: np_affinity holds no backend for 203.0.113.5 (traced as a new client)\n\
+         path        ebpf np_tc_ingress affinity: np_affinity holds no backend for 203.0.113.5 (traced as a new client); np_affinity { 203.0.113.5 }: none\n\
          path        ebpf np_tc_ingress backend: random choice, one of 2\n\
          path          50.00% to 10.244.1.5:8080\n\
          path            ebpf np_tc_ingress backend: 10.244.1.5:8080 chosen; np_backends { ordinal 1 : 10.244.1.5:8080 }\n\
@@ -445,5 +445,11 @@ fn the_tracers_path_is_the_programs_map_look_ups_with_the_backend_chosen_once() 
         "{text}"
     );
     assert!(text.contains(": connect() goes there"), "{text}");
+    // Each backend's share of the table, the slot naming its ordinal.
+    assert!(
+        text.contains("; np_maglev: ordinal 1 in ")
+            && text.contains(" of 16381 slots, np_backends { ordinal 1 : "),
+        "{text}"
+    );
     assert!(!text.contains("snat"), "{text}");
 }

@@ -223,16 +223,21 @@ fn decide(
         );
     }
     if spec.flags & SVC_AFFINITY != 0 {
-        steps.push(Step::program(
-            program,
-            "affinity",
-            format!(
-                "np_affinity holds no backend for {} (traced as a new client)",
-                packet.src
-            ),
-        ));
+        let id = held.map_or_else(String::new, |f| format!("svc {}, ", f.svc_id));
+        steps.push(
+            Step::program(
+                program,
+                "affinity",
+                format!(
+                    "np_affinity holds no backend for {} (traced as a new client)",
+                    packet.src
+                ),
+            )
+            .with_elements(vec![format!("np_affinity {{ {id}{} }}: none", packet.src)]),
+        );
     }
     let shares = shares(spec.flags, backends);
+    let maglev = spec.flags & SVC_MAGLEV != 0;
     let mut walks: Vec<Walk> = backends
         .iter()
         .zip(shares)
@@ -252,12 +257,21 @@ fn decide(
             } else {
                 format!("{to} chosen")
             };
-            own.push(
-                Step::program(program, "backend", chosen).with_elements(vec![format!(
-                    "np_backends {{ {set}ordinal {} : {to}{place} }}",
+            let mut read = Vec::new();
+            if maglev {
+                // The flow's hash picks a slot of the set's table, which names the ordinal.
+                let slots = (p * MAGLEV_M as f64).round();
+                read.push(format!(
+                    "np_maglev{}: ordinal {} in {slots} of {MAGLEV_M} slots",
+                    be_set.map_or_else(String::new, |s| format!(" {{ set {s} }}")),
                     i + 1
-                )]),
-            );
+                ));
+            }
+            read.push(format!(
+                "np_backends {{ {set}ordinal {} : {to}{place} }}",
+                i + 1
+            ));
+            own.push(Step::program(program, "backend", chosen).with_elements(read));
             if scope == Scope::External {
                 own.push(Step::program(
                     program,
