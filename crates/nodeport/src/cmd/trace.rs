@@ -1,6 +1,7 @@
 //! `nodeport trace`: follows one packet through what the proxy programs and says, in the
-//! Service's words, where it goes: the Service port, the candidate endpoints with their
-//! probability, masquerade and why, and the fate (DNAT, reject, drop, or not a Service).
+//! Service's words, where it goes: its path rule by rule (or map entry by map entry), the
+//! Service port, the candidate endpoints with their probability, masquerade and why, and the
+//! fate (DNAT, reject, drop, or not a Service).
 //!
 //! It traces what `render` would program (with `render`'s flags) for the objects of a file
 //! (`-f`) or of the API server (`--kubeconfig`/`--master`), with no kernel; with `--rules
@@ -86,8 +87,8 @@ pub struct Args {
     /// and load-balancer IPs (from --from).
     #[arg(long, value_name = "NAMESPACE/NAME")]
     service: Option<String>,
-    /// Output format: "human" (one line per step) or "json" (the schema is in
-    /// docs/TRACE.md).
+    /// Output format: "human" (one line per step: the path's rules, then the Service,
+    /// endpoints, masquerade and fate) or "json" (the schema is in docs/TRACE.md).
     #[arg(
         short = 'o',
         long = "output",
