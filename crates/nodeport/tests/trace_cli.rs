@@ -56,6 +56,9 @@ const CASES: &[(&str, &str, &[&str])] = &[
     ("10.244.2.3", "10.96.0.15:80/tcp", &[]),
     // Three endpoints, one in three each.
     ("203.0.113.5", "192.0.2.11:30574/tcp", &[]),
+    // No endpoints, from the node itself: out untranslated, then rejected on its way back in
+    // through loopback (filter INPUT; the ebpf mode refuses it at connect()).
+    ("192.0.2.11", "192.0.2.11:30570/tcp", &[]),
 ];
 
 /// The golden text of one mode: each command line, its output and exit code.
@@ -109,7 +112,7 @@ fn exit_codes(text: &str) -> Vec<&str> {
 
 /// What every mode must agree on: reaches (0) or not (1), case by case.
 const EXPECTED_EXITS: &[&str] = &[
-    "0", "1", "1", "1", "0", "1", "1", "0", "0", "0", "0", "0", "0", "1", "0",
+    "0", "1", "1", "1", "0", "1", "1", "0", "0", "0", "0", "0", "0", "1", "0", "1",
 ];
 
 #[test]
@@ -212,6 +215,42 @@ fn json_output_follows_the_documented_schema() {
     assert_eq!(v["endpoints"].as_array().unwrap().len(), 2);
     assert_eq!(v["outcomes"][0]["verdict"], "dnat");
     assert_eq!(v["outcomes"][0]["reason"], "endpoint");
+    // The path: each rule that matched (its chain, its place, its verdict, the elements it
+    // matched, the Service port it is for), each chain's end, each base chain's policy, and
+    // the random choice once, each candidate with its share and its own steps.
+    let path = v["path"].as_array().unwrap();
+    assert_eq!(path[0]["family"], "ip");
+    assert_eq!(path[0]["table"], "kube-proxy");
+    assert_eq!(path[0]["chain"], "filter-prerouting-pre-dnat");
+    assert_eq!(path[0]["rule_index"], 1);
+    assert_eq!(path[0]["kind"], "rule");
+    assert_eq!(path[0]["verdict"], "jump firewall-check");
+    assert!(path.iter().any(|s| s["kind"] == "policy"), "{stdout}");
+    let lookup = path
+        .iter()
+        .find(|s| s["chain"] == "services" && s["kind"] == "rule")
+        .unwrap();
+    assert_eq!(lookup["service"], "default/web:80/TCP");
+    assert_eq!(
+        lookup["elements"][1],
+        "@masquerade-nodeports { tcp . 30569 comment \"default/web:http\" }"
+    );
+    let choices: Vec<&serde_json::Value> = path.iter().filter(|s| s["kind"] == "choice").collect();
+    assert_eq!(choices.len(), 1, "{stdout}");
+    let candidates = choices[0]["candidates"].as_array().unwrap();
+    let to: Vec<&serde_json::Value> = candidates.iter().map(|c| &c["endpoint"]).collect();
+    let endpoints: Vec<&serde_json::Value> = v["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| &e["endpoint"])
+        .collect();
+    assert_eq!(to, endpoints);
+    for c in candidates {
+        assert_eq!(c["probability"], 0.5);
+        assert_eq!(c["verdict"], "dnat");
+        assert_eq!(c["path"][0]["verdict"], "accept");
+    }
 
     let (stdout, _, code) = trace(&[
         "-f",

@@ -9,9 +9,8 @@ mod proxy_support;
 use nodeport_testbed::require_tools;
 use proxy_support::*;
 
-/// `nodeport trace` inside the node, objects from its API server: (stdout without the
-/// `rules` line, exit code).
-fn trace(c: &Cluster, mode: Mode, rules: &str, args: &[&str]) -> (String, i32) {
+/// `nodeport trace` inside the node, objects from its API server, run.
+fn run_trace(c: &Cluster, mode: Mode, rules: &str, args: &[&str]) -> std::process::Output {
     let mut cmd = c.node.command(env!("CARGO_BIN_EXE_nodeport"));
     cmd.args(["trace", "--rules", rules]);
     // The proxy's pin root, where the ebpf mode's maps are read.
@@ -23,20 +22,32 @@ fn trace(c: &Cluster, mode: Mode, rules: &str, args: &[&str]) -> (String, i32) {
         cmd.args(["--proxy-mode", mode.as_str()])
             .args(mode.extra_args());
     }
-    let out = cmd
-        .args([
-            "--master",
-            "http://127.0.0.1:6443",
-            "--node-name",
-            "node-a",
-            // The proxy's own flags (proxy_support::Cluster::start_proxy).
-            "--cluster-cidr",
-            "10.244.0.0/16",
-        ])
-        .args(args)
-        .env("NODEPORT_LOG", "error")
-        .output()
-        .unwrap();
+    cmd.args([
+        "--master",
+        "http://127.0.0.1:6443",
+        "--node-name",
+        "node-a",
+        // The proxy's own flags (proxy_support::Cluster::start_proxy).
+        "--cluster-cidr",
+        "10.244.0.0/16",
+    ])
+    .args(args)
+    .env("NODEPORT_LOG", "error")
+    .output()
+    .unwrap()
+}
+
+/// [`run_trace`] with `-o json`: the object printed.
+fn trace_json(c: &Cluster, mode: Mode, rules: &str, args: &[&str]) -> serde_json::Value {
+    let out = run_trace(c, mode, rules, &[args, &["-o", "json"]].concat());
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{args:?}: {e}: {}", String::from_utf8_lossy(&out.stderr)))
+}
+
+/// `nodeport trace` inside the node, objects from its API server: (stdout without the
+/// `rules` line, exit code).
+fn trace(c: &Cluster, mode: Mode, rules: &str, args: &[&str]) -> (String, i32) {
+    let out = run_trace(c, mode, rules, args);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.is_empty(), "{args:?}: {stderr}");
@@ -79,9 +90,54 @@ fn trace_alone(c: &Cluster, args: &[&str]) -> (String, String, i32) {
     )
 }
 
-/// A trace's lines with what names and places differ by left out: the `rules` line and the
-/// interface; an endpoint's node; the ebpf mode's service ids (`svc-3:`) and the Services'
-/// names (`default/web:`) both as `svc-?:`.
+/// Removes from `line` each `<word> <digits>` (`rule 416`, `rule #6`, `svc 3, `, `set 7, `,
+/// `, frontend 3`): what a path's rules and map entries are named by in the kernel (handles,
+/// service and backend set ids) or in a render (a rule's place).
+fn without_numbered(line: &str, word: &str) -> String {
+    let mut out = line.to_string();
+    let mut from = 0;
+    while let Some(at) = out[from..].find(word).map(|i| i + from) {
+        let rest = &out[at + word.len()..];
+        let digits = rest.trim_start_matches('#');
+        let n = digits.len()
+            - digits
+                .trim_start_matches(|c: char| c.is_ascii_digit())
+                .len();
+        if n == 0 {
+            from = at + word.len();
+            continue;
+        }
+        let end = at + word.len() + (rest.len() - digits.len()) + n;
+        out.replace_range(at..end, "");
+        from = at;
+    }
+    out
+}
+
+/// A trace's `path` lines without what names their rules and entries (the kernel's handles
+/// and ids, a render's places): the kernel's and a render's paths are then the same.
+fn path_unnumbered(out: &str) -> String {
+    out.lines()
+        .map(|l| {
+            if !l.starts_with("path ") {
+                return l.to_string();
+            }
+            let mut l = without_numbered(l, " rule ");
+            for word in ["svc ", "set "] {
+                l = without_numbered(&l, word)
+                    .replace("{ , ", "{ ")
+                    .replace(": , ", ": ")
+                    .replace(", , ", ", ");
+            }
+            without_numbered(&l, ", frontend ")
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// A trace's lines with what places differ by left out: the `rules` line and the interface;
+/// an endpoint's node. The Service ports' names are compared as they are: the kernel's own
+/// (the ebpf mode's `np_svc_names` too) must name them as the objects do.
 fn comparable(out: &str) -> Vec<String> {
     out.lines()
         .filter(|l| !l.starts_with("rules "))
@@ -93,23 +149,23 @@ fn comparable(out: &str) -> Vec<String> {
             if l.starts_with("endpoint ") {
                 l = l.replace("on another node", "on this node");
             }
-            for name in ["web", "empty", "local", "sticky"] {
-                l = l.replace(&format!("default/{name}:"), "svc-?:");
-            }
-            while let Some(at) = l
-                .find("svc-")
-                .filter(|at| l[at + 4..].starts_with(|c: char| c.is_ascii_digit()))
-            {
-                let end = at
-                    + 4
-                    + l[at + 4..]
-                        .find(|c: char| !c.is_ascii_digit())
-                        .unwrap_or(l.len() - at - 4);
-                l.replace_range(at..end, "svc-?");
-            }
             l
         })
         .collect()
+}
+
+/// Removes every `rule_handle` from a JSON path, counting them.
+fn strip_handles(v: &mut serde_json::Value, count: &mut usize) {
+    match v {
+        serde_json::Value::Object(m) => {
+            if m.remove("rule_handle").is_some() {
+                *count += 1;
+            }
+            m.values_mut().for_each(|x| strip_handles(x, count));
+        }
+        serde_json::Value::Array(a) => a.iter_mut().for_each(|x| strip_handles(x, count)),
+        _ => {}
+    }
 }
 
 fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mode: Mode) {
@@ -176,12 +232,19 @@ fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mod
             })
             .collect::<Vec<_>>()
             .join("\n");
-        assert_eq!(kernel, render, "{mode:?} {args:?}");
+        // The same path, step for step, but for how its rules and entries are named: the
+        // kernel's handles (nftables) and ids (ebpf), a render's places.
+        assert!(kernel.contains("\npath "), "{mode:?} {args:?}: {kernel}");
+        assert_eq!(
+            path_unnumbered(&kernel),
+            path_unnumbered(&render),
+            "{mode:?} {args:?}"
+        );
         assert_eq!(kernel_code, render_code, "{mode:?} {args:?}");
         assert!(!kernel.contains("note"), "{mode:?} {args:?}: {kernel}");
 
         // With no objects at all, the kernel names the same Services (the ebpf mode's maps
-        // by service id), endpoints, policies and reasons: the same explanation.
+        // from np_svc_names), endpoints, policies and reasons: the same explanation.
         let (alone, stderr, alone_code) = trace_alone(&c, &args);
         assert!(stderr.is_empty(), "{mode:?} {args:?}: {stderr}");
         assert_eq!(alone_code, kernel_code, "{mode:?} {args:?}: {alone}");
@@ -192,16 +255,27 @@ fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mod
                 "; names from the kernel (its chains' names and its elements' comments)\n"
             }
             Mode::Iptables => "; names from the kernel (its rules' comments)\n",
-            Mode::Ebpf => {
-                "; names from the kernel, whose BPF maps hold no names: ports are named by their service id (svc-<id>)\n"
-            }
+            Mode::Ebpf => "; names from the kernel (its np_svc_names map)\n",
         };
         assert!(
             alone.starts_with("rules ") && alone.contains(names),
             "{alone}"
         );
-        if mode != Mode::Ebpf {
-            assert!(!alone.contains("svc-"), "{alone}");
+        assert!(!alone.contains("svc-"), "{alone}");
+    }
+    // The path as JSON: the kernel's rules in the same places as the render's, each named by
+    // its handle too in the nftables mode.
+    if mode != Mode::Ebpf {
+        let args = ["--from", CLIENT_IP, "--to", web_to.as_str()];
+        let mut kernel = trace_json(&c, mode, "kernel", &args)["path"].clone();
+        let render = trace_json(&c, mode, "render", &args)["path"].clone();
+        let mut handles = 0;
+        strip_handles(&mut kernel, &mut handles);
+        assert_eq!(kernel, render, "{mode:?}");
+        let rules = render.to_string().matches("\"rule_index\"").count();
+        match mode {
+            Mode::Iptables => assert_eq!(handles, 0),
+            _ => assert_eq!(handles, rules, "{mode:?}: every rule by its handle"),
         }
     }
     // Named from the kernel: the pods the node routes to over its own links (all three in
@@ -291,35 +365,26 @@ fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mod
     assert!(kernel.contains("198.51.100.10:30080/tcp"), "{kernel}");
     assert!(!kernel.contains("note"), "{mode:?}: {kernel}");
     // Named from the kernel, the same addresses, the ClusterIP from the node network's
-    // address (the ebpf mode's maps have no names to ask for).
+    // address.
     let (alone, stderr, code) = trace_alone(&c, &["--service", "default/web"]);
-    if mode == Mode::Ebpf {
-        assert_eq!(code, 3, "{alone}{stderr}");
-        assert!(
-            stderr.contains("no Service default/web in the kernel (or it has no ClusterIP) (the ebpf mode's maps hold no names: give -f or --kubeconfig)"),
-            "{stderr}"
-        );
-    } else {
-        assert_eq!(code, 0, "{mode:?}: {alone}{stderr}");
-        let lines: Vec<String> = alone
-            .lines()
-            .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
-            .collect();
-        let cluster_ip = c.cluster_ip("web");
-        assert!(
-            lines.iter().any(|l| l.starts_with(&format!(
-                "{cluster_ip}:80/tcp ClusterIP from {NODE_IP} DNAT to one of"
-            ))),
-            "{mode:?}: {alone}"
-        );
-        assert!(
-            lines
-                .iter()
-                .any(|l| l
-                    .starts_with("192.0.2.10:30080/tcp NodePort from 203.0.113.1 DNAT to one of")),
-            "{mode:?}: {alone}"
-        );
-    }
+    assert_eq!(code, 0, "{mode:?}: {alone}{stderr}");
+    let lines: Vec<String> = alone
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+        .collect();
+    let web_ip = c.cluster_ip("web");
+    assert!(
+        lines.iter().any(|l| l.starts_with(&format!(
+            "{web_ip}:80/tcp ClusterIP from {NODE_IP} DNAT to one of"
+        ))),
+        "{mode:?}: {alone}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("192.0.2.10:30080/tcp NodePort from 203.0.113.1 DNAT to one of")),
+        "{mode:?}: {alone}"
+    );
 
     // The fates themselves, as the client met them above.
     let (out, code) = trace(&c, mode, "kernel", &["--from", CLIENT_IP, "--to", &web_to]);

@@ -492,12 +492,124 @@ fn offline_trace(
     explanation(&stdout)
 }
 
+/// `nodeport trace -f <objects> <render's flags> -o json` of one packet, offline.
+fn offline_json(
+    objects: &std::path::Path,
+    render_flags: &[&str],
+    from: &str,
+    to: &str,
+) -> serde_json::Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_nodeport"))
+        .arg("trace")
+        .arg("-f")
+        .arg(objects)
+        .args(render_flags)
+        .args(["--from", from, "--to", to, "-o", "json"])
+        .output()
+        .unwrap();
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// `nodeport trace --rules kernel -o json` of one packet inside the node.
+fn kernel_json(c: &Cluster, from: &str, to: &str) -> serde_json::Value {
+    let out = c
+        .node
+        .command(env!("CARGO_BIN_EXE_nodeport"))
+        .args([
+            "trace",
+            "--rules",
+            "kernel",
+            "--master",
+            "http://127.0.0.1:6443",
+        ])
+        .args(["--node-name", "node-a", "--cluster-cidr", "10.244.0.0/16"])
+        .args(["--from", from, "--to", to, "-o", "json"])
+        .env("NODEPORT_LOG", "error")
+        .output()
+        .unwrap();
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn names(p: &[Named]) -> Vec<String> {
+    p.iter().map(|(n, _)| n.clone()).collect()
+}
+
+/// A path step as a live and a traced path both name it (`ip kube-proxy services: jump
+/// nodeport-cluster-policy (default/web:80/TCP)`), and its rule's handle. Left out: the
+/// rule's place (a traced path's `rule #6`; a live one names the handle only) and the
+/// elements a rule matched (nftrace names rules, not elements).
+type Named = (String, Option<u64>);
+
+/// The steps of a live trace's `path` lines whose `family table` is `at` (`ip kube-proxy`).
+fn live_path(out: &str, at: &str) -> Vec<Named> {
+    out.lines()
+        .filter_map(|l| l.strip_prefix("path        "))
+        .filter_map(|l| l.strip_prefix(at)?.strip_prefix(' '))
+        .map(|l| {
+            let (head, rest) = l.split_once(": ").expect("a path line");
+            let (chain, handle) = match head.split_once(" rule ") {
+                Some((chain, h)) => (chain, Some(h.parse().expect("a rule handle"))),
+                None => (head, None),
+            };
+            (format!("{at} {chain}: {rest}"), handle)
+        })
+        .collect()
+}
+
+/// The steps of a traced path (`-o json`) whose `family table` is `at`, the random choice's
+/// candidate for `endpoint` in its place.
+fn traced_path(v: &serde_json::Value, endpoint: Option<&str>, at: &str) -> Vec<Named> {
+    let mut out = Vec::new();
+    for s in v.as_array().expect("a path") {
+        if s["kind"] == "choice" {
+            let candidates = s["candidates"].as_array().unwrap();
+            let c = candidates
+                .iter()
+                .find(|c| endpoint.is_some() && c["endpoint"].as_str() == endpoint)
+                .unwrap_or_else(|| panic!("no candidate to {endpoint:?}: {s}"));
+            out.extend(traced_path(&c["path"], endpoint, at));
+            continue;
+        }
+        let here = format!(
+            "{} {}",
+            s["family"].as_str().unwrap(),
+            s["table"].as_str().unwrap()
+        );
+        if here != at {
+            continue;
+        }
+        let verdict = s["verdict"].as_str().unwrap();
+        let what = match s["kind"].as_str().unwrap() {
+            "policy" => format!("policy {verdict}"),
+            _ => verdict.to_string(),
+        };
+        let service = s["service"]
+            .as_str()
+            .map_or_else(String::new, |l| format!(" ({l})"));
+        out.push((
+            format!(
+                "{} {} {}: {what}{service}",
+                s["family"].as_str().unwrap(),
+                s["table"].as_str().unwrap(),
+                s["chain"].as_str().unwrap()
+            ),
+            s["rule_handle"].as_u64(),
+        ));
+    }
+    out
+}
+
 /// The test: real packets in the nftables mode, in both layouts, traced live; each
 /// printed explanation equals the offline trace (`-f` with the objects and `render`'s flags,
 /// the proxy's own) of the same packet: a NodePort DNATed to one of three pods, a Service
 /// without endpoints (rejected), `externalTrafficPolicy: Local` without a local endpoint
-/// (dropped), a pod to a ClusterIP. And no trace table is left after Ctrl-C or SIGKILL, in
-/// either layout.
+/// (dropped), a pod to a ClusterIP, the node itself to a NodePort without endpoints
+/// (rejected on its way back in through loopback). So does its path, step for step through the proxy's
+/// table: the offline trace's (its random choice taken as conntrack says the packet took
+/// it), and `--rules kernel`'s down to each rule's handle. (Where they cannot agree: nftrace
+/// names rules, not the elements they matched; an offline trace names a rule by its place,
+/// not the kernel's handle.) And no trace table is left after Ctrl-C or SIGKILL, in either
+/// layout.
 #[test]
 fn live_traces_of_real_packets_equal_the_offline_trace_of_the_same_packet_in_both_nftables_layouts()
 {
@@ -558,7 +670,7 @@ fn live_traces_of_real_packets_equal_the_offline_trace_of_the_same_packet_in_bot
         let web_ip = c.cluster_ip("web");
         // (who sends, from, to, what it gets, the exit code)
         type Case<'a> = (&'a Netns, &'a str, String, fn(&Reply) -> bool, i32);
-        let cases: [Case<'_>; 4] = [
+        let cases: [Case<'_>; 5] = [
             (
                 &c.client,
                 CLIENT_IP,
@@ -586,6 +698,15 @@ fn live_traces_of_real_packets_equal_the_offline_trace_of_the_same_packet_in_bot
                 format!("{web_ip}:80"),
                 |r| matches!(r, Reply::Pod { .. }),
                 0,
+            ),
+            // The node's own connection to its NodePort without endpoints: out untranslated,
+            // rejected on its way back in through loopback.
+            (
+                &c.node,
+                NODE_IP,
+                format!("{NODE_IP}:30090"),
+                |r| *r == Reply::Refused,
+                1,
             ),
         ];
         for (client, from, to, want, exit) in cases {
@@ -639,6 +760,34 @@ fn live_traces_of_real_packets_equal_the_offline_trace_of_the_same_packet_in_bot
                 explanation(&out),
                 offline,
                 "{layout}: {from} → {to}: the live trace, then the offline one"
+            );
+            // The path: the live one through the proxy's table, step for step the offline
+            // trace's for the endpoint conntrack names, and the kernel trace's with the
+            // same rule handles.
+            let endpoint = seen(&out).first().and_then(|l| {
+                let rest = l.split_once("DNAT to ")?.1;
+                Some(rest.split_once(' ')?.0.to_string())
+            });
+            let live = live_path(&out, "ip kube-proxy");
+            assert!(live.len() > 3, "{out}");
+            let offline = traced_path(
+                &offline_json(&objects, &render_flags, from, &to_tcp)["path"],
+                endpoint.as_deref(),
+                "ip kube-proxy",
+            );
+            assert_eq!(
+                names(&live),
+                names(&offline),
+                "{layout}: {from} → {to}: the live path, then the offline one\n{out}"
+            );
+            let kernel = traced_path(
+                &kernel_json(&c, from, &to_tcp)["path"],
+                endpoint.as_deref(),
+                "ip kube-proxy",
+            );
+            assert_eq!(
+                live, kernel,
+                "{layout}: {from} → {to}: the live path, then --rules kernel's\n{out}"
             );
         }
         // Ctrl-C and SIGKILL: the kernel removes the tracer's table with its socket.
@@ -739,6 +888,18 @@ fn in_the_iptables_mode_iptables_nft_chains_are_traced_live_as_the_kernels_rules
         );
     }
     assert!(chains.iter().all(|c| c.starts_with("KUBE-")), "{out}");
+    // The path, step for step through iptables-nft's tables, is the kernel trace's
+    // (iptables-save names no handles: rules are compared without them).
+    let kernel = kernel_json(&c, CLIENT_IP, &format!("{web}/tcp"));
+    for at in ["ip nat", "ip filter"] {
+        let live = live_path(&out, at);
+        assert!(!live.is_empty(), "{at}: {out}");
+        assert_eq!(
+            names(&live),
+            names(&traced_path(&kernel["path"], Some("10.244.2.2:8080"), at)),
+            "{at}: the live path, then --rules kernel's\n{out}"
+        );
+    }
     // Without objects, the rules' comments name the same Service and chains.
     let t = LiveTrace::start_alone(
         &c.node,
@@ -1101,6 +1262,49 @@ fn in_the_ebpf_mode_live_sees_what_the_programs_decide_for_each_new_connection_a
     assert_eq!(
         explanation(&out),
         explanation(&String::from_utf8_lossy(&kernel.stdout)),
+        "{out}"
+    );
+    // The programs' frontend and backend steps are the kernel trace's for the backend they
+    // chose (which the trace of the maps cannot name: the source port the SNAT takes, and the
+    // steps the programs do not report, the source range it passed and the affinity look-up).
+    let kernel_json: serde_json::Value = {
+        let mut cmd = c.node.command(env!("CARGO_BIN_EXE_nodeport"));
+        cmd.args([
+            "trace",
+            "--rules",
+            "kernel",
+            "--master",
+            "http://127.0.0.1:6443",
+        ])
+        .args(["--node-name", "node-a", "--cluster-cidr", "10.244.0.0/16"])
+        .arg("--ebpf-pin-root")
+        .arg(&c.ebpf.as_ref().unwrap().pin_root)
+        .args([
+            "--from",
+            CLIENT_IP,
+            "--to",
+            &format!("{web}/tcp"),
+            "-o",
+            "json",
+        ])
+        .env("NODEPORT_LOG", "error");
+        serde_json::from_slice(&cmd.output().unwrap().stdout).unwrap()
+    };
+    let chosen = format!("10.244.{n}.2:8080");
+    let reported = |p: Vec<Named>| -> Vec<Named> {
+        p.into_iter()
+            .filter(|(l, _)| l.contains(" frontend: ") || l.contains(" backend: "))
+            .collect()
+    };
+    let live = reported(live_path(&out, "ebpf np_tc_ingress"));
+    assert_eq!(live.len(), 2, "{out}");
+    assert_eq!(
+        live,
+        reported(traced_path(
+            &kernel_json["path"],
+            Some(&chosen),
+            "ebpf np_tc_ingress"
+        )),
         "{out}"
     );
     // The backend the maps name is the pod that answered, and the source it saw.

@@ -5,6 +5,10 @@
 //! `BPF_MAP_UPDATE_BATCH` call per map, alternately, then read back whole
 //! (`BPF_MAP_LOOKUP_BATCH` against one key walk step and look-up per entry).
 //!
+//! Then the service ports' names (`np_svc_names`, one per Service), written in one batched
+//! call into fresh maps: the time per name, and the map's memory (`bpftool map show`'s
+//! memlock) empty and with the names.
+//!
 //! Run (root): `cargo bench -p nodeport-proxy --bench ebpf_batch [-- SERVICES ROUNDS]`
 //! (default 10,000 Services, 3 rounds). Prints the time per entry of each way, wall clock
 //! and this thread's CPU time.
@@ -13,7 +17,25 @@ use std::time::{Duration, Instant};
 
 use nodeport_proxy::ebpf::batch::Batch;
 use nodeport_proxy::ebpf::maps::{self, BackendEntry, Frontend, FrontendKey, Scope};
-use nodeport_proxy::ebpf::programs::{MapSizes, Programs};
+use nodeport_proxy::ebpf::programs::{MapSizes, Maps, Programs};
+use nodeport_proxy::model::{Protocol, ServicePortName};
+
+/// The memory `bpftool map show` gives the map `name` of `maps` (its memlock), in bytes.
+fn memlock(maps: &Maps, name: &'static str) -> u64 {
+    let id = maps.map_id(name).expect("map id").to_string();
+    let out = std::process::Command::new("bpftool")
+        .args(["map", "show", "id", &id])
+        .output()
+        .expect("bpftool");
+    let text = String::from_utf8_lossy(&out.stdout);
+    // `... max_entries 524288  memlock 8389504B`
+    let mut words = text.split_whitespace();
+    words
+        .find(|w| *w == "memlock")
+        .and_then(|_| words.next())
+        .and_then(|v| v.trim_end_matches('B').parse().ok())
+        .unwrap_or(0)
+}
 
 fn cpu() -> Duration {
     nix::time::clock_gettime(nix::time::ClockId::CLOCK_THREAD_CPUTIME_ID)
@@ -134,5 +156,28 @@ fn main() {
                 read.1.as_secs_f64() * 1e3,
             );
         }
+    }
+    // The names: one per Service (a port of one family), batched.
+    let names: Vec<(u32, ServicePortName)> = (0..n)
+        .map(|i| {
+            let name = format!("service-{i}");
+            (
+                i + 1,
+                ServicePortName::new("default", &name, "http", Protocol::Tcp),
+            )
+        })
+        .collect();
+    for round in 1..=rounds {
+        let (_programs, mut m) = Programs::load(&MapSizes::default()).expect("load (root needed)");
+        let empty = memlock(&m, maps::names::SVC_NAMES);
+        let (w, c) = timed(|| m.set_names(&names).expect("write names"));
+        let full = memlock(&m, maps::names::SVC_NAMES);
+        println!(
+            "  round {round} names      write {:>7.1} ms wall {:>6.0} ns/name, cpu {:>7.1} ms; np_svc_names memlock {empty} B empty, {full} B with {n} names ({} B per name)",
+            w.as_secs_f64() * 1e3,
+            w.as_secs_f64() * 1e9 / f64::from(n.max(1)),
+            c.as_secs_f64() * 1e3,
+            (full - empty) / u64::from(n.max(1)),
+        );
     }
 }

@@ -70,6 +70,17 @@ struct {
 	__uint(map_flags, BPF_F_NO_PREALLOC);
 } np_services SEC(".maps");
 
+/* Names of the service ports, by service id, for nodeport trace (nodeport.h). Written by the
+ * applier with the frontends; no program reads it. The loader sizes it from np_services
+ * (half: every service port has at least two frontends). */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 32768);
+	__type(key, __u32);
+	__type(value, struct np_svc_name);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+} np_svc_names SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, 65536);

@@ -70,6 +70,16 @@ struct np_svc_val {
 	__u32 affinity_timeout; /* seconds */
 };
 
+/* np_svc_names: service id → the service port's name, "namespace/name:port/PROTO" (the
+ * port's name, not its number; "namespace/name/PROTO" for an unnamed port), NUL-padded, at
+ * most NP_SVC_NAME_LEN - 1 bytes (long names shortened as the flat nftables layout shortens
+ * its 128-byte element comments). For nodeport trace: the programs never read it. */
+#define NP_SVC_NAME_LEN 136
+
+struct np_svc_name {
+	char name[NP_SVC_NAME_LEN];
+};
+
 /* np_backends: (backend set, ordinal) → backend. */
 struct np_be_key {
 	__u32 be_set;

@@ -109,6 +109,35 @@ impl Protocol {
     }
 }
 
+/// A Service port's name in at most `max` bytes, for the kernel objects that carry it as
+/// text (the flat nftables layout's element comments, 128 bytes; the eBPF mode's
+/// `np_svc_names`): `namespace/name:port` (`namespace/name` for an unnamed port), or, when
+/// longer (Kubernetes allows 63-byte namespaces, 63-byte names and 15-byte port names: 143
+/// bytes), the namespace and the port kept and the middle of the name cut, marked with `...`.
+pub fn short_port_name(port: &ServicePortName, max: usize) -> String {
+    let full = port.to_string();
+    if full.len() <= max {
+        return full;
+    }
+    let suffix = if port.port.is_empty() {
+        String::new()
+    } else {
+        format!(":{}", port.port)
+    };
+    let budget = max - port.namespace.len() - 1 - suffix.len() - 3;
+    // Names are DNS labels (ASCII): byte cuts are char cuts.
+    let name = &port.name;
+    let head = budget.div_ceil(2);
+    let tail = budget - head;
+    format!(
+        "{}/{}...{}{}",
+        port.namespace,
+        &name[..head],
+        &name[name.len() - tail..],
+        suffix
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

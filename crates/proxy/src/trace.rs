@@ -3,7 +3,8 @@
 //! ([`nftables::tracer`](crate::nftables::tracer), [`iptables::tracer`](crate::iptables::tracer),
 //! [`ebpf::tracer`](crate::ebpf::tracer)). [`explain`] names those fates in Kubernetes'
 //! words (the Service port, its endpoints, why masqueraded, why dropped) for `nodeport trace`;
-//! [`recover`] reads the Services a kernel's rules name, for a trace without objects.
+//! [`recover`] reads the Services a kernel's rules name, for a trace without objects;
+//! [`path`] is the packet's way through the rules or maps, step by step.
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -12,6 +13,7 @@ use std::net::{IpAddr, SocketAddr};
 use crate::model::Protocol;
 
 pub mod explain;
+pub mod path;
 pub mod recover;
 
 /// Where the packet comes from.
@@ -129,9 +131,30 @@ pub struct Trace {
     pub packet: Packet,
     /// Fates and their probabilities (summing to 1), most likely first.
     pub fates: Vec<(Fate, f64)>,
+    /// Every way the packet goes, with the steps it takes ([`path::fold`] makes them one
+    /// path); empty from a tracer that records none.
+    pub walks: Vec<path::Walk>,
 }
 
 impl Trace {
+    /// A trace of `packet` from its walks: the fates are theirs, added up by fate, most
+    /// likely first.
+    pub fn of_walks(packet: &Packet, walks: Vec<path::Walk>) -> Self {
+        let mut fates: Vec<(Fate, f64)> = Vec::new();
+        for w in &walks {
+            match fates.iter_mut().find(|(f, _)| *f == w.fate) {
+                Some((_, p)) => *p += w.probability,
+                None => fates.push((w.fate.clone(), w.probability)),
+            }
+        }
+        fates.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        Trace {
+            packet: packet.clone(),
+            fates,
+            walks,
+        }
+    }
+
     /// The only fate (panics if the packet can end in more than one way).
     pub fn only(&self) -> &Fate {
         assert_eq!(self.fates.len(), 1, "more than one fate: {self}");

@@ -1384,6 +1384,124 @@ fn a_full_sync_writes_again_a_service_port_whose_entries_others_deleted() {
     assert_eq!(applier.maps().backends().unwrap().len(), 2);
 }
 
+/// `np_svc_names` as the map holds it: service id → name, as text.
+fn names_of(maps: &Maps) -> std::collections::BTreeMap<u32, String> {
+    maps.names()
+        .unwrap()
+        .into_iter()
+        .map(|(id, v)| {
+            let end = v.iter().position(|&c| c == 0).unwrap_or(v.len());
+            (id, String::from_utf8_lossy(&v[..end]).into_owned())
+        })
+        .collect()
+}
+
+#[test]
+fn service_port_names_go_in_and_out_with_their_frontends_are_taken_over_and_swept_by_the_walk() {
+    let Some((_programs, mut applier)) = applier("service_port_names_go_in_and_out") else {
+        return;
+    };
+    let mut c = Cluster::new(&web(&["10.244.1.5@node-a", "10.244.2.7@node-b"]));
+    applier.sync(&c.desired, None).unwrap();
+    // Under the frontends' service id, written in the same batched sync.
+    let id = applier.maps().frontends().unwrap()[0].1.svc_id;
+    assert!(
+        applier
+            .maps()
+            .frontends()
+            .unwrap()
+            .iter()
+            .all(|(_, fe)| fe.svc_id == id)
+    );
+    assert_eq!(
+        names_of(applier.maps()),
+        [(id, "default/web:http/TCP".to_string())].into()
+    );
+    assert!(applier.entry_counts().contains(&("np_svc_names", 1)));
+    // An endpoint change keeps the name; the Service gone, its name goes with its frontends.
+    let changed = c.update(&web(&["10.244.1.5@node-a"]));
+    let report = applier.sync(&c.desired, Some(&changed)).unwrap();
+    assert_eq!(names_of(applier.maps()).len(), 1, "{report:?}");
+    c.cluster.update_service(
+        nodeport_proxy::model::ServiceName::new("default", "web"),
+        None,
+    );
+    let changes = c.cluster.take_changes();
+    c.desired.refresh_services(
+        &c.cluster,
+        nodeport_proxy::desired::NodeView::named("node-a"),
+        &changes.services,
+    );
+    applier.sync(&c.desired, Some(&changed)).unwrap();
+    assert!(applier.maps().frontends().unwrap().is_empty());
+    assert!(names_of(applier.maps()).is_empty());
+    assert!(applier.entry_counts().contains(&("np_svc_names", 0)));
+    // Back, under a fresh id; then the proxy stops, and others change the names: one
+    // rewritten, one added for an id no frontend has.
+    let c = Cluster::new(&web(&["10.244.1.5@node-a"]));
+    applier.sync(&c.desired, None).unwrap();
+    let id = applier.maps().frontends().unwrap()[0].1.svc_id;
+    let mut maps = applier.into_maps();
+    maps.set_names(&[
+        (
+            id,
+            nodeport_proxy::model::ServicePortName::new(
+                "default",
+                "other",
+                "x",
+                nodeport_proxy::model::Protocol::Udp,
+            ),
+        ),
+        (
+            id + 50,
+            nodeport_proxy::model::ServicePortName::new(
+                "default",
+                "stray",
+                "",
+                nodeport_proxy::model::Protocol::Tcp,
+            ),
+        ),
+    ])
+    .unwrap();
+    // A restarted proxy's first sync walks the maps: it keeps the service id the frontends
+    // carry, writes the name again as it should be, and deletes the stray one.
+    let mut restarted = Applier::new(maps, RenderConfig::default());
+    restarted.sync(&c.desired, None).unwrap();
+    assert_eq!(restarted.maps().frontends().unwrap()[0].1.svc_id, id);
+    assert_eq!(
+        names_of(restarted.maps()),
+        [(id, "default/web:http/TCP".to_string())].into()
+    );
+    // Nothing left to repair.
+    let again = restarted.sync(&c.desired, None).unwrap();
+    assert_eq!((again.services_written, again.map_operations), (0, 0));
+    // A name changed while the proxy runs is repaired by the next walk (after a failed
+    // sync: 20 more Services need 80 more frontends, the map holds 64), the port unchanged.
+    restarted
+        .maps_mut()
+        .set_names(&[(
+            id,
+            nodeport_proxy::model::ServicePortName::new(
+                "default",
+                "other",
+                "",
+                nodeport_proxy::model::Protocol::Tcp,
+            ),
+        )])
+        .unwrap();
+    let many = Cluster::new(&format!(
+        "{}\n---\n{}",
+        web(&["10.244.1.5@node-a"]),
+        nodeport_services(20, &["10.244.1.5@node-a"])
+    ));
+    assert!(restarted.sync(&many.desired, None).is_err());
+    restarted.sync(&c.desired, None).unwrap();
+    assert_eq!(
+        names_of(restarted.maps()),
+        [(id, "default/web:http/TCP".to_string())].into()
+    );
+}
+
 #[test]
 fn membership_entries_are_written_only_for_sets_the_programs_check_membership_of() {
     let Some((_programs, mut applier)) = applier("membership_entries_are_written_only") else {
@@ -1955,6 +2073,9 @@ fn a_node_dataplane_serves_nodeports_and_cluster_ips_from_desired_state() {
     let fill = dataplane.fill().unwrap();
     let services = fill.iter().find(|(m, _, _)| *m == "np_services").unwrap();
     assert_eq!((services.1, services.2), (4, sizes().services));
+    // One name per service port and family, in a map half the frontends' size.
+    let names = fill.iter().find(|(m, _, _)| *m == "np_svc_names").unwrap();
+    assert_eq!((names.1, names.2), (1, sizes().services / 2));
     drop(dataplane);
 }
 

@@ -33,7 +33,9 @@ pub struct EbpfArgs {
     #[arg(long, value_name = "random|maglev")]
     ebpf_lb_algorithm: Option<String>,
     /// eBPF mode: frontends (service address, port and scope) [default: 1048576, about
-    /// 16 MiB at load plus 100 bytes per entry].
+    /// 16 MiB at load plus 100 bytes per entry]. The service ports' names (np_svc_names, for
+    /// nodeport trace) take half as many entries: 8 MiB at load with the default, plus 200
+    /// bytes per service port and family.
     #[arg(long, value_name = "N")]
     ebpf_services_map_size: Option<String>,
     /// eBPF mode: backends, in the backend and membership maps alike [default: 2097152,

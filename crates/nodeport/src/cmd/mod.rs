@@ -55,8 +55,8 @@ pub enum Command {
     Proxy(proxy::Args),
     /// Print the ruleset the proxy would program for a file of objects.
     Render(render::Args),
-    /// Follow a packet through what the proxy programs: the Service port, endpoints,
-    /// masquerade and fate.
+    /// Follow a packet through what the proxy programs: its path rule by rule, the Service
+    /// port, endpoints, masquerade and fate.
     Trace(trace::Args),
     /// Reproduce the NodePort lab in network namespaces on this machine.
     Lab(lab::Args),

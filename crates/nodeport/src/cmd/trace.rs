@@ -1,6 +1,7 @@
 //! `nodeport trace`: follows one packet through what the proxy programs and says, in the
-//! Service's words, where it goes: the Service port, the candidate endpoints with their
-//! probability, masquerade and why, and the fate (DNAT, reject, drop, or not a Service).
+//! Service's words, where it goes: its path rule by rule (or map entry by map entry), the
+//! Service port, the candidate endpoints with their probability, masquerade and why, and the
+//! fate (DNAT, reject, drop, or not a Service).
 //!
 //! It traces what `render` would program (with `render`'s flags) for the objects of a file
 //! (`-f`) or of the API server (`--kubeconfig`/`--master`), with no kernel; with `--rules
@@ -17,6 +18,7 @@ use std::path::PathBuf;
 use nodeport_proxy::config::ProxyMode;
 use nodeport_proxy::model::{IpFamily, Protocol};
 use nodeport_proxy::trace::explain::{self, Dataplane, Explanation};
+use nodeport_proxy::trace::path::Step;
 use nodeport_proxy::trace::recover::Recovered;
 use nodeport_proxy::trace::{Env, Origin, Packet, Trace};
 use nodeport_proxy::{ebpf, iptables, nftables};
@@ -85,8 +87,8 @@ pub struct Args {
     /// and load-balancer IPs (from --from).
     #[arg(long, value_name = "NAMESPACE/NAME")]
     service: Option<String>,
-    /// Output format: "human" (one line per step) or "json" (the schema is in
-    /// docs/TRACE.md).
+    /// Output format: "human" (one line per step: the path's rules, then the Service,
+    /// endpoints, masquerade and fate) or "json" (the schema is in docs/TRACE.md).
     #[arg(
         short = 'o',
         long = "output",
@@ -701,8 +703,11 @@ enum KernelRules {
     Ebpf {
         /// The pin root read.
         pin_root: PathBuf,
-        /// Frontends, backends and source ranges as the kernel holds them.
+        /// Frontends, backends and source ranges as the kernel holds them, named as
+        /// `np_svc_names` names them (or by service id).
         maps: ebpf::render::Rendered,
+        /// The maps have `np_svc_names` (a proxy older than it wrote none).
+        named_in_kernel: bool,
     },
 }
 
@@ -718,13 +723,35 @@ impl KernelRules {
             (ProxyMode::Ebpf, Rendered::Ebpf(named)) => {
                 let read = || -> Result<_, ebpf::programs::Error> {
                     let maps = ebpf::programs::Maps::open_pinned(pin_root)?;
-                    Ok((maps.frontends()?, maps.backends()?, maps.source_ranges()?))
+                    // A proxy older than np_svc_names has none: ports by service id then.
+                    let names = match maps.has(ebpf::maps::names::SVC_NAMES) {
+                        true => Some(
+                            maps.names()?
+                                .into_iter()
+                                .filter_map(|(id, v)| Some((id, ebpf::maps::decode_svc_name(&v)?)))
+                                .collect(),
+                        ),
+                        false => None,
+                    };
+                    Ok((
+                        maps.frontends()?,
+                        maps.backends()?,
+                        maps.source_ranges()?,
+                        names,
+                    ))
                 };
-                let (frontends, backends, ranges) =
+                let (frontends, backends, ranges, names) =
                     read().map_err(|e| unreadable_pinned_maps("--rules kernel", pin_root, e))?;
                 Ok(KernelRules::Ebpf {
                     pin_root: pin_root.to_path_buf(),
-                    maps: ebpf::render::from_maps(&frontends, &backends, &ranges, named),
+                    maps: ebpf::render::from_maps(
+                        &frontends,
+                        &backends,
+                        &ranges,
+                        names.as_ref().unwrap_or(&Default::default()),
+                        named,
+                    ),
+                    named_in_kernel: names.is_some(),
                 })
             }
             (other, _) => Err(untraceable(format!(
@@ -824,18 +851,32 @@ impl KernelRules {
         Some(if flat { "flat" } else { "kube-proxy" })
     }
 
-    /// The packet through the kernel's rules.
+    /// The packet through the kernel's rules; each rule of its path named by its place in
+    /// the kernel's chain (and, nftables, its handle), as the kernel lists it.
     fn trace(&self, packet: &Packet, env: &Env) -> Trace {
         let i = usize::from(IpFamily::of(packet.dst) == IpFamily::V6);
         match self {
             KernelRules::Iptables { saved, .. } => {
-                iptables::tracer::trace(&saved[i].view, packet, env)
+                let mut trace = iptables::tracer::trace(&saved[i].view, packet, env);
+                placed(&mut trace, |s, index| {
+                    let table = match s.table.as_str() {
+                        "nat" => iptables::ruleset::Table::Nat,
+                        "filter" => iptables::ruleset::Table::Filter,
+                        _ => iptables::ruleset::Table::Mangle,
+                    };
+                    saved[i].place(table, &s.chain, index).map(|p| (p, None))
+                });
+                trace
             }
             KernelRules::Nftables { listed } => {
                 let ruleset = nftables::ruleset::Ruleset {
                     tables: listed[i].iter().map(|l| l.table.clone()).collect(),
                 };
-                nftables::tracer::trace(&ruleset, packet, env)
+                let mut trace = nftables::tracer::trace(&ruleset, packet, env);
+                if let Some(l) = &listed[i] {
+                    placed(&mut trace, |s, index| l.place(&s.chain, index));
+                }
+                trace
             }
             KernelRules::Ebpf { maps, .. } => ebpf::tracer::trace(maps, packet, env),
         }
@@ -891,8 +932,13 @@ impl KernelRules {
             KernelRules::Nftables { .. } => {
                 "the kernel (its chains' names and its elements' comments)".to_string()
             }
-            KernelRules::Ebpf { .. } => "the kernel, whose BPF maps hold no names: ports are \
-                 named by their service id (svc-<id>)"
+            KernelRules::Ebpf {
+                named_in_kernel: true,
+                ..
+            } => "the kernel (its np_svc_names map)".to_string(),
+            KernelRules::Ebpf { .. } => "the kernel, whose BPF maps hold no np_svc_names (a \
+                 proxy older than it pinned them): ports are named by their service id \
+                 (svc-<id>)"
                 .to_string(),
         }
     }
@@ -907,6 +953,21 @@ impl KernelRules {
             }
             // Every frontend, backend and range is read.
             KernelRules::Ebpf { .. } => &[],
+        }
+    }
+}
+
+/// Names each rule of `trace`'s walks as the kernel holds it: `place(step, index)` gives the
+/// place (from 1) and handle of the rule read as the chain's `index`-th (from 0).
+fn placed(trace: &mut Trace, place: impl Fn(&Step, usize) -> Option<(usize, Option<u64>)>) {
+    for w in &mut trace.walks {
+        for s in &mut w.steps {
+            if let Some(index) = s.rule_index
+                && let Some((at, handle)) = place(s, index - 1)
+            {
+                s.rule_index = Some(at);
+                s.rule_handle = handle;
+            }
         }
     }
 }
@@ -1301,6 +1362,7 @@ impl Tracing {
                 && packet.dst.is_ipv4())
             .then(|| route_localnet(self.in_interface.as_deref())),
             localhost_nodeports: p.config.localhost_nodeports,
+            flat_layout: self.layout() == Some("flat"),
         };
         let mut explanation = explain::explain(&p.desired, &ctx, &trace);
         if packet.origin == Origin::Remote {
@@ -1410,9 +1472,13 @@ impl Tracing {
     /// The hint for a `--service` the kernel's names lack.
     fn missing_service_hint(&self) -> &'static str {
         match (&self.kernel, &self.names_from_kernel) {
-            (Some(KernelRules::Ebpf { .. }), Some(_)) => {
-                " (the ebpf mode's maps hold no names: give -f or --kubeconfig)"
-            }
+            (
+                Some(KernelRules::Ebpf {
+                    named_in_kernel: false,
+                    ..
+                }),
+                Some(_),
+            ) => " (these ebpf maps hold no np_svc_names: give -f or --kubeconfig)",
             _ => "",
         }
     }

@@ -11,13 +11,15 @@
 //!    backends at ordinals `1..=n`, their membership entries (only where the programs read
 //!    them: UDP service ports and session affinity, as Cilium keeps its affinity match map
 //!    for affinity services only), its Maglev table.
-//! 2. Source ranges that are new are added.
+//! 2. Source ranges that are new are added, and the names of new service ports
+//!    (`np_svc_names`: service id → `namespace/name:port/PROTO`, which no program reads; for
+//!    `nodeport trace`, so that a frontend is named before it is written).
 //! 3. Each frontend whose value changed is written, in one update each: it now names the new
 //!    set id and count.
 //! 4. Frontends that went away are deleted (unless another service port took the key over in
 //!    the same sync).
 //! 5. Sets no frontend names any more are deleted (Maglev tables, backends, membership), then
-//! 6. ranges no longer wanted.
+//! 6. ranges no longer wanted, and the names of service ports gone.
 //!
 //! A frontend is written only after everything it names, whichever Service it belongs to, and
 //! nothing is deleted before every frontend has left it. A lookup therefore sees either the
@@ -49,7 +51,10 @@
 //!
 //! On its first sync the
 //! applier takes the service ids of the frontends an earlier run left (so that affinity
-//! survives a restart); set ids start above any found. Full syncs also write the cluster
+//! survives a restart, and the names written then still name them); set ids start above any
+//! found. The walk also compares the names: a service port whose name the map lacks or holds
+//! otherwise is written again, and names of ids no service port has are deleted. (The lighter
+//! check between walks looks at frontends and backends only.) Full syncs also write the cluster
 //! CIDRs (`--cluster-cidr`) into the source-range trie under service id 0
 //! (`CLUSTER_CIDRS_ID`), which the routed ClusterIP frontends consult.
 
@@ -62,7 +67,7 @@ use ipnet::IpNet;
 use super::maglev;
 use super::maps::{
     BackendEntry, CLUSTER_CIDRS_ID, CT_CLOSING, CT_REPLY, Frontend, FrontendKey, MemberKey,
-    SVC_AFFINITY, Tuple, names,
+    SVC_AFFINITY, SVC_NAME_LEN, Tuple, names, svc_name,
 };
 use super::programs::{self, Maps};
 use super::render::{
@@ -164,6 +169,8 @@ struct Writes {
     maglev: Vec<(u32, Vec<u32>)>,
     /// Phase 2.
     ranges_added: Vec<(u32, IpNet)>,
+    /// Phase 2: names of service ports (by service id).
+    names: Vec<(u32, ServicePortName)>,
     /// Phase 3.
     frontends: Vec<(FrontendKey, Frontend)>,
     /// Phase 4.
@@ -176,6 +183,8 @@ struct Writes {
     members_removed: Vec<MemberKey>,
     /// Phase 6.
     ranges_removed: Vec<(u32, IpNet)>,
+    /// Phase 6: names of service ports gone.
+    names_removed: Vec<u32>,
 }
 
 impl Writes {
@@ -185,12 +194,14 @@ impl Writes {
             + self.members.len()
             + self.maglev.len()
             + self.ranges_added.len()
+            + self.names.len()
             + self.frontends.len()
             + self.frontends_removed.len()
             + self.maglev_removed.len()
             + self.backends_removed.len()
             + self.members_removed.len()
             + self.ranges_removed.len()
+            + self.names_removed.len()
     }
 
     /// Issues the writes, phase by phase; `between` is called after each batched call with
@@ -212,6 +223,8 @@ impl Writes {
             maps.add_source_range(*svc_id, *net)?;
         }
         between("source ranges");
+        maps.set_names(&self.names)?;
+        between("names");
         maps.set_frontends(&self.frontends)?;
         between("frontends");
         // A key another service port wrote in this sync is its frontend now, not a leftover.
@@ -231,6 +244,8 @@ impl Writes {
         self.members_removed.dedup();
         self.ranges_removed.sort_unstable();
         self.ranges_removed.dedup();
+        self.names_removed.sort_unstable();
+        self.names_removed.dedup();
         maps.remove_frontends(&self.frontends_removed)?;
         between("frontends removed");
         maps.remove_maglevs(&self.maglev_removed)?;
@@ -243,6 +258,8 @@ impl Writes {
             maps.remove_source_range(*svc_id, *net)?;
         }
         between("source ranges removed");
+        maps.remove_names(&self.names_removed)?;
+        between("names removed");
         Ok(())
     }
 }
@@ -307,6 +324,7 @@ struct KernelView {
     members: HashMap<MemberKey, u32>,
     maglev: HashSet<u32>,
     ranges: HashSet<(u32, IpNet)>,
+    names: HashMap<u32, [u8; SVC_NAME_LEN]>,
 }
 
 impl KernelView {
@@ -317,6 +335,7 @@ impl KernelView {
             members: maps.members()?.into_iter().collect(),
             maglev: maps.maglev_sets()?.into_iter().collect(),
             ranges: maps.source_ranges()?.into_iter().collect(),
+            names: maps.names()?.into_iter().collect(),
         })
     }
 
@@ -327,11 +346,14 @@ impl KernelView {
             && self.members.is_empty()
             && self.maglev.is_empty()
             && self.ranges.is_empty()
+            && self.names.is_empty()
     }
 
-    /// Whether the maps hold everything `inst` wrote, as written. Maglev tables are checked
-    /// for presence, not compared slot by slot.
-    fn holds(&self, inst: &Installed, maglev: bool) -> bool {
+    /// Whether the maps hold everything `inst` (of the service port `name`) wrote, as
+    /// written. Maglev tables are checked for presence, not compared slot by slot.
+    fn holds(&self, name: &ServicePortName, inst: &Installed, maglev: bool) -> bool {
+        let named =
+            inst.maps.frontends.is_empty() || self.names.get(&inst.svc_id) == Some(&svc_name(name));
         let sets = inst.set_ids.iter().all(|(set, id)| {
             let list = &inst.maps.sets[set];
             let members = needs_members(&inst.maps, set);
@@ -349,6 +371,7 @@ impl KernelView {
         }) && ranges_of(inst)
             .iter()
             .all(|net| self.ranges.contains(&(inst.svc_id, *net)))
+            && named
     }
 }
 
@@ -374,6 +397,12 @@ impl Applier {
     /// The maps.
     pub fn maps(&self) -> &Maps {
         &self.maps
+    }
+
+    /// The maps back, the applier done with them (a proxy that stops: a new applier over
+    /// them takes them over as a restarted one takes its pins over).
+    pub fn into_maps(self) -> Maps {
+        self.maps
     }
 
     /// The maps, to change behind the applier's back (tools and tests): the next full sync
@@ -485,7 +514,7 @@ impl Applier {
             damaged.extend(
                 self.installed
                     .iter()
-                    .filter(|(_, inst)| !view.holds(inst, maglev))
+                    .filter(|((name, _), inst)| !view.holds(name, inst, maglev))
                     .map(|(key, _)| key.clone()),
             );
         } else if full {
@@ -624,6 +653,9 @@ impl Applier {
             self.next_svc_id = self.next_svc_id.max(fe.svc_id + 1);
             self.next_be_set = self.next_be_set.max(fe.be_set + 1);
         }
+        for id in view.names.keys() {
+            self.next_svc_id = self.next_svc_id.max(id + 1);
+        }
         let sets = view
             .backends
             .keys()
@@ -704,6 +736,10 @@ impl Applier {
             };
             set_ids.insert(set.clone(), id);
         }
+        // 2. The name of a new service port, or of one written again whole.
+        if (old.is_none() || force) && !fresh.frontends.is_empty() {
+            w.names.push((svc_id, name.clone()));
+        }
         // 2. New source ranges (all of them when forced: adding is idempotent).
         let old_ranges = old.as_ref().map(ranges_of).unwrap_or_default();
         let new_ranges = ranges_of_maps(&fresh);
@@ -757,6 +793,9 @@ impl Applier {
     fn remove_all(&mut self, old: &Installed, w: &mut Writes) {
         w.frontends_removed
             .extend(old.maps.frontends.keys().copied());
+        if !old.maps.frontends.is_empty() {
+            w.names_removed.push(old.svc_id);
+        }
         for (set, id) in &old.set_ids {
             let members = needs_members(&old.maps, set);
             self.delete_set(*id, &old.maps.sets[set], members, w);
@@ -864,6 +903,14 @@ impl Applier {
         );
         w.ranges_removed
             .extend(view.ranges.iter().filter(|r| !ranges.contains(r)).copied());
+        let named: HashSet<u32> = self
+            .installed
+            .values()
+            .filter(|i| !i.maps.frontends.is_empty())
+            .map(|i| i.svc_id)
+            .collect();
+        w.names_removed
+            .extend(view.names.keys().filter(|id| !named.contains(id)).copied());
     }
 
     /// Entries of each map the applier owns, from the mirror (exact after a sync: a full
@@ -875,8 +922,10 @@ impl Applier {
         let mut members = 0;
         let mut sets = 0;
         let mut ranges = self.config.cluster_cidrs.len();
+        let mut named = 0;
         for inst in self.installed.values() {
             frontends += inst.maps.frontends.len();
+            named += usize::from(!inst.maps.frontends.is_empty());
             ranges += ranges_of(inst).len();
             for set in inst.set_ids.keys() {
                 let n = inst.maps.sets[set].len();
@@ -895,6 +944,7 @@ impl Applier {
         let lru = |name| self.lru_counts.get(name).copied().unwrap_or(0);
         vec![
             (names::SERVICES, frontends),
+            (names::SVC_NAMES, named),
             (names::BACKENDS, backends),
             (names::MEMBERS, members),
             (names::CT, lru(names::CT)),

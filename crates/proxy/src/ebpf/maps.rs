@@ -7,12 +7,15 @@
 
 use std::net::{IpAddr, Ipv6Addr};
 
-use crate::model::Protocol;
+use crate::model::{Protocol, ServicePortName};
 
 /// Names of the maps in the object (and of their pins).
 pub mod names {
     /// Frontends: (address, port, protocol, scope) → service.
     pub const SERVICES: &str = "np_services";
+    /// Service ids → the service port's name, for `nodeport trace` (the programs never
+    /// read it).
+    pub const SVC_NAMES: &str = "np_svc_names";
     /// Backends: (backend set, ordinal) → address and port.
     pub const BACKENDS: &str = "np_backends";
     /// Backend set membership: (backend set, address, port) → ordinal.
@@ -42,8 +45,9 @@ pub mod names {
     pub const FRAGS: &str = "np_frags";
 
     /// Every map, in the order the metrics list them.
-    pub const ALL: [&str; 13] = [
+    pub const ALL: [&str; 14] = [
         SERVICES,
+        SVC_NAMES,
         BACKENDS,
         MEMBERS,
         CT,
@@ -57,6 +61,41 @@ pub mod names {
         TRACE_UNTIL,
         TRACE_LOG,
     ];
+}
+
+/// Bytes of a name in `np_svc_names` (`NP_SVC_NAME_LEN`), its NUL padding included.
+pub const SVC_NAME_LEN: usize = 136;
+
+/// The longest name [`svc_name`] writes before its `/PROTO`: the flat nftables layout's
+/// comment budget, so that a port is named alike in both modes.
+pub const SVC_NAME_MAX: usize = 128;
+
+/// `struct np_svc_name`: the service port's name, `namespace/name:port/PROTO` (the port's
+/// name, `namespace/name/PROTO` when unnamed; shortened to [`SVC_NAME_MAX`] bytes before the
+/// protocol as [`short_port_name`](crate::names::short_port_name) does), NUL-padded.
+pub fn svc_name(port: &ServicePortName) -> [u8; SVC_NAME_LEN] {
+    let proto = match port.protocol {
+        Protocol::Tcp => "TCP",
+        Protocol::Udp => "UDP",
+        Protocol::Sctp => "SCTP",
+    };
+    let text = format!(
+        "{}/{proto}",
+        crate::names::short_port_name(port, SVC_NAME_MAX)
+    );
+    let mut b = [0u8; SVC_NAME_LEN];
+    // At most 128 + 5 bytes: always room for the NUL.
+    b[..text.len()].copy_from_slice(text.as_bytes());
+    b
+}
+
+/// Reads `struct np_svc_name`; `None` for a value [`svc_name`] does not write.
+pub fn decode_svc_name(b: &[u8]) -> Option<ServicePortName> {
+    let end = b.iter().position(|&c| c == 0).unwrap_or(b.len());
+    let text = std::str::from_utf8(&b[..end]).ok()?;
+    let (name, proto) = text.rsplit_once('/')?;
+    let protocol = Protocol::parse(proto)?;
+    crate::trace::recover::parse_port_name(name, protocol)
 }
 
 /// Maglev lookup table size (`NP_MAGLEV_M`): Cilium's default, a prime.
@@ -482,6 +521,41 @@ mod tests {
             last_seen_ns: 1 << 40,
         };
         assert_eq!(Translation::decode(&tr.encode()), tr);
+    }
+
+    #[test]
+    fn a_service_ports_name_reads_back_and_a_long_one_is_shortened_as_the_flat_layouts_comment() {
+        for port in [
+            ServicePortName::new("default", "web", "http", Protocol::Tcp),
+            ServicePortName::new("kube-system", "dns", "", Protocol::Udp),
+        ] {
+            let b = svc_name(&port);
+            assert_eq!(decode_svc_name(&b), Some(port));
+        }
+        let b = svc_name(&ServicePortName::new(
+            "default",
+            "web",
+            "http",
+            Protocol::Tcp,
+        ));
+        assert_eq!(&b[..20], b"default/web:http/TCP");
+        assert!(b[20..].iter().all(|&c| c == 0));
+        // 63 + 63 + 15 bytes: the middle of the name cut, as in the flat layout's comments.
+        let long = ServicePortName::new(
+            &"n".repeat(63),
+            &"a".repeat(63),
+            &"p".repeat(15),
+            Protocol::Sctp,
+        );
+        let b = svc_name(&long);
+        let read = decode_svc_name(&b).unwrap();
+        assert_eq!(
+            format!("{read}"),
+            crate::nftables::flat::element_comment(&long)
+        );
+        assert_eq!(read.protocol, Protocol::Sctp);
+        assert_eq!(b[SVC_NAME_LEN - 1], 0);
+        assert_eq!(decode_svc_name(b"not a name\0"), None);
     }
 
     #[test]

@@ -30,8 +30,8 @@
 //! following the NodePort addresses and the endpoints' routes, fill levels), [`routes`]
 //! (route dumps and look-ups over rtnetlink), [`sockets`] (closing UDP sockets connected to
 //! removed backends), [`tracer`] (what the programs do with a new connection, evaluated over
-//! the rendered maps), [`recover`] (what the maps say of their Service ports, which they
-//! name by id only, for a trace without objects).
+//! the rendered maps), [`recover`] (what the maps say of their Service ports, named by
+//! `np_svc_names`, for a trace without objects).
 //!
 //! # Not handled by the programs
 //!

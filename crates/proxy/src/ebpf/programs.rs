@@ -17,6 +17,7 @@ use super::batch::Batch;
 use super::maps::{
     self, BackendEntry, Frontend, FrontendKey, MAGLEV_M, MemberKey, Translation, Tuple, names,
 };
+use crate::model::ServicePortName;
 
 /// The object file, aligned for the ELF parser.
 pub static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/nodeport.bpf.o"));
@@ -38,8 +39,9 @@ pub const SOCK_PROGRAMS: [&str; 8] = [
 ];
 
 /// The maps the applier writes and a full sync walks.
-pub const APPLIER_MAPS: [&str; 5] = [
+pub const APPLIER_MAPS: [&str; 6] = [
     names::SERVICES,
+    names::SVC_NAMES,
     names::BACKENDS,
     names::MEMBERS,
     names::MAGLEV,
@@ -63,8 +65,12 @@ pub const LRU_MAPS: [&str; 5] = [
 /// per entry (`np_ct` and `np_nat` 80 MiB each at 512 Ki, `np_affinity` 8 MiB at 64 Ki,
 /// `np_sock_rev` 15 MiB at 128 Ki); the hash maps take 16 bytes per entry of bucket array at
 /// load (`np_services` 16 MiB, `np_backends` and `np_members` 32 MiB each) and about
-/// 100 bytes per element as they fill; a Maglev table takes 64 KiB. About 265 MiB at load with
-/// the defaults. (`np_trace_log`, fixed at 4096 entries of 104 bytes, adds under 1 MiB.)
+/// 100 bytes per element as they fill; a Maglev table takes 64 KiB. `np_svc_names` (the
+/// service ports' names, for `nodeport trace`) is sized from `np_services`: half its entries
+/// (a service port has at least two frontends), 8 MiB of buckets at load with the defaults,
+/// and about 200 bytes per service port and family as it fills (a 136-byte name). About
+/// 273 MiB at load with the defaults. (`np_trace_log`, fixed at 4096 entries of 104 bytes,
+/// adds under 1 MiB.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MapSizes {
     /// Frontends (`np_services`): one per service address, port and scope.
@@ -101,10 +107,18 @@ impl Default for MapSizes {
 }
 
 impl MapSizes {
+    /// `np_svc_names`' `max_entries`: half of [`Self::services`] (every service port has at
+    /// least two frontends, its ClusterIP's internal and external ones, so the names never
+    /// fill before the frontends do).
+    pub fn svc_names(&self) -> u32 {
+        (self.services / 2).max(1)
+    }
+
     /// Each map's `max_entries`.
-    pub fn entries(&self) -> [(&'static str, u32); 9] {
+    pub fn entries(&self) -> [(&'static str, u32); 10] {
         [
             (names::SERVICES, self.services),
+            (names::SVC_NAMES, self.svc_names()),
             (names::BACKENDS, self.backends),
             (names::MEMBERS, self.backends),
             (names::CT, self.conntrack),
@@ -537,6 +551,44 @@ impl Maps {
         self.delete_all(names::SERVICES, &bytes)
     }
 
+    /// Writes the names of service ports by service id (`np_svc_names`), in one batched
+    /// call.
+    pub fn set_names(&mut self, entries: &[(u32, ServicePortName)]) -> Result<(), Error> {
+        let mut keys = Vec::with_capacity(entries.len() * 4);
+        let mut values = Vec::with_capacity(entries.len() * maps::SVC_NAME_LEN);
+        for (id, name) in entries {
+            keys.extend_from_slice(&id.to_ne_bytes());
+            values.extend_from_slice(&maps::svc_name(name));
+        }
+        self.update_all(names::SVC_NAMES, &keys, &values)
+    }
+
+    /// Removes names by service id (absent ones: nothing to do), in one batched call.
+    pub fn remove_names(&mut self, ids: &[u32]) -> Result<(), Error> {
+        let bytes: Vec<u8> = ids.iter().flat_map(|id| id.to_ne_bytes()).collect();
+        self.delete_all(names::SVC_NAMES, &bytes)
+    }
+
+    /// Every name in `np_svc_names`: service id → the value as the map holds it.
+    pub fn names(&self) -> Result<Vec<(u32, [u8; maps::SVC_NAME_LEN])>, Error> {
+        self.entries(
+            names::SVC_NAMES,
+            |k: &[u8; 4], v: &[u8; maps::SVC_NAME_LEN]| (u32::from_ne_bytes(*k), *v),
+        )
+    }
+
+    /// The kernel's id of the map `name` (`bpftool map show id <id>` shows its memory).
+    pub fn map_id(&self, name: &'static str) -> Result<u32, Error> {
+        let info = self.data(name)?.info().map_err(map_err(name))?;
+        Ok(info.id())
+    }
+
+    /// Whether this handle has the map `name` (a trace of a proxy started before the map
+    /// existed opens its maps without it).
+    pub fn has(&self, name: &'static str) -> bool {
+        self.maps.contains_key(name)
+    }
+
     /// Writes backends at their (set, ordinal), in one batched call.
     pub fn set_backends(&mut self, entries: &[(BackendSlot, BackendEntry)]) -> Result<(), Error> {
         let mut keys = Vec::with_capacity(entries.len() * 8);
@@ -585,7 +637,7 @@ impl Maps {
 
     /// Opens the maps pinned under `<pin_root>/maps/` by a running proxy, to read them
     /// (`nodeport trace --rules kernel` and `--live`): no program is loaded and nothing is
-    /// created.
+    /// created. `np_svc_names` is opened when pinned (a proxy older than it has none).
     pub fn open_pinned(pin_root: &Path) -> Result<Self, Error> {
         let dir = pin_root.join("maps");
         let mut maps = std::collections::BTreeMap::new();
@@ -595,7 +647,11 @@ impl Maps {
             names::SOURCE_RANGES,
             names::CT,
             names::NAT,
+            names::SVC_NAMES,
         ] {
+            if name == names::SVC_NAMES && !dir.join(name).exists() {
+                continue;
+            }
             let data = MapData::from_pin(dir.join(name)).map_err(map_err(name))?;
             let map = aya::maps::Map::from_map_data(data).map_err(map_err(name))?;
             maps.insert(name, map);

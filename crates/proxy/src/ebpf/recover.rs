@@ -9,8 +9,7 @@
 //! addresses (load-balancer IPs when they carry source ranges); the backend sets give the
 //! endpoints and, by their remote flag, which are on this node; the flags give the no-endpoint
 //! verdicts and the policies (an external frontend that does not SNAT is under the Local
-//! policy). Naming by Service would take a map of names the applier writes (`svc_id` →
-//! `namespace/name:port`); the maps have none.
+//! policy).
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};

@@ -137,16 +137,21 @@ pub struct ServiceMaps {
 pub struct Rendered {
     /// Service ports, by name and family.
     pub services: BTreeMap<(ServicePortName, IpFamily), ServiceMaps>,
+    /// Read from the kernel ([`from_maps`]): each frontend's value as the map holds it (its
+    /// service and backend set ids), for the tracer's path. Empty when rendered.
+    pub held: BTreeMap<FrontendKey, super::maps::Frontend>,
 }
 
 /// What the kernel's maps hold (the pinned maps of a running proxy: frontends, backends by
-/// (set, ordinal), source ranges by service id) as a [`Rendered`] the tracer walks. Each
-/// frontend is named by the same frontend in `named` (what the proxy would program for the
-/// objects); one the objects do not have is named `svc-<id>` in no namespace.
+/// (set, ordinal), source ranges by service id, the names by service id) as a [`Rendered`]
+/// the tracer walks. Each frontend is named by the same frontend in `named` (what the proxy
+/// would program for the objects), else by the name `np_svc_names` holds for its service id
+/// (`names`), else `svc-<id>` in no namespace (maps a proxy older than `np_svc_names` wrote).
 pub fn from_maps(
     frontends: &[(FrontendKey, super::maps::Frontend)],
     backends: &[((u32, u32), BackendEntry)],
     ranges: &[(u32, IpNet)],
+    names: &BTreeMap<u32, ServicePortName>,
     named: &Rendered,
 ) -> Rendered {
     let by_key: BTreeMap<&FrontendKey, &FrontendSpec> = named
@@ -162,10 +167,11 @@ pub fn from_maps(
             _ => Protocol::Tcp,
         };
         let family = IpFamily::of(key.addr);
-        let service = by_key.get(key).map_or_else(
-            || ServicePortName::new("", &format!("svc-{}", fe.svc_id), "", protocol),
-            |spec| spec.service.clone(),
-        );
+        let service = match (by_key.get(key), names.get(&fe.svc_id)) {
+            (Some(spec), _) => spec.service.clone(),
+            (None, Some(name)) if name.protocol == protocol => name.clone(),
+            _ => ServicePortName::new("", &format!("svc-{}", fe.svc_id), "", protocol),
+        };
         // One set per kernel backend set: its name only joins frontend and backends.
         let set = SetKey {
             port: ServicePortName::new("", &format!("be-set-{}", fe.be_set), "", protocol),
@@ -180,6 +186,7 @@ pub fn from_maps(
             .map(|((_, ordinal), b)| (*ordinal, *b))
             .collect();
         members.sort_by_key(|(ordinal, _)| *ordinal);
+        out.held.insert(*key, *fe);
         let maps = out.services.entry((service.clone(), family)).or_default();
         if fe.count > 0 {
             maps.sets

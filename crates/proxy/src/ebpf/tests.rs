@@ -342,17 +342,26 @@ fn maps_read_back_trace_as_rendered_and_a_frontend_the_objects_lack_is_named_by_
             ..Default::default()
         },
     ));
-    let read = super::render::from_maps(&frontends, &backends, &[], &rendered);
+    let read = super::render::from_maps(&frontends, &backends, &[], &Default::default(), &rendered);
     for packet in [
         Packet::remote("203.0.113.5", "192.0.2.10", Protocol::Tcp, 30080),
         Packet::local("192.0.2.10", "10.96.0.10", Protocol::Tcp, 80),
     ] {
         let env = Env::default();
-        assert_eq!(
+        // The same fates; the paths alike but for the kernel's ids in the entries read.
+        let (kernel, render) = (
             super::tracer::trace(&read, &packet, &env),
             super::tracer::trace(&rendered, &packet, &env),
-            "{packet}"
         );
+        assert_eq!(kernel.fates, render.fates, "{packet}");
+        // (The frontend step names the kernel's service id: `frontend 1`.)
+        let verdicts = |t: &crate::trace::Trace| -> Vec<Vec<String>> {
+            t.walks
+                .iter()
+                .map(|w| w.steps[1..].iter().map(|s| s.verdict.clone()).collect())
+                .collect()
+        };
+        assert_eq!(verdicts(&kernel), verdicts(&render), "{packet}");
     }
     let named: Vec<String> = read
         .services
@@ -367,4 +376,80 @@ fn maps_read_back_trace_as_rendered_and_a_frontend_the_objects_lack_is_named_by_
         &Env::default(),
     );
     assert_eq!(t.only(), &Fate::Rejected(super::tracer::TC_INGRESS.into()));
+}
+
+/// The folded path of a trace, one `describe` line per step (a choice's candidates' steps
+/// after it, indented).
+fn path_of(t: &Trace, choosing: crate::trace::path::Choosing) -> String {
+    let path = crate::trace::path::fold(&t.walks, choosing);
+    let mut text = String::new();
+    crate::trace::path::write_lines(&mut text, &path).unwrap();
+    text
+}
+
+#[test]
+fn the_tracers_path_is_the_programs_map_look_ups_with_the_backend_chosen_once() {
+    let yaml = service_yaml(
+        "  type: LoadBalancer\n  sessionAffinity: ClientIP\n  loadBalancerSourceRanges: [203.0.113.0/24]\n  ports: [{name: http, port: 80, nodePort: 30080}]\nstatus: {loadBalancer: {ingress: [{ip: 198.51.100.200}]}}",
+        &["10.244.1.5@node-a", "10.244.2.7@node-b"],
+    );
+    let t = traced(
+        &yaml,
+        Algorithm::Random,
+        Packet::remote("203.0.113.5", "198.51.100.200", Protocol::Tcp, 80),
+    );
+    assert_eq!(
+        path_of(&t, crate::trace::path::Choosing::Random),
+        "path        ebpf np_tc_ingress frontend: 198.51.100.200:80/tcp: frontend; np_services { 198.51.100.200:80 tcp external : 2 backends, affinity, ranges, snat }\n\
+         path        ebpf np_tc_ingress source ranges: 203.0.113.5 is in np_src_ranges; np_src_ranges { 203.0.113.0/24 }\n\
+         path        ebpf np_tc_ingress affinity: np_affinity holds no backend for 203.0.113.5 (traced as a new client); np_affinity { 203.0.113.5 }: none\n\
+         path        ebpf np_tc_ingress backend: random choice, one of 2\n\
+         path          50.00% to 10.244.1.5:8080\n\
+         path            ebpf np_tc_ingress backend: 10.244.1.5:8080 chosen; np_backends { ordinal 1 : 10.244.1.5:8080 }\n\
+         path          50.00% to 10.244.2.7:8080\n\
+         path            ebpf np_tc_ingress backend: 10.244.2.7:8080 chosen; np_backends { ordinal 2 : 10.244.2.7:8080 remote }\n\
+         path        ebpf np_tc_ingress snat: source 203.0.113.5 becomes this node's address\n"
+    );
+    // Outside the ranges: the program drops it there.
+    let t = traced(
+        &yaml,
+        Algorithm::Random,
+        Packet::remote("192.0.2.99", "198.51.100.200", Protocol::Tcp, 80),
+    );
+    assert!(
+        path_of(&t, crate::trace::path::Choosing::Random).ends_with(
+            "path        ebpf np_tc_ingress source ranges: 192.0.2.99 is not in np_src_ranges: drop\n"
+        ),
+        "{t}"
+    );
+    // A socket of the node: the connect hook, which never SNATs; Maglev shares.
+    let yaml = service_yaml(
+        "  ports: [{name: http, port: 80}]",
+        &[
+            "10.244.1.5@node-a",
+            "10.244.2.7@node-b",
+            "10.244.3.9@node-c",
+        ],
+    );
+    let t = traced(
+        &yaml,
+        Algorithm::Maglev,
+        Packet::local("192.0.2.10", "10.96.0.10", Protocol::Tcp, 80),
+    );
+    let text = path_of(&t, crate::trace::path::Choosing::Maglev);
+    assert!(
+        text.starts_with(
+            "path        ebpf np_connect4 frontend: 10.96.0.10:80/tcp: frontend; np_services { 10.96.0.10:80 tcp internal : 3 backends, maglev }\n\
+             path        ebpf np_connect4 backend: Maglev table, one of 3\n"
+        ),
+        "{text}"
+    );
+    assert!(text.contains(": connect() goes there"), "{text}");
+    // Each backend's share of the table, the slot naming its ordinal.
+    assert!(
+        text.contains("; np_maglev: ordinal 1 in ")
+            && text.contains(" of 16381 slots, np_backends { ordinal 1 : "),
+        "{text}"
+    );
+    assert!(!text.contains("snat"), "{text}");
 }

@@ -11,16 +11,23 @@
 //! under the Cluster policy; a ClusterIP under `--masquerade-all`, or from outside
 //! `--cluster-cidr`) or the backend is on another node; sockets are never SNATed.
 //! Session affinity is not evaluated: it only repeats an earlier choice.
+//!
+//! Each way records its [path](crate::trace::path) as the program's steps, each with the map
+//! entry it read: the frontend (`np_services`), the no-endpoint verdict, the source range
+//! (`np_src_ranges`), the affinity look-up (a new client has no entry), the backend
+//! (`np_backends`, by the random or Maglev choice), the SNAT. With the kernel's maps
+//! ([`Rendered::held`]) the entries carry the kernel's service and backend set ids.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
 use super::maglev;
 use super::maps::{
-    BackendEntry, FrontendKey, MAGLEV_M, SVC_MAGLEV, SVC_RANGES, SVC_REJECT, SVC_SNAT,
-    SVC_SNAT_OFF_CLUSTER, Scope, ip_proto,
+    BackendEntry, FrontendKey, MAGLEV_M, SVC_AFFINITY, SVC_DROP, SVC_MAGLEV, SVC_RANGES,
+    SVC_REJECT, SVC_SNAT, SVC_SNAT_OFF_CLUSTER, Scope, ip_proto,
 };
 use super::render::{FrontendSpec, Rendered};
+use crate::trace::path::{Step, Walk};
 use crate::trace::{Env, Fate, Origin, Packet, Trace};
 
 /// The tc program that decides a packet from the network.
@@ -40,75 +47,255 @@ pub fn trace(rendered: &Rendered, packet: &Packet, _env: &Env) -> Trace {
         proto: ip_proto(packet.proto),
         scope,
     };
+    let program = program(packet);
     let found = rendered
         .services
         .values()
         .find_map(|maps| maps.frontends.get(&key).map(|spec| (maps, spec)));
-    let fates = match found {
-        None => vec![(
-            Fate::Delivered {
+    let to = format!(
+        "{}/{}",
+        SocketAddr::new(packet.dst, packet.dport),
+        packet.proto.as_lower()
+    );
+    let walks = match found {
+        None => vec![Walk {
+            probability: 1.0,
+            fate: Fate::Delivered {
                 dnat: None,
                 masqueraded: false,
                 affinity: vec![],
             },
-            1.0,
-        )],
+            steps: vec![
+                Step::program(
+                    program,
+                    "frontend",
+                    format!("{to}: no frontend, passed on untranslated"),
+                )
+                .with_elements(vec![format!("np_services {{ {} }}: none", key_text(&key))]),
+            ],
+        }],
         Some((maps, spec)) => {
+            let held = rendered.held.get(&key);
+            let id = held.map_or_else(String::new, |f| format!(" {}", f.svc_id));
+            let frontend = Step::program(program, "frontend", format!("{to}: frontend{id}"))
+                .with_elements(vec![frontend_text(&key, spec, maps, held)]);
             let backends = spec.set.as_ref().and_then(|s| maps.sets.get(s));
-            decide(packet, scope, spec, backends.map(Vec::as_slice))
+            decide(
+                packet,
+                (scope, program),
+                spec,
+                backends.map(Vec::as_slice),
+                (frontend, held),
+            )
         }
     };
-    Trace {
-        packet: packet.clone(),
-        fates,
+    Trace::of_walks(packet, walks)
+}
+
+/// The program that decides `packet`: tc for one from the network, the connect hook of its
+/// family for a socket of the node.
+fn program(packet: &Packet) -> &'static str {
+    match (packet.origin, packet.dst.is_ipv4()) {
+        (Origin::Remote, _) => TC_INGRESS,
+        (Origin::Local, true) => "np_connect4",
+        (Origin::Local, false) => "np_connect6",
     }
 }
 
-/// What the program does once the frontend is found.
+/// A frontend key as the path shows it: `192.0.2.11:30569 tcp external`.
+fn key_text(key: &FrontendKey) -> String {
+    let proto = match key.proto {
+        6 => "tcp",
+        17 => "udp",
+        132 => "sctp",
+        _ => "?",
+    };
+    let scope = match key.scope {
+        Scope::External => "external",
+        Scope::Internal => "internal",
+    };
+    format!("{} {proto} {scope}", SocketAddr::new(key.addr, key.port))
+}
+
+/// A frontend's entry: `np_services { 192.0.2.11:30569 tcp external : svc 3, set 7, 2
+/// backends, snat }` (the ids when the kernel's maps were read).
+fn frontend_text(
+    key: &FrontendKey,
+    spec: &FrontendSpec,
+    maps: &super::render::ServiceMaps,
+    held: Option<&super::maps::Frontend>,
+) -> String {
+    let mut parts = Vec::new();
+    if let Some(f) = held {
+        parts.push(format!("svc {}", f.svc_id));
+        if f.be_set != 0 {
+            parts.push(format!("set {}", f.be_set));
+        }
+    }
+    let count = spec
+        .set
+        .as_ref()
+        .and_then(|s| maps.sets.get(s))
+        .map_or(0, Vec::len);
+    parts.push(format!("{count} backends"));
+    for (bit, name) in [
+        (SVC_REJECT, "reject"),
+        (SVC_DROP, "drop"),
+        (SVC_AFFINITY, "affinity"),
+        (SVC_MAGLEV, "maglev"),
+        (SVC_RANGES, "ranges"),
+        (SVC_SNAT, "snat"),
+        (SVC_SNAT_OFF_CLUSTER, "snat-off-cluster"),
+    ] {
+        if spec.flags & bit != 0 {
+            parts.push(name.to_string());
+        }
+    }
+    format!("np_services {{ {} : {} }}", key_text(key), parts.join(", "))
+}
+
+/// What the program does once the frontend is found (its step `frontend`; the kernel's
+/// backend set id when read from the kernel): one walk per way.
 fn decide(
     packet: &Packet,
-    scope: Scope,
+    (scope, program): (Scope, &'static str),
     spec: &FrontendSpec,
     backends: Option<&[BackendEntry]>,
-) -> Vec<(Fate, f64)> {
+    (frontend, held): (Step, Option<&super::maps::Frontend>),
+) -> Vec<Walk> {
+    let be_set = held.map(|f| f.be_set);
     let hook = match scope {
         Scope::External => TC_INGRESS,
         Scope::Internal => SOCK_CONNECT,
     };
+    let mut steps = vec![frontend];
+    let ends = |steps: Vec<Step>, fate: Fate| {
+        vec![Walk {
+            probability: 1.0,
+            fate,
+            steps,
+        }]
+    };
     let backends = match backends {
         Some(list) if !list.is_empty() => list,
         // `svc->count == 0`: tc rejects or drops as flagged; a socket is refused either way.
-        _ if scope == Scope::Internal || spec.flags & SVC_REJECT != 0 => {
-            return vec![(Fate::Rejected(hook.to_string()), 1.0)];
+        _ if scope == Scope::Internal => {
+            steps.push(Step::program(
+                program,
+                "verdict",
+                "connect() refused (ECONNREFUSED)",
+            ));
+            return ends(steps, Fate::Rejected(hook.to_string()));
         }
-        _ => return vec![(Fate::Dropped(hook.to_string()), 1.0)],
+        _ if spec.flags & SVC_REJECT != 0 => {
+            steps.push(Step::program(
+                program,
+                "verdict",
+                "reject (ICMP port unreachable)",
+            ));
+            return ends(steps, Fate::Rejected(hook.to_string()));
+        }
+        _ => {
+            steps.push(Step::program(program, "verdict", "drop (no endpoints)"));
+            return ends(steps, Fate::Dropped(hook.to_string()));
+        }
     };
-    if scope == Scope::External
-        && spec.flags & SVC_RANGES != 0
-        && !spec.source_ranges.iter().any(|r| r.contains(&packet.src))
-    {
-        return vec![(Fate::Dropped(hook.to_string()), 1.0)];
+    if scope == Scope::External && spec.flags & SVC_RANGES != 0 {
+        let range = spec.source_ranges.iter().find(|r| r.contains(&packet.src));
+        let Some(range) = range else {
+            steps.push(Step::program(
+                program,
+                "source ranges",
+                format!("{} is not in np_src_ranges: drop", packet.src),
+            ));
+            return ends(steps, Fate::Dropped(hook.to_string()));
+        };
+        steps.push(
+            Step::program(
+                program,
+                "source ranges",
+                format!("{} is in np_src_ranges", packet.src),
+            )
+            .with_elements(vec![match held {
+                Some(f) => format!("np_src_ranges {{ svc {}, {range} }}", f.svc_id),
+                None => format!("np_src_ranges {{ {range} }}"),
+            }]),
+        );
+    }
+    if spec.flags & SVC_AFFINITY != 0 {
+        let id = held.map_or_else(String::new, |f| format!("svc {}, ", f.svc_id));
+        steps.push(
+            Step::program(
+                program,
+                "affinity",
+                format!(
+                    "np_affinity holds no backend for {} (traced as a new client)",
+                    packet.src
+                ),
+            )
+            .with_elements(vec![format!("np_affinity {{ {id}{} }}: none", packet.src)]),
+        );
     }
     let shares = shares(spec.flags, backends);
-    let mut fates: Vec<(Fate, f64)> = backends
+    let maglev = spec.flags & SVC_MAGLEV != 0;
+    let mut walks: Vec<Walk> = backends
         .iter()
         .zip(shares)
-        .filter(|(_, p)| *p > 0.0)
-        .map(|(b, p)| {
+        .enumerate()
+        .filter(|(_, (_, p))| *p > 0.0)
+        .map(|(i, (b, p))| {
             let off_cluster = spec.flags & SVC_SNAT_OFF_CLUSTER != 0
                 && !spec.cluster_cidrs.iter().any(|c| c.contains(&packet.src));
             let masqueraded =
                 scope == Scope::External && (b.remote || spec.flags & SVC_SNAT != 0 || off_cluster);
-            let fate = Fate::Delivered {
-                dnat: Some(SocketAddr::new(b.addr, b.port)),
-                masqueraded,
-                affinity: vec![],
+            let to = SocketAddr::new(b.addr, b.port);
+            let set = be_set.map_or_else(String::new, |s| format!("set {s}, "));
+            let place = if b.remote { " remote" } else { "" };
+            let mut own = steps.clone();
+            let chosen = if scope == Scope::Internal {
+                format!("{to} chosen: connect() goes there")
+            } else {
+                format!("{to} chosen")
             };
-            (fate, p)
+            let mut read = Vec::new();
+            if maglev {
+                // The flow's hash picks a slot of the set's table, which names the ordinal.
+                let slots = (p * MAGLEV_M as f64).round();
+                read.push(format!(
+                    "np_maglev{}: ordinal {} in {slots} of {MAGLEV_M} slots",
+                    be_set.map_or_else(String::new, |s| format!(" {{ set {s} }}")),
+                    i + 1
+                ));
+            }
+            read.push(format!(
+                "np_backends {{ {set}ordinal {} : {to}{place} }}",
+                i + 1
+            ));
+            own.push(Step::program(program, "backend", chosen).with_elements(read));
+            if scope == Scope::External {
+                own.push(Step::program(
+                    program,
+                    "snat",
+                    if masqueraded {
+                        format!("source {} becomes this node's address", packet.src)
+                    } else {
+                        "source kept".to_string()
+                    },
+                ));
+            }
+            Walk {
+                probability: p,
+                fate: Fate::Delivered {
+                    dnat: Some(to),
+                    masqueraded,
+                    affinity: vec![],
+                },
+                steps: own,
+            }
         })
         .collect();
-    fates.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
-    fates
+    walks.sort_by(|a, b| b.probability.total_cmp(&a.probability));
+    walks
 }
 
 /// Each backend's probability: `1/count` at random, its share of the table under Maglev

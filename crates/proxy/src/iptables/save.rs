@@ -23,6 +23,20 @@ pub struct Saved {
     pub view: TableView,
     /// Rules left out, as `table chain: rule text`.
     pub skipped: Vec<String>,
+    /// Per chain, for each rule read into [`Self::view`] (in its order): its place among
+    /// every rule the chain lists (from 1, those left out counted), as `iptables -L
+    /// --line-numbers` numbers it.
+    pub places: std::collections::HashMap<(Table, String), Vec<usize>>,
+}
+
+impl Saved {
+    /// The place in its chain (from 1) of the rule `index` (from 0) of `chain` as read.
+    pub fn place(&self, table: Table, chain: &str, index: usize) -> Option<usize> {
+        self.places
+            .get(&(table, chain.to_string()))?
+            .get(index)
+            .copied()
+    }
 }
 
 /// Reads `iptables-save` (or `ip6tables-save`) output of every table.
@@ -30,7 +44,9 @@ pub fn parse(text: &str) -> Saved {
     let mut saved = Saved {
         view: TableView::empty(),
         skipped: Vec::new(),
+        places: Default::default(),
     };
+    let mut listed: std::collections::HashMap<(Table, String), usize> = Default::default();
     // Chains are declared (`:NAME POLICY [counters]`) before the rules of their table.
     let mut table = None;
     let mut chains: BTreeSet<(Table, String)> = BTreeSet::new();
@@ -53,15 +69,24 @@ pub fn parse(text: &str) -> Saved {
             let Some((chain, args)) = words.split_first() else {
                 continue;
             };
+            let place = listed.entry((t, chain.clone())).or_default();
+            *place += 1;
             match rule(&args.iter().map(String::as_str).collect::<Vec<_>>(), |c| {
                 chains.contains(&(t, c.to_string()))
             }) {
-                Some(r) => saved
-                    .view
-                    .chains
-                    .entry((t, chain.clone()))
-                    .or_default()
-                    .push(r),
+                Some(r) => {
+                    saved
+                        .view
+                        .chains
+                        .entry((t, chain.clone()))
+                        .or_default()
+                        .push(r);
+                    saved
+                        .places
+                        .entry((t, chain.clone()))
+                        .or_default()
+                        .push(*place);
+                }
                 None => saved
                     .skipped
                     .push(format!("{} {chain}: {}", t.as_str(), args.join(" "))),

@@ -1038,3 +1038,62 @@ fn default_route_renders_one_jump_per_address_of_the_default_route_interface() {
     assert_eq!(w.trace(tcp(CLIENT, NODE_IP2, 30080)).endpoints().len(), 3);
     assert!(w.trace(tcp(CLIENT, NODE_IP, 30080)).endpoints().is_empty());
 }
+
+#[test]
+fn a_nodeports_path_is_each_rule_it_matched_and_the_statistic_choice_once() {
+    let w = World::new(&web("", THREE_ENDPOINTS));
+    let t = w.trace(tcp(CLIENT, NODE_IP, 30080));
+    let path = crate::trace::path::fold(&t.walks, crate::trace::path::Choosing::Random);
+    let mut text = String::new();
+    crate::trace::path::write_lines(&mut text, &path).unwrap();
+    assert!(
+        text.starts_with(
+            "path        ip nat PREROUTING rule #1: jump KUBE-SERVICES\n\
+             path        ip nat KUBE-SERVICES rule #"
+        ),
+        "{text}"
+    );
+    let choices: Vec<&crate::trace::path::Step> =
+        path.iter().filter(|s| s.kind == "choice").collect();
+    assert_eq!(choices.len(), 1, "{text}");
+    let choice = choices[0];
+    assert!(choice.chain.starts_with("KUBE-SVC-"), "{text}");
+    // Each endpoint's own `statistic` rule (the first two) or the last, then its KUBE-SEP
+    // chain's DNAT.
+    let rules: Vec<Option<usize>> = choice
+        .candidates
+        .iter()
+        .map(|c| c.path[0].rule_index)
+        .collect();
+    assert_eq!(rules.len(), 3, "{text}");
+    for c in &choice.candidates {
+        assert!(c.path[0].verdict.starts_with("jump KUBE-SEP-"), "{text}");
+        let last = c.path.last().unwrap();
+        assert!(
+            last.chain.starts_with("KUBE-SEP-") && last.verdict == "accept",
+            "{text}"
+        );
+    }
+    let mut distinct = rules.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct.len(), 3, "{text}");
+    assert!(
+        text.ends_with("path        ip nat KUBE-POSTROUTING rule #3: accept\n"),
+        "{text}"
+    );
+}
+
+#[test]
+fn the_nodes_own_connection_to_its_nodeport_without_endpoints_is_rejected_back_in_through_loopback()
+{
+    // Out through nat OUTPUT, filter OUTPUT and nat POSTROUTING untranslated, then in again
+    // through loopback: filter INPUT's KUBE-EXTERNAL-SERVICES rejects it.
+    let w = World::new(&web("", ""));
+    let t = w.trace(Packet::local(NODE_IP, NODE_IP, Protocol::Tcp, 30080));
+    assert_eq!(
+        t.only(),
+        &Fate::Rejected("KUBE-EXTERNAL-SERVICES".into()),
+        "{t}"
+    );
+}

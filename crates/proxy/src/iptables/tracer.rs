@@ -14,12 +14,19 @@
 //! packet, environment and outcome types are shared by every backend's tracer
 //! ([`crate::trace`]), so that a behaviour test reads the same in every mode:
 //! `from 203.0.113.5 to 192.0.2.10:30080/tcp → DNAT 10.244.1.1:8080, masqueraded`.
+//!
+//! Each way records its [path](crate::trace::path) as iptables-nft's chains report it in
+//! nf_tables trace events (`ip nat KUBE-SERVICES rule #3: jump KUBE-SVC-…`): each rule that
+//! matched with its verdict, each chain's end, each built-in chain's policy. Branches merged
+//! into one keep the first one's steps.
 
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::net::IpAddr;
 
+use crate::model::IpFamily;
+use crate::trace::path::{Step as PathStep, Trail, Walk};
 use crate::trace::{Env, Fate, Origin, Packet, Trace};
 
 use super::ruleset::{Match, Rule, Table, TableView, Target};
@@ -41,6 +48,26 @@ struct State {
     mark: u32,
     masqueraded: bool,
     affinity: Vec<String>,
+    /// The steps so far: not part of what makes two branches one (they are merged by where
+    /// they are, keeping the first one's steps).
+    trail: Steps,
+}
+
+/// A branch's steps, equal to any other and hashed as nothing, so that branches are merged
+/// by their state alone.
+#[derive(Debug, Clone, Default)]
+struct Steps(Trail);
+
+impl PartialEq for Steps {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl Eq for Steps {}
+
+impl std::hash::Hash for Steps {
+    fn hash<H: std::hash::Hasher>(&self, _: &mut H) {}
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -84,14 +111,11 @@ fn merged(branches: Branches) -> Branches {
 /// Traces `packet` through `view`, the tables of the packet's family. A walk given up (see the
 /// module header) gives a trace without fates.
 pub fn trace(view: &TableView, packet: &Packet, env: &Env) -> Trace {
-    let fates = walk(view, packet, env).unwrap_or_default();
-    Trace {
-        packet: packet.clone(),
-        fates,
-    }
+    let walks = walk(view, packet, env).unwrap_or_default();
+    Trace::of_walks(packet, walks)
 }
 
-fn walk(view: &TableView, packet: &Packet, env: &Env) -> Result<Vec<(Fate, f64)>, GiveUp> {
+fn walk(view: &TableView, packet: &Packet, env: &Env) -> Result<Vec<Walk>, GiveUp> {
     let start = State {
         dst: packet.dst,
         dport: packet.dport,
@@ -99,22 +123,34 @@ fn walk(view: &TableView, packet: &Packet, env: &Env) -> Result<Vec<(Fate, f64)>
         mark: 0,
         masqueraded: false,
         affinity: Vec::new(),
+        trail: Steps::default(),
     };
     let rules: usize = view.chains.values().map(Vec::len).sum();
     let t = Tracer {
         view,
         packet,
         env,
+        family: match IpFamily::of(packet.dst) {
+            IpFamily::V4 => "ip",
+            IpFamily::V6 => "ip6",
+        },
         steps_left: Cell::new((rules + 1).saturating_mul(STEPS_PER_RULE)),
     };
     let first: &[(Table, &str)] = match packet.origin {
         Origin::Remote => &[(Table::Nat, "PREROUTING")],
         Origin::Local => &[(Table::Nat, "OUTPUT"), (Table::Filter, "OUTPUT")],
     };
-    let mut fates: Vec<(Fate, f64)> = Vec::new();
+    let mut walks: Vec<Walk> = Vec::new();
+    let mut walked = |p: f64, state: &State, fate: Fate| {
+        walks.push(Walk {
+            probability: p,
+            fate,
+            steps: state.trail.0.steps(),
+        })
+    };
     for (p, state, end) in t.hooks(first, vec![(1.0, start, End::Continue)])? {
         if let Some(f) = stopped(&end) {
-            add(&mut fates, f, p);
+            walked(p, &state, f);
             continue;
         }
         let local = is_local(env, state.dst);
@@ -123,17 +159,30 @@ fn walk(view: &TableView, packet: &Packet, env: &Env) -> Result<Vec<(Fate, f64)>
             (Origin::Remote, false) => &[(Table::Filter, "FORWARD"), (Table::Nat, "POSTROUTING")],
             (Origin::Local, _) => &[(Table::Nat, "POSTROUTING")],
         };
-        for (p2, s2, e2) in t.hooks(next, vec![(p, state, End::Continue)])? {
+        let mut ways = t.hooks(next, vec![(p, state, End::Continue)])?;
+        if packet.origin == Origin::Local {
+            // The node's own packet for one of its addresses comes back in through
+            // loopback: filter INPUT (its NAT done, nat PREROUTING does not run again).
+            let mut back = Vec::new();
+            for (p, s, e) in ways {
+                if stopped(&e).is_some() || !is_local(env, s.dst) {
+                    back.push((p, s, e));
+                } else {
+                    back.extend(t.hooks(&[(Table::Filter, "INPUT")], vec![(p, s, e)])?);
+                }
+            }
+            ways = back;
+        }
+        for (p2, s2, e2) in ways {
             let fate = stopped(&e2).unwrap_or(Fate::Delivered {
                 dnat: s2.dnat,
                 masqueraded: s2.masqueraded,
-                affinity: s2.affinity,
+                affinity: s2.affinity.clone(),
             });
-            add(&mut fates, fate, p2);
+            walked(p2, &s2, fate);
         }
     }
-    fates.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
-    Ok(fates)
+    Ok(walks)
 }
 
 fn stopped(end: &End) -> Option<Fate> {
@@ -141,13 +190,6 @@ fn stopped(end: &End) -> Option<Fate> {
         End::Drop(c) => Some(Fate::Dropped(c.clone())),
         End::Reject(c) => Some(Fate::Rejected(c.clone())),
         End::Continue | End::Accept => None,
-    }
-}
-
-fn add(fates: &mut Vec<(Fate, f64)>, fate: Fate, p: f64) {
-    match fates.iter_mut().find(|(f, _)| *f == fate) {
-        Some((_, q)) => *q += p,
-        None => fates.push((fate, p)),
     }
 }
 
@@ -165,6 +207,8 @@ struct Tracer<'a> {
     view: &'a TableView,
     packet: &'a Packet,
     env: &'a Env,
+    /// `ip` or `ip6`: iptables-nft's tables' family, for the path.
+    family: &'static str,
     /// Rule evaluations left before the walk is given up.
     steps_left: Cell<usize>,
 }
@@ -184,9 +228,19 @@ impl Tracer<'_> {
                     next.push((p, state, end));
                     continue;
                 }
-                for (q, s, e) in self.chain(*table, chain, state, 0)? {
+                for (q, mut s, e) in self.chain(*table, chain, state, 0)? {
                     let e = match e {
                         End::Accept => End::Continue,
+                        End::Continue => {
+                            // Its end: the policy (kube-proxy's built-in chains accept).
+                            s.trail.0.push(PathStep::policy(
+                                self.family,
+                                table.as_str(),
+                                chain,
+                                "accept",
+                            ));
+                            End::Continue
+                        }
                         other => other,
                     };
                     next.push((p * q, s, e));
@@ -225,10 +279,10 @@ impl Tracer<'_> {
     ) -> Result<Branches, GiveUp> {
         let mut walking: Branches = vec![(1.0, state, End::Continue)];
         let mut ended: Branches = Vec::new();
-        for rule in rules {
+        for (i, rule) in rules.iter().enumerate() {
             let mut next = Vec::new();
             for (p, s, _) in walking {
-                let Some(bs) = self.rule(table, chain, rule, s.clone(), depth)? else {
+                let Some(bs) = self.rule((table, chain, i), rule, s.clone(), depth)? else {
                     next.push((p, s, End::Continue));
                     continue;
                 };
@@ -244,6 +298,11 @@ impl Tracer<'_> {
                 break;
             }
         }
+        for (_, s, _) in &mut walking {
+            s.trail
+                .0
+                .push(PathStep::end(self.family, table.as_str(), chain));
+        }
         ended.extend(walking);
         Ok(merged(ended))
     }
@@ -251,8 +310,7 @@ impl Tracer<'_> {
     /// `None`: the rule does not match; otherwise what happens after it, per branch.
     fn rule(
         &self,
-        table: Table,
-        chain: &str,
+        (table, chain, index): (Table, &str, usize),
         rule: &Rule,
         mut state: State,
         depth: usize,
@@ -307,6 +365,21 @@ impl Tracer<'_> {
         if probability < 1.0 {
             out.push((1.0 - probability, state.clone(), Step::Next));
         }
+        // The rule matched: its step, with the verdict the kernel reports.
+        let verdict = match &rule.target {
+            Target::None | Target::MarkOr(_) | Target::MarkXor(_) => "continue".to_string(),
+            Target::Accept | Target::Masquerade { .. } | Target::Dnat(_) => "accept".to_string(),
+            Target::Drop | Target::Reject => "drop".to_string(),
+            Target::Return => "return".to_string(),
+            Target::Jump(to) => format!("jump {to}"),
+        };
+        state.trail.0.push(PathStep::rule(
+            self.family,
+            table.as_str(),
+            chain,
+            index + 1,
+            verdict,
+        ));
         let end = |e: End| Step::End(e);
         match &rule.target {
             Target::None => out.push((probability, state, Step::Next)),

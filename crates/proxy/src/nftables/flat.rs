@@ -176,29 +176,10 @@ pub fn slots(n: usize) -> impl Iterator<Item = (u32, usize)> {
 /// The comment every element of a Service port carries: `namespace/name:port` (`/name`
 /// alone for an unnamed port), at most [`COMMENT_MAX`] bytes. Longer ones (Kubernetes allows
 /// 63-byte namespaces, 63-byte names and 15-byte port names: 143 bytes) keep the namespace
-/// and the port and cut the middle of the name, marking the cut with `...`.
+/// and the port and cut the middle of the name, marking the cut with `...`
+/// ([`crate::names::short_port_name`], which the eBPF mode's name map shares).
 pub fn element_comment(port: &ServicePortName) -> String {
-    let full = port.to_string();
-    if full.len() <= COMMENT_MAX {
-        return full;
-    }
-    let suffix = if port.port.is_empty() {
-        String::new()
-    } else {
-        format!(":{}", port.port)
-    };
-    let budget = COMMENT_MAX - port.namespace.len() - 1 - suffix.len() - 3;
-    // Names are DNS labels (ASCII): byte cuts are char cuts.
-    let name = &port.name;
-    let head = budget.div_ceil(2);
-    let tail = budget - head;
-    format!(
-        "{}/{}...{}{}",
-        port.namespace,
-        &name[..head],
-        &name[name.len() - tail..],
-        suffix
-    )
+    crate::names::short_port_name(port, COMMENT_MAX)
 }
 
 fn jump(chain: &str) -> Expr {

@@ -960,3 +960,118 @@ fn flat_affinity_switched_on_and_off_with_a_timeout_in_use_is_element_operations
         assert_eq!(kernel_trace(&a, &w, p.clone()).fates, w.trace(p).fates);
     }
 }
+
+/// The folded path's lines, as `nodeport trace` prints them.
+fn path_lines(t: &crate::trace::Trace) -> Vec<String> {
+    let path = crate::trace::path::fold(&t.walks, crate::trace::path::Choosing::Random);
+    let mut text = String::new();
+    crate::trace::path::write_lines(&mut text, &path).unwrap();
+    text.lines().map(str::to_string).collect()
+}
+
+#[test]
+fn flat_a_nodeports_path_is_each_rule_it_matched_with_its_elements_and_the_random_choice_once() {
+    let w = World::flat(&web("", THREE_ENDPOINTS));
+    let t = w.trace(tcp(CLIENT, NODE_IP, 30080));
+    let lines = path_lines(&t);
+    let at = |prefix: &str| {
+        lines
+            .iter()
+            .position(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("{prefix}: {lines:#?}"))
+    };
+    // Each hook's chains in the kernel's order, jumps before the chains they run, each
+    // regular chain's end and each base chain's policy, as nf_tables' trace events say.
+    let order = [
+        "path        ip kube-proxy filter-prerouting-pre-dnat rule #1: jump firewall-check",
+        "path        ip kube-proxy firewall-check: continue",
+        "path        ip kube-proxy filter-prerouting-pre-dnat: continue",
+        "path        ip kube-proxy filter-prerouting-pre-dnat: policy accept",
+        "path        ip kube-proxy nat-prerouting rule #1: jump services",
+        "path        ip kube-proxy services rule #6: jump nodeport-cluster-policy; @nodeport-ips { 192.0.2.10 }, @masquerade-nodeports { tcp . 30080 comment \"default/web\" }",
+        "path        ip kube-proxy pick-nodeport-endpoints: random choice, one of 3",
+        "path        ip kube-proxy filter-forward: policy accept",
+        "path        ip kube-proxy masquerading rule #4: accept",
+    ];
+    let places: Vec<usize> = order.iter().map(|l| at(l)).collect();
+    assert!(places.windows(2).all(|w| w[0] < w[1]), "{lines:#?}");
+    // The choice once, each endpoint with its share and the map element that sends it
+    // there (three endpoints: the rule `numgen random mod 3 offset 3`, slots 3 to 5).
+    assert_eq!(
+        lines.iter().filter(|l| l.contains("random choice")).count(),
+        1
+    );
+    for (slot, ip) in [(3, "10.244.1.1"), (4, "10.244.2.1"), (5, "10.244.3.1")] {
+        let to = at(&format!("path          33.33% to {ip}:8080"));
+        assert_eq!(
+            lines[to + 1],
+            format!(
+                "path            ip kube-proxy pick-nodeport-endpoints rule #4: accept; \
+                 @nodeport-endpoints {{ tcp . 30080 . {slot} comment \"default/web\" : {ip} . 8080 }}"
+            ),
+            "{lines:#?}"
+        );
+    }
+    // Flattened for one endpoint: that walk's steps.
+    let path = crate::trace::path::fold(&t.walks, crate::trace::path::Choosing::Random);
+    let to: std::net::SocketAddr = "10.244.2.1:8080".parse().unwrap();
+    let walk = t
+        .walks
+        .iter()
+        .find(|w| matches!(w.fate, Fate::Delivered { dnat: Some(d), .. } if d == to))
+        .unwrap();
+    assert_eq!(
+        crate::trace::path::Step::flatten(&path, Some(to)),
+        walk.steps
+    );
+}
+
+#[test]
+fn flat_a_reject_ends_the_path_at_its_rule() {
+    let w = World::flat(&web("", ""));
+    let t = w.trace(tcp(CLIENT, NODE_IP, 30080));
+    let lines = path_lines(&t);
+    assert_eq!(
+        lines.last().unwrap(),
+        "path        ip kube-proxy nodeport-endpoints-check rule #1: drop; @nodeport-ips { 192.0.2.10 }, @no-endpoint-nodeports { tcp . 30080 comment \"default/web\" }",
+        "{lines:#?}"
+    );
+}
+
+#[test]
+fn flat_the_nodes_own_connection_to_its_nodeport_without_endpoints_is_rejected_back_in_through_loopback()
+ {
+    // Out through output and postrouting untranslated, then in again through loopback:
+    // filter-input's no-endpoint check rejects it (traced as passed on before).
+    let w = World::flat(&web("", ""));
+    let t = w.trace(Packet::local(NODE_IP, NODE_IP, Protocol::Tcp, 30080));
+    assert_eq!(
+        t.only(),
+        &Fate::Rejected(NODEPORT_ENDPOINTS_CHECK.into()),
+        "{t}"
+    );
+    let lines = path_lines(&t);
+    assert!(
+        lines.iter().any(|l| l.starts_with(
+            "path        ip kube-proxy filter-input rule #1: jump nodeport-endpoints-check"
+        )),
+        "{lines:#?}"
+    );
+    // Its NAT was done on the way out: no nat chain runs on the way back in.
+    let back = lines
+        .iter()
+        .position(|l| l.contains("filter-prerouting-pre-dnat"))
+        .unwrap();
+    assert!(
+        !lines[back..].iter().any(|l| l.contains(" nat-")),
+        "{lines:#?}"
+    );
+    // With endpoints it is DNATed on the way out, to a pod: nothing comes back in.
+    let w = World::flat(&web("", THREE_ENDPOINTS));
+    let t = w.trace(Packet::local(NODE_IP, NODE_IP, Protocol::Tcp, 30080));
+    assert_eq!(t.endpoints().len(), 3, "{t}");
+    assert!(
+        !path_lines(&t).iter().any(|l| l.contains("filter-input")),
+        "{t}"
+    );
+}

@@ -28,6 +28,17 @@ pub struct Listed {
     pub table: Table,
     /// Rules left out, as `chain: expression`.
     pub skipped: Vec<String>,
+    /// Per chain, for each rule read into [`Self::table`] (in its order): its place among
+    /// every rule the chain lists (from 1, those left out counted) and its handle.
+    pub places: std::collections::HashMap<String, Vec<(usize, Option<u64>)>>,
+}
+
+impl Listed {
+    /// Where the rule `index` (from 0) of `chain`, as read, is in the kernel: its place in
+    /// the chain (from 1) and its handle.
+    pub fn place(&self, chain: &str, index: usize) -> Option<(usize, Option<u64>)> {
+        self.places.get(chain)?.get(index).copied()
+    }
 }
 
 /// Why a listing could not be read.
@@ -62,11 +73,16 @@ pub fn parse(json: &str, family: IpFamily) -> Result<Listed, Error> {
             base.elements.extend(elements);
         }
     }
+    let mut places: std::collections::HashMap<String, Vec<(usize, Option<u64>)>> =
+        Default::default();
+    let mut listed: std::collections::HashMap<&str, usize> = Default::default();
     for item in items {
         let Some(r) = item.get("rule") else { continue };
         let Some(chain) = r["chain"].as_str() else {
             continue;
         };
+        let place = listed.entry(chain).or_default();
+        *place += 1;
         let exprs = r["expr"].as_array().unwrap_or(&empty);
         match rule(exprs) {
             Some(exprs) => {
@@ -75,6 +91,10 @@ pub fn parse(json: &str, family: IpFamily) -> Result<Listed, Error> {
                         exprs,
                         comment: r["comment"].as_str().map(str::to_string),
                     });
+                    places
+                        .entry(chain.to_string())
+                        .or_default()
+                        .push((*place, r["handle"].as_u64()));
                 }
             }
             None => skipped.push(format!("{chain}: {}", Value::Array(exprs.clone()))),
@@ -87,6 +107,7 @@ pub fn parse(json: &str, family: IpFamily) -> Result<Listed, Error> {
             services: Default::default(),
         },
         skipped,
+        places,
     })
 }
 

@@ -1009,3 +1009,49 @@ fn default_route_fills_nodeport_ips_with_the_default_route_interfaces_addresses(
     assert_eq!(w.trace(tcp(CLIENT, NODE_IP2, 30080)).endpoints().len(), 3);
     assert!(w.trace(tcp(CLIENT, NODE_IP, 30080)).endpoints().is_empty());
 }
+
+#[test]
+fn a_nodeports_path_goes_through_the_ports_own_chains_and_chooses_the_endpoint_chain_once() {
+    let w = World::new(&web("", THREE_ENDPOINTS));
+    let t = w.trace(tcp(CLIENT, NODE_IP, 30080));
+    let path = crate::trace::path::fold(&t.walks, crate::trace::path::Choosing::Random);
+    let choices: Vec<&crate::trace::path::Step> =
+        path.iter().filter(|s| s.kind == "choice").collect();
+    assert_eq!(choices.len(), 1, "{path:#?}");
+    let choice = choices[0];
+    assert!(choice.chain.starts_with("service-"), "{choice:#?}");
+    assert_eq!(choice.candidates.len(), 3);
+    for c in &choice.candidates {
+        let to = c.endpoint.unwrap();
+        // Its goto from the Service's chain, then its own chain's DNAT.
+        assert!(c.path[0].verdict.starts_with("goto endpoint-"), "{c:#?}");
+        let last = c.path.last().unwrap();
+        assert!(last.chain.starts_with("endpoint-"), "{c:#?}");
+        assert!(
+            last.chain
+                .ends_with(&format!("__{}/{}", to.ip(), to.port())),
+            "{c:#?}"
+        );
+        assert_eq!(last.verdict, "accept");
+        assert!((c.probability - 1.0 / 3.0).abs() < 1e-9);
+    }
+    // The `services` map's element that sent it to the external chain.
+    assert!(
+        path.iter().any(|s| s.chain == "services"
+            && s.verdict.starts_with("goto external-")
+            && s.elements
+                .iter()
+                .any(|e| e.starts_with("@service-nodeports { tcp . 30080 : goto external-"))),
+        "{path:#?}"
+    );
+}
+
+#[test]
+fn the_nodes_own_connection_to_its_nodeport_without_endpoints_is_rejected_back_in_through_loopback()
+{
+    // Out untranslated, then in again through loopback: filter-input's
+    // nodeport-endpoints-check sends it to kube-proxy's reject chain.
+    let w = World::new(&web("", ""));
+    let t = w.trace(Packet::local(NODE_IP, NODE_IP, Protocol::Tcp, 30080));
+    assert_eq!(t.only(), &Fate::Rejected("reject-chain".into()), "{t}");
+}

@@ -7,15 +7,20 @@
 //! branches are all followed and weighted, so a test can assert that every endpoint gets its
 //! share. It states behaviour, e.g.
 //! `from 203.0.113.5 to 192.0.2.10:30080/tcp → DNAT 10.180.0.1:80, masqueraded`.
+//!
+//! Each way records its [path](crate::trace::path) as nf_tables' trace events report it: a
+//! rule whose every expression matched, with its verdict and the elements it matched; the
+//! end of each chain it falls off; each base chain's policy.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
 
 use super::ruleset::{
     AddrMatch, AffinityKey, ChainType, CtKey, ElemKey, Element, Expr, Hook, LookupKey, MapKey,
-    Ruleset, Table, Verdict, ct_state, ct_status,
+    Ruleset, TABLE, Table, Verdict, ct_state, ct_status,
 };
 use crate::model::IpFamily;
+use crate::trace::path::{Step as PathStep, Trail, Walk};
 use crate::trace::{Env, Fate, Origin, Packet, Trace};
 
 #[derive(Debug, Clone)]
@@ -26,6 +31,26 @@ struct State {
     mark: u32,
     masqueraded: bool,
     affinity: Vec<String>,
+    /// Back in through loopback (a packet of the node to one of its own addresses): its
+    /// connection's NAT is set up already, no NAT chain runs again.
+    looped: bool,
+    /// The steps so far.
+    trail: Trail,
+}
+
+impl State {
+    fn start(dst: IpAddr, dport: u16, dnat: Option<SocketAddr>) -> Self {
+        State {
+            dst,
+            dport,
+            dnat,
+            mark: 0,
+            masqueraded: false,
+            affinity: Vec::new(),
+            looped: false,
+            trail: Trail::default(),
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -43,38 +68,36 @@ type Branches = Vec<(f64, State, End)>;
 /// Traces `packet` through the table of its family.
 pub fn trace(ruleset: &Ruleset, packet: &Packet, env: &Env) -> Trace {
     let family = IpFamily::of(packet.dst);
-    let start = State {
-        dst: packet.dst,
-        dport: packet.dport,
-        dnat: None,
-        mark: 0,
-        masqueraded: false,
-        affinity: Vec::new(),
-    };
-    let mut fates: Vec<(Fate, f64)> = Vec::new();
+    let start = State::start(packet.dst, packet.dport, None);
     let Some(table) = ruleset.table(family) else {
-        fates.push((
-            Fate::Delivered {
+        let walk = Walk {
+            probability: 1.0,
+            fate: Fate::Delivered {
                 dnat: None,
                 masqueraded: false,
                 affinity: vec![],
             },
-            1.0,
-        ));
-        return Trace {
-            packet: packet.clone(),
-            fates,
+            steps: Vec::new(),
         };
+        return Trace::of_walks(packet, vec![walk]);
     };
     let t = Tracer::new(table, packet, env);
     let first_hooks: &[Hook] = match packet.origin {
         Origin::Remote => &[Hook::Prerouting],
         Origin::Local => &[Hook::Output],
     };
+    let mut walks = Vec::new();
+    let mut walked = |p: f64, state: State, fate: Fate| {
+        walks.push(Walk {
+            probability: p,
+            fate,
+            steps: state.trail.steps(),
+        })
+    };
     for (p, state, end) in t.hooks(first_hooks, vec![(1.0, start, End::Continue)]) {
-        let fate = match end {
-            End::Drop(c) => Fate::Dropped(c),
-            End::Reject(c) => Fate::Rejected(c),
+        match end {
+            End::Drop(c) => walked(p, state, Fate::Dropped(c)),
+            End::Reject(c) => walked(p, state, Fate::Rejected(c)),
             End::Continue | End::Accept => {
                 // After prerouting: routing decides input or forward.
                 let local = env.local_addrs.contains(&state.dst);
@@ -83,28 +106,26 @@ pub fn trace(ruleset: &Ruleset, packet: &Packet, env: &Env) -> Trace {
                     (Origin::Remote, false) => &[Hook::Forward, Hook::Postrouting],
                     (Origin::Local, _) => &[Hook::Postrouting],
                 };
-                for (p2, s2, e2) in t.hooks(next, vec![(p, state, End::Continue)]) {
+                let mut ways = t.hooks(next, vec![(p, state, End::Continue)]);
+                if packet.origin == Origin::Local {
+                    ways = t.looped_back(ways);
+                }
+                for (p2, s2, e2) in ways {
                     let fate = match e2 {
                         End::Drop(c) => Fate::Dropped(c),
                         End::Reject(c) => Fate::Rejected(c),
                         _ => Fate::Delivered {
                             dnat: s2.dnat,
                             masqueraded: s2.masqueraded,
-                            affinity: s2.affinity,
+                            affinity: s2.affinity.clone(),
                         },
                     };
-                    add(&mut fates, fate, p2);
+                    walked(p2, s2, fate);
                 }
-                continue;
             }
-        };
-        add(&mut fates, fate, p);
+        }
     }
-    fates.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
-    Trace {
-        packet: packet.clone(),
-        fates,
-    }
+    Trace::of_walks(packet, walks)
 }
 
 /// How a base chain of another table than the proxy's ends for a packet.
@@ -131,14 +152,11 @@ pub fn evaluate_chain(
 ) -> Option<Vec<(ChainEnd, f64)>> {
     table.chain(chain)?;
     let t = Tracer::new(table, packet, env);
-    let state = State {
-        dst: dnat.map_or(packet.dst, |d| d.ip()),
-        dport: dnat.map_or(packet.dport, |d| d.port()),
+    let state = State::start(
+        dnat.map_or(packet.dst, |d| d.ip()),
+        dnat.map_or(packet.dport, |d| d.port()),
         dnat,
-        mark: 0,
-        masqueraded: false,
-        affinity: Vec::new(),
-    };
+    );
     let mut out: Vec<(ChainEnd, f64)> = Vec::new();
     for (p, _, end) in t.chain(chain, state, 0) {
         let end = match end {
@@ -156,29 +174,48 @@ pub fn evaluate_chain(
     Some(out)
 }
 
-fn add(fates: &mut Vec<(Fate, f64)>, fate: Fate, p: f64) {
-    match fates.iter_mut().find(|(f, _)| *f == fate) {
-        Some((_, q)) => *q += p,
-        None => fates.push((fate, p)),
-    }
-}
-
 struct Tracer<'a> {
     table: &'a Table,
     packet: &'a Packet,
     env: &'a Env,
+    /// `ip` or `ip6`, for the path.
+    family: &'static str,
     /// Every element (the first owner's, as the kernel holds it), and by set and key.
     elements: Vec<&'a Element>,
     index: HashMap<(&'a str, ElemKey), &'a Element>,
-    /// The flat layout's endpoint maps: by map and key without the slot, slot → endpoint.
-    slots: HashMap<(&'a str, ElemKey), BTreeMap<u32, SocketAddr>>,
+    /// The flat layout's endpoint maps: by map and key without the slot, slot → endpoint
+    /// and its element.
+    slots: HashMap<(&'a str, ElemKey), Slots<'a>>,
+}
+
+/// One destination's slots in an endpoint map: slot → endpoint and its element.
+type Slots<'a> = BTreeMap<u32, (SocketAddr, &'a Element)>;
+
+/// An element as the path names it: `@set { key [comment "c"] [: value] }`.
+fn element_text(e: &Element) -> String {
+    format!("@{} {}", e.set, e.text())
+}
+
+/// The verdict a rule's trace event reports: `reject` drops (after sending its answer).
+fn verdict_text(v: &Verdict) -> String {
+    match v {
+        Verdict::Reject => "drop".to_string(),
+        other => other.to_string(),
+    }
+}
+
+/// Where a rule is, for its step: its chain and its place there (from 0).
+#[derive(Clone, Copy)]
+struct At<'c> {
+    chain: &'c str,
+    index: usize,
 }
 
 impl<'a> Tracer<'a> {
     fn new(table: &'a Table, packet: &'a Packet, env: &'a Env) -> Self {
         let elements = table.elements();
         let index = elements.iter().map(|e| ((e.set, e.key), *e)).collect();
-        let mut slots: HashMap<(&str, ElemKey), BTreeMap<u32, SocketAddr>> = HashMap::new();
+        let mut slots: HashMap<(&str, ElemKey), Slots<'_>> = HashMap::new();
         for e in &elements {
             let (prefix, slot) = match e.key {
                 ElemKey::AddrProtoPortSlot(ip, p, port, slot) => {
@@ -188,13 +225,17 @@ impl<'a> Tracer<'a> {
                 _ => continue,
             };
             if let Some(to) = e.data {
-                slots.entry((e.set, prefix)).or_default().insert(slot, to);
+                slots
+                    .entry((e.set, prefix))
+                    .or_default()
+                    .insert(slot, (to, *e));
             }
         }
         Tracer {
             table,
             packet,
             env,
+            family: super::ruleset::nft_family(table.family),
             elements,
             index,
             slots,
@@ -219,17 +260,27 @@ impl<'a> Tracer<'a> {
                         continue;
                     }
                     // NAT chains see only the first packet, once; a DNATed packet is not
-                    // translated again by a later nat chain of the same hook.
+                    // translated again by a later nat chain of the same hook, nor one back
+                    // in through loopback by any.
                     if kind == Some(ChainType::Nat)
-                        && *hook != Hook::Postrouting
-                        && state.dnat.is_some()
+                        && (state.looped || (*hook != Hook::Postrouting && state.dnat.is_some()))
                     {
                         next.push((p, state, End::Continue));
                         continue;
                     }
-                    for (q, s, e) in self.chain(&chain.name, state, 0) {
+                    for (q, mut s, e) in self.chain(&chain.name, state, 0) {
                         let e = match e {
                             End::Accept => End::Continue,
+                            End::Continue => {
+                                // Its end: the policy (the proxy's base chains accept).
+                                s.trail.push(PathStep::policy(
+                                    self.family,
+                                    TABLE,
+                                    &chain.name,
+                                    "accept",
+                                ));
+                                End::Continue
+                            }
                             other => other,
                         };
                         next.push((p * q, s, e));
@@ -239,6 +290,26 @@ impl<'a> Tracer<'a> {
             }
         }
         branches
+    }
+
+    /// A packet of the node's own that is (still) for one of its addresses leaves through
+    /// loopback and comes back in: prerouting and input again, as the same connection (its
+    /// state still `new`, its NAT done). What a branch dropped stays dropped.
+    fn looped_back(&self, branches: Branches) -> Branches {
+        let mut out = Vec::new();
+        for (p, mut state, end) in branches {
+            let own = state.dst.is_loopback() || self.env.local_addrs.contains(&state.dst);
+            if matches!(end, End::Drop(_) | End::Reject(_)) || !own {
+                out.push((p, state, end));
+                continue;
+            }
+            state.looped = true;
+            out.extend(self.hooks(
+                &[Hook::Prerouting, Hook::Input],
+                vec![(p, state, End::Continue)],
+            ));
+        }
+        out
     }
 
     fn chain(&self, name: &str, state: State, depth: usize) -> Branches {
@@ -259,7 +330,8 @@ impl<'a> Tracer<'a> {
     ) -> Branches {
         let mut state = state;
         for (i, rule) in rules.iter().enumerate().skip(from) {
-            match self.rule(chain, &rule.exprs, 0, state.clone(), depth) {
+            let at = At { chain, index: i };
+            match self.rule(at, &rule.exprs, 0, state.clone(), Vec::new(), depth) {
                 RuleResult::NoMatch => continue,
                 RuleResult::Branches(bs) => {
                     // A rule can branch (numgen, jump): each branch either ended the chain or
@@ -280,19 +352,32 @@ impl<'a> Tracer<'a> {
                 RuleResult::Continue(s) => state = s,
             }
         }
+        state.trail.push(PathStep::end(self.family, TABLE, chain));
         vec![(1.0, state, End::Continue)]
     }
 
+    /// The step of the rule at `at` that matched, with the elements it matched.
+    fn step(&self, at: At<'_>, verdict: String, matched: Vec<String>) -> PathStep {
+        PathStep::rule(self.family, TABLE, at.chain, at.index + 1, verdict).with_elements(matched)
+    }
+
+    /// Evaluates the rule at `at` from its expression `from` on, `matched` holding the
+    /// elements the expressions before matched. A rule that matches records its step.
     fn rule(
         &self,
-        chain: &str,
+        at: At<'_>,
         exprs: &[Expr],
-        at: usize,
+        from: usize,
         mut state: State,
+        mut matched: Vec<String>,
         depth: usize,
     ) -> RuleResult {
-        let family = IpFamily::of(state.dst);
-        for (k, e) in exprs.iter().enumerate().skip(at) {
+        // A NAT statement accepts the packet in its hook.
+        let accepted = |mut s: State, matched: Vec<String>| {
+            s.trail.push(self.step(at, "accept".into(), matched));
+            RuleResult::Branches(vec![(1.0, s, Step::End(End::Accept))])
+        };
+        for (k, e) in exprs.iter().enumerate().skip(from) {
             match e {
                 Expr::CtStateNew => {}
                 Expr::Ct { key, negate, bits } => {
@@ -308,15 +393,18 @@ impl<'a> Tracer<'a> {
                     }
                 }
                 Expr::Daddr { negate, value } => {
-                    if self.addr_matches(state.dst, value) == *negate {
+                    let hit = self.addr_matches(state.dst, value);
+                    if hit.is_some() == *negate {
                         return RuleResult::NoMatch;
                     }
+                    matched.extend(hit.flatten());
                 }
                 Expr::Saddr { negate, value } => {
                     let hit = self.addr_matches(self.packet.src, value);
-                    if hit == *negate {
+                    if hit.is_some() == *negate {
                         return RuleResult::NoMatch;
                     }
+                    matched.extend(hit.flatten());
                 }
                 Expr::Dport(p, port) => {
                     if *p != self.packet.proto || *port != state.dport {
@@ -348,7 +436,7 @@ impl<'a> Tracer<'a> {
                     };
                     let mut out = Vec::new();
                     if hit > 0.0 {
-                        match self.rule(chain, exprs, k + 1, state.clone(), depth) {
+                        match self.rule(at, exprs, k + 1, state.clone(), matched, depth) {
                             RuleResult::NoMatch => out.push((hit, state.clone(), Step::Next)),
                             RuleResult::Continue(s) => out.push((hit, s, Step::Next)),
                             RuleResult::Branches(bs) => {
@@ -368,19 +456,24 @@ impl<'a> Tracer<'a> {
                         }
                         MapKey::ProtoPort => ElemKey::ProtoPort(self.packet.proto, state.dport),
                     };
-                    let verdict = self
+                    let found = self
                         .index
                         .get(&(map.as_str(), elem_key))
-                        .and_then(|el| el.value.clone());
-                    match verdict {
-                        Some(v) => return self.verdict(chain, &v, state, depth),
+                        .and_then(|el| el.value.clone().map(|v| (v, *el)));
+                    match found {
+                        Some((v, el)) => {
+                            matched.push(element_text(el));
+                            return self.verdict(at, &v, state, matched, depth);
+                        }
                         None => return RuleResult::NoMatch,
                     }
                 }
                 Expr::Lookup { key, negate, set } => {
-                    if self.in_set(*key, set, &state) == *negate {
+                    let hit = self.in_set(*key, set, &state);
+                    if hit.is_some() == *negate {
                         return RuleResult::NoMatch;
                     }
+                    matched.extend(hit.map(element_text));
                 }
                 Expr::DnatMap {
                     key,
@@ -391,7 +484,7 @@ impl<'a> Tracer<'a> {
                     // Every slot with probability 1/modulus: a slot the map holds DNATs (the
                     // hook accepts), a missing one ends the rule without a match.
                     let p = 1.0 / f64::from(*modulus);
-                    let mut hits: BTreeMap<SocketAddr, f64> = BTreeMap::new();
+                    let mut hits: BTreeMap<SocketAddr, (f64, &Element)> = BTreeMap::new();
                     let prefix = match key {
                         MapKey::DaddrProtoPort => {
                             ElemKey::AddrProtoPort(state.dst, self.packet.proto, state.dport)
@@ -400,18 +493,22 @@ impl<'a> Tracer<'a> {
                     };
                     let mut found = 0u32;
                     if let Some(held) = self.slots.get(&(map.as_str(), prefix)) {
-                        for (_, to) in held.range(*offset..offset + modulus) {
-                            *hits.entry(*to).or_default() += p;
+                        for (_, (to, el)) in held.range(*offset..offset + modulus) {
+                            hits.entry(*to).or_insert((0.0, el)).0 += p;
                             found += 1;
                         }
                     }
                     let miss = f64::from(modulus - found) * p;
                     let mut out = Vec::new();
-                    for (to, q) in hits {
+                    for (to, (q, el)) in hits {
                         let mut s = state.clone();
                         s.dnat = Some(to);
                         s.dst = to.ip();
                         s.dport = to.port();
+                        let mut m = matched.clone();
+                        // The element of its first slot.
+                        m.push(element_text(el));
+                        s.trail.push(self.step(at, "accept".into(), m));
                         out.push((q, s, Step::End(End::Accept)));
                     }
                     if miss > 1e-12 {
@@ -423,8 +520,9 @@ impl<'a> Tracer<'a> {
                     let n = targets.len() as f64;
                     let mut out = Vec::new();
                     for t in targets {
+                        let goto = Verdict::Goto(t.clone());
                         if let RuleResult::Branches(bs) =
-                            self.verdict(chain, &Verdict::Goto(t.clone()), state.clone(), depth)
+                            self.verdict(at, &goto, state.clone(), matched.clone(), depth)
                         {
                             out.extend(bs.into_iter().map(|(p, s, e)| (p / n, s, e)));
                         }
@@ -435,7 +533,7 @@ impl<'a> Tracer<'a> {
                 Expr::MarkSetXor(bits) => state.mark ^= bits,
                 Expr::Masquerade => {
                     state.masqueraded = true;
-                    return RuleResult::Branches(vec![(1.0, state, Step::End(End::Accept))]);
+                    return accepted(state, matched);
                 }
                 Expr::Dnat(p, to) => {
                     if *p != self.packet.proto {
@@ -444,7 +542,7 @@ impl<'a> Tracer<'a> {
                     state.dnat = Some(*to);
                     state.dst = to.ip();
                     state.dport = to.port();
-                    return RuleResult::Branches(vec![(1.0, state, Step::End(End::Accept))]);
+                    return accepted(state, matched);
                 }
                 Expr::UpdateSaddr(set) => state.affinity.push(set.clone()),
                 Expr::L4proto(p) => {
@@ -465,28 +563,45 @@ impl<'a> Tracer<'a> {
                         }
                         AffinityKey::NodePort => ElemKey::AddrProtoPort(src, proto, state.dport),
                     };
-                    let Some(to) = self.index.get(&(map.as_str(), k)).and_then(|e| e.data) else {
+                    let Some((to, el)) = self
+                        .index
+                        .get(&(map.as_str(), k))
+                        .and_then(|e| e.data.map(|to| (to, *e)))
+                    else {
                         return RuleResult::NoMatch;
                     };
                     state.dnat = Some(to);
                     state.dst = to.ip();
                     state.dport = to.port();
                     state.affinity.push(map.clone());
-                    return RuleResult::Branches(vec![(1.0, state, Step::End(End::Accept))]);
+                    matched.push(element_text(el));
+                    return accepted(state, matched);
                 }
                 Expr::AffinityUpdate { map, .. } => {
                     if !state.affinity.contains(map) {
                         state.affinity.push(map.clone());
                     }
                 }
-                Expr::Verdict(v) => return self.verdict(chain, v, state, depth),
+                Expr::Verdict(v) => return self.verdict(at, v, state, matched, depth),
             }
-            let _ = family;
         }
+        // Every expression matched and none decided: the rule's verdict is `continue`.
+        state.trail.push(self.step(at, "continue".into(), matched));
         RuleResult::Continue(state)
     }
 
-    fn verdict(&self, chain: &str, v: &Verdict, state: State, depth: usize) -> RuleResult {
+    /// The verdict of the rule at `at`, which matched (its step recorded first, as the
+    /// kernel reports it before it runs a jump's chain).
+    fn verdict(
+        &self,
+        at: At<'_>,
+        v: &Verdict,
+        mut state: State,
+        matched: Vec<String>,
+        depth: usize,
+    ) -> RuleResult {
+        state.trail.push(self.step(at, verdict_text(v), matched));
+        let chain = at.chain;
         let end = |e: End, s: State| RuleResult::Branches(vec![(1.0, s, Step::End(e))]);
         match v {
             Verdict::Drop => end(End::Drop(chain.to_string()), state),
@@ -511,8 +626,9 @@ impl<'a> Tracer<'a> {
         }
     }
 
-    fn addr_matches(&self, ip: IpAddr, m: &AddrMatch) -> bool {
-        match m {
+    /// Whether `ip` matches `m`: `Some` (with the set's element, for a named set) or `None`.
+    fn addr_matches(&self, ip: IpAddr, m: &AddrMatch) -> Option<Option<String>> {
+        let hit = match m {
             AddrMatch::Addr(a) => *a == ip,
             AddrMatch::Net(n) => n.contains(&ip),
             AddrMatch::Nets(ns) => ns.iter().any(|n| n.contains(&ip)),
@@ -520,16 +636,20 @@ impl<'a> Tracer<'a> {
                 if name.starts_with("affinity-") {
                     self.env.affinity.iter().any(|(s, c)| s == name && *c == ip)
                 } else {
-                    self.index.contains_key(&(name.as_str(), ElemKey::Addr(ip)))
+                    return self
+                        .index
+                        .get(&(name.as_str(), ElemKey::Addr(ip)))
+                        .map(|e| Some(element_text(e)));
                 }
             }
-        }
+        };
+        hit.then_some(None)
     }
 }
 
-impl Tracer<'_> {
-    /// Whether the packet's `key` is in the plain set `set`.
-    fn in_set(&self, key: LookupKey, set: &str, state: &State) -> bool {
+impl<'a> Tracer<'a> {
+    /// The element of the plain set `set` the packet's `key` is, if it is one.
+    fn in_set(&self, key: LookupKey, set: &str, state: &State) -> Option<&'a Element> {
         let (src, proto) = (self.packet.src, self.packet.proto);
         let k = match key {
             LookupKey::DaddrProtoPort => ElemKey::AddrProtoPort(state.dst, proto, state.dport),
@@ -542,7 +662,7 @@ impl Tracer<'_> {
             }
             LookupKey::ProtoOrigPort => ElemKey::ProtoPort(proto, self.packet.dport),
             LookupKey::DaddrProtoPortSaddr => {
-                return self.elements.iter().any(|e| {
+                return self.elements.iter().copied().find(|e| {
                     e.set == set
                         && matches!(e.key, ElemKey::AddrProtoPortNet(ip, p, port, net)
                             if ip == state.dst && p == proto && port == state.dport
@@ -550,7 +670,7 @@ impl Tracer<'_> {
                 });
             }
         };
-        self.index.contains_key(&(set, k))
+        self.index.get(&(set, k)).copied()
     }
 }
 

@@ -14,6 +14,7 @@ use std::net::{IpAddr, SocketAddr};
 use ipnet::IpNet;
 use serde::Serialize;
 
+use super::path::{self, Choosing, Step};
 use super::{Fate, Origin, Packet, Trace};
 use crate::desired::{DesiredState, ServicePortState};
 use crate::model::{IpFamily, Protocol};
@@ -55,6 +56,9 @@ pub struct Context<'a> {
     /// nftables and ebpf modes never serve loopback under such a selection, nor any mode
     /// `::1`.
     pub localhost_nodeports: bool,
+    /// nftables mode, flat layout: a rule of its shared chains that decided for the packet is
+    /// named for the Service port in the path ([`path::name_steps`]).
+    pub flat_layout: bool,
 }
 
 /// Which of a Service's addresses the packet was sent to.
@@ -192,6 +196,10 @@ pub struct PacketView {
 pub struct Explanation {
     /// The packet.
     pub packet: PacketView,
+    /// Its way through the rules (or the programs' map look-ups), step by step, a random
+    /// choice once with its candidates ([`path`]); empty when the tracer records none.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub path: Vec<Step>,
     /// The dataplane traced.
     pub dataplane: Dataplane,
     /// How an endpoint is chosen: `random` (per new connection) or `maglev` (by the flow's
@@ -422,7 +430,18 @@ pub fn explain(desired: &DesiredState, ctx: &Context<'_>, trace: &Trace) -> Expl
             packet.dst
         ));
     }
+    let choosing = if ctx.maglev {
+        Choosing::Maglev
+    } else {
+        Choosing::Random
+    };
+    let mut steps = path::fold(&trace.walks, choosing);
+    if let (Some((svc, frontend, _)), Some(hit)) = (found, &service) {
+        path::name_steps(&mut steps, svc, &hit.port, ctx.flat_layout);
+        name_ebpf_frontends(&mut steps, &hit.port, frontend);
+    }
     Explanation {
+        path: steps,
         packet: PacketView {
             from: packet.src,
             to: SocketAddr::new(packet.dst, packet.dport),
@@ -439,6 +458,36 @@ pub fn explain(desired: &DesiredState, ctx: &Context<'_>, trace: &Trace) -> Expl
         endpoints,
         outcomes,
         notes,
+    }
+}
+
+/// An eBPF program's `frontend` step for a Service port: `192.0.2.10:30080/tcp is
+/// default/web:80/TCP (NodePort, frontend 3)` (`id`: the kernel's service id, when known),
+/// as `--live` and a trace of the kernel's maps print it.
+pub fn ebpf_frontend(to: &str, label: &str, frontend: Frontend, id: Option<u32>) -> String {
+    match id {
+        Some(id) => format!("{to} is {label} ({frontend:?}, frontend {id})"),
+        None => format!("{to} is {label} ({frontend:?})"),
+    }
+}
+
+/// Names the eBPF tracer's `frontend` steps (`192.0.2.10:30080/tcp: frontend 3`) for the
+/// Service port the explanation found, as [`ebpf_frontend`].
+fn name_ebpf_frontends(steps: &mut [Step], label: &str, frontend: Frontend) {
+    for s in steps {
+        if s.kind == "choice" {
+            for c in &mut s.candidates {
+                name_ebpf_frontends(&mut c.path, label, frontend);
+            }
+            continue;
+        }
+        if s.family != "ebpf" || s.chain != "frontend" {
+            continue;
+        }
+        if let Some((to, id)) = s.verdict.split_once(": frontend") {
+            let id = id.trim().parse().ok();
+            s.verdict = ebpf_frontend(to, label, frontend, id);
+        }
     }
 }
 
@@ -714,6 +763,7 @@ impl fmt::Display for Explanation {
             write!(f, ", on {i}")?;
         }
         writeln!(f)?;
+        path::write_lines(f, &self.path)?;
         match &self.service {
             Some(s) => {
                 let kind = match s.frontend {
@@ -834,8 +884,17 @@ endpoints: [{addresses: [10.244.1.5], nodeName: node-a}]
             maglev: false,
             route_localnet: None,
             localhost_nodeports: true,
+            flat_layout: true,
         };
-        explain(&state, &ctx, &Trace { packet, fates })
+        explain(
+            &state,
+            &ctx,
+            &Trace {
+                packet,
+                fates,
+                walks: Vec::new(),
+            },
+        )
     }
 
     #[test]

@@ -380,6 +380,8 @@ endpoints:
             maglev: false,
             route_localnet: None,
             localhost_nodeports: true,
+            flat_layout: dataplane == Dataplane::Nftables
+                && fx.config.nftables_layout == NftablesLayout::Flat,
         };
         let udp = UDP_PACKETS.iter().map(|p| (p, Protocol::Udp));
         PACKETS
@@ -501,9 +503,11 @@ endpoints:
 
     /// `rendered` as the kernel's maps hold it, read back with no objects to name it: each
     /// Service port and family gets a service id, each backend set a set id (as the applier
-    /// gives them). Also the names the ids stand for.
+    /// gives them), and, with `name_map`, its name in `np_svc_names`. Also the names the ids
+    /// stand for.
     fn as_kernel_holds_it(
         rendered: &ebpf::render::Rendered,
+        name_map: bool,
     ) -> (ebpf::render::Rendered, Vec<(String, String)>) {
         use ebpf::maps::Frontend;
         let mut frontends = Vec::new();
@@ -511,8 +515,16 @@ endpoints:
         let mut ranges = Vec::new();
         let mut set_ids = BTreeMap::new();
         let mut names = Vec::new();
+        let mut held = BTreeMap::new();
         for (i, ((name, _), maps)) in rendered.services.iter().enumerate() {
             let svc_id = i as u32 + 1;
+            if name_map {
+                // As the map holds it: written and read back.
+                held.insert(
+                    svc_id,
+                    ebpf::maps::decode_svc_name(&ebpf::maps::svc_name(name)).unwrap(),
+                );
+            }
             names.push((
                 format!("svc-{svc_id}:"),
                 format!("{}/{}:", name.namespace, name.name),
@@ -556,14 +568,13 @@ endpoints:
             &frontends,
             &backends,
             &ranges,
+            &held,
             &ebpf::render::Rendered::default(),
         );
         (read, names)
     }
 
-    #[test]
-    fn the_ebpf_maps_name_ports_by_service_id_and_explain_every_fate_as_the_objects_do() {
-        let fx = fixture(NftablesLayout::Flat);
+    fn ebpf_render(fx: &Fixture) -> ebpf::render::Rendered {
         let config = ebpf::render::RenderConfig {
             algorithm: ebpf::render::Algorithm::Random,
             local_ips: fx.local_ips.clone(),
@@ -571,8 +582,34 @@ endpoints:
             masquerade_all: false,
             cluster_cidrs: fx.config.cluster_cidrs.clone(),
         };
-        let rendered = ebpf::render::render(&fx.desired, &config);
-        let (read, names) = as_kernel_holds_it(&rendered);
+        ebpf::render::render(&fx.desired, &config)
+    }
+
+    #[test]
+    fn the_ebpf_maps_name_ports_from_np_svc_names_and_explain_every_fate_as_the_objects_do() {
+        let fx = fixture(NftablesLayout::Flat);
+        let (read, _) = as_kernel_holds_it(&ebpf_render(&fx), true);
+        let mut recovered = Recovered::default();
+        ebpf::recover::recover(&read, &fx.local_ips, &mut recovered);
+        assert_cluster_cidrs(&recovered, &fx);
+        let named = recovered.into_desired(&|_| false);
+        let pairs = both(&fx, Dataplane::Ebpf, &named, &|p, env| {
+            ebpf::tracer::trace(&read, p, env)
+        });
+        assert_named_alike(&pairs);
+        assert!(
+            pairs
+                .iter()
+                .any(|(k, _)| k.to_string().contains("service     default/web:80/TCP")),
+            "{pairs:#?}"
+        );
+    }
+
+    #[test]
+    fn without_np_svc_names_the_ebpf_maps_name_ports_by_service_id_and_explain_every_fate_alike() {
+        // Maps a proxy older than np_svc_names wrote.
+        let fx = fixture(NftablesLayout::Flat);
+        let (read, names) = as_kernel_holds_it(&ebpf_render(&fx), false);
         let mut recovered = Recovered::default();
         ebpf::recover::recover(&read, &fx.local_ips, &mut recovered);
         assert_cluster_cidrs(&recovered, &fx);

@@ -27,6 +27,7 @@ use nodeport_proxy::nftables::netlink::nftrace::{
     self, Collector, Event, Selector, Session, Traced,
 };
 use nodeport_proxy::trace::explain::{Explanation, Reason, Verdict as Fate};
+use nodeport_proxy::trace::path::Step;
 use nodeport_proxy::trace::{Origin, Packet};
 use serde::Serialize;
 
@@ -94,24 +95,6 @@ pub(super) fn parse_duration(value: &str) -> anyhow::Result<Duration> {
         return Err(bad());
     }
     Ok(Duration::from_secs_f64(seconds))
-}
-
-/// One rule a real packet met, for `-o json`.
-#[derive(Serialize)]
-struct Step {
-    family: &'static str,
-    table: String,
-    chain: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    rule_handle: Option<u64>,
-    /// `rule`, `return` or `policy`.
-    kind: &'static str,
-    verdict: String,
-    /// The Service port the rule is for (`default/web:80/TCP`): a chain of its own
-    /// (kube-proxy's nftables layout, iptables), or a rule of the flat layout's shared chains
-    /// that matched its element.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    service: Option<String>,
 }
 
 /// What the kernel did with a real packet.
@@ -428,6 +411,8 @@ fn explain_packet(tracing: &Tracing, traced: Traced, protocol: Protocol) -> Opti
         origin: traced.origin,
     };
     let mut explanation = tracing.explain(&packet);
+    // The path printed is the packet's own, from the kernel's events.
+    explanation.path.clear();
     let first = traced.events.first();
     if traced.origin == Origin::Remote
         && let Some(name) = interface_name(first.and_then(|e| e.iif))
@@ -442,6 +427,7 @@ fn explain_packet(tracing: &Tracing, traced: Traced, protocol: Protocol) -> Opti
             table: e.table.clone(),
             chain: e.chain.clone(),
             rule_handle: e.handle,
+            rule_index: None,
             kind: match e.kind {
                 nftrace::Kind::Rule => "rule",
                 nftrace::Kind::Return => "return",
@@ -452,7 +438,9 @@ fn explain_packet(tracing: &Tracing, traced: Traced, protocol: Protocol) -> Opti
                 .verdict
                 .as_ref()
                 .map_or_else(String::new, |v| v.to_string()),
+            elements: Vec::new(),
             service: None,
+            candidates: Vec::new(),
         })
         .collect();
     let path = named_steps(tracing, &explanation, path);
@@ -517,14 +505,9 @@ fn explain_packet(tracing: &Tracing, traced: Traced, protocol: Protocol) -> Opti
     })
 }
 
-/// The path's steps with the Service port the packet addressed where a step is that port's:
-/// in a chain named for it (kube-proxy's nftables layout: `service-<H>-…`, `endpoint-<H>-…`;
-/// iptables: `KUBE-SVC-<H>`, `KUBE-SEP-<H>`, … of its hashes) or jumping into one, or, in the
-/// flat layout's shared chains, a rule that decided for the packet (a lookup that found the
-/// port's element and jumped, the DNAT from its endpoint map, its no-endpoint or source-range
-/// drop).
+/// The path's steps with the Service port the packet addressed where a step is that port's,
+/// as a traced path names them ([`path::name_steps`](nodeport_proxy::trace::path::name_steps)).
 fn named_steps(tracing: &Tracing, explanation: &Explanation, mut path: Vec<Step>) -> Vec<Step> {
-    use nodeport_proxy::nftables::names as nft;
     let Some(label) = explanation.service.as_ref().map(|s| s.port.clone()) else {
         return path;
     };
@@ -538,61 +521,8 @@ fn named_steps(tracing: &Tracing, explanation: &Explanation, mut path: Vec<Step>
     else {
         return path;
     };
-    let name = svc.name();
-    let nft_chains = nft::ServiceChainNames::new(name);
-    let ipt_chains = nodeport_proxy::iptables::names::ServiceChainNames::new(name);
-    let mut own: std::collections::BTreeSet<String> = [
-        nft_chains.cluster,
-        nft_chains.local,
-        nft_chains.external,
-        nft_chains.firewall,
-        ipt_chains.cluster,
-        ipt_chains.local,
-        ipt_chains.external,
-        ipt_chains.firewall,
-    ]
-    .into();
-    for e in svc.cluster_endpoints.iter().chain(&svc.local_endpoints) {
-        own.insert(nft::EndpointNames::new(name, e.ip, e.port).chain);
-        own.insert(nodeport_proxy::iptables::names::endpoint_chain(
-            name, e.ip, e.port,
-        ));
-    }
-    // The flat layout's chains that decide per destination, by the port's elements.
-    let shared = [
-        nft::SERVICES,
-        nft::CLUSTER_IP_POLICY,
-        nft::EXTERNAL_CLUSTER_POLICY,
-        nft::EXTERNAL_LOCAL_POLICY,
-        nft::NODEPORT_CLUSTER_POLICY,
-        nft::NODEPORT_LOCAL_POLICY,
-        nft::PICK_SERVICE_ENDPOINTS,
-        nft::PICK_NODEPORT_ENDPOINTS,
-        nft::PICK_SERVICE_CLUSTER_ENDPOINTS,
-        nft::PICK_NODEPORT_CLUSTER_ENDPOINTS,
-        nft::SERVICE_ENDPOINTS_CHECK,
-        nft::NODEPORT_ENDPOINTS_CHECK,
-        nft::FIREWALL_CHECK,
-    ];
     let flat = tracing.layout() == Some("flat");
-    for step in &mut path {
-        let proxys = step.table == nodeport_proxy::nftables::ruleset::TABLE
-            || step.chain.starts_with("KUBE-");
-        let decided = step.kind == "rule" && step.verdict != "continue";
-        // A jump or goto into one of the port's chains (kube-proxy's `services` map, the
-        // `KUBE-NODEPORTS` rule) is the port's too.
-        let into_own = step
-            .verdict
-            .split_once(' ')
-            .is_some_and(|(verb, to)| matches!(verb, "jump" | "goto") && own.contains(to));
-        if proxys
-            && (own.contains(&step.chain)
-                || into_own
-                || (flat && decided && shared.contains(&step.chain.as_str())))
-        {
-            step.service = Some(label.clone());
-        }
-    }
+    nodeport_proxy::trace::path::name_steps(&mut path, svc, &label, flat);
     path
 }
 
@@ -822,26 +752,9 @@ fn print_packet(n: usize, p: &LivePacket) {
         p.source_port
     );
     out!("{e}");
-    for s in &p.path {
-        let rule = s
-            .rule_handle
-            .map_or_else(String::new, |h| format!(" rule {h}"));
-        let what = match s.kind {
-            "policy" => format!("policy {}", s.verdict),
-            "return" => "return".to_string(),
-            _ => s.verdict.clone(),
-        };
-        let service = s
-            .service
-            .as_ref()
-            .map_or_else(String::new, |l| format!(" ({l})"));
-        outln!(
-            "path        {} {} {}{rule}: {what}{service}",
-            s.family,
-            s.table,
-            s.chain
-        );
-    }
+    let mut lines = String::new();
+    let _ = nodeport_proxy::trace::path::write_lines(&mut lines, &p.path);
+    out!("{lines}");
     match &p.seen.at {
         Some(at) => outln!("seen        {} (at {at})", p.seen.message),
         None => outln!("seen        {}", p.seen.message),
@@ -1152,6 +1065,7 @@ fn ebpf_packet(
         },
     };
     let mut explanation = tracing.explain(&packet);
+    explanation.path.clear();
     let program = if socket {
         if t.daddr.is_ipv4() {
             "np_connect4"
@@ -1164,23 +1078,17 @@ fn ebpf_packet(
     if !socket && let Some(name) = interface_name(Some(e.ifindex)) {
         explanation.packet.interface = Some(name);
     }
-    let step = |what: &str, verdict: String| Step {
-        family: "ebpf",
-        table: program.to_string(),
-        chain: what.to_string(),
-        rule_handle: None,
-        kind: "rule",
-        verdict,
-        service: None,
-    };
+    let step = |what: &str, verdict: String| Step::program(program, what, verdict);
     let frontend = match &explanation.service {
-        Some(s) => format!(
-            "{}/{} is {} ({:?}, frontend {})",
-            SocketAddr::new(t.daddr, t.dport),
-            protocol.as_lower(),
-            s.port,
+        Some(s) => nodeport_proxy::trace::explain::ebpf_frontend(
+            &format!(
+                "{}/{}",
+                SocketAddr::new(t.daddr, t.dport),
+                protocol.as_lower()
+            ),
+            &s.port,
             s.frontend,
-            e.svc_id
+            Some(e.svc_id),
         ),
         None => format!(
             "{}/{}: frontend {}",
