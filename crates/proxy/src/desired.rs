@@ -263,7 +263,7 @@ fn target(ep: &Endpoint, port: u16, node_name: &str) -> EndpointTarget {
     EndpointTarget {
         ip: ep.ip,
         port,
-        local: ep.node_name.as_deref() == Some(node_name),
+        local: ep.node_name() == Some(node_name),
         ready: ep.ready,
         serving: ep.serving,
         terminating: ep.terminating,
