@@ -100,7 +100,8 @@
 //! [`flat`] (the flat layout's rendering, pure),
 //! [`ruleset`] (the structured ruleset, transactions and their `nft -f` text), [`apply`]
 //! (the [`apply::Kernel`] trait, `nft` runner, fake, and the applier that computes partial
-//! and full transactions), [`netlink`] (the netlink kernel), [`tracer`] (evaluates a ruleset
+//! and full transactions), `record` (the applier's compact record of owners and claims),
+//! [`netlink`] (the netlink kernel), [`tracer`] (evaluates a ruleset
 //! for a packet), [`listing`] (`nft -j list table` read back for the tracer).
 
 pub mod apply;
@@ -108,6 +109,7 @@ pub mod flat;
 pub mod listing;
 pub mod names;
 pub mod netlink;
+mod record;
 pub mod render;
 pub mod ruleset;
 pub mod tracer;
