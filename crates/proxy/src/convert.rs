@@ -117,14 +117,16 @@ pub fn service(svc: &core::Service) -> Option<(ServiceName, Service)> {
         seen.push(family);
         first
     });
-    let external_ips = spec
+    let cluster_ips: Box<[IpAddr]> = cluster_ips.into();
+    let external_ips: Box<[IpAddr]> = spec
         .external_ips
         .as_ref()
         .map(parse_ips)
-        .unwrap_or_default();
+        .unwrap_or_default()
+        .into();
     // kube-proxy excludes `ipMode: Proxy` ingress points (LoadBalancerIPMode, GA in 1.32):
     // the load balancer itself proxies, so the node must not short-circuit the VIP.
-    let load_balancer_ips: Vec<IpAddr> = svc
+    let load_balancer_ips: Box<[IpAddr]> = svc
         .status
         .as_ref()
         .and_then(|s| s.load_balancer.as_ref())
@@ -137,7 +139,7 @@ pub fn service(svc: &core::Service) -> Option<(ServiceName, Service)> {
                 .collect()
         })
         .unwrap_or_default();
-    let load_balancer_source_ranges: Vec<IpNet> = spec
+    let load_balancer_source_ranges: Box<[IpNet]> = spec
         .load_balancer_source_ranges
         .as_ref()
         .map(|r| r.iter().filter_map(|s| parse_cidr(s)).collect())
@@ -371,7 +373,7 @@ status: {loadBalancer: {ingress: [{ip: 203.0.113.9}, {ip: 203.0.113.10, ipMode: 
         );
         assert_eq!(
             http.load_balancer_ips,
-            vec!["203.0.113.9".parse::<IpAddr>().unwrap()]
+            ["203.0.113.9".parse::<IpAddr>().unwrap()].into()
         );
         assert_eq!(s.ports[1].name.protocol, Protocol::Udp);
         // Externally reachable through the load balancer IP, so eTP=Local applies here too.
