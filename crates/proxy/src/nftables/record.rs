@@ -10,6 +10,7 @@
 //! (docs/BENCHMARKS.md, "kept state").
 
 use std::cmp::Ordering;
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
 use std::hash::BuildHasher;
 use std::net::{IpAddr, Ipv4Addr};
@@ -156,9 +157,22 @@ impl Claims {
         order: impl Fn(OwnerId, OwnerId) -> Ordering,
     ) -> bool {
         assert!(owner.0 < MORE, "owner ids stay below 2^31");
-        let Some(first) = self.get(&claim) else {
-            self.set(claim, Some(First(owner.0)));
-            return true;
+        // A new claim (nearly every claim of a full sync) costs one lookup.
+        let first = match claim.compact() {
+            Some(c) => match self.compact.entry(c) {
+                Entry::Vacant(v) => {
+                    v.insert(First(owner.0));
+                    return true;
+                }
+                Entry::Occupied(o) => *o.get(),
+            },
+            None => match self.wide.entry(claim) {
+                Entry::Vacant(v) => {
+                    v.insert(First(owner.0));
+                    return true;
+                }
+                Entry::Occupied(o) => *o.get(),
+            },
         };
         let mut list: Vec<OwnerId> = match first.shared() {
             true => self.shared.get(&claim).expect("listed").to_vec(),
