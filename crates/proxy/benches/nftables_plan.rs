@@ -1,7 +1,9 @@
 //! The applier's own work in a full sync, without a kernel: rendering every Service port,
 //! recording it and encoding the netlink batch, in CPU time of this process (the machine is
 //! shared; CPU time is what other load does not inflate). The kernel's share is measured by
-//! `nftables_sync` on a real kernel.
+//! `nftables_sync` on a real kernel. Then the user-space part of the small syncs, too short for
+//! CPU time's 10 ms ticks, in wall time (median of many): a partial sync with nothing changed,
+//! and one Service's endpoints changed from the tracker update to the planned transaction.
 //!
 //! Run: `cargo bench -p nodeport-proxy --bench nftables_plan -- [services ...]` (default
 //! 10,000 and 100,000; 10 endpoints each; the flat layout, or kube-proxy's with
@@ -9,14 +11,15 @@
 
 mod support;
 
-use std::time::Duration;
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
 
 use nodeport_proxy::config::EndpointChoice;
 use nodeport_proxy::desired::{self, NodeView};
 use nodeport_proxy::model::IpFamily;
 use nodeport_proxy::nftables::apply::{Applier, Existing, Kernel, KernelError, TransactionSink};
 use nodeport_proxy::nftables::ruleset::Transaction;
-use support::{cluster, facts, flat_config, node_config, state_config};
+use support::{cluster, facts, flat_config, node_config, service, state_config};
 
 /// CPU time (user + system) of this process so far.
 fn cpu() -> Duration {
@@ -94,11 +97,17 @@ fn main() {
         Ok("kube-proxy") => node_config(EndpointChoice::Cascade),
         _ => flat_config(),
     };
-    println!("| Services x 10 endpoints | first full sync, CPU | full resync, CPU | operations |");
-    println!("| --- | --- | --- | --- |");
+    println!(
+        "| Services x 10 endpoints | first full sync, CPU | full resync, CPU | operations | partial sync, nothing changed (median of 1,000) | one Service's endpoints changed (median of 200) |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- |");
+    let median = |mut samples: Vec<Duration>| {
+        samples.sort();
+        samples[samples.len() / 2].as_secs_f64() * 1e6
+    };
     for n in sizes {
-        let c = cluster(n);
-        let d = desired::build(&c, NodeView::named("node-0"), &facts(), &state_config());
+        let mut c = cluster(n);
+        let mut d = desired::build(&c, NodeView::named("node-0"), &facts(), &state_config());
         let mut applier = Applier::new(NullKernel::default());
         let t = cpu();
         assert!(applier.sync(&d, &config, None).expect("full sync").full);
@@ -108,10 +117,35 @@ fn main() {
         let t = cpu();
         applier.sync(&d, &config, None).expect("resync");
         let again = cpu() - t;
+        let nothing: Vec<Duration> = (0..1000)
+            .map(|_| {
+                let t = Instant::now();
+                assert!(
+                    !applier
+                        .sync(&d, &config, Some(&BTreeSet::new()))
+                        .unwrap()
+                        .full
+                );
+                t.elapsed()
+            })
+            .collect();
+        let one: Vec<Duration> = (0..200)
+            .map(|k| {
+                let (_, _, ek, e) = service((k * 7919) % n, k as u32 + 1);
+                let t = Instant::now();
+                c.update_slice(ek, Some(e));
+                let changes = c.take_changes();
+                let changed = d.refresh_services(&c, NodeView::named("node-0"), &changes.services);
+                assert!(!applier.sync(&d, &config, Some(&changed)).unwrap().full);
+                t.elapsed()
+            })
+            .collect();
         println!(
-            "| {n} | {:.3} s | {:.3} s | {ops} |",
+            "| {n} | {:.3} s | {:.3} s | {ops} | {:.1} µs | {:.1} µs |",
             first.as_secs_f64(),
-            again.as_secs_f64()
+            again.as_secs_f64(),
+            median(nothing),
+            median(one)
         );
     }
 }

@@ -553,7 +553,8 @@ fn affinity_costs<K: Kernel>(
     }
     applier.kernel_mut().apply(&tx).expect("clients recorded");
     let mut fewer = e.clone();
-    fewer.endpoints.pop();
+    // The last endpoint gone.
+    fewer.endpoints = fewer.endpoints[..fewer.endpoints.len() - 1].into();
     c.update_slice(ek, Some(fewer));
     let (took, r) = sync(c, d, applier);
     println!(
@@ -562,7 +563,7 @@ fn affinity_costs<K: Kernel>(
         r.affinity_deleted
     );
     let (_, _, ek, mut e) = service(1, 0);
-    e.endpoints.pop();
+    e.endpoints = e.endpoints[..e.endpoints.len() - 1].into();
     c.update_slice(ek, Some(e));
     let (took, _) = sync(c, d, applier);
     println!(

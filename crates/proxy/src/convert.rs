@@ -13,8 +13,8 @@ use k8s_openapi::api::discovery::v1 as discovery;
 use k8s_openapi::api::networking::v1 as networking;
 
 use crate::model::{
-    Endpoint, EndpointPort, EndpointSlice, Hints, IpFamily, Node, Protocol, Service, ServiceCidr,
-    ServiceName, ServicePort, ServicePortName,
+    Endpoint, EndpointPort, EndpointSlice, IpFamily, Node, Placement, Protocol, Service,
+    ServiceCidr, ServiceName, ServicePort, ServicePortName,
 };
 
 /// Label that ties an EndpointSlice to its Service.
@@ -37,21 +37,42 @@ pub fn object_key(
 /// Namespaces, and node, zone and port names, repeat across hundreds of thousands of objects
 /// and endpoints: one shared allocation per distinct name.
 fn intern(s: &str) -> Arc<str> {
-    static NAMES: std::sync::OnceLock<std::sync::Mutex<std::collections::HashSet<Arc<str>>>> =
-        std::sync::OnceLock::new();
-    let mut names = NAMES
-        .get_or_init(Default::default)
-        .lock()
-        .expect("interner lock");
-    if let Some(n) = names.get(s) {
-        return n.clone();
+    static NAMES: Shared<str> = Shared::new();
+    NAMES.get(s, || Arc::from(s))
+}
+
+/// An endpoint's node and hints, shared by every endpoint with the same ones (a few per node).
+fn placement(p: Placement) -> Arc<Placement> {
+    static PLACEMENTS: Shared<Placement> = Shared::new();
+    PLACEMENTS.get(&p, || Arc::new(p.clone()))
+}
+
+/// A table of shared values. Bounded: a cluster has few distinct names and placements; past
+/// the bound, new ones are no longer shared (each costs its own allocation, as without it).
+struct Shared<T: ?Sized>(std::sync::OnceLock<std::sync::Mutex<std::collections::HashSet<Arc<T>>>>);
+
+impl<T: ?Sized + Eq + std::hash::Hash> Shared<T> {
+    const BOUND: usize = 100_000;
+
+    const fn new() -> Self {
+        Shared(std::sync::OnceLock::new())
     }
-    let n: Arc<str> = Arc::from(s);
-    // Bounded: a cluster has few distinct node, zone and port names; past this, stop sharing.
-    if names.len() < 100_000 {
-        names.insert(n.clone());
+
+    fn get(&self, value: &T, make: impl FnOnce() -> Arc<T>) -> Arc<T> {
+        let mut values = self
+            .0
+            .get_or_init(Default::default)
+            .lock()
+            .expect("interner lock");
+        if let Some(v) = values.get(value) {
+            return v.clone();
+        }
+        let v = make();
+        if values.len() < Self::BOUND {
+            values.insert(v.clone());
+        }
+        v
     }
-    n
 }
 
 fn parse_ips<'a>(values: impl IntoIterator<Item = &'a String>) -> Vec<IpAddr> {
@@ -96,14 +117,16 @@ pub fn service(svc: &core::Service) -> Option<(ServiceName, Service)> {
         seen.push(family);
         first
     });
-    let external_ips = spec
+    let cluster_ips: Box<[IpAddr]> = cluster_ips.into();
+    let external_ips: Box<[IpAddr]> = spec
         .external_ips
         .as_ref()
         .map(parse_ips)
-        .unwrap_or_default();
+        .unwrap_or_default()
+        .into();
     // kube-proxy excludes `ipMode: Proxy` ingress points (LoadBalancerIPMode, GA in 1.32):
     // the load balancer itself proxies, so the node must not short-circuit the VIP.
-    let load_balancer_ips: Vec<IpAddr> = svc
+    let load_balancer_ips: Box<[IpAddr]> = svc
         .status
         .as_ref()
         .and_then(|s| s.load_balancer.as_ref())
@@ -116,7 +139,7 @@ pub fn service(svc: &core::Service) -> Option<(ServiceName, Service)> {
                 .collect()
         })
         .unwrap_or_default();
-    let load_balancer_source_ranges: Vec<IpNet> = spec
+    let load_balancer_source_ranges: Box<[IpNet]> = spec
         .load_balancer_source_ranges
         .as_ref()
         .map(|r| r.iter().filter_map(|s| parse_cidr(s)).collect())
@@ -212,29 +235,26 @@ pub fn endpoint_slice(slice: &discovery::EndpointSlice) -> Option<(ServiceName, 
             let serving = conditions.and_then(|c| c.serving).unwrap_or(true);
             let terminating = conditions.and_then(|c| c.terminating).unwrap_or(false);
             let hints = e.hints.as_ref();
+            let placement_of_endpoint = Placement {
+                node_name: e.node_name.as_deref().map(intern),
+                zone_hints: hints
+                    .iter()
+                    .flat_map(|h| h.for_zones.iter().flatten())
+                    .map(|z| intern(&z.name))
+                    .collect(),
+                node_hints: hints
+                    .iter()
+                    .flat_map(|h| h.for_nodes.iter().flatten())
+                    .map(|n| intern(&n.name))
+                    .collect(),
+            };
             Some(Endpoint {
                 ip,
                 ready,
                 serving,
                 terminating,
-                node_name: e.node_name.as_deref().map(intern),
-                hints: hints
-                    .map(|h| Hints {
-                        zones: h
-                            .for_zones
-                            .iter()
-                            .flatten()
-                            .map(|z| intern(&z.name))
-                            .collect(),
-                        nodes: h
-                            .for_nodes
-                            .iter()
-                            .flatten()
-                            .map(|n| intern(&n.name))
-                            .collect(),
-                    })
-                    .filter(|h| !h.zones.is_empty() || !h.nodes.is_empty())
-                    .map(Box::new),
+                placement: (placement_of_endpoint != Placement::default())
+                    .then(|| placement(placement_of_endpoint)),
             })
         })
         .collect();
@@ -353,7 +373,7 @@ status: {loadBalancer: {ingress: [{ip: 203.0.113.9}, {ip: 203.0.113.10, ipMode: 
         );
         assert_eq!(
             http.load_balancer_ips,
-            vec!["203.0.113.9".parse::<IpAddr>().unwrap()]
+            ["203.0.113.9".parse::<IpAddr>().unwrap()].into()
         );
         assert_eq!(s.ports[1].name.protocol, Protocol::Udp);
         // Externally reachable through the load balancer IP, so eTP=Local applies here too.
@@ -381,5 +401,44 @@ endpoints:
         assert!(s.endpoints[0].ready && s.endpoints[0].serving && !s.endpoints[0].terminating);
         // Unset `serving` is serving, even with `ready: false` (kube-proxy, not the API doc).
         assert!(!s.endpoints[1].ready && s.endpoints[1].serving && s.endpoints[1].terminating);
+    }
+
+    #[test]
+    fn endpoints_of_one_node_with_the_same_hints_share_one_placement() {
+        let slice: discovery::EndpointSlice = yaml_serde::from_str(
+            r#"
+metadata: {name: web-abc, namespace: default, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{port: 8080}]
+endpoints:
+- {addresses: [10.0.0.1], nodeName: n1}
+- {addresses: [10.0.0.2], nodeName: n1}
+- {addresses: [10.0.0.3], nodeName: n1, hints: {forZones: [{name: z1}]}}
+- {addresses: [10.0.0.4], nodeName: n2, hints: {forZones: [{name: z1}], forNodes: [{name: n2}]}}
+- {addresses: [10.0.0.5]}
+"#,
+        )
+        .unwrap();
+        let (_, s) = endpoint_slice(&slice).unwrap();
+        let e = &s.endpoints;
+        let same = |a: &Endpoint, b: &Endpoint| match (&a.placement, &b.placement) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        };
+        assert!(same(&e[0], &e[1]));
+        assert!(!same(&e[0], &e[2]), "other hints");
+        assert_eq!(e[2].node_name(), Some("n1"));
+        assert_eq!(&*e[2].zone_hints()[0], "z1");
+        assert!(e[2].node_hints().is_empty());
+        assert_eq!(e[3].node_name(), Some("n2"));
+        assert_eq!(&*e[3].node_hints()[0], "n2");
+        assert_eq!(e[4].placement, None, "no node, no hints");
+        assert_eq!(e[4].node_name(), None);
+        // Converted again (another watch event), the same placement is found.
+        let (_, again) = endpoint_slice(&slice).unwrap();
+        assert!(same(&e[0], &again.endpoints[0]));
+        // What the proxy keeps per endpoint (a million at 100,000 Services): an address, three
+        // conditions and one pointer.
+        assert!(std::mem::size_of::<Endpoint>() <= 32);
     }
 }

@@ -41,7 +41,9 @@ impl EndpointTarget {
     }
 }
 
-/// One service port of one family, ready to render.
+/// One service port of one family, ready to render. Its lists are boxed slices: built once
+/// and kept until the port changes, without the spare room of a `Vec` grown by a filter (16
+/// places for 10 endpoints).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServicePortState {
     /// The port's configuration (shared with the other family's state).
@@ -49,15 +51,15 @@ pub struct ServicePortState {
     /// ClusterIP of this family.
     pub cluster_ip: IpAddr,
     /// External IPs of this family.
-    pub external_ips: Vec<IpAddr>,
+    pub external_ips: Box<[IpAddr]>,
     /// Load-balancer ingress IPs of this family.
-    pub load_balancer_ips: Vec<IpAddr>,
+    pub load_balancer_ips: Box<[IpAddr]>,
     /// `loadBalancerSourceRanges` of this family.
-    pub source_ranges: Vec<IpNet>,
+    pub source_ranges: Box<[IpNet]>,
     /// Endpoints for the Cluster traffic policy (kube-proxy's `clusterEndpoints`).
-    pub cluster_endpoints: Vec<EndpointTarget>,
+    pub cluster_endpoints: Box<[EndpointTarget]>,
     /// Endpoints for the Local traffic policy (kube-proxy's `localEndpoints`).
-    pub local_endpoints: Vec<EndpointTarget>,
+    pub local_endpoints: Box<[EndpointTarget]>,
     /// Some usable endpoint exists anywhere (kube-proxy's `hasAnyEndpoints`).
     pub has_endpoints: bool,
     /// UDP ports: every endpoint with `serving` set, whatever its node or policy: the replies
@@ -263,7 +265,7 @@ fn target(ep: &Endpoint, port: u16, node_name: &str) -> EndpointTarget {
     EndpointTarget {
         ip: ep.ip,
         port,
-        local: ep.node_name.as_deref() == Some(node_name),
+        local: ep.node_name() == Some(node_name),
         ready: ep.ready,
         serving: ep.serving,
         terminating: ep.terminating,
@@ -321,7 +323,7 @@ pub fn service_port_state(
     node: NodeView<'_>,
 ) -> Option<ServicePortState> {
     let cluster_ip = port.cluster_ip(family)?;
-    let of_family = |ips: &[IpAddr]| -> Vec<IpAddr> {
+    let of_family = |ips: &[IpAddr]| -> Box<[IpAddr]> {
         ips.iter()
             .copied()
             .filter(|ip| IpFamily::of(*ip) == family)
@@ -341,8 +343,8 @@ pub fn service_port_state(
             .copied()
             .filter(|n| IpFamily::of_net(n) == family)
             .collect(),
-        cluster_endpoints: Vec::new(),
-        local_endpoints: Vec::new(),
+        cluster_endpoints: Box::default(),
+        local_endpoints: Box::default(),
         has_endpoints: false,
         serving_ips: if port.name.protocol != Protocol::Udp {
             Box::default()
@@ -420,7 +422,7 @@ pub fn service_port_state(
                 .cloned()
                 .collect()
         } else {
-            Vec::new()
+            Box::default()
         };
     }
     Some(state)

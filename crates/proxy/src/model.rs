@@ -146,23 +146,24 @@ pub struct Service {
     pub ports: Vec<Arc<ServicePort>>,
 }
 
-/// One port of a Service, with everything the dataplane needs for it.
+/// One port of a Service, with everything the dataplane needs for it. Lists are boxed slices
+/// (set once, 8 bytes smaller than a `Vec` each).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServicePort {
     /// Identity (namespace, name, port name, protocol).
     pub name: ServicePortName,
     /// `spec.clusterIPs`: at most one per family.
-    pub cluster_ips: Vec<IpAddr>,
+    pub cluster_ips: Box<[IpAddr]>,
     /// `spec.ports[].port`.
     pub port: u16,
     /// `spec.ports[].nodePort`, if allocated.
     pub node_port: Option<u16>,
     /// `spec.externalIPs`.
-    pub external_ips: Vec<IpAddr>,
+    pub external_ips: Box<[IpAddr]>,
     /// `status.loadBalancer.ingress[].ip`, except those with `ipMode: Proxy`.
-    pub load_balancer_ips: Vec<IpAddr>,
+    pub load_balancer_ips: Box<[IpAddr]>,
     /// `spec.loadBalancerSourceRanges`.
-    pub load_balancer_source_ranges: Vec<IpNet>,
+    pub load_balancer_source_ranges: Box<[IpNet]>,
     /// `externalTrafficPolicy: Local`, as set; it applies in a family where the port is externally
     /// reachable ([`crate::desired::ServicePortState::external_policy_local`]).
     pub external_policy_local: bool,
@@ -193,9 +194,9 @@ pub struct EndpointSlice {
     /// `addressType` (FQDN slices are not kept at all).
     pub family: IpFamily,
     /// `ports[]`: name, port and protocol.
-    pub ports: Vec<EndpointPort>,
+    pub ports: Box<[EndpointPort]>,
     /// `endpoints[]`.
-    pub endpoints: Vec<Endpoint>,
+    pub endpoints: Box<[Endpoint]>,
 }
 
 /// One entry of an EndpointSlice's `ports`.
@@ -211,6 +212,9 @@ pub struct EndpointPort {
 
 /// One endpoint (kube-proxy uses only the first address of each entry). Its `zone` is not kept:
 /// topology routing follows the hints and this node's zone label, never an endpoint's own zone.
+///
+/// 32 bytes: a large cluster has a million endpoints and more, and the proxy keeps each one
+/// (a node name as a fat `Arc<str>` and an inline hints pointer made it 48).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Endpoint {
     /// `addresses[0]`.
@@ -221,32 +225,38 @@ pub struct Endpoint {
     pub serving: bool,
     /// `conditions.terminating` (unset means not terminating).
     pub terminating: bool,
-    /// `nodeName`: the endpoint is local when it equals this node's name.
-    pub node_name: Option<Arc<str>>,
-    /// `hints`, boxed: nearly every endpoint has none, and this keeps each of a large
-    /// cluster's endpoints 40 bytes smaller than two inline lists would.
-    pub hints: Option<Box<Hints>>,
+    /// `nodeName` and `hints`; `None` when it has neither. Shared: the endpoints of one node
+    /// with the same hints point to one [`Placement`] (see [`crate::convert`]).
+    pub placement: Option<Arc<Placement>>,
 }
 
 impl Endpoint {
+    /// `nodeName`: the endpoint is local when it equals this node's name.
+    pub fn node_name(&self) -> Option<&str> {
+        self.placement.as_deref()?.node_name.as_deref()
+    }
+
     /// `hints.forZones[].name`.
     pub fn zone_hints(&self) -> &[Arc<str>] {
-        self.hints.as_deref().map_or(&[], |h| &h.zones)
+        self.placement.as_deref().map_or(&[], |p| &p.zone_hints)
     }
 
     /// `hints.forNodes[].name`.
     pub fn node_hints(&self) -> &[Arc<str>] {
-        self.hints.as_deref().map_or(&[], |h| &h.nodes)
+        self.placement.as_deref().map_or(&[], |p| &p.node_hints)
     }
 }
 
-/// An endpoint's topology hints.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Hints {
-    /// `forZones[].name`.
-    pub zones: Box<[Arc<str>]>,
-    /// `forNodes[].name`.
-    pub nodes: Box<[Arc<str>]>,
+/// Where an endpoint runs and which topology hints it carries. A cluster has few distinct
+/// ones (about one per node and hint set), so they are shared rather than kept per endpoint.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct Placement {
+    /// `nodeName`.
+    pub node_name: Option<Arc<str>>,
+    /// `hints.forZones[].name`.
+    pub zone_hints: Box<[Arc<str>]>,
+    /// `hints.forNodes[].name`.
+    pub node_hints: Box<[Arc<str>]>,
 }
 
 /// What the proxy keeps of its own Node.

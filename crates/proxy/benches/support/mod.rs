@@ -3,23 +3,21 @@
 
 #![allow(dead_code)]
 
-use std::sync::Arc;
-
+use k8s_openapi::api::core::v1 as core;
+use k8s_openapi::api::discovery::v1 as discovery;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use nodeport_proxy::config::{EndpointChoice, NodeConfig};
+use nodeport_proxy::convert;
 use nodeport_proxy::desired::StateConfig;
-use nodeport_proxy::model::{
-    Endpoint, EndpointPort, EndpointSlice, IpFamily, Protocol, Service, ServiceName, ServicePort,
-    ServicePortName,
-};
+use nodeport_proxy::model::{EndpointSlice, IpFamily, Service, ServiceName};
 use nodeport_proxy::nftables::apply::NftCommand;
 use nodeport_proxy::nftables::netlink::NetlinkKernel;
 use nodeport_proxy::nodeaddr::NodeFacts;
 use nodeport_proxy::objects::Cluster;
 use nodeport_testbed::Netns;
 
-/// Node names, shared as the proxy's conversion shares them.
-static NODES: std::sync::LazyLock<[Arc<str>; 4]> =
-    std::sync::LazyLock::new(|| ["node-0", "node-1", "node-2", "node-3"].map(Arc::from));
+/// Node names.
+const NODES: [&str; 4] = ["node-0", "node-1", "node-2", "node-3"];
 
 /// Endpoints per Service.
 pub const ENDPOINTS: usize = 10;
@@ -29,56 +27,74 @@ pub fn ip(a: u32) -> std::net::IpAddr {
     std::net::IpAddr::V4(std::net::Ipv4Addr::from(a))
 }
 
-/// A ready endpoint on node `node`.
-pub fn endpoint(ip: std::net::IpAddr, node: usize) -> Endpoint {
-    Endpoint {
-        ip,
-        ready: true,
-        serving: true,
-        terminating: false,
-        node_name: Some(NODES[node % NODES.len()].clone()),
-        hints: None,
+/// A ready endpoint on node `node`, as an EndpointSlice lists it.
+pub fn endpoint(ip: std::net::IpAddr, node: usize) -> discovery::Endpoint {
+    discovery::Endpoint {
+        addresses: vec![ip.to_string()],
+        node_name: Some(NODES[node % NODES.len()].to_string()),
+        ..Default::default()
     }
 }
 
 /// A Service `ns/name` with one TCP port `http` (80, to `target_port` on `endpoints`) and its
-/// EndpointSlice, keyed as the trackers key them.
+/// EndpointSlice, keyed as the trackers key them. Built as Kubernetes objects and converted
+/// as the proxy converts every watch event ([`convert`]), so that the benches hold what the
+/// proxy holds, with the names it shares and the ones it does not.
 pub fn service_objects(
     ns: &str,
     name: &str,
     cluster_ip: std::net::IpAddr,
     node_port: Option<u16>,
     target_port: u16,
-    endpoints: Vec<Endpoint>,
+    endpoints: Vec<discovery::Endpoint>,
 ) -> (ServiceName, Service, ServiceName, EndpointSlice) {
-    let port = Arc::new(ServicePort {
-        name: ServicePortName::new(ns, name, "http", Protocol::Tcp),
-        cluster_ips: vec![cluster_ip],
-        port: 80,
-        node_port,
-        external_ips: vec![],
-        load_balancer_ips: vec![],
-        load_balancer_source_ranges: vec![],
-        external_policy_local: false,
-        internal_policy_local: false,
-        session_affinity_seconds: None,
-        health_check_node_port: None,
-    });
-    (
-        ServiceName::new(ns, name),
-        Service { ports: vec![port] },
-        ServiceName::new(ns, &format!("{name}-abcde")),
-        EndpointSlice {
-            service: ServiceName::new(ns, name),
-            family: IpFamily::V4,
-            ports: vec![EndpointPort {
-                name: "http".into(),
-                port: target_port,
-                protocol: Protocol::Tcp,
-            }],
-            endpoints,
-        },
-    )
+    let meta = |name: &str, labels: Option<(&str, &str)>| ObjectMeta {
+        name: Some(name.to_string()),
+        namespace: Some(ns.to_string()),
+        labels: labels.map(|(k, v)| [(k.to_string(), v.to_string())].into()),
+        ..Default::default()
+    };
+    let svc = core::Service {
+        metadata: meta(name, None),
+        spec: Some(core::ServiceSpec {
+            type_: Some(
+                if node_port.is_some() {
+                    "NodePort"
+                } else {
+                    "ClusterIP"
+                }
+                .into(),
+            ),
+            cluster_ip: Some(cluster_ip.to_string()),
+            cluster_ips: Some(vec![cluster_ip.to_string()]),
+            ports: Some(vec![core::ServicePort {
+                name: Some("http".into()),
+                port: 80,
+                node_port: node_port.map(i32::from),
+                protocol: Some("TCP".into()),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let slice = discovery::EndpointSlice {
+        metadata: meta(
+            &format!("{name}-abcde"),
+            Some((convert::SERVICE_NAME_LABEL, name)),
+        ),
+        address_type: "IPv4".into(),
+        ports: Some(vec![discovery::EndpointPort {
+            name: Some("http".into()),
+            port: Some(i32::from(target_port)),
+            protocol: Some("TCP".into()),
+            ..Default::default()
+        }]),
+        endpoints,
+    };
+    let (sk, s) = convert::service(&svc).expect("a ClusterIP Service");
+    let (ek, e) = convert::endpoint_slice(&slice).expect("a labelled IPv4 slice");
+    (sk, s, ek, e)
 }
 
 /// Endpoint `e` of Service `i` in 10.0.0.0/8; each `generation` moves every endpoint to

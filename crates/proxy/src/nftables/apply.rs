@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use super::flat::SetBounds;
 use super::names::is_affinity_set;
+use super::record::{Claim, Claims, OwnerId, Unit, Units};
 use super::render::{render_base, render_base_sized, render_service};
 use super::ruleset::{
     BaseHook, BaseObjects, Chain, ElemKey, Element, Expr, KeyType, Op, Rule, Ruleset,
@@ -646,64 +647,11 @@ enum AffinityScope {
     Some(HashSet<AffinityDest>),
 }
 
-/// Who contributes an element: the static objects first, then service ports in order. When
-/// two claim the same destination the first wins (two Services claiming one external IP and
-/// port): see [`Claim`].
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
-enum Owner {
-    Base,
-    /// Shared (an `Arc`): the owner is repeated in each of its claims.
-    Service(Arc<ServicePortName>),
-}
-
-/// What was applied for one owner.
-#[derive(Debug, Clone, Default)]
-struct Unit {
-    /// The chains, each with the hash of its hook and rules.
-    chains: AppliedChains,
-    /// Set name → content hash of its spec.
-    sets: BTreeMap<String, u64>,
-    /// The Service port's state the owner's elements were rendered from (`None` for the
-    /// static objects, whose elements [`AppliedTable::base_elements`] keeps). The record keeps
-    /// no element of a Service port: it renders them again from this when it needs them (a
-    /// partial sync, to know what to delete). Shared with the desired state while the port
-    /// is unchanged, so it costs a pointer.
-    source: Option<Arc<ServicePortState>>,
-}
-
-impl Unit {
-    /// What the owner may put into the flat layout's sets.
-    fn bounds(&self) -> SetBounds {
-        self.source
-            .as_deref()
-            .map(SetBounds::of_port)
-            .unwrap_or_default()
-    }
-}
-
 type ElemValue = (
     Option<Verdict>,
     Option<std::net::SocketAddr>,
     Option<Arc<str>>,
 );
-
-/// The unit of ownership of elements. Every element belongs to one claim: everything keyed by
-/// one destination (`addr . proto . port`, with or without an endpoint slot or a source
-/// range), everything keyed by one NodePort, or one address (or address pair) of one set.
-/// When several owners render elements of one claim (two Services with the same external IP
-/// and port, the ports of a Service sharing their ClusterIP in `cluster-ips`, endpoints shared
-/// by Services in `hairpin-ips`), the first owner's elements of that claim are the ones in
-/// the kernel, all of them and only them: a destination is never served by a mix of two
-/// Services' endpoint slots.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-enum Claim {
-    /// A destination.
-    Dst(IpAddr, Protocol, u16),
-    /// A NodePort.
-    NodePort(Protocol, u16),
-    /// An address (the first of a pair) in the set of that index in [`CLAIM_SETS`].
-    Addr(u8, IpAddr),
-}
 
 /// Sets whose elements are keyed by addresses alone; any other set shares the last index.
 const CLAIM_SETS: [&str; 3] = [
@@ -731,53 +679,6 @@ impl Claim {
             }
             ElemKey::Addr(ip) | ElemKey::AddrAddr(ip, _) => Claim::Addr(set_index(), ip),
         }
-    }
-}
-
-/// The owners of one claim, in order; the first is the one whose elements are in the kernel.
-/// Nearly every claim has one owner, kept inline.
-#[derive(Debug, Clone)]
-enum Owners {
-    One(Owner),
-    Many(Box<[Owner]>),
-}
-
-impl Owners {
-    fn as_slice(&self) -> &[Owner] {
-        match self {
-            Owners::One(o) => std::slice::from_ref(o),
-            Owners::Many(v) => v,
-        }
-    }
-
-    fn first(&self) -> &Owner {
-        &self.as_slice()[0]
-    }
-
-    /// Adds `owner` in its place (nothing if it is there).
-    fn insert(&mut self, owner: Owner) {
-        let list = self.as_slice();
-        if let Err(i) = list.binary_search(&owner) {
-            let mut v = list.to_vec();
-            v.insert(i, owner);
-            *self = Owners::Many(v.into_boxed_slice());
-        }
-    }
-
-    /// Removes `owner`; `false` when no owner is left.
-    fn remove(&mut self, owner: &Owner) -> bool {
-        let list = self.as_slice();
-        let Ok(i) = list.binary_search(owner) else {
-            return true;
-        };
-        let mut v = list.to_vec();
-        v.remove(i);
-        *self = match v.len() {
-            0 => return false,
-            1 => Owners::One(v.pop().expect("one left")),
-            _ => Owners::Many(v.into_boxed_slice()),
-        };
-        true
     }
 }
 
@@ -915,26 +816,32 @@ impl ChainKey {
 
 /// kube-proxy's readable service port name, the part every chain name of the port repeats
 /// (see [`crate::names::nft_service_port_base`]).
-fn readable(owner: &Owner) -> Option<String> {
-    match owner {
-        Owner::Base => None,
-        Owner::Service(p) => Some(format!(
+fn readable(name: Option<&ServicePortName>) -> Option<String> {
+    name.map(|p| {
+        format!(
             "{}/{}/{}/{}",
             p.namespace,
             p.name,
             p.protocol.as_lower(),
             p.port
-        )),
-    }
+        )
+    })
 }
 
 /// One owner's chains as applied: each with the hash of its hook and rules, sorted by key.
 /// A sorted `Vec` rather than a `BTreeMap<String, _>`: a Service has a dozen chains, and the
 /// map's nodes cost more than the entries.
 #[derive(Debug, Clone, Default)]
-struct AppliedChains(Vec<(ChainKey, u64)>);
+pub(super) struct AppliedChains(Vec<(ChainKey, u64)>);
 
 impl AppliedChains {
+    /// No chains.
+    pub(super) const EMPTY: AppliedChains = AppliedChains(Vec::new());
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
     /// From chains in any order (names are unique within an owner).
     fn new(mut chains: Vec<(ChainKey, u64)>) -> Self {
         chains.sort_unstable_by(|a, b| a.0.cmp(&b.0));
@@ -959,9 +866,11 @@ impl AppliedChains {
 
 /// Every chain name of `table`.
 fn chain_names(table: &AppliedTable) -> impl Iterator<Item = String> + '_ {
-    table.units.iter().flat_map(|(owner, unit)| {
-        let readable = readable(owner);
-        unit.chains.keys().map(move |k| k.name(readable.as_deref()))
+    table.units.iter().flat_map(|(_, unit)| {
+        let readable = readable(unit.name());
+        unit.chains()
+            .keys()
+            .map(move |k| k.name(readable.as_deref()))
     })
 }
 
@@ -979,12 +888,13 @@ type FullSynced = (
 /// keeps each port's state ([`Unit::source`]) and renders the elements again when a change
 /// needs them, given the same render context ([`Context`]), which is checked at every sync.
 /// What it keeps per element-group is who claims it ([`Claim`]), to know whose elements are
-/// in the kernel.
+/// in the kernel (see [`super::record`]).
 #[derive(Debug, Clone, Default)]
 struct AppliedTable {
-    units: FastMap<Owner, Unit>,
+    /// What was applied for each owner.
+    units: Units,
     /// The owners of every claim; the first one's elements are in the kernel.
-    claims: FastMap<Claim, Owners>,
+    claims: Claims,
     /// The static objects' elements.
     base_elements: Vec<Element>,
     /// Which sets are verdict maps (for `flush map`).
@@ -1013,10 +923,6 @@ impl Context {
         }
     }
 }
-
-/// A hash map with a fast, seeded hash: the record holds an entry per claim (a million and
-/// more at 100,000 Services), where SipHash cost a tenth of a full sync's user time.
-type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 fn hash_of<T: Hash>(t: &T) -> u64 {
     let mut h = DefaultHasher::new();
@@ -1284,7 +1190,7 @@ impl<K: Kernel> Applier<K> {
         let table = self.tables.get(&state.family);
         for name in changed {
             let Some(old) = table
-                .and_then(|t| t.units.get(&Owner::Service(Arc::new(name.clone()))))
+                .and_then(|t| t.units.of(name))
                 .and_then(|u| u.source.as_deref())
                 .filter(|old| old.port.session_affinity_seconds.is_some())
             else {
@@ -1439,7 +1345,7 @@ impl<K: Kernel> Applier<K> {
         };
         let mut bounds = table.bounds.clone();
         for name in changed {
-            if let Some(unit) = table.units.get(&Owner::Service(Arc::new(name.clone()))) {
+            if let Some(unit) = table.units.of(name) {
                 bounds.remove(&unit.bounds());
             }
             if let Some(svc) = state.services.get(name) {
@@ -1464,7 +1370,7 @@ impl<K: Kernel> Applier<K> {
                 let Some(unit) = self
                     .tables
                     .get(&state.family)
-                    .and_then(|t| t.units.get(&Owner::Base))
+                    .map(|t| t.units.get(OwnerId::BASE))
                 else {
                     return true;
                 };
@@ -1472,7 +1378,7 @@ impl<K: Kernel> Applier<K> {
                 // added or deleted by the partial sync; one whose definition changed is not.
                 base.sets
                     .iter()
-                    .any(|s| unit.sets.get(&s.name).is_some_and(|h| *h != hash_of(s)))
+                    .any(|s| unit.sets().get(&s.name).is_some_and(|h| *h != hash_of(s)))
             })
     }
 
@@ -1543,14 +1449,10 @@ impl<K: Kernel> Applier<K> {
                 }
             };
             let mut existing = existing;
-            if let Some(unit) = self
-                .tables
-                .get(&family)
-                .and_then(|t| t.units.get(&Owner::Base))
-            {
+            if let Some(unit) = self.tables.get(&family).map(|t| t.units.get(OwnerId::BASE)) {
                 for set in render_base(state, config).sets {
                     if unit
-                        .sets
+                        .sets()
                         .get(&set.name)
                         .is_some_and(|h| *h != hash_of(&set))
                     {
@@ -1602,26 +1504,34 @@ impl<K: Kernel> Applier<K> {
             let new_base = Claimed::new(base.elements.clone());
             let old_base = Claimed::new(std::mem::take(&mut applied.base_elements));
             applied.base_elements = base.elements.clone();
-            plan.unit(applied, Owner::Base, Some(base), None, false);
-            changes.push((Owner::Base, old_base, new_base));
+            plan.unit(applied, OwnerId::BASE, Some(base), None, false);
+            changes.push((OwnerId::BASE, old_base, new_base));
             for name in changed {
-                let owner = Owner::Service(Arc::new(name.clone()));
-                let old = applied
-                    .units
-                    .get(&owner)
-                    .and_then(|u| u.source.clone())
-                    .map(|old| Claimed::new(render_service(&old, state, config).elements))
-                    .unwrap_or_default();
                 let svc = state.services.get(name);
+                // What the kernel holds for it: its last state rendered again.
+                let (owner, old) = match (applied.units.id_of(name), svc) {
+                    (Some(id), _) => {
+                        let old =
+                            applied.units.get(id).source.as_deref().map(|old| {
+                                Claimed::new(render_service(old, state, config).elements)
+                            });
+                        (id, old.unwrap_or_default())
+                    }
+                    (None, Some(svc)) => {
+                        (applied.units.add(Unit::of(svc.clone())), Claimed::default())
+                    }
+                    (None, None) => continue,
+                };
                 let mut objs = svc.map(|svc| render_service(svc, state, config));
                 let new = objs
                     .as_mut()
                     .map(|o| Claimed::new(std::mem::take(&mut o.elements)))
                     .unwrap_or_default();
-                plan.unit(applied, owner.clone(), objs, svc.cloned(), false);
+                plan.unit(applied, owner, objs, svc.cloned(), false);
                 changes.push((owner, old, new));
             }
             plan.settle_elements(applied, changes, state, config);
+            applied.units.settled();
             stale.extend(plan.stale.iter().map(|c| (family, c.clone())));
             // A chain waiting for deletion that is wanted again (an endpoint back before its
             // old chain was deleted) is re-used, not deleted.
@@ -1666,67 +1576,61 @@ impl Plan {
     fn settle_elements(
         &mut self,
         applied: &mut AppliedTable,
-        changes: Vec<(Owner, Claimed, Claimed)>,
+        changes: Vec<(OwnerId, Claimed, Claimed)>,
         state: &FamilyState,
         config: &NodeConfig,
     ) {
-        let mut touched: BTreeMap<Claim, Option<Owner>> = BTreeMap::new();
+        let mut touched: BTreeMap<Claim, Option<OwnerId>> = BTreeMap::new();
         for (_, old, new) in &changes {
             for (claim, _) in old.groups().chain(new.groups()) {
                 touched
                     .entry(claim)
-                    .or_insert_with(|| applied.claims.get(&claim).map(|o| o.first().clone()));
+                    .or_insert_with(|| applied.claims.first(&claim));
             }
         }
+        // Every owner leaves the claims it no longer makes before any joins one: the order of
+        // owners is by name, and a gone owner's name is gone with its unit.
         for (owner, old, new) in &changes {
             for (claim, _) in old.groups() {
-                if !new.has(claim)
-                    && let Some(owners) = applied.claims.get_mut(&claim)
-                    && !owners.remove(owner)
-                {
-                    applied.claims.remove(&claim);
-                }
-            }
-            for (claim, _) in new.groups() {
-                if !old.has(claim) {
-                    match applied.claims.get_mut(&claim) {
-                        Some(owners) => owners.insert(owner.clone()),
-                        None => {
-                            applied.claims.insert(claim, Owners::One(owner.clone()));
-                        }
-                    }
+                if !new.has(claim) {
+                    applied.claims.remove(&claim, *owner);
                 }
             }
         }
-        let by_owner: HashMap<&Owner, (&Claimed, &Claimed)> = changes
+        let units = &applied.units;
+        for (owner, old, new) in &changes {
+            for (claim, _) in new.groups() {
+                if !old.has(claim) {
+                    applied.claims.add(claim, *owner, |a, b| units.order(a, b));
+                }
+            }
+        }
+        let by_owner: HashMap<OwnerId, (&Claimed, &Claimed)> = changes
             .iter()
-            .map(|(o, old, new)| (o, (old, new)))
+            .map(|(o, old, new)| (*o, (old, new)))
             .collect();
         // Unchanged owners rendered again, once each.
-        let mut rendered: HashMap<Owner, Claimed> = HashMap::new();
-        let current = |owner: &Owner| -> Claimed {
-            let unit = applied.units.get(owner);
-            match unit.and_then(|u| u.source.as_deref()) {
+        let mut rendered: HashMap<OwnerId, Claimed> = HashMap::new();
+        let current = |owner: OwnerId| -> Claimed {
+            match applied.units.get(owner).source.as_deref() {
                 Some(svc) => Claimed::new(render_service(svc, state, config).elements),
                 None => Claimed::new(applied.base_elements.clone()),
             }
         };
         for (claim, before) in touched {
-            let after = applied.claims.get(&claim).map(|o| o.first().clone());
-            let mut elements_of = |owner: &Option<Owner>, old: bool| -> Vec<Element> {
+            let after = applied.claims.first(&claim);
+            let mut elements_of = |owner: Option<OwnerId>, old: bool| -> Vec<Element> {
                 let Some(owner) = owner else {
                     return Vec::new();
                 };
                 let of = |c: &Claimed| c.of(claim).iter().map(|(_, e)| e.clone()).collect();
-                match by_owner.get(owner) {
+                match by_owner.get(&owner) {
                     Some((o, n)) => of(if old { o } else { n }),
-                    None => of(rendered
-                        .entry(owner.clone())
-                        .or_insert_with(|| current(owner))),
+                    None => of(rendered.entry(owner).or_insert_with(|| current(owner))),
                 }
             };
-            let was = elements_of(&before, true);
-            let now = elements_of(&after, false);
+            let was = elements_of(before, true);
+            let now = elements_of(after, false);
             self.diff_elements(was, now);
         }
     }
@@ -1760,22 +1664,28 @@ impl Plan {
     fn unit(
         &mut self,
         applied: &mut AppliedTable,
-        owner: Owner,
+        owner: OwnerId,
         objs: Option<ServiceObjects>,
         source: Option<Arc<ServicePortState>>,
         rewrite: bool,
     ) {
-        let old = applied.units.remove(&owner).unwrap_or_default();
         let gone = objs.is_none();
+        let (name, (old_chains, old_sets)) = if gone {
+            let mut old = applied.units.remove(owner);
+            (old.name().cloned(), old.take_objects())
+        } else {
+            let unit = applied.units.get_mut(owner);
+            (unit.name().cloned(), unit.take_objects())
+        };
         let ServiceObjects { chains, sets, .. } = objs.unwrap_or_default();
-        let mut unit = Unit::default();
+        let mut unit_sets = BTreeMap::new();
 
         // Sets: new ones are added; ones whose spec changed are re-created, which needs
         // every chain of this owner rewritten (they may reference it).
         let mut respec = false;
         for set in &sets {
             let h = hash_of(set);
-            match old.sets.get(&set.name) {
+            match old_sets.get(&set.name) {
                 Some(oh) if *oh == h => {}
                 Some(_) => {
                     respec = true;
@@ -1785,18 +1695,18 @@ impl Plan {
                 None => self.add_sets.push(set.clone()),
             }
             applied.set_is_map.insert(set.name.clone(), set.is_map());
-            unit.sets.insert(set.name.clone(), h);
+            unit_sets.insert(set.name.clone(), h);
         }
         // Chains.
-        let readable = readable(&owner);
+        let readable = readable(name.as_ref());
         let readable = readable.as_deref();
         let mut applied_chains = Vec::with_capacity(chains.len());
         for chain in chains {
             let h = hash_of(&(&chain.base, &chain.rules));
             let key = ChainKey::of(readable, &chain.name);
-            let same = old.chains.hash(&key) == Some(h);
+            let same = old_chains.hash(&key) == Some(h);
             if !same || rewrite || respec {
-                if !old.chains.contains(&key) || rewrite {
+                if !old_chains.contains(&key) || rewrite {
                     self.add_chains
                         .push((chain.name.clone(), chain.base.clone()));
                 }
@@ -1809,23 +1719,24 @@ impl Plan {
             }
             applied_chains.push((key, h));
         }
-        unit.chains = AppliedChains::new(applied_chains);
-        for key in old.chains.keys() {
-            if !unit.chains.contains(key) {
+        let unit_chains = AppliedChains::new(applied_chains);
+        for key in old_chains.keys() {
+            if !unit_chains.contains(key) {
                 let name = key.name(readable);
                 self.flush_chains.push(name.clone());
                 self.stale.push(name);
             }
         }
-        for (name, _) in old.sets.iter() {
-            if !unit.sets.contains_key(name) {
+        for (name, _) in old_sets.iter() {
+            if !unit_sets.contains_key(name) {
                 let is_map = applied.set_is_map.remove(name).unwrap_or(false);
                 self.delete_sets.push((name.clone(), is_map));
             }
         }
-        unit.source = source;
         if !gone {
-            applied.units.insert(owner, unit);
+            let unit = applied.units.get_mut(owner);
+            unit.source = source;
+            unit.set_objects(unit_chains, unit_sets);
         }
     }
 
@@ -1977,16 +1888,16 @@ fn full_table(
     // encoder packs a run into few messages), after the chains they may point to.
     let mut pending = Pending::default();
     let mut owner_piece = |applied: &mut AppliedTable,
-                           owner: Owner,
+                           owner: OwnerId,
                            mut objs: ServiceObjects,
                            source: Option<Arc<ServicePortState>>,
                            pending: &mut Pending,
                            last: bool|
      -> Result<(), KernelError> {
-        let is_base = owner == Owner::Base;
+        let is_base = owner == OwnerId::BASE;
         let elements = std::mem::take(&mut objs.elements);
         let mut plan = Plan::default();
-        plan.unit(applied, owner.clone(), Some(objs), source, true);
+        plan.unit(applied, owner, Some(objs), source, true);
         let mut tx = Transaction::default();
         if !is_base {
             for s in plan.add_sets {
@@ -2011,16 +1922,8 @@ fn full_table(
             keep[i as usize] = match won {
                 Some((c, w)) if c == claim => w,
                 _ => {
-                    let w = match applied.claims.entry(claim) {
-                        std::collections::hash_map::Entry::Vacant(v) => {
-                            v.insert(Owners::One(owner.clone()));
-                            true
-                        }
-                        std::collections::hash_map::Entry::Occupied(mut o) => {
-                            o.get_mut().insert(owner.clone());
-                            false
-                        }
-                    };
+                    let units = &applied.units;
+                    let w = applied.claims.add(claim, owner, |a, b| units.order(a, b));
                     won = Some((claim, w));
                     w
                 }
@@ -2043,22 +1946,23 @@ fn full_table(
     };
     // The claims of every Service port: about one per destination, NodePort and endpoint
     // (reserved at once rather than grown, which would rehash a million entries in steps).
-    applied.claims.reserve(bounds.claims());
+    applied.claims.reserve(family, bounds.claims());
+    applied.units.reserve(state.services.len());
     applied.bounds = bounds;
     applied.base_elements = base.elements.clone();
     let base_last = state.services.is_empty();
     owner_piece(
         &mut applied,
-        Owner::Base,
+        OwnerId::BASE,
         objects_of_base(base),
         None,
         &mut pending,
         base_last,
     )?;
     let count = state.services.len();
-    for (i, (name, svc)) in state.services.iter().enumerate() {
+    for (i, svc) in state.services.values().enumerate() {
         let objects = render_service(svc, state, config);
-        let owner = Owner::Service(Arc::new(name.clone()));
+        let owner = applied.units.add(Unit::of(svc.clone()));
         owner_piece(
             &mut applied,
             owner,
@@ -2127,7 +2031,7 @@ mod chain_key_tests {
     use crate::nftables::names::{EndpointNames, ServiceChainNames};
 
     fn round_trip(port: &ServicePortName, name: &str) -> ChainKey {
-        let readable = readable(&Owner::Service(Arc::new(port.clone())));
+        let readable = readable(Some(port));
         let key = ChainKey::of(readable.as_deref(), name);
         assert_eq!(key.name(readable.as_deref()), name, "{key:?}");
         key

@@ -2,7 +2,9 @@
 //! holds exactly what one full sync of the same state writes into an empty one, in both
 //! layouts. The generated Services collide on purpose (ClusterIPs, NodePorts and external
 //! IPs from small pools, endpoints shared between Services, ports sharing a ClusterIP), so
-//! that elements claimed by several Service ports change hands as ports come and go.
+//! that elements claimed by several Service ports change hands as ports come and go. Every
+//! Service is dual-stack, its endpoints in two slices (one per family) with the same host
+//! parts, so that the record's IPv4 and IPv6 claims (kept apart) are both exercised.
 
 use proptest::prelude::*;
 
@@ -10,7 +12,7 @@ use super::apply::{Applier, FakeKernel};
 use super::tests::World;
 use crate::config::NftablesLayout;
 use crate::desired::NodeView;
-use crate::model::ServiceName;
+use crate::model::{IpFamily, ServiceName};
 use crate::objects;
 
 /// One Service and its EndpointSlice, or its absence.
@@ -68,20 +70,33 @@ fn yaml(name: &str, spec: &Spec) -> String {
     let external: Vec<String> = spec
         .external_ips
         .iter()
-        .map(|i| format!("192.0.2.{}", 101 + i))
-        .collect();
-    let endpoints: String = spec
-        .endpoints
-        .iter()
-        .map(|(ip, here, ready)| {
-            format!(
-                "- {{addresses: [10.244.0.{}], nodeName: {}, conditions: {{ready: {ready}, serving: true, terminating: {}}}}}\n",
-                ip + 1,
-                if *here { super::tests::NODE } else { "node-z" },
-                !ready
-            )
+        .flat_map(|i| {
+            [
+                format!("192.0.2.{}", 101 + i),
+                format!("\"2001:db8::{}\"", 101 + i),
+            ]
         })
         .collect();
+    let endpoints = |prefix: &str| -> String {
+        spec.endpoints
+            .iter()
+            .map(|(ip, here, ready)| {
+                format!(
+                    "- {{addresses: [\"{prefix}{}\"], nodeName: {}, conditions: {{ready: {ready}, serving: true, terminating: {}}}}}\n",
+                    ip + 1,
+                    if *here { super::tests::NODE } else { "node-z" },
+                    !ready
+                )
+            })
+            .collect()
+    };
+    let list = |endpoints: String| {
+        if endpoints.is_empty() {
+            " []".to_string()
+        } else {
+            format!("\n{endpoints}")
+        }
+    };
     format!(
         r#"
 apiVersion: v1
@@ -90,6 +105,8 @@ metadata: {{name: {name}, namespace: default}}
 spec:
   type: NodePort
   clusterIP: 10.96.0.{cip}
+  clusterIPs: [10.96.0.{cip}, "fd00:96::{cip}"]
+  ipFamilyPolicy: RequireDualStack
   ports: [{ports}]
   externalIPs: [{external}]
   externalTrafficPolicy: {policy}
@@ -100,25 +117,29 @@ kind: EndpointSlice
 metadata: {{name: {name}-1, namespace: default, labels: {{kubernetes.io/service-name: {name}}}}}
 addressType: IPv4
 ports: [{{name: a, port: 8080, protocol: TCP}}, {{name: b, port: 8081, protocol: UDP}}]
-endpoints:{endpoints}
+endpoints:{v4}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: {name}-2, namespace: default, labels: {{kubernetes.io/service-name: {name}}}}}
+addressType: IPv6
+ports: [{{name: a, port: 8080, protocol: TCP}}, {{name: b, port: 8081, protocol: UDP}}]
+endpoints:{v6}
 "#,
         cip = spec.cluster_ip + 1,
         ports = ports.join(", "),
         external = external.join(", "),
         policy = if spec.local { "Local" } else { "Cluster" },
         affinity = if spec.affinity { "ClientIP" } else { "None" },
-        endpoints = if endpoints.is_empty() {
-            " []".to_string()
-        } else {
-            format!("\n{endpoints}")
-        },
+        v4 = list(endpoints("10.244.0.")),
+        v6 = list(endpoints("fd00:244::")),
     )
 }
 
 /// Sets Service `s<i>` (and its slice) to `spec` in the world.
 fn set(w: &mut World, i: usize, spec: &Option<Spec>) {
     let name = ServiceName::new("default", &format!("s{i}"));
-    let slice = ServiceName::new("default", &format!("s{i}-1"));
+    let slices = [1, 2].map(|k| ServiceName::new("default", &format!("s{i}-{k}")));
     match spec {
         Some(spec) => {
             let loaded = objects::load(&yaml(&name.name, spec))
@@ -126,12 +147,17 @@ fn set(w: &mut World, i: usize, spec: &Option<Spec>) {
                 .cluster;
             w.cluster
                 .update_service(name.clone(), loaded.services.get(&name).cloned());
-            w.cluster
-                .update_slice(slice.clone(), loaded.slices.get(&slice).cloned());
+            for slice in slices {
+                let value = loaded.slices.get(&slice).cloned();
+                assert!(value.is_some(), "{slice} generated");
+                w.cluster.update_slice(slice, value);
+            }
         }
         None => {
             w.cluster.update_service(name, None);
-            w.cluster.update_slice(slice, None);
+            for slice in slices {
+                w.cluster.update_slice(slice, None);
+            }
         }
     }
 }
@@ -139,6 +165,7 @@ fn set(w: &mut World, i: usize, spec: &Option<Spec>) {
 fn check(layout: NftablesLayout, start: Vec<Option<Spec>>, steps: Vec<(usize, Option<Spec>)>) {
     let mut w = World::new("");
     w.config.nftables_layout = layout;
+    w.state.families = IpFamily::ALL.to_vec();
     for (i, s) in start.iter().enumerate() {
         set(&mut w, i, s);
     }
@@ -146,6 +173,13 @@ fn check(layout: NftablesLayout, start: Vec<Option<Spec>>, steps: Vec<(usize, Op
     let mut d = w.desired();
     let mut a = Applier::new(FakeKernel::default());
     a.sync(&d, &w.config, None).expect("first sync");
+    for state in &d.families {
+        assert_eq!(
+            state.services.len(),
+            d.families[0].services.len(),
+            "every port in both families"
+        );
+    }
     for (step, (i, s)) in steps.iter().enumerate() {
         set(&mut w, *i, s);
         let changes = w.cluster.take_changes();

@@ -1037,7 +1037,7 @@ pub fn render_service(
     }
     if svc.uses_firewall_chain() {
         let node_ip = state.node_ips.first().copied();
-        let mut sources = svc.source_ranges.clone();
+        let mut sources = svc.source_ranges.to_vec();
         if node_ip.is_some_and(|ip| svc.source_ranges.iter().any(|r| r.contains(&ip))) {
             // A VIP the node holds locally loops back with the VIP as source.
             sources.extend(svc.load_balancer_ips.iter().map(|ip| IpNet::from(*ip)));

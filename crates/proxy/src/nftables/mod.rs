@@ -100,15 +100,17 @@
 //! [`flat`] (the flat layout's rendering, pure),
 //! [`ruleset`] (the structured ruleset, transactions and their `nft -f` text), [`apply`]
 //! (the [`apply::Kernel`] trait, `nft` runner, fake, and the applier that computes partial
-//! and full transactions), [`netlink`] (the netlink kernel), [`tracer`] (evaluates a ruleset
-//! for a packet), [`listing`] (`nft -j list table` read back for the tracer), [`recover`]
-//! (the Service ports a table names, for a trace without objects).
+//! and full transactions), `record` (the applier's compact record of owners and claims),
+//! [`netlink`] (the netlink kernel), [`tracer`] (evaluates a ruleset for a packet),
+//! [`listing`] (`nft -j list table` read back for the tracer), [`recover`] (the Service ports
+//! a table names, for a trace without objects).
 
 pub mod apply;
 pub mod flat;
 pub mod listing;
 pub mod names;
 pub mod netlink;
+mod record;
 pub mod recover;
 pub mod render;
 pub mod ruleset;

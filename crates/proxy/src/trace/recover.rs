@@ -162,9 +162,10 @@ impl Recovered {
                     .map(|e| e.ip)
                     .collect::<BTreeSet<_>>()
                     .len();
-                let external_ips: Vec<IpAddr> = f.external_ips.iter().copied().collect();
-                let load_balancer_ips: Vec<IpAddr> = f.load_balancer_ips.iter().copied().collect();
-                let source_ranges: Vec<IpNet> = f.source_ranges.iter().copied().collect();
+                let external_ips: Box<[IpAddr]> = f.external_ips.iter().copied().collect();
+                let load_balancer_ips: Box<[IpAddr]> =
+                    f.load_balancer_ips.iter().copied().collect();
+                let source_ranges: Box<[IpNet]> = f.source_ranges.iter().copied().collect();
                 let port = Arc::new(ServicePort {
                     name: name.clone(),
                     cluster_ips: f.cluster_ip.into_iter().collect(),
@@ -186,8 +187,8 @@ impl Recovered {
                         external_ips,
                         load_balancer_ips,
                         source_ranges,
-                        cluster_endpoints,
-                        local_endpoints,
+                        cluster_endpoints: cluster_endpoints.into(),
+                        local_endpoints: local_endpoints.into(),
                         has_endpoints,
                         serving_ips: Box::new([]),
                         local_ready_ips,
