@@ -235,8 +235,8 @@ fn tuple_fields(tuple: &[Tuple]) -> TupleFields {
     (src, dst, proto, sport, dport)
 }
 
-/// Dumps the UDP conntrack entries of a family.
-pub fn dump_udp(family: IpFamily) -> Result<Vec<Flow>, Error> {
+/// A socket on which the kernel is asked for every conntrack entry of a family.
+fn dump_request(family: IpFamily) -> Result<Socket, Error> {
     let s = socket()?;
     send(
         &s,
@@ -244,6 +244,12 @@ pub fn dump_udp(family: IpFamily) -> Result<Vec<Flow>, Error> {
         family,
         ConntrackMessage::Get(vec![]),
     )?;
+    Ok(s)
+}
+
+/// Dumps the UDP conntrack entries of a family.
+pub fn dump_udp(family: IpFamily) -> Result<Vec<Flow>, Error> {
+    let s = dump_request(family)?;
     let mut flows = Vec::new();
     receive(&s, |attrs| flows.extend(udp_flow(attrs)))?;
     Ok(flows)
@@ -379,13 +385,7 @@ pub struct Entry {
 
 /// Dumps every conntrack entry of a family.
 pub fn dump(family: IpFamily) -> Result<Vec<Entry>, Error> {
-    let s = socket()?;
-    send(
-        &s,
-        NLM_F_REQUEST | NLM_F_DUMP,
-        family,
-        ConntrackMessage::Get(vec![]),
-    )?;
+    let s = dump_request(family)?;
     let mut entries = Vec::new();
     receive(&s, |attrs| {
         let mut orig = None;

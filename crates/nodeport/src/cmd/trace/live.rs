@@ -40,6 +40,19 @@ const QUIET: Duration = Duration::from_millis(300);
 /// How long an endpoint may take to answer before `seen` says it has not.
 const ANSWER_WAIT: Duration = Duration::from_secs(1);
 
+/// The `seen.reason` and the words for whether a socket's backend answered (within
+/// [`ANSWER_WAIT`]).
+fn answered_words(answered: bool) -> (&'static str, String) {
+    if answered {
+        ("endpoint", "it answered".to_string())
+    } else {
+        (
+            "not_answering",
+            format!("it has not answered within {ANSWER_WAIT:?}"),
+        )
+    }
+}
+
 /// `--from` with `--live`: an address or a CIDR.
 pub(super) fn parse_from(value: &str) -> anyhow::Result<IpNet> {
     if let Ok(ip) = value.parse::<IpAddr>() {
@@ -1159,14 +1172,7 @@ fn ebpf_packet(
             } else {
                 "not masqueraded".to_string()
             };
-            let (reason, answer) = if answered {
-                ("endpoint", "it answered".to_string())
-            } else {
-                (
-                    "not_answering",
-                    format!("it has not answered within {ANSWER_WAIT:?}"),
-                )
-            };
+            let (reason, answer) = answered_words(answered);
             Seen {
                 verdict: "dnat",
                 reason,
@@ -1230,14 +1236,7 @@ fn ebpf_packet(
                     ..Seen::default()
                 },
                 Some(c) => {
-                    let (reason, answer) = if c.seen_reply {
-                        ("endpoint", "it answered".to_string())
-                    } else {
-                        (
-                            "not_answering",
-                            format!("it has not answered within {ANSWER_WAIT:?}"),
-                        )
-                    };
+                    let (reason, answer) = answered_words(c.seen_reply);
                     Seen {
                         verdict: "dnat",
                         reason,
