@@ -726,6 +726,87 @@ async fn label_annotation_and_selector_keys_and_values_are_validated_as_apimachi
     verify_consistent(&s).await;
 }
 
+/// kube's `ValidateNonSpecialIP` (`ValidateEndpointIP`): a Service may not claim the node's
+/// loopback, unspecified or link-local addresses as external IPs, nor may an endpoint be one
+/// (otherwise every node's proxy would take over `127.0.0.1:<port>`: CVE-2020-8554's family).
+#[tokio::test]
+async fn special_addresses_are_refused_as_external_ips_and_endpoints() {
+    let s = server().await;
+    let r = post(
+        &s,
+        SERVICES,
+        service(
+            "lo",
+            json!({"externalIPs":["127.0.0.1","192.0.2.7","0.0.0.0"],"ports":[{"port":8099}]}),
+        ),
+    )
+    .await;
+    assert_invalid(
+        &r,
+        "Service \"lo\" is invalid: [spec.externalIPs[0]: Invalid value: \"127.0.0.1\": may not be in the loopback range (127.0.0.0/8, ::1/128), spec.externalIPs[2]: Invalid value: \"0.0.0.0\": may not be unspecified (0.0.0.0)]",
+    );
+    for (ip, text) in [
+        (
+            "169.254.169.254",
+            "may not be in the link-local range (169.254.0.0/16, fe80::/10)",
+        ),
+        (
+            "224.0.0.1",
+            "may not be in the link-local multicast range (224.0.0.0/24, ff02::/10)",
+        ),
+        (
+            "::1",
+            "may not be in the loopback range (127.0.0.0/8, ::1/128)",
+        ),
+    ] {
+        let r = post(
+            &s,
+            SERVICES,
+            service("x", json!({"externalIPs":[ip],"ports":[{"port":80}]})),
+        )
+        .await;
+        assert_invalid(
+            &r,
+            &format!(
+                "Service \"x\" is invalid: spec.externalIPs[0]: Invalid value: \"{ip}\": {text}"
+            ),
+        );
+    }
+    let r = post(
+        &s,
+        "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices",
+        json!({"apiVersion":"discovery.k8s.io/v1","kind":"EndpointSlice",
+        "metadata":{"name":"lo"},"addressType":"IPv4","endpoints":[{"addresses":["127.0.0.1"]}]}),
+    )
+    .await;
+    assert_invalid(
+        &r,
+        "EndpointSlice.discovery.k8s.io \"lo\" is invalid: endpoints[0].addresses[0]: Invalid value: \"127.0.0.1\": may not be in the loopback range (127.0.0.0/8, ::1/128)",
+    );
+    let r = post(
+        &s,
+        "/api/v1/namespaces/default/endpoints",
+        json!({"apiVersion":"v1","kind":"Endpoints","metadata":{"name":"lo"},
+        "subsets":[{"addresses":[{"ip":"fe80::1"}],"ports":[{"port":80}]}]}),
+    )
+    .await;
+    assert_invalid(
+        &r,
+        "Endpoints \"lo\" is invalid: subsets[0].addresses[0].ip: Invalid value: \"fe80::1\": may not be in the link-local range (169.254.0.0/16, fe80::/10)",
+    );
+    // Ordinary addresses stay accepted.
+    let r = post(
+        &s,
+        SERVICES,
+        service(
+            "ok",
+            json!({"externalIPs":["192.0.2.7"],"ports":[{"port":80}]}),
+        ),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+}
+
 #[tokio::test]
 async fn load_balancer_status_is_validated_and_ip_mode_defaults_to_vip() {
     let s = server().await;

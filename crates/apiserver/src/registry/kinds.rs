@@ -153,12 +153,22 @@ pub fn validate(object: &Object) -> Vec<FieldError> {
                     ("notReadyAddresses", &subset.not_ready_addresses),
                 ] {
                     for (j, addr) in list.iter().flatten().enumerate() {
+                        let path = format!("subsets[{i}].{field}[{j}].ip");
                         if !valid_ip(&addr.ip) {
                             errs.push(FieldError::invalid(
-                                format!("subsets[{i}].{field}[{j}].ip"),
+                                path,
                                 GoValue::Str(&addr.ip),
                                 "must be a valid IP address, (e.g. 10.9.8.7 or 2001:db8::ffff)",
                             ));
+                        } else if let Ok(ip) = addr.ip.parse::<std::net::IpAddr>() {
+                            // kube's validateEndpointAddress: ValidateNonSpecialIP.
+                            errs.extend(
+                                super::net_validation::special_ip_problems(&addr.ip, ip)
+                                    .into_iter()
+                                    .map(|p| {
+                                        FieldError::invalid(path.clone(), GoValue::Str(&addr.ip), p)
+                                    }),
+                            );
                         }
                     }
                 }
@@ -203,6 +213,19 @@ pub fn validate(object: &Object) -> Vec<FieldError> {
                             GoValue::Str(addr),
                             format!("must be a valid {address_type} address"),
                         ));
+                    } else if let Ok(ip) = addr.parse::<std::net::IpAddr>() {
+                        // kube's validateEndpoints: ValidateEndpointIP after the format.
+                        errs.extend(
+                            super::net_validation::special_ip_problems(addr, ip)
+                                .into_iter()
+                                .map(|p| {
+                                    FieldError::invalid(
+                                        format!("endpoints[{i}].addresses[{j}]"),
+                                        GoValue::Str(addr),
+                                        p,
+                                    )
+                                }),
+                        );
                     }
                 }
             }

@@ -144,8 +144,92 @@ pub fn cidr_problems(value: &str) -> Vec<String> {
     Vec::new()
 }
 
+/// `ValidateEndpointIP` (kube's `pkg/apis/core/validation`), which Service `externalIPs` and
+/// EndpointSlice addresses go through once they parse: the address ranges a Service may not
+/// claim, with kube's texts (`value` is the address as written). Without it a Service could
+/// make every node's proxy take over `127.0.0.1:<port>`, or the metadata service's
+/// 169.254.169.254 (the CVE-2020-8554 family).
+pub fn special_ip_problems(value: &str, ip: IpAddr) -> Vec<String> {
+    // Go's checks see an IPv4-mapped IPv6 address as the IPv4 address.
+    let ip = match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    };
+    let (unspecified, loopback, link_local, link_local_multicast) = match ip {
+        IpAddr::V4(v4) => (
+            v4.is_unspecified(),
+            v4.is_loopback(),
+            v4.is_link_local(),
+            v4.octets()[..3] == [224, 0, 0],
+        ),
+        IpAddr::V6(v6) => {
+            let o = v6.octets();
+            (
+                v6.is_unspecified(),
+                v6.is_loopback(),
+                o[0] == 0xfe && o[1] & 0xc0 == 0x80,
+                o[0] == 0xff && o[1] & 0x0f == 0x02,
+            )
+        }
+    };
+    let mut problems = Vec::new();
+    if unspecified {
+        problems.push(format!("may not be unspecified ({value})"));
+    }
+    if loopback {
+        problems.push("may not be in the loopback range (127.0.0.0/8, ::1/128)".to_owned());
+    }
+    if link_local {
+        problems.push("may not be in the link-local range (169.254.0.0/16, fe80::/10)".to_owned());
+    }
+    if link_local_multicast {
+        problems.push(
+            "may not be in the link-local multicast range (224.0.0.0/24, ff02::/10)".to_owned(),
+        );
+    }
+    problems
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn special_addresses_get_validate_endpoint_ips_texts_and_ordinary_ones_none() {
+        let problems = |v: &str| special_ip_problems(v, parse_ip_sloppy(v).unwrap());
+        assert_eq!(problems("0.0.0.0"), ["may not be unspecified (0.0.0.0)"]);
+        assert_eq!(problems("::"), ["may not be unspecified (::)"]);
+        for v in ["127.0.0.1", "127.255.0.9", "::1", "::ffff:127.0.0.1"] {
+            assert_eq!(
+                problems(v),
+                ["may not be in the loopback range (127.0.0.0/8, ::1/128)"],
+                "{v}"
+            );
+        }
+        for v in ["169.254.169.254", "fe80::1", "febf::1"] {
+            assert_eq!(
+                problems(v),
+                ["may not be in the link-local range (169.254.0.0/16, fe80::/10)"],
+                "{v}"
+            );
+        }
+        for v in ["224.0.0.1", "224.0.0.251", "ff02::1", "ff12::1"] {
+            assert_eq!(
+                problems(v),
+                ["may not be in the link-local multicast range (224.0.0.0/24, ff02::/10)"],
+                "{v}"
+            );
+        }
+        for v in [
+            "192.0.2.1",
+            "224.0.1.1",
+            "fec0::1",
+            "ff05::1",
+            "2001:db8::1",
+            "10.96.0.1",
+        ] {
+            assert!(problems(v).is_empty(), "{v}");
+        }
+    }
+
     use super::*;
 
     // The cases of apimachinery 1.33's `ip_test.go` (`TestIsValidIP`, `TestIsValidCIDR`)

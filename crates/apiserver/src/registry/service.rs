@@ -23,6 +23,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use nodeport_alloc::port;
 
 use super::ip_families;
+use super::net_validation;
 use super::validation::{self, NameRule};
 use crate::error::{ApiError, FieldError, GoValue};
 use crate::resource::Kind;
@@ -821,12 +822,15 @@ pub fn validate(svc: &Service) -> Vec<FieldError> {
         spec.selector.iter().flatten(),
     ));
     for (i, ip) in spec.external_ips.iter().flatten().enumerate() {
-        if ip.parse::<IpAddr>().is_err() {
-            errs.push(FieldError::invalid(
-                format!("spec.externalIPs[{i}]"),
-                GoValue::Str(ip),
-                IP_FORMAT_HINT,
-            ));
+        let path = format!("spec.externalIPs[{i}]");
+        match ip.parse::<IpAddr>() {
+            Err(_) => errs.push(FieldError::invalid(path, GoValue::Str(ip), IP_FORMAT_HINT)),
+            // kube: "for historical reasons, this uses ValidateEndpointIP".
+            Ok(addr) => errs.extend(
+                net_validation::special_ip_problems(ip, addr)
+                    .into_iter()
+                    .map(|p| FieldError::invalid(path.clone(), GoValue::Str(ip), p)),
+            ),
         }
     }
     // dual stack <-> clusterIPs <-> ipFamilies
