@@ -153,7 +153,7 @@ pub fn tear_down(id: &str) -> Vec<String> {
         drop(Netns::adopt(name));
     }
     // eBPF mode: pins, bpffs and cgroup2 mounts, cgroups (the processes are gone).
-    super::ebpf::tear_down(dir.path());
+    super::ebpf::tear_down(dir.path(), id);
     let _ = std::fs::remove_dir_all(dir.path());
     names
 }
