@@ -18,11 +18,11 @@ use crate::backend::{self, Backend};
 use crate::config::{NodeConfig, ProxyMode};
 use crate::convert;
 use crate::desired::{self, DesiredState, NodeView, StateConfig};
-use crate::health::{HealthCheck, ProxyHealth, ServiceHealthServers};
+use crate::health::{FamilyAddresses, HealthCheck, ProxyHealth, ServiceHealthServers};
 use crate::metrics::{Metrics, family_label};
 use crate::model::{IpFamily, Node, ServiceName};
 use crate::nftables::apply::NftCommand;
-use crate::nodeaddr::{NodeFacts, NodePortAddresses, Selection};
+use crate::nodeaddr::{NodeFacts, NodePortAddresses};
 use crate::objects::Cluster;
 use crate::watch::{self, Sink};
 
@@ -363,7 +363,7 @@ struct Outcome {
     full: bool,
     cleanup_failed: bool,
     checks: Vec<HealthCheck>,
-    health_addresses: Vec<IpAddr>,
+    health_addresses: Vec<FamilyAddresses>,
     /// Family states to clean conntrack for (UDP endpoint changes).
     conntrack: Vec<desired::FamilyState>,
     trigger_times: Vec<SystemTime>,
@@ -476,30 +476,7 @@ impl Engine {
             }
         }
 
-        let mut checks: Vec<HealthCheck> = Vec::new();
-        for fam in &desired.families {
-            for svc in fam.services.values() {
-                if let Some(port) = svc.port.health_check_node_port {
-                    let service = svc.name().service();
-                    match checks.iter_mut().find(|c| c.port == port) {
-                        Some(c) => c.local_endpoints = c.local_endpoints.max(svc.local_ready_ips),
-                        None => checks.push(HealthCheck {
-                            service,
-                            port,
-                            local_endpoints: svc.local_ready_ips,
-                        }),
-                    }
-                }
-            }
-        }
-        let health_addresses: Vec<IpAddr> = desired
-            .families
-            .iter()
-            .flat_map(|f| match &f.nodeport_ips {
-                Selection::MatchAll => Vec::new(),
-                Selection::Ips(ips) => ips.iter().copied().collect(),
-            })
-            .collect();
+        let (checks, health_addresses) = crate::health::checks_of(desired);
         let no_local = desired
             .families
             .iter()

@@ -276,15 +276,106 @@ pub struct HealthCheck {
     pub service: ServiceName,
     /// `spec.healthCheckNodePort`.
     pub port: u16,
-    /// Ready, non-terminating local endpoint IPs.
+    /// The family whose NodePort addresses serve this check and whose endpoints it counts.
+    pub family: IpFamily,
+    /// Ready, non-terminating local endpoint IPs of that family.
     pub local_endpoints: usize,
 }
 
+/// Where one family's health-check servers listen: its NodePort addresses, or (empty) every
+/// address of the family (`--nodeport-addresses` matching all).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct FamilyAddresses {
+    /// The family.
+    pub family: IpFamily,
+    /// Its addresses; empty: the family's unspecified address.
+    pub addresses: Vec<IpAddr>,
+}
+
+/// The health checks a desired state asks for, per family, and where each family's are
+/// served. Per family as kube-proxy's proxier of each family serves its own; a Service's
+/// ports share its health check (the largest count of them).
+pub fn checks_of(
+    desired: &crate::desired::DesiredState,
+) -> (Vec<HealthCheck>, Vec<FamilyAddresses>) {
+    let mut checks: Vec<HealthCheck> = Vec::new();
+    for fam in &desired.families {
+        for svc in fam.services.values() {
+            let Some(port) = svc.port.health_check_node_port else {
+                continue;
+            };
+            match checks
+                .iter_mut()
+                .find(|c| c.port == port && c.family == fam.family)
+            {
+                Some(c) => c.local_endpoints = c.local_endpoints.max(svc.local_ready_ips),
+                None => checks.push(HealthCheck {
+                    service: svc.name().service(),
+                    port,
+                    family: fam.family,
+                    local_endpoints: svc.local_ready_ips,
+                }),
+            }
+        }
+    }
+    let addresses = desired
+        .families
+        .iter()
+        .map(|f| FamilyAddresses {
+            family: f.family,
+            addresses: match &f.nodeport_ips {
+                crate::nodeaddr::Selection::MatchAll => Vec::new(),
+                crate::nodeaddr::Selection::Ips(ips) => ips.iter().copied().collect(),
+            },
+        })
+        .collect();
+    (checks, addresses)
+}
+
+/// What one listener answers for: a port in a family.
+type CheckKey = (IpFamily, u16);
+
 /// The per-Service health-check servers, started and stopped as Services come and go.
+///
+/// One per family, as kube-proxy runs one proxier (with its own `ServiceHealthServer`) per
+/// family: a dual-stack node answers on its IPv4 addresses with the IPv4 endpoints it hosts
+/// and on its IPv6 addresses with the IPv6 ones, so that an IPv4 load balancer is told 503 by
+/// a node whose IPv4 traffic would be dropped for want of a local IPv4 endpoint, whatever its
+/// IPv6 endpoints.
 pub struct ServiceHealthServers {
     health: Arc<ProxyHealth>,
-    counts: Arc<Mutex<BTreeMap<u16, (ServiceName, usize)>>>,
-    servers: BTreeMap<(u16, Vec<IpAddr>), tokio::task::JoinHandle<()>>,
+    counts: Arc<Mutex<BTreeMap<CheckKey, (ServiceName, usize)>>>,
+    servers: BTreeMap<(CheckKey, Vec<IpAddr>), tokio::task::JoinHandle<()>>,
+}
+
+/// A listening socket on `bind`; an IPv6 wildcard is IPv6 only, so that it and the IPv4
+/// wildcard of the same port can both exist (each family's server counts its own endpoints).
+fn listen(bind: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    use nix::sys::socket::{self, AddressFamily, SockFlag, SockType, SockaddrStorage, sockopt};
+    let family = if bind.is_ipv6() {
+        AddressFamily::Inet6
+    } else {
+        AddressFamily::Inet
+    };
+    let fd = socket::socket(
+        family,
+        SockType::Stream,
+        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    socket::setsockopt(&fd, sockopt::ReuseAddr, &true)?;
+    if bind.is_ipv6() {
+        socket::setsockopt(&fd, sockopt::Ipv6V6Only, &true)?;
+    }
+    socket::bind(
+        std::os::fd::AsRawFd::as_raw_fd(&fd),
+        &SockaddrStorage::from(bind),
+    )?;
+    socket::listen(
+        &fd,
+        socket::Backlog::new(128).map_err(std::io::Error::from)?,
+    )?;
+    tokio::net::TcpListener::from_std(std::net::TcpListener::from(fd))
 }
 
 impl ServiceHealthServers {
@@ -297,24 +388,33 @@ impl ServiceHealthServers {
         }
     }
 
-    /// Ports currently served.
+    /// Ports currently served (in any family).
     pub fn ports(&self) -> Vec<u16> {
-        self.servers.keys().map(|(p, _)| *p).collect()
+        let ports: std::collections::BTreeSet<u16> =
+            self.servers.keys().map(|((_, p), _)| *p).collect();
+        ports.into_iter().collect()
     }
 
-    /// Makes the servers match `checks`, listening on `addresses` (the NodePort addresses;
-    /// empty: every address). Must run inside a tokio runtime.
-    pub fn sync(&mut self, checks: &[HealthCheck], addresses: &[IpAddr]) {
+    /// Makes the servers match `checks`, each listening on its family's `addresses`. Must
+    /// run inside a tokio runtime.
+    pub fn sync(&mut self, checks: &[HealthCheck], addresses: &[FamilyAddresses]) {
         {
             let mut counts = self.counts.lock().expect("health lock");
             counts.clear();
             for c in checks {
-                counts.insert(c.port, (c.service.clone(), c.local_endpoints));
+                counts.insert((c.family, c.port), (c.service.clone(), c.local_endpoints));
             }
         }
-        let wanted: BTreeMap<(u16, Vec<IpAddr>), ()> = checks
+        let wanted: BTreeMap<(CheckKey, Vec<IpAddr>), ()> = checks
             .iter()
-            .map(|c| ((c.port, addresses.to_vec()), ()))
+            .map(|c| {
+                let addrs = addresses
+                    .iter()
+                    .find(|a| a.family == c.family)
+                    .map(|a| a.addresses.clone())
+                    .unwrap_or_default();
+                (((c.family, c.port), addrs), ())
+            })
             .collect();
         self.servers.retain(|key, handle| {
             let keep = wanted.contains_key(key);
@@ -327,9 +427,13 @@ impl ServiceHealthServers {
             if self.servers.contains_key(&key) {
                 continue;
             }
-            let (port, addrs) = key.clone();
+            let ((family, port), addrs) = key.clone();
             let binds: Vec<SocketAddr> = if addrs.is_empty() {
-                vec![SocketAddr::from(([0, 0, 0, 0], port))]
+                let any: IpAddr = match family {
+                    IpFamily::V4 => std::net::Ipv4Addr::UNSPECIFIED.into(),
+                    IpFamily::V6 => std::net::Ipv6Addr::UNSPECIFIED.into(),
+                };
+                vec![SocketAddr::new(any, port)]
             } else {
                 addrs.iter().map(|ip| SocketAddr::new(*ip, port)).collect()
             };
@@ -338,7 +442,7 @@ impl ServiceHealthServers {
             let handle = tokio::spawn(async move {
                 let mut tasks = Vec::new();
                 for bind in binds {
-                    let listener = match tokio::net::TcpListener::bind(bind).await {
+                    let listener = match listen(bind) {
                         Ok(l) => l,
                         Err(e) => {
                             // kube-proxy records a FailedToStartServiceHealthcheck event.
@@ -352,7 +456,11 @@ impl ServiceHealthServers {
                         let counts = counts.clone();
                         let health = health.clone();
                         async move {
-                            let entry = counts.lock().expect("health lock").get(&port).cloned();
+                            let entry = counts
+                                .lock()
+                                .expect("health lock")
+                                .get(&(family, port))
+                                .cloned();
                             let Some((service, n)) = entry else {
                                 return Response::builder()
                                     .status(StatusCode::NOT_FOUND)
@@ -511,9 +619,13 @@ mod tests {
     }
 
     async fn get(port: u16) -> (u16, String) {
+        get_at("127.0.0.1".parse().unwrap(), port).await
+    }
+
+    async fn get_at(ip: IpAddr, port: u16) -> (u16, String) {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         for _ in 0..50 {
-            if let Ok(mut c) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+            if let Ok(mut c) = tokio::net::TcpStream::connect((ip, port)).await {
                 // Before the server listens, a connect to an ephemeral port can meet itself
                 // (TCP simultaneous open) and read back its own request: not an answer.
                 if c.local_addr().ok() == c.peer_addr().ok() {
@@ -531,7 +643,15 @@ mod tests {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        panic!("health check port {port} never answered");
+        panic!("health check port {ip} {port} never answered");
+    }
+
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
     }
 
     #[tokio::test]
@@ -544,11 +664,15 @@ mod tests {
         let health = Arc::new(ProxyHealth::new(&[IpFamily::V4], Duration::from_secs(60)));
         let mut servers = ServiceHealthServers::new(health);
         let svc = ServiceName::new("ns2", "svc2");
-        let local: Vec<IpAddr> = vec!["127.0.0.1".parse().unwrap()];
+        let local = [FamilyAddresses {
+            family: IpFamily::V4,
+            addresses: vec!["127.0.0.1".parse().unwrap()],
+        }];
         servers.sync(
             &[HealthCheck {
                 service: svc.clone(),
                 port,
+                family: IpFamily::V4,
                 local_endpoints: 1,
             }],
             &local,
@@ -560,6 +684,7 @@ mod tests {
             &[HealthCheck {
                 service: svc.clone(),
                 port,
+                family: IpFamily::V4,
                 local_endpoints: 0,
             }],
             &local,
@@ -569,5 +694,153 @@ mod tests {
         assert!(body.contains("\"localEndpoints\": 0"), "{body}");
         servers.sync(&[], &local);
         assert!(servers.ports().is_empty());
+    }
+
+    /// A dual-stack Local Service whose node hosts an IPv6 endpoint and no IPv4 one: the
+    /// IPv4 check counts 0 (a black-box review found it answering 1 on the IPv4 address,
+    /// the IPv6 endpoint's count, while IPv4 NodePort traffic was dropped).
+    #[test]
+    fn each_familys_check_counts_only_that_familys_local_endpoints() {
+        let yaml = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: default}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.10
+  clusterIPs: [10.96.0.10, "fd00:96::10"]
+  ipFamilies: [IPv4, IPv6]
+  externalTrafficPolicy: Local
+  healthCheckNodePort: 32000
+  ports: [{port: 80, targetPort: 8080, nodePort: 30080}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-4, namespace: default, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{port: 8080}]
+endpoints:
+- {addresses: [10.244.2.1], nodeName: node-b}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-6, namespace: default, labels: {kubernetes.io/service-name: web}}
+addressType: IPv6
+ports: [{port: 8080}]
+endpoints:
+- {addresses: ["fd00:244::1"], nodeName: node-a}
+- {addresses: ["fd00:244::2"], nodeName: node-b}
+"#;
+        let cluster = crate::objects::load(yaml).expect("fixture parses").cluster;
+        let facts = crate::nodeaddr::NodeFacts {
+            node_ips: vec![
+                "192.0.2.10".parse().unwrap(),
+                "2001:db8::10".parse().unwrap(),
+            ],
+            local_ips: vec![
+                "192.0.2.10".parse().unwrap(),
+                "2001:db8::10".parse().unwrap(),
+            ],
+            ..Default::default()
+        };
+        let state = crate::desired::StateConfig {
+            families: IpFamily::ALL.to_vec(),
+            ..Default::default()
+        };
+        let desired = crate::desired::build(
+            &cluster,
+            crate::desired::NodeView::named("node-a"),
+            &facts,
+            &state,
+        );
+        let (checks, addresses) = checks_of(&desired);
+        let counts: Vec<(IpFamily, u16, usize)> = checks
+            .iter()
+            .map(|c| (c.family, c.port, c.local_endpoints))
+            .collect();
+        assert_eq!(counts, [(IpFamily::V4, 32000, 0), (IpFamily::V6, 32000, 1)]);
+        assert_eq!(
+            addresses,
+            [
+                FamilyAddresses {
+                    family: IpFamily::V4,
+                    addresses: vec!["192.0.2.10".parse().unwrap()],
+                },
+                FamilyAddresses {
+                    family: IpFamily::V6,
+                    addresses: vec!["2001:db8::10".parse().unwrap()],
+                },
+            ]
+        );
+    }
+
+    /// kube-proxy runs a proxier, and so a service health server, per family: on a
+    /// dual-stack node each family's addresses answer with that family's local endpoints
+    /// (an IPv4 load balancer must hear 503 from a node without a local IPv4 endpoint, even
+    /// if it hosts an IPv6 one). Both with explicit addresses and with every address (the
+    /// IPv4 and IPv6 wildcards of one port side by side).
+    #[tokio::test]
+    async fn a_dual_stack_health_check_counts_each_familys_endpoints_on_its_own_addresses() {
+        let health = Arc::new(ProxyHealth::new(
+            &[IpFamily::V4, IpFamily::V6],
+            Duration::from_secs(60),
+        ));
+        let svc = ServiceName::new("default", "web");
+        let checks = |port| {
+            [
+                HealthCheck {
+                    service: svc.clone(),
+                    port,
+                    family: IpFamily::V4,
+                    local_endpoints: 0,
+                },
+                HealthCheck {
+                    service: svc.clone(),
+                    port,
+                    family: IpFamily::V6,
+                    local_endpoints: 2,
+                },
+            ]
+        };
+        let (v4, v6): (IpAddr, IpAddr) = ("127.0.0.1".parse().unwrap(), "::1".parse().unwrap());
+        for addresses in [
+            [
+                FamilyAddresses {
+                    family: IpFamily::V4,
+                    addresses: vec![v4],
+                },
+                FamilyAddresses {
+                    family: IpFamily::V6,
+                    addresses: vec![v6],
+                },
+            ],
+            [
+                FamilyAddresses {
+                    family: IpFamily::V4,
+                    addresses: Vec::new(),
+                },
+                FamilyAddresses {
+                    family: IpFamily::V6,
+                    addresses: Vec::new(),
+                },
+            ],
+        ] {
+            let port = free_port();
+            let mut servers = ServiceHealthServers::new(health.clone());
+            servers.sync(&checks(port), &addresses);
+            let (code, body) = get_at(v4, port).await;
+            assert_eq!(
+                (code, body),
+                (503, service_health_body(&svc, 0, true)),
+                "{addresses:?}"
+            );
+            let (code, body) = get_at(v6, port).await;
+            assert_eq!(
+                (code, body),
+                (200, service_health_body(&svc, 2, true)),
+                "{addresses:?}"
+            );
+            assert_eq!(servers.ports(), vec![port]);
+        }
     }
 }
