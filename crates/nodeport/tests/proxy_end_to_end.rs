@@ -884,6 +884,48 @@ fn a_dual_stack_nodeport_answers_over_both_families_and_so_do_its_cluster_ips(mo
             matches!(r, Reply::Pod { .. })
         });
     }
+    // A LoadBalancer (the type that gets a healthCheckNodePort) with externalTrafficPolicy
+    // Local and this node's pod in the IPv6 slice only: each family's
+    // health check counts that family's local endpoints on that family's address, as
+    // kube-proxy's proxier of each family does (IPv4 503: its NodePort traffic is dropped
+    // here; before, IPv4 answered 200 with the IPv6 endpoint's count).
+    let local = dual_stack_service_yaml("web", 30120, &[1, 2])
+        .replace(
+            "  type: NodePort\n",
+            "  type: LoadBalancer\n  externalTrafficPolicy: Local\n",
+        )
+        .replacen("- {addresses: [\"10.244.1.2\"], nodeName: node-a}\n", "", 1);
+    assert!(local.contains("externalTrafficPolicy: Local") && !local.contains("\"10.244.1.2\""));
+    c.apply(&local).unwrap();
+    let port = c
+        .kubectl(&[
+            "get",
+            "svc",
+            "web",
+            "-o",
+            "jsonpath={.spec.healthCheckNodePort}",
+        ])
+        .unwrap();
+    for (addr, want_code, want_count) in [
+        (format!("{NODE_IP}:{port}"), 503, 0),
+        (format!("[{NODE_IP6}]:{port}"), 200, 1),
+    ] {
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        loop {
+            let reply = c.node_http(&addr, "/");
+            if let Some((code, body)) = &reply
+                && *code == want_code
+                && body.contains(&format!("\"localEndpoints\": {want_count}"))
+            {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{addr}: health check wants {want_code} with {want_count} local endpoints, last {reply:?}"
+            );
+            std::thread::sleep(Duration::from_millis(150));
+        }
+    }
     // Without endpoints, both families refuse (kube-proxy's reject for a Service with none).
     c.apply(&dual_stack_service_yaml("web", 30120, &[]))
         .unwrap();
