@@ -662,15 +662,20 @@ fn load_balancer_source_ranges_admit_only_listed_clients(mode: Mode) {
 
 /// One UDP query from a fixed source port (the same conntrack entry every time).
 fn udp_from_fixed_port(c: &Cluster, to: &str) -> Option<String> {
+    udp_from(c, to, 40053)
+}
+
+/// One UDP query from the client's source port `sport`, and its answer (0.7 s at most).
+fn udp_from(c: &Cluster, to: &str, sport: u16) -> Option<String> {
     let to: std::net::SocketAddr = to.parse().unwrap();
     c.client
         .enter(|| {
             // A bind that fails (seen once under load, cause unknown) is one lost query:
             // the callers retry until their deadline, and say so if it passes.
-            let s = match UdpSocket::bind(format!("{CLIENT_IP}:40053")) {
+            let s = match UdpSocket::bind(format!("{CLIENT_IP}:{sport}")) {
                 Ok(s) => s,
                 Err(e) => {
-                    eprintln!("udp_from_fixed_port: bind {CLIENT_IP}:40053: {e}");
+                    eprintln!("udp_from: bind {CLIENT_IP}:{sport}: {e}");
                     return None;
                 }
             };
@@ -720,6 +725,49 @@ fn udp_conntrack_entries_to_a_removed_endpoint_are_cleaned(mode: Mode) {
             "the flow stayed on the old endpoint: {a:?}"
         );
         std::thread::sleep(Duration::from_millis(200));
+    }
+    // The Service goes, its EndpointSlice stays. A client that sends to the NodePort now
+    // (from a port of its own: the flow above stays on pod2 while it sends, with kube-proxy
+    // too) gets an untranslated, unreplied conntrack entry. The Service comes back with no
+    // change of the slice: that entry must go, as kube-proxy's reconciling clean-up removes
+    // it (before, only slice changes started the clean-up, and this client was never
+    // answered while it kept sending).
+    c.kubectl(&["delete", "svc", "dns"]).unwrap();
+    let tcp = format!("{NODE_IP}:30086");
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while matches!(get(&c.client, &tcp, T), Reply::Pod { .. }) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the deleted Service's NodePort kept answering"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    for _ in 0..3 {
+        assert_eq!(udp_from(&c, &to, 40054), None, "no Service, no answer");
+    }
+    assert_eq!(
+        c.kubectl(&[
+            "get",
+            "endpointslices",
+            "dns-1",
+            "-o",
+            "jsonpath={.metadata.name}"
+        ])
+        .unwrap(),
+        "dns-1",
+        "the slice stays, so that re-creating the Service changes no slice"
+    );
+    c.apply(&service_yaml("dns", 30086, "", &[2])).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let a = udp_from(&c, &to, 40054);
+        if a.as_deref().is_some_and(|a| a.starts_with("pod2 ")) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a client that sent before the Service existed is never answered: {a:?}"
+        );
     }
 }
 

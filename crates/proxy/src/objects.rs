@@ -35,8 +35,11 @@ pub struct Changes {
     pub services: BTreeSet<ServiceName>,
     /// Service CIDRs changed.
     pub service_cidrs: bool,
-    /// A changed EndpointSlice belongs to a Service that had or has a UDP port: conntrack
-    /// needs cleaning after the sync (kube-proxy's `ConntrackCleanupRequired`).
+    /// A changed EndpointSlice belongs to a Service that had or has a UDP port, or a
+    /// changed Service had or has one: conntrack needs cleaning after the sync (kube-proxy's
+    /// `ConntrackCleanupRequired`, and its reconciling clean-up, which finds the entries a
+    /// new Service's UDP NodePort or address inherits: a client that sent before the Service
+    /// existed keeps an untranslated entry for as long as it keeps sending).
     pub udp_endpoints_changed: bool,
     /// Number of EndpointSlice changes (metrics).
     pub endpoint_changes: usize,
@@ -94,7 +97,14 @@ impl Cluster {
         for (name, change) in self.services.take_changes() {
             out.service_changes += 1;
             out.services.insert(name);
-            let _ = change;
+            if change
+                .previous
+                .iter()
+                .chain(change.current.iter())
+                .any(&has_udp)
+            {
+                out.udp_endpoints_changed = true;
+            }
         }
         for (_, change) in self.slices.take_changes() {
             out.endpoint_changes += 1;
@@ -308,5 +318,37 @@ mod tests {
         let fixed = text.replace("apiVersion: networking", "---\napiVersion: networking");
         let loaded = load(&fixed).unwrap();
         assert_eq!(loaded.cluster.services.len(), 1);
+    }
+
+    /// A UDP Service created after its EndpointSlice changes no slice, yet flows that a
+    /// client sent to its NodePort before it existed must be cleaned (black-box review: the
+    /// client's untranslated entry outlived the new Service for as long as it kept sending).
+    #[test]
+    fn a_service_change_with_a_udp_port_asks_for_conntrack_cleaning_and_a_tcp_one_does_not() {
+        let yaml = |proto: &str| {
+            format!(
+                "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: dns-1, namespace: default, labels: {{kubernetes.io/service-name: dns}}}}\naddressType: IPv4\nports: [{{port: 53, protocol: {proto}}}]\nendpoints: [{{addresses: [10.244.1.5]}}]\n---\napiVersion: v1\nkind: Service\nmetadata: {{name: dns, namespace: default}}\nspec: {{type: NodePort, clusterIP: 10.96.0.10, ports: [{{port: 53, protocol: {proto}, nodePort: 30053}}]}}\n"
+            )
+        };
+        for (proto, cleaning) in [("UDP", true), ("TCP", false)] {
+            let loaded = load(&yaml(proto)).unwrap().cluster;
+            let mut cluster = Cluster::default();
+            for (key, slice) in loaded.slices.iter() {
+                cluster.update_slice(key.clone(), Some(slice.clone()));
+            }
+            let changes = cluster.take_changes();
+            assert_eq!(
+                changes.udp_endpoints_changed, cleaning,
+                "{proto}: the slice"
+            );
+            for (name, svc) in loaded.services.iter() {
+                cluster.update_service(name.clone(), Some(svc.clone()));
+            }
+            let changes = cluster.take_changes();
+            assert_eq!(
+                changes.udp_endpoints_changed, cleaning,
+                "{proto}: the Service alone"
+            );
+        }
     }
 }
