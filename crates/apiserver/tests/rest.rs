@@ -726,6 +726,73 @@ async fn label_annotation_and_selector_keys_and_values_are_validated_as_apimachi
     verify_consistent(&s).await;
 }
 
+/// kube's `ValidateService` checks the source ranges of the field (at the path
+/// `spec.LoadBalancerSourceRanges`, capital L, as kube writes it) or, when the field is
+/// empty, of the legacy annotation, which only a LoadBalancer may carry.
+#[tokio::test]
+async fn source_ranges_are_validated_in_the_field_and_in_the_legacy_annotation() {
+    let s = server().await;
+    let lb = |name: &str, extra: Value| {
+        let mut svc = service(name, json!({"type":"LoadBalancer","ports":[{"port":80}]}));
+        if let Some(ranges) = extra.get("ranges") {
+            svc["spec"]["loadBalancerSourceRanges"] = ranges.clone();
+        }
+        if let Some(annotation) = extra.get("annotation") {
+            svc["metadata"]["annotations"] =
+                json!({"service.beta.kubernetes.io/load-balancer-source-ranges": annotation});
+        }
+        if let Some(t) = extra.get("type") {
+            svc["spec"]["type"] = t.clone();
+        }
+        svc
+    };
+    let r = post(
+        &s,
+        SERVICES,
+        lb("a", json!({"ranges":["10.0.0.0/8"," nope "]})),
+    )
+    .await;
+    assert_invalid(
+        &r,
+        "Service \"a\" is invalid: spec.LoadBalancerSourceRanges[1]: Invalid value: \"nope\": must be a valid CIDR value, (e.g. 10.9.8.0/24 or 2001:db8::/64)",
+    );
+    let r = post(
+        &s,
+        SERVICES,
+        lb("b", json!({"annotation":"10.0.0.0/8, foo"})),
+    )
+    .await;
+    assert_invalid(
+        &r,
+        "Service \"b\" is invalid: metadata.annotations[service.beta.kubernetes.io/load-balancer-source-ranges]: Invalid value: \"foo\": must be a valid CIDR value, (e.g. 10.9.8.0/24 or 2001:db8::/64)",
+    );
+    let r = post(
+        &s,
+        SERVICES,
+        lb("c", json!({"annotation":"10.0.0.0/8","type":"NodePort"})),
+    )
+    .await;
+    assert_invalid(
+        &r,
+        "Service \"c\" is invalid: metadata.annotations[service.beta.kubernetes.io/load-balancer-source-ranges]: Forbidden: may only be used when `type` is 'LoadBalancer'",
+    );
+    // The field wins over the annotation; good values of either are accepted.
+    let r = post(
+        &s,
+        SERVICES,
+        lb("d", json!({"ranges":["10.0.0.0/8"],"annotation":"foo"})),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+    let r = post(
+        &s,
+        SERVICES,
+        lb("e", json!({"annotation":" 10.0.0.0/8 ,192.0.2.0/24"})),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.body);
+}
+
 /// kube's `ValidateNonSpecialIP` (`ValidateEndpointIP`): a Service may not claim the node's
 /// loopback, unspecified or link-local addresses as external IPs, nor may an endpoint be one
 /// (otherwise every node's proxy would take over `127.0.0.1:<port>`: CVE-2020-8554's family).

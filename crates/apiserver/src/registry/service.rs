@@ -925,32 +925,67 @@ pub fn validate(svc: &Service) -> Vec<FieldError> {
                 "may only be used when `type` is 'LoadBalancer'",
             ));
         }
-        if spec
-            .load_balancer_source_ranges
-            .as_ref()
-            .is_some_and(|v| !v.is_empty())
-        {
-            errs.push(FieldError::forbidden(
-                "spec.loadBalancerSourceRanges",
-                "may only be used when `type` is 'LoadBalancer'",
-            ));
-        }
     } else if spec.allocate_load_balancer_node_ports.is_none() {
         // kube-apiserver's path really has no `spec.` here.
         errs.push(FieldError::required("allocateLoadBalancerNodePorts", ""));
     }
-    for (i, cidr) in spec
-        .load_balancer_source_ranges
-        .iter()
-        .flatten()
-        .enumerate()
-    {
-        if cidr.trim().parse::<IpNet>().is_err() {
-            errs.push(FieldError::invalid(
-                format!("spec.loadBalancerSourceRanges[{i}]"),
-                GoValue::Str(cidr),
-                "must be a valid CIDR value, (e.g. 10.9.8.0/24 or 2001:db8::/64)",
+    errs.extend(source_ranges_problems(svc));
+    errs
+}
+
+/// The source ranges of `spec.loadBalancerSourceRanges`, or else of the legacy annotation
+/// `service.beta.kubernetes.io/load-balancer-source-ranges` (comma separated), as kube's
+/// `ValidateService` checks them: only on a LoadBalancer, each a CIDR (space padding allowed,
+/// a historical accident kube keeps). kube's path for the field is `spec.LoadBalancerSourceRanges`,
+/// capital L included.
+fn source_ranges_problems(svc: &Service) -> Vec<FieldError> {
+    const FIELD: &str = "spec.LoadBalancerSourceRanges";
+    const ANNOTATION: &str = "service.beta.kubernetes.io/load-balancer-source-ranges";
+    const CIDR_TEXT: &str = "must be a valid CIDR value, (e.g. 10.9.8.0/24 or 2001:db8::/64)";
+    let spec = svc.spec.as_ref().expect("validated Services have a spec");
+    let is_lb = spec.type_.as_deref() == Some(LOAD_BALANCER);
+    let mut errs = Vec::new();
+    let ranges = spec.load_balancer_source_ranges.as_deref().unwrap_or(&[]);
+    if !ranges.is_empty() {
+        if !is_lb {
+            errs.push(FieldError::forbidden(
+                FIELD,
+                "may only be used when `type` is 'LoadBalancer'",
             ));
+        }
+        for (i, cidr) in ranges.iter().enumerate() {
+            if cidr.trim().parse::<IpNet>().is_err() {
+                errs.push(FieldError::invalid(
+                    format!("{FIELD}[{i}]"),
+                    GoValue::Str(cidr.trim()),
+                    CIDR_TEXT,
+                ));
+            }
+        }
+    } else if let Some(value) = svc
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(ANNOTATION))
+    {
+        let path = format!("metadata.annotations[{ANNOTATION}]");
+        if !is_lb {
+            errs.push(FieldError::forbidden(
+                path.clone(),
+                "may only be used when `type` is 'LoadBalancer'",
+            ));
+        }
+        let value = value.trim();
+        if !value.is_empty() {
+            for cidr in value.split(',').map(str::trim) {
+                if cidr.parse::<IpNet>().is_err() {
+                    errs.push(FieldError::invalid(
+                        path.clone(),
+                        GoValue::Str(cidr),
+                        CIDR_TEXT,
+                    ));
+                }
+            }
         }
     }
     errs
