@@ -1193,6 +1193,56 @@ fn every_unanswered_connection_of_the_end_to_end_suite_is_explained_with_its_cau
         seen(&live_out)[0].starts_with("seen        drop: 10.97.0.77 is in the ServiceCIDR 10.97.0.0/24 but no Service has it (an unallocated ClusterIP) (at ip kube-proxy cluster-ips-check rule "),
         "{live_out}"
     );
+
+    // A load-balancer IP this node has no route to, from a source outside the ranges: the
+    // drop in filter-prerouting comes before routing, so no "no route" note (a black-box
+    // review saw one, while the client met a silent drop, not ICMP network unreachable).
+    c.kubectl(&[
+        "patch",
+        "svc",
+        "lb",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        r#"{"status":{"loadBalancer":{"ingress":[{"ip":"192.0.2.200"},{"ip":"203.0.113.10"}]}}}"#,
+    ])
+    .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    let out = loop {
+        let (out, code) = kernel_verdict(&c, &flags, CLIENT2_IP, "203.0.113.10:80/tcp");
+        if code == Some(1)
+            && out.contains("fate        drop: 192.0.2.101 is not in loadBalancerSourceRanges")
+        {
+            break out;
+        }
+        assert!(std::time::Instant::now() < deadline, "{out}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(!out.contains("no route"), "{out}");
+    // A listed client to the same address is translated, and nothing is noted either.
+    let (out, code) = kernel_verdict(&c, &flags, CLIENT_IP, "203.0.113.10:80/tcp");
+    assert_eq!(code, Some(0), "{out}");
+    assert!(!out.contains("no route"), "{out}");
+
+    // The node's own connection to a ClusterIP it has no route to (no default route here)
+    // fails at connect(), before the output rules could translate it: the trace says so
+    // beside its DNAT, as the node's curl finds out.
+    let web_ip = c.cluster_ip("web");
+    let (out, _) = kernel_verdict(&c, &flags, NODE_IP, &format!("{web_ip}:80/tcp"));
+    assert!(
+        out.contains(&format!(
+            "note        no route to {web_ip} on this node: the node's own connection fails at \
+             connect() (Network is unreachable) before the output rules translate it"
+        )),
+        "{out}"
+    );
+    let curl = c
+        .node
+        .command("curl")
+        .args(["-s", "-m", "2", &format!("http://{web_ip}/")])
+        .output()
+        .unwrap();
+    assert_eq!(curl.status.code(), Some(7), "curl: network unreachable");
 }
 
 #[test]

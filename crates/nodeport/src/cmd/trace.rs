@@ -1216,10 +1216,42 @@ fn node_notes(packet: &Packet, e: &Explanation, local: &[IpAddr]) -> Vec<String>
             .output()
             .is_ok_and(|o| o.status.success())
     };
-    if e.endpoints.is_empty() && !local.contains(&packet.dst) && !routed(packet.dst) {
+    // Unless the rules ended it before routing: the tc programs decide every drop and
+    // reject before the stack; nftables drops sources outside loadBalancerSourceRanges in
+    // filter-prerouting (its rejects and other drops are in input and forward, after routing;
+    // iptables' are all in the filter table, after routing too).
+    let ended_before_routing = e.outcomes.iter().all(|o| {
+        matches!(o.verdict, explain::Verdict::Drop | explain::Verdict::Reject)
+            && match e.dataplane {
+                Dataplane::Ebpf => true,
+                Dataplane::Nftables => o.reason == explain::Reason::SourceRanges,
+                Dataplane::Iptables => false,
+            }
+    });
+    if e.endpoints.is_empty()
+        && !ended_before_routing
+        && !local.contains(&packet.dst)
+        && !routed(packet.dst)
+    {
         notes.push(format!(
             "no route to {} on this node: routing refuses the packet (ICMP network \
              unreachable) before any forward rule",
+            packet.dst
+        ));
+    }
+    // The node's own packet is routed before the output hook's rules translate it: a
+    // Service address the node has no route to fails at connect() ("Network is
+    // unreachable"), whatever the rules would do (nodes route Service CIDRs, usually by
+    // their default route). The eBPF socket programs translate at connect(), before it.
+    if packet.origin == Origin::Local
+        && e.dataplane != Dataplane::Ebpf
+        && !e.endpoints.is_empty()
+        && !local.contains(&packet.dst)
+        && !routed(packet.dst)
+    {
+        notes.push(format!(
+            "no route to {} on this node: the node's own connection fails at connect() \
+             (Network is unreachable) before the output rules translate it",
             packet.dst
         ));
     }
