@@ -471,6 +471,44 @@ fn service_json_holds_one_trace_per_address_and_an_unknown_service_exits_3() {
     assert!(stderr.contains("no Service default/nope"), "{stderr}");
 }
 
+/// A dump of a whole cluster's Nodes (the README's `kubectl get svc,endpointslices,nodes`)
+/// names no node to trace on: unless this host is one of them, `--node-name` must say which
+/// (a black-box review found the last Node picked silently).
+#[test]
+fn several_nodes_and_no_node_name_is_a_usage_error_naming_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("nodes.yaml");
+    let node = |name: &str, ip: &str| {
+        format!(
+            "apiVersion: v1\nkind: Node\nmetadata: {{name: {name}}}\nstatus: {{addresses: [{{type: InternalIP, address: {ip}}}]}}\n"
+        )
+    };
+    std::fs::write(
+        &file,
+        format!(
+            "{}---\n{}---\n{}",
+            node("rv-a", "192.0.2.11"),
+            node("rv-b", "192.0.2.12"),
+            "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: default}\nspec: {type: NodePort, clusterIP: 10.96.0.10, ports: [{port: 80, nodePort: 30080}]}\n"
+        ),
+    )
+    .unwrap();
+    let f = file.to_str().unwrap();
+    let to = ["--from", "203.0.113.5", "--to", "192.0.2.12:30080/tcp"];
+    let (_, stderr, code) = trace(&[&["-f", f][..], &to[..]].concat());
+    assert_eq!(code, 64, "{stderr}");
+    assert!(
+        stderr.contains("holds 2 Nodes (rv-a, rv-b), none named as this host")
+            && stderr.contains("give --node-name"),
+        "{stderr}"
+    );
+    let (out, _, _) = trace(&[&["-f", f, "--node-name", "rv-b"][..], &to[..]].concat());
+    assert!(
+        out.contains("service     default/web:80/TCP: NodePort 192.0.2.12:30080"),
+        "{out}"
+    );
+}
+
 #[test]
 fn missing_or_conflicting_arguments_exit_64() {
     for args in [

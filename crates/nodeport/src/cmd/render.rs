@@ -42,7 +42,8 @@ pub struct Flags {
     #[arg(long, default_value = "flat", value_name = "flat|kube-proxy")]
     nftables_layout: String,
     /// This node's name: endpoints with this nodeName are local; the file's Node of this
-    /// name gives the node's addresses (default: the Node in the file, if any).
+    /// name gives the node's addresses (default: the file's only Node; of several, the one
+    /// named as this host, else it must be given).
     #[arg(long)]
     node_name: Option<String>,
     /// This node's IPs (repeatable); the first of each family is that family's node IP
@@ -305,13 +306,32 @@ pub fn prepare(args: &Flags, text: &str, source: &str) -> anyhow::Result<Prepare
         eprintln!("warning: {w}");
     }
     // The Node named --node-name when the file has it (a `kubectl get nodes -o yaml` of a
-    // whole cluster), else the file's Node.
-    let named = args
-        .node_name
+    // whole cluster), else the file's only Node. With several, this host's name picks one
+    // (the proxy's own default, as kube-proxy's --hostname-override); failing that, which
+    // node is meant must be said, not guessed (each node's rules differ: its addresses, its
+    // local endpoints).
+    let mut node_name_flag = args.node_name.clone();
+    if node_name_flag.is_none() && loaded.nodes.len() > 1 {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_lowercase())
+            .unwrap_or_default();
+        if loaded.nodes.iter().any(|n| n.name == host) {
+            node_name_flag = Some(host);
+        } else {
+            let names: Vec<&str> = loaded.nodes.iter().map(|n| n.name.as_str()).collect();
+            return Err(usage(format!(
+                "{source} holds {} Nodes ({}), none named as this host ({host}): give \
+                 --node-name to say which node's rules to show",
+                names.len(),
+                names.join(", ")
+            )));
+        }
+    }
+    let named = node_name_flag
         .as_ref()
         .and_then(|n| loaded.nodes.iter().find(|node| node.name == *n));
     let node = named.or(loaded.node.as_ref()).cloned().unwrap_or_default();
-    let node_name = args.node_name.clone().unwrap_or_else(|| node.name.clone());
+    let node_name = node_name_flag.unwrap_or_else(|| node.name.clone());
     if node_ips.is_empty() {
         node_ips = node.addresses.clone();
     }
