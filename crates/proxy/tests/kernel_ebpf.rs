@@ -1808,6 +1808,120 @@ fn nodeports_are_served_through_veths_by_the_tc_programs() {
     drop(topo.node);
 }
 
+#[test]
+fn load_balancer_source_ranges_hold_for_sockets_a_source_inside_is_served_and_one_outside_not() {
+    // kube-proxy's firewall chain drops every source outside loadBalancerSourceRanges,
+    // processes of the node and pods included. A socket in the dataplane's cgroup (the
+    // client namespace's process here, as a pod's) is translated by the socket hooks only
+    // when its source is known to be inside the ranges (bound); any other connection is
+    // left untranslated, and np_tc_ingress decides on its packets' source.
+    let test = "load_balancer_source_ranges_hold_for_sockets";
+    if !require_tools(test, &["curl"]) {
+        return;
+    }
+    let (mut programs, mut maps) = Programs::load(&sizes()).expect("the eBPF object loads");
+    let topo = Topology::new(&mut programs);
+    let cgroup = TestCgroup::new(test);
+    programs
+        .attach_cgroup(&cgroup.0)
+        .expect("attaching to the test cgroup");
+    maps.set_flags(FLAG_FIB_FORWARD).unwrap();
+    maps.set_snat_address(ip("192.168.50.1")).unwrap();
+    maps.set_backend(1, 1, &local("10.244.1.5", 8080)).unwrap();
+    // The load-balancer IP's two frontends as render writes them: external (tc, SNATed to
+    // the node under the Cluster policy) and internal (sockets), both range-checked.
+    for (scope, flags) in [
+        (Scope::External, SVC_RANGES | SVC_SNAT),
+        (Scope::Internal, SVC_RANGES),
+    ] {
+        let fe = Frontend {
+            svc_id: 5,
+            be_set: 1,
+            count: 1,
+            flags,
+            affinity_timeout: 0,
+        };
+        let key = FrontendKey {
+            scope,
+            ..ext("203.0.113.10", 80, TCP)
+        };
+        maps.set_frontend(&key, &fe).unwrap();
+    }
+    maps.add_source_range(5, "192.168.50.2/32".parse().unwrap())
+        .unwrap();
+    // 192.168.50.3: a second client address, outside the ranges; unbound connections to the
+    // load-balancer IP take it as their source.
+    topo.client.add_addr("eth0", "192.168.50.3/24").unwrap();
+    topo.client
+        .run(&[
+            "ip",
+            "route",
+            "add",
+            "203.0.113.10",
+            "via",
+            "192.168.50.1",
+            "src",
+            "192.168.50.3",
+        ])
+        .unwrap();
+    let curl = |bind: Option<&str>| {
+        let bind = bind.map_or_else(String::new, |a| format!("--interface {a} "));
+        cgroup.run(&format!(
+            "ip netns exec {} curl -sS --max-time 3 {bind}http://203.0.113.10:80/clientip",
+            topo.client.name()
+        ))
+    };
+    // Bound inside the ranges: translated by the socket hook, so the pod sees the client
+    // itself (tc would have SNATed it to the node).
+    let out = curl(Some("192.168.50.2"));
+    assert!(
+        out.status.success(),
+        "in range, bound: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).starts_with("192.168.50.2:"),
+        "the pod saw {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    // Bound outside the ranges, and unbound with a source outside them: not served (tc drops
+    // the SYNs; curl times out).
+    for bind in [Some("192.168.50.3"), None] {
+        let out = curl(bind);
+        assert!(
+            !out.status.success(),
+            "a source outside the ranges ({bind:?}) was served: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+    // Unbound with a source inside the ranges: the socket hook cannot know it and leaves the
+    // connection to tc, which serves it (SNATed to the node, as external traffic under the
+    // Cluster policy is).
+    topo.client
+        .run(&[
+            "ip",
+            "route",
+            "replace",
+            "203.0.113.10",
+            "via",
+            "192.168.50.1",
+            "src",
+            "192.168.50.2",
+        ])
+        .unwrap();
+    let out = curl(None);
+    assert!(
+        out.status.success(),
+        "in range, unbound: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).starts_with("192.168.50.1:"),
+        "the pod saw {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
 /// A bpffs of the test's own on a temporary directory of the host's mount namespace (never
 /// inside `ip netns exec`, whose private mounts die with it); on drop every pin in it is
 /// removed (pinned links detach) and it is unmounted.

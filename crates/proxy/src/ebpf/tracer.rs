@@ -5,8 +5,9 @@
 //! A packet from the network meets `np_tc_ingress` (the `external` frontends), a socket of
 //! the node meets the cgroup `connect` hooks (the `internal` ones). No frontend: passed
 //! untranslated. No endpoints: ICMP port unreachable at tc (`reject`) or drop under a Local
-//! policy; `ECONNREFUSED` for a socket either way. Then `loadBalancerSourceRanges` (tc
-//! only), then the backend: each with probability `1/count` (random), or its share of the
+//! policy; `ECONNREFUSED` for a socket either way (a socket meets the source ranges first:
+//! one whose source is outside them is passed on untranslated, for tc). Then
+//! `loadBalancerSourceRanges` at tc, then the backend: each with probability `1/count` (random), or its share of the
 //! Maglev table's slots. tc SNATs to the node when the frontend says so (external traffic
 //! under the Cluster policy; a ClusterIP under `--masquerade-all`, or from outside
 //! `--cluster-cidr`) or the backend is on another node; sockets are never SNATed.
@@ -176,6 +177,41 @@ fn decide(
             steps,
         }]
     };
+    // A socket is translated under source ranges only when its source is known and inside
+    // them (np_sock_connect): the traced source is taken as the one the socket is bound to.
+    if scope == Scope::Internal && spec.flags & SVC_RANGES != 0 {
+        let Some(range) = spec.source_ranges.iter().find(|r| r.contains(&packet.src)) else {
+            steps.push(Step::program(
+                program,
+                "source ranges",
+                format!(
+                    "{} is not in np_src_ranges: passed on untranslated (its packets meet \
+                     np_tc_ingress, if on their way, which drops them)",
+                    packet.src
+                ),
+            ));
+            return ends(
+                steps,
+                Fate::Delivered {
+                    dnat: None,
+                    masqueraded: false,
+                    affinity: vec![],
+                },
+            );
+        };
+        steps.push(
+            Step::program(
+                program,
+                "source ranges",
+                format!(
+                    "{} is in np_src_ranges: translated for a socket bound to it (an unbound \
+                     socket's source is not known yet: passed on untranslated, for tc)",
+                    packet.src
+                ),
+            )
+            .with_elements(vec![range_element(held, range)]),
+        );
+    }
     let backends = match backends {
         Some(list) if !list.is_empty() => list,
         // `svc->count == 0`: tc rejects or drops as flagged; a socket is refused either way.
@@ -216,10 +252,7 @@ fn decide(
                 "source ranges",
                 format!("{} is in np_src_ranges", packet.src),
             )
-            .with_elements(vec![match held {
-                Some(f) => format!("np_src_ranges {{ svc {}, {range} }}", f.svc_id),
-                None => format!("np_src_ranges {{ {range} }}"),
-            }]),
+            .with_elements(vec![range_element(held, range)]),
         );
     }
     if spec.flags & SVC_AFFINITY != 0 {
@@ -296,6 +329,14 @@ fn decide(
         .collect();
     walks.sort_by(|a, b| b.probability.total_cmp(&a.probability));
     walks
+}
+
+/// The `np_src_ranges` entry that admitted a source.
+fn range_element(held: Option<&super::maps::Frontend>, range: &ipnet::IpNet) -> String {
+    match held {
+        Some(f) => format!("np_src_ranges {{ svc {}, {range} }}", f.svc_id),
+        None => format!("np_src_ranges {{ {range} }}"),
+    }
 }
 
 /// Each backend's probability: `1/count` at random, its share of the table under Maglev
