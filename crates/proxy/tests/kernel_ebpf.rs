@@ -730,6 +730,108 @@ fn session_affinity_keeps_a_client_on_its_backend_while_the_backend_stays() {
 }
 
 #[test]
+fn the_tracer_follows_the_affinity_entry_the_program_wrote_until_its_timeout() {
+    use nodeport_proxy::ebpf::render::{Rendered, from_maps};
+    use nodeport_proxy::ebpf::tracer;
+    use nodeport_proxy::model::Protocol;
+    use nodeport_proxy::trace::{Env, Packet as Traced};
+    let Some(mut progs) = load("the_tracer_follows_the_affinity_entry") else {
+        return;
+    };
+    // A client of each family sent through tc writes its np_affinity entry (the IPv4 one
+    // under its ::ffff: mapped address); `nodeport trace --rules kernel` reads the maps back.
+    let cases = [
+        (
+            "192.0.2.11",
+            "192.0.2.101",
+            ["10.244.1.2", "10.244.1.3", "10.244.1.4"],
+        ),
+        (
+            "2001:db8::11",
+            "2001:db8::101",
+            ["fd00:244::2", "fd00:244::3", "fd00:244::4"],
+        ),
+    ];
+    for (i, (node, _, backends)) in cases.iter().enumerate() {
+        let list: Vec<BackendEntry> = backends.iter().map(|b| local(b, 80)).collect();
+        service(
+            &mut progs,
+            ext(node, 30080, TCP),
+            4 + i as u32,
+            1 + i as u32,
+            SVC_AFFINITY,
+            &list,
+        );
+    }
+    let mut sent = Vec::new();
+    for (node, client, _) in &cases {
+        let syn = Packet::new(TCP, client, 40000, node, 30080);
+        sent.push(SocketAddr::new(ingress(&progs, &syn).dst, 80));
+    }
+    let mut maps = from_maps(
+        &progs.frontends().unwrap(),
+        &progs.backends().unwrap(),
+        &progs.source_ranges().unwrap(),
+        &Default::default(),
+        &Rendered::default(),
+    );
+    maps.affinity = progs.held_affinity().unwrap();
+    let following = Env {
+        recorded_affinity: true,
+        ..Env::default()
+    };
+    for ((node, client, _), to) in cases.iter().zip(&sent) {
+        let packet = Traced::remote(client, node, Protocol::Tcp, 30080);
+        // Followed: the remembered backend is the one way.
+        let trace = tracer::trace(&maps, &packet, &following);
+        assert_eq!(trace.probability_of(&to.to_string()), 1.0, "{trace}");
+        // Not followed: a new client's three ways, and the step says where the entry sends
+        // this one and until when.
+        let trace = tracer::trace(&maps, &packet, &Env::default());
+        assert_eq!(trace.endpoints().len(), 3, "{trace}");
+        let step = trace.walks[0]
+            .steps
+            .iter()
+            .find(|s| s.chain == "affinity")
+            .expect("an affinity step");
+        assert!(
+            step.verdict.contains(&format!("sends {client} to {to}"))
+                && step
+                    .verdict
+                    .contains("honoured only until the entry has been idle 10800 s"),
+            "{}",
+            step.verdict
+        );
+        // Another client has no entry.
+        let other = Traced::remote(
+            if node.contains(':') {
+                "2001:db8::102"
+            } else {
+                "192.0.2.102"
+            },
+            node,
+            Protocol::Tcp,
+            30080,
+        );
+        assert_eq!(
+            tracer::trace(&maps, &other, &following).endpoints().len(),
+            3
+        );
+    }
+    // An entry idle beyond the timeout is not followed (the program chooses anew).
+    for entry in maps.affinity.values_mut() {
+        entry.idle_ns = 10801 * 1_000_000_000;
+    }
+    let (node, client, _) = cases[0];
+    let trace = tracer::trace(
+        &maps,
+        &Traced::remote(client, node, Protocol::Tcp, 30080),
+        &following,
+    );
+    assert_eq!(trace.endpoints().len(), 3, "{trace}");
+}
+
+#[test]
 fn maglev_sends_each_flow_to_the_backend_its_table_slot_names() {
     let Some(mut progs) = load("maglev_sends_each_flow_to_the_backend_its_table_slot_names") else {
         return;

@@ -143,6 +143,20 @@ pub struct Rendered {
     /// Read from the kernel ([`from_maps`]): each frontend's value as the map holds it (its
     /// service and backend set ids), for the tracer's path. Empty when rendered.
     pub held: BTreeMap<FrontendKey, super::maps::Frontend>,
+    /// Read from the kernel (`Maps::held_affinity`): the backend each client was sent to,
+    /// by (service id, client address), for the tracer. Empty when rendered.
+    pub affinity: BTreeMap<(u32, IpAddr), HeldAffinity>,
+}
+
+/// A client's entry in `np_affinity`: the programs send it to `backend` again while the
+/// entry has been idle no longer than the frontend's timeout and the backend is still in
+/// the frontend's set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeldAffinity {
+    /// The backend remembered.
+    pub backend: SocketAddr,
+    /// How long the entry had been unused when the map was read, nanoseconds.
+    pub idle_ns: u64,
 }
 
 /// What the kernel's maps hold (the pinned maps of a running proxy: frontends, backends by
