@@ -7,10 +7,11 @@
 //! untranslated. No endpoints: ICMP port unreachable at tc (`reject`) or drop under a Local
 //! policy; `ECONNREFUSED` for a socket either way (a socket meets the source ranges first:
 //! one whose source is outside them is passed on untranslated, for tc). Then
-//! `loadBalancerSourceRanges` at tc, then the backend: each with probability `1/count` (random), or its share of the
-//! Maglev table's slots. tc SNATs to the node when the frontend says so (external traffic
-//! under the Cluster policy; a ClusterIP under `--masquerade-all`, or from outside
-//! `--cluster-cidr`) or the backend is on another node; sockets are never SNATed.
+//! `loadBalancerSourceRanges` at tc, then the backend: each with probability `1/count`
+//! (random), or its share of the Maglev table's slots. tc SNATs to the node when the
+//! frontend says so (external traffic under the Cluster policy; a ClusterIP under
+//! `--masquerade-all`, or from outside `--cluster-cidr`) or the backend is on another node;
+//! sockets are never SNATed.
 //! Session affinity repeats an earlier choice: with the kernel's maps, a client's live
 //! `np_affinity` entry is read and, when the trace follows the kernel's records, its backend
 //! is the one way (else the path is a new client's and the step says where the entry sends
@@ -18,8 +19,8 @@
 //!
 //! Each way records its [path](crate::trace::path) as the program's steps, each with the map
 //! entry it read: the frontend (`np_services`), the no-endpoint verdict, the source range
-//! (`np_src_ranges`), the affinity look-up (the kernel's entry for the client, if any), the backend
-//! (`np_backends`, by the random or Maglev choice), the SNAT. With the kernel's maps
+//! (`np_src_ranges`), the affinity look-up (the kernel's entry for the client, if any), the
+//! backend (`np_backends`, by the random or Maglev choice), the SNAT. With the kernel's maps
 //! ([`Rendered::held`]) the entries carry the kernel's service and backend set ids.
 
 use std::collections::BTreeMap;
