@@ -653,6 +653,15 @@ fn load_balancer_source_ranges_admit_only_listed_clients(mode: Mode) {
         Reply::Timeout,
         "an unlisted client is dropped"
     );
+    // So is a pod of the node, outside the ranges too: kube-proxy's firewall chain checks
+    // every source. In eBPF mode it is in the node's cgroup, whose socket hooks leave the
+    // connection (its source unknown at connect()) to tc, which drops it (they translated it,
+    // and the pod was answered, before they knew the ranges).
+    assert_eq!(
+        c.get_in_node_cgroup(&c.pods[0], "192.0.2.200:80", T),
+        Reply::Timeout,
+        "an unlisted pod is dropped"
+    );
     // NodePorts are not subject to source ranges.
     assert!(matches!(
         get(&c.client2, &format!("{NODE_IP}:30085"), T),

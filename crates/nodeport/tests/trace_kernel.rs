@@ -320,9 +320,10 @@ fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mod
         "{mode:?}: {stderr}"
     );
     assert_eq!(comparable(&fallback), comparable(&alone), "{mode:?}");
-    if mode == Mode::Nftables {
-        // The flat layout's affinity maps remember a client that connected: the kernel's
-        // trace shows a new client's path (as the render) and says where this one goes.
+    if matches!(mode, Mode::Nftables | Mode::Ebpf) {
+        // The flat layout's affinity maps (the ebpf mode's np_affinity) remember a client
+        // that connected: the kernel's trace shows a new client's path (as the render) and
+        // says where this one goes.
         c.apply(&service_yaml(
             "sticky",
             30060,
@@ -352,6 +353,15 @@ fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mod
         );
         assert!(!kernel.contains("differs"), "{kernel}");
         assert!(!render.contains("session affinity: the kernel"), "{render}");
+        if mode == Mode::Ebpf {
+            // The affinity step reads the client's entry (IPv4 clients are keyed by their
+            // ::ffff: mapped address) and says how long it holds.
+            assert!(
+                kernel.contains(&format!("np_affinity sends {CLIENT_IP} to 10.244.{n}.2:"))
+                    && kernel.contains("honoured only until the entry has been idle 10800 s"),
+                "{kernel}"
+            );
+        }
     }
     // Every address: the kernel's trace takes the node's own addresses (the pod gateways and
     // eth1 too), the rendered one the Node's; where both look, they agree.

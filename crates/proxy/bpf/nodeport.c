@@ -1368,10 +1368,18 @@ int np_tc_egress(struct __sk_buff *skb)
 	return TC_ACT_OK;
 }
 
-/* Socket programs. The client of affinity is the socket's network namespace. */
+/* Socket programs. The client of affinity is the socket's network namespace.
+ *
+ * A frontend with loadBalancerSourceRanges is translated here only when the socket's source
+ * is known and inside them: the address it is bound to, or for sendmsg the one the message
+ * names (IP_PKTINFO). connect() on an unbound socket has no source yet (routing picks it
+ * afterwards), so such a socket, and one whose source is outside the ranges, is passed on
+ * untranslated: its packets meet np_tc_ingress, which checks their real source as
+ * kube-proxy's firewall chain does for every source, pods included. (Cilium's bpf_sock.c
+ * does no source range check; its tc programs do, as ours do.) */
 
 static __always_inline int np_sock_connect(struct bpf_sock_addr *ctx, struct np_addr *dst,
-					   int udp_only)
+					   const struct np_addr *src, int src_known, int udp_only)
 {
 	struct np_svc_key key = {};
 	struct np_sock_key rk = {};
@@ -1392,6 +1400,8 @@ static __always_inline int np_sock_connect(struct bpf_sock_addr *ctx, struct np_
 	key.scope = NP_SCOPE_INT;
 	svc = bpf_map_lookup_elem(&np_services, &key);
 	if (!svc)
+		return -1;
+	if ((svc->flags & NP_SVC_RANGES) && (!src_known || !np_source_allowed(svc, src)))
 		return -1;
 	if (svc->count == 0) {
 		np_trace_sock(ctx, &key, svc, 0);
@@ -1434,13 +1444,15 @@ static __always_inline int np_sock_reverse(struct bpf_sock_addr *ctx, const stru
 	return 1;
 }
 
-static __always_inline int np_connect4(struct bpf_sock_addr *ctx, int udp_only)
+/* src4: the socket's source as far as it is known (0: not yet chosen). */
+static __always_inline int np_connect4(struct bpf_sock_addr *ctx, __u32 src4, int udp_only)
 {
-	struct np_addr dst;
+	struct np_addr dst, src;
 	int r;
 
 	np_addr_v4(&dst, ctx->user_ip4);
-	r = np_sock_connect(ctx, &dst, udp_only);
+	np_addr_v4(&src, src4);
+	r = np_sock_connect(ctx, &dst, &src, src4 != 0, udp_only);
 	if (r < 0)
 		return 1;
 	if (r == 1)
@@ -1448,7 +1460,9 @@ static __always_inline int np_connect4(struct bpf_sock_addr *ctx, int udp_only)
 	return r;
 }
 
-static __always_inline int np_connect6(struct bpf_sock_addr *ctx, int udp_only)
+/* src: the socket's source as far as it is known (all zero: not yet chosen). */
+static __always_inline int np_connect6(struct bpf_sock_addr *ctx, const struct np_addr *src,
+				       int udp_only)
 {
 	struct np_addr dst;
 	int r;
@@ -1457,7 +1471,8 @@ static __always_inline int np_connect6(struct bpf_sock_addr *ctx, int udp_only)
 	dst.w[1] = ctx->user_ip6[1];
 	dst.w[2] = ctx->user_ip6[2];
 	dst.w[3] = ctx->user_ip6[3];
-	r = np_sock_connect(ctx, &dst, udp_only);
+	r = np_sock_connect(ctx, &dst, src, src->w[0] | src->w[1] | src->w[2] | src->w[3],
+			    udp_only);
 	if (r < 0)
 		return 1;
 	if (r == 1) {
@@ -1501,28 +1516,55 @@ static __always_inline int np_reverse6(struct bpf_sock_addr *ctx)
 	return 1;
 }
 
+/* The address the socket is bound to (all zero when unbound). */
+static __always_inline void np_bound6(struct bpf_sock_addr *ctx, struct np_addr *src)
+{
+	struct bpf_sock *sk = ctx->sk;
+
+	src->w[0] = sk->src_ip6[0];
+	src->w[1] = sk->src_ip6[1];
+	src->w[2] = sk->src_ip6[2];
+	src->w[3] = sk->src_ip6[3];
+}
+
 SEC("cgroup/connect4")
 int np_connect4_prog(struct bpf_sock_addr *ctx)
 {
-	return np_connect4(ctx, 0);
+	struct bpf_sock *sk = ctx->sk;
+
+	return np_connect4(ctx, sk->src_ip4, 0);
 }
 
 SEC("cgroup/connect6")
 int np_connect6_prog(struct bpf_sock_addr *ctx)
 {
-	return np_connect6(ctx, 0);
+	struct np_addr src;
+
+	np_bound6(ctx, &src);
+	return np_connect6(ctx, &src, 0);
 }
 
 SEC("cgroup/sendmsg4")
 int np_sendmsg4_prog(struct bpf_sock_addr *ctx)
 {
-	return np_connect4(ctx, 1);
+	struct bpf_sock *sk = ctx->sk;
+	__u32 src4 = ctx->msg_src_ip4;
+
+	return np_connect4(ctx, src4 ? src4 : sk->src_ip4, 1);
 }
 
 SEC("cgroup/sendmsg6")
 int np_sendmsg6_prog(struct bpf_sock_addr *ctx)
 {
-	return np_connect6(ctx, 1);
+	struct np_addr src;
+
+	src.w[0] = ctx->msg_src_ip6[0];
+	src.w[1] = ctx->msg_src_ip6[1];
+	src.w[2] = ctx->msg_src_ip6[2];
+	src.w[3] = ctx->msg_src_ip6[3];
+	if (!(src.w[0] | src.w[1] | src.w[2] | src.w[3]))
+		np_bound6(ctx, &src);
+	return np_connect6(ctx, &src, 1);
 }
 
 SEC("cgroup/recvmsg4")

@@ -730,6 +730,108 @@ fn session_affinity_keeps_a_client_on_its_backend_while_the_backend_stays() {
 }
 
 #[test]
+fn the_tracer_follows_the_affinity_entry_the_program_wrote_until_its_timeout() {
+    use nodeport_proxy::ebpf::render::{Rendered, from_maps};
+    use nodeport_proxy::ebpf::tracer;
+    use nodeport_proxy::model::Protocol;
+    use nodeport_proxy::trace::{Env, Packet as Traced};
+    let Some(mut progs) = load("the_tracer_follows_the_affinity_entry") else {
+        return;
+    };
+    // A client of each family sent through tc writes its np_affinity entry (the IPv4 one
+    // under its ::ffff: mapped address); `nodeport trace --rules kernel` reads the maps back.
+    let cases = [
+        (
+            "192.0.2.11",
+            "192.0.2.101",
+            ["10.244.1.2", "10.244.1.3", "10.244.1.4"],
+        ),
+        (
+            "2001:db8::11",
+            "2001:db8::101",
+            ["fd00:244::2", "fd00:244::3", "fd00:244::4"],
+        ),
+    ];
+    for (i, (node, _, backends)) in cases.iter().enumerate() {
+        let list: Vec<BackendEntry> = backends.iter().map(|b| local(b, 80)).collect();
+        service(
+            &mut progs,
+            ext(node, 30080, TCP),
+            4 + i as u32,
+            1 + i as u32,
+            SVC_AFFINITY,
+            &list,
+        );
+    }
+    let mut sent = Vec::new();
+    for (node, client, _) in &cases {
+        let syn = Packet::new(TCP, client, 40000, node, 30080);
+        sent.push(SocketAddr::new(ingress(&progs, &syn).dst, 80));
+    }
+    let mut maps = from_maps(
+        &progs.frontends().unwrap(),
+        &progs.backends().unwrap(),
+        &progs.source_ranges().unwrap(),
+        &Default::default(),
+        &Rendered::default(),
+    );
+    maps.affinity = progs.held_affinity().unwrap();
+    let following = Env {
+        recorded_affinity: true,
+        ..Env::default()
+    };
+    for ((node, client, _), to) in cases.iter().zip(&sent) {
+        let packet = Traced::remote(client, node, Protocol::Tcp, 30080);
+        // Followed: the remembered backend is the one way.
+        let trace = tracer::trace(&maps, &packet, &following);
+        assert_eq!(trace.probability_of(&to.to_string()), 1.0, "{trace}");
+        // Not followed: a new client's three ways, and the step says where the entry sends
+        // this one and until when.
+        let trace = tracer::trace(&maps, &packet, &Env::default());
+        assert_eq!(trace.endpoints().len(), 3, "{trace}");
+        let step = trace.walks[0]
+            .steps
+            .iter()
+            .find(|s| s.chain == "affinity")
+            .expect("an affinity step");
+        assert!(
+            step.verdict.contains(&format!("sends {client} to {to}"))
+                && step
+                    .verdict
+                    .contains("honoured only until the entry has been idle 10800 s"),
+            "{}",
+            step.verdict
+        );
+        // Another client has no entry.
+        let other = Traced::remote(
+            if node.contains(':') {
+                "2001:db8::102"
+            } else {
+                "192.0.2.102"
+            },
+            node,
+            Protocol::Tcp,
+            30080,
+        );
+        assert_eq!(
+            tracer::trace(&maps, &other, &following).endpoints().len(),
+            3
+        );
+    }
+    // An entry idle beyond the timeout is not followed (the program chooses anew).
+    for entry in maps.affinity.values_mut() {
+        entry.idle_ns = 10801 * 1_000_000_000;
+    }
+    let (node, client, _) = cases[0];
+    let trace = tracer::trace(
+        &maps,
+        &Traced::remote(client, node, Protocol::Tcp, 30080),
+        &following,
+    );
+    assert_eq!(trace.endpoints().len(), 3, "{trace}");
+}
+
+#[test]
 fn maglev_sends_each_flow_to_the_backend_its_table_slot_names() {
     let Some(mut progs) = load("maglev_sends_each_flow_to_the_backend_its_table_slot_names") else {
         return;
@@ -1806,6 +1908,120 @@ fn nodeports_are_served_through_veths_by_the_tc_programs() {
         String::from_utf8_lossy(&out.stderr)
     );
     drop(topo.node);
+}
+
+#[test]
+fn load_balancer_source_ranges_hold_for_sockets_a_source_inside_is_served_and_one_outside_not() {
+    // kube-proxy's firewall chain drops every source outside loadBalancerSourceRanges,
+    // processes of the node and pods included. A socket in the dataplane's cgroup (the
+    // client namespace's process here, as a pod's) is translated by the socket hooks only
+    // when its source is known to be inside the ranges (bound); any other connection is
+    // left untranslated, and np_tc_ingress decides on its packets' source.
+    let test = "load_balancer_source_ranges_hold_for_sockets";
+    if !require_tools(test, &["curl"]) {
+        return;
+    }
+    let (mut programs, mut maps) = Programs::load(&sizes()).expect("the eBPF object loads");
+    let topo = Topology::new(&mut programs);
+    let cgroup = TestCgroup::new(test);
+    programs
+        .attach_cgroup(&cgroup.0)
+        .expect("attaching to the test cgroup");
+    maps.set_flags(FLAG_FIB_FORWARD).unwrap();
+    maps.set_snat_address(ip("192.168.50.1")).unwrap();
+    maps.set_backend(1, 1, &local("10.244.1.5", 8080)).unwrap();
+    // The load-balancer IP's two frontends as render writes them: external (tc, SNATed to
+    // the node under the Cluster policy) and internal (sockets), both range-checked.
+    for (scope, flags) in [
+        (Scope::External, SVC_RANGES | SVC_SNAT),
+        (Scope::Internal, SVC_RANGES),
+    ] {
+        let fe = Frontend {
+            svc_id: 5,
+            be_set: 1,
+            count: 1,
+            flags,
+            affinity_timeout: 0,
+        };
+        let key = FrontendKey {
+            scope,
+            ..ext("203.0.113.10", 80, TCP)
+        };
+        maps.set_frontend(&key, &fe).unwrap();
+    }
+    maps.add_source_range(5, "192.168.50.2/32".parse().unwrap())
+        .unwrap();
+    // 192.168.50.3: a second client address, outside the ranges; unbound connections to the
+    // load-balancer IP take it as their source.
+    topo.client.add_addr("eth0", "192.168.50.3/24").unwrap();
+    topo.client
+        .run(&[
+            "ip",
+            "route",
+            "add",
+            "203.0.113.10",
+            "via",
+            "192.168.50.1",
+            "src",
+            "192.168.50.3",
+        ])
+        .unwrap();
+    let curl = |bind: Option<&str>| {
+        let bind = bind.map_or_else(String::new, |a| format!("--interface {a} "));
+        cgroup.run(&format!(
+            "ip netns exec {} curl -sS --max-time 3 {bind}http://203.0.113.10:80/clientip",
+            topo.client.name()
+        ))
+    };
+    // Bound inside the ranges: translated by the socket hook, so the pod sees the client
+    // itself (tc would have SNATed it to the node).
+    let out = curl(Some("192.168.50.2"));
+    assert!(
+        out.status.success(),
+        "in range, bound: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).starts_with("192.168.50.2:"),
+        "the pod saw {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    // Bound outside the ranges, and unbound with a source outside them: not served (tc drops
+    // the SYNs; curl times out).
+    for bind in [Some("192.168.50.3"), None] {
+        let out = curl(bind);
+        assert!(
+            !out.status.success(),
+            "a source outside the ranges ({bind:?}) was served: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+    // Unbound with a source inside the ranges: the socket hook cannot know it and leaves the
+    // connection to tc, which serves it (SNATed to the node, as external traffic under the
+    // Cluster policy is).
+    topo.client
+        .run(&[
+            "ip",
+            "route",
+            "replace",
+            "203.0.113.10",
+            "via",
+            "192.168.50.1",
+            "src",
+            "192.168.50.2",
+        ])
+        .unwrap();
+    let out = curl(None);
+    assert!(
+        out.status.success(),
+        "in range, unbound: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).starts_with("192.168.50.1:"),
+        "the pod saw {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
 }
 
 /// A bpffs of the test's own on a temporary directory of the host's mount namespace (never

@@ -738,19 +738,22 @@ impl KernelRules {
                         maps.backends()?,
                         maps.source_ranges()?,
                         names,
+                        maps.held_affinity()?,
                     ))
                 };
-                let (frontends, backends, ranges, names) =
+                let (frontends, backends, ranges, names, affinity) =
                     read().map_err(|e| unreadable_pinned_maps("--rules kernel", pin_root, e))?;
+                let mut maps = ebpf::render::from_maps(
+                    &frontends,
+                    &backends,
+                    &ranges,
+                    names.as_ref().unwrap_or(&Default::default()),
+                    named,
+                );
+                maps.affinity = affinity;
                 Ok(KernelRules::Ebpf {
                     pin_root: pin_root.to_path_buf(),
-                    maps: ebpf::render::from_maps(
-                        &frontends,
-                        &backends,
-                        &ranges,
-                        names.as_ref().unwrap_or(&Default::default()),
-                        named,
-                    ),
+                    maps,
                     named_in_kernel: names.is_some(),
                 })
             }
@@ -882,13 +885,13 @@ impl KernelRules {
         }
     }
 
-    /// The endpoint the flat layout's session-affinity maps send this packet's client to,
-    /// when the kernel recorded one (the other modes' tracers do not follow affinity);
-    /// `traced` is the packet traced as a new client's.
+    /// The endpoint the flat layout's session-affinity maps, or the ebpf mode's
+    /// `np_affinity`, send this packet's client to, when the kernel recorded one (the other
+    /// tracers do not follow affinity); `traced` is the packet traced as a new client's.
     fn remembered(&self, packet: &Packet, env: &Env, traced: &Trace) -> Option<SocketAddr> {
-        let KernelRules::Nftables { .. } = self else {
+        if let KernelRules::Iptables { .. } = self {
             return None;
-        };
+        }
         let following = Env {
             recorded_affinity: true,
             ..env.clone()

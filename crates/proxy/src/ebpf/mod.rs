@@ -7,7 +7,7 @@
 //! | --- | --- | --- |
 //! | `np_tc_ingress` | tc ingress, interfaces carrying NodePort addresses and those the node routes endpoints (local or remote) through | reverses replies (`np_nat`); translates known connections (`np_ct`); opens connections to external frontends (`np_services`, scope external): source ranges, affinity, random or Maglev choice, DNAT, SNAT to the node under the Cluster policy or for remote backends; forwards with `bpf_fib_lookup` + `bpf_redirect_neigh`; no endpoints: ICMP (ICMPv6) port unreachable, or drop under a Local policy |
 //! | `np_tc_egress` | tc egress, same interfaces | reverses replies of local backends (`np_nat`) |
-//! | `np_connect4/6`, `np_sendmsg4/6` | cgroup socket hooks | rewrite the destination of sockets to a backend (scope internal: ClusterIPs, and NodePorts, external and load-balancer IPs reached from the node) |
+//! | `np_connect4/6`, `np_sendmsg4/6` | cgroup socket hooks | rewrite the destination of sockets to a backend (scope internal: ClusterIPs, and NodePorts, external and load-balancer IPs reached from the node; a load-balancer IP with source ranges only for a socket bound to a source inside them, any other left to tc) |
 //! | `np_recvmsg4/6`, `np_getpeername4/6` | cgroup socket hooks | show the service address back to the application (`np_sock_rev`) |
 //!
 //! # Maps ([`maps`])

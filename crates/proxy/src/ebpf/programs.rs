@@ -17,6 +17,7 @@ use super::batch::Batch;
 use super::maps::{
     self, BackendEntry, Frontend, FrontendKey, MAGLEV_M, MemberKey, Translation, Tuple, names,
 };
+use super::render::HeldAffinity;
 use crate::model::ServicePortName;
 
 /// The object file, aligned for the ELF parser.
@@ -647,6 +648,7 @@ impl Maps {
             names::SOURCE_RANGES,
             names::CT,
             names::NAT,
+            names::AFFINITY,
             names::SVC_NAMES,
         ] {
             if name == names::SVC_NAMES && !dir.join(name).exists() {
@@ -935,6 +937,28 @@ impl Maps {
     /// The reply-direction entries (`np_nat`).
     pub fn nat(&self) -> Result<Vec<(Tuple, Translation)>, Error> {
         self.translations(names::NAT)
+    }
+
+    /// Every client's remembered backend (`np_affinity`), by (service id, client address),
+    /// with how long each entry has been idle now. Sockets' entries (keyed by their network
+    /// namespace's cookie, not an address) are read as the address those bytes spell, which
+    /// no packet carries.
+    pub fn held_affinity(
+        &self,
+    ) -> Result<std::collections::BTreeMap<(u32, IpAddr), HeldAffinity>, Error> {
+        let now = super::apply::monotonic_now_ns();
+        let entries = self.entries(names::AFFINITY, |k: &[u8; 20], v: &[u8; 32]| {
+            let svc_id = u32::from_ne_bytes([k[0], k[1], k[2], k[3]]);
+            let (addr, port, last_seen) = maps::decode_affinity(v);
+            (
+                (svc_id, maps::addr_from(&k[4..])),
+                HeldAffinity {
+                    backend: std::net::SocketAddr::new(addr, port),
+                    idle_ns: now.saturating_sub(last_seen),
+                },
+            )
+        })?;
+        Ok(entries.into_iter().collect())
     }
 
     /// The backend `client` is stuck to for service port `svc_id`, if any: address, port

@@ -6,6 +6,9 @@
 //!   policy's endpoints; and every NodePort address, external IP and load-balancer IP
 //!   reached from the node itself, with the Cluster policy's endpoints (kube-proxy
 //!   short-circuits locally originated traffic to external addresses to the cluster chain);
+//!   load-balancer IPs carry the source ranges here too: a socket is translated only when
+//!   its source is known (bound, or named by `sendmsg`) and inside them, any other is
+//!   passed on untranslated for tc to decide on its packets' real source;
 //! - **external** frontends (tc): every NodePort address (`--nodeport-addresses`, loopback
 //!   excepted: loopback traffic never crosses tc), external IP and load-balancer IP, with
 //!   the external traffic policy's endpoints, SNATed to the node under the Cluster policy
@@ -140,6 +143,20 @@ pub struct Rendered {
     /// Read from the kernel ([`from_maps`]): each frontend's value as the map holds it (its
     /// service and backend set ids), for the tracer's path. Empty when rendered.
     pub held: BTreeMap<FrontendKey, super::maps::Frontend>,
+    /// Read from the kernel (`Maps::held_affinity`): the backend each client was sent to,
+    /// by (service id, client address), for the tracer. Empty when rendered.
+    pub affinity: BTreeMap<(u32, IpAddr), HeldAffinity>,
+}
+
+/// A client's entry in `np_affinity`: the programs send it to `backend` again while the
+/// entry has been idle no longer than the frontend's timeout and the backend is still in
+/// the frontend's set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeldAffinity {
+    /// The backend remembered.
+    pub backend: SocketAddr,
+    /// How long the entry had been unused when the map was read, nanoseconds.
+    pub idle_ns: u64,
 }
 
 /// What the kernel's maps hold (the pinned maps of a running proxy: frontends, backends by
@@ -425,9 +442,12 @@ pub fn render_service_in(
         externals.push((*ip, port.port, &svc.source_ranges));
     }
     for (ip, p, ranges) in externals {
+        // The socket hooks translate a range-checked frontend only for a socket whose
+        // source they know to be inside the ranges; others are left to tc (see the C
+        // source's np_sock_connect), as kube-proxy's firewall chain checks every source.
         out.frontends.insert(
             key(ip, p, Scope::Internal),
-            spec(short_circuit.clone(), short_flags, &[]),
+            spec(short_circuit.clone(), short_flags, ranges),
         );
         if !ip.is_loopback() {
             out.frontends.insert(

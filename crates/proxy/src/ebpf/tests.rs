@@ -153,11 +153,34 @@ fn load_balancer_ips_carry_source_ranges_and_affinity_its_timeout() {
         got.contains(&"198.51.100.200:80/TCP external (default/web:http) → 10.244.1.5:8080 (random, affinity 10800s, masquerade) from 203.0.113.0/24".to_string()),
         "{got:#?}"
     );
-    // From the node, the load-balancer IP is not filtered (kube-proxy admits the node's own
-    // addresses as sources).
+    // The socket hooks check the ranges too (kube-proxy's firewall chain drops every source
+    // outside them, the node's and pods' included).
     assert!(
-        got.contains(&"198.51.100.200:80/TCP internal (default/web:http) → 10.244.1.5:8080 (random, affinity 10800s)".to_string()),
+        got.contains(&"198.51.100.200:80/TCP internal (default/web:http) → 10.244.1.5:8080 (random, affinity 10800s) from 203.0.113.0/24".to_string()),
         "{got:#?}"
+    );
+}
+
+#[test]
+fn a_socket_outside_load_balancer_source_ranges_is_left_untranslated_and_one_inside_served() {
+    let yaml = service_yaml(
+        "  type: LoadBalancer\n  loadBalancerSourceRanges: [203.0.113.0/24]\n  ports: [{name: http, port: 80, nodePort: 30080}]\nstatus: {loadBalancer: {ingress: [{ip: 198.51.100.200}]}}",
+        &["10.244.1.5@node-a"],
+    );
+    let outside = Packet::local("192.0.2.10", "198.51.100.200", Protocol::Tcp, 80);
+    let trace = traced(&yaml, Algorithm::Random, outside);
+    assert_eq!(
+        *trace.only(),
+        Fate::Delivered {
+            dnat: None,
+            masqueraded: false,
+            affinity: vec![]
+        }
+    );
+    let inside = Packet::local("203.0.113.5", "198.51.100.200", Protocol::Tcp, 80);
+    assert_eq!(
+        traced(&yaml, Algorithm::Random, inside).probability_of("10.244.1.5:8080"),
+        1.0
     );
 }
 
