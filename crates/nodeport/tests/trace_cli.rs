@@ -509,6 +509,59 @@ fn several_nodes_and_no_node_name_is_a_usage_error_naming_them() {
     );
 }
 
+/// A client outside `loadBalancerSourceRanges` of a Service without endpoints: kube-proxy's
+/// nftables mode drops it in `firewall-check` before anything looks at the endpoints, its
+/// iptables mode writes no firewall rule for such a Service and rejects every client (as
+/// the eBPF tc program does). The fate names the rule that decided (the nftables fate once
+/// said "has no endpoints" beside a path that ended in firewall-check).
+#[test]
+fn an_out_of_range_client_of_a_service_without_endpoints_is_told_what_decided_in_each_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("lb.yaml");
+    std::fs::write(
+        &file,
+        "apiVersion: v1\nkind: Service\nmetadata: {name: lb, namespace: default}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.20, loadBalancerSourceRanges: [192.0.2.100/32], ports: [{port: 80, targetPort: 8080, nodePort: 30085}]}\nstatus: {loadBalancer: {ingress: [{ip: 192.0.2.200}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: lb-1, namespace: default, labels: {kubernetes.io/service-name: lb}}\naddressType: IPv4\nports: [{port: 8080}]\nendpoints: []\n",
+    )
+    .unwrap();
+    let f = file.to_str().unwrap();
+    let dropped = "fate        drop: 192.0.2.101 is not in loadBalancerSourceRanges 192.0.2.100/32 of default/lb:80/TCP";
+    let rejected = "fate        reject: default/lb:80/TCP has no endpoints";
+    for (mode, out_of_range) in [
+        (&["--proxy-mode", "nftables"][..], dropped),
+        (
+            &[
+                "--proxy-mode",
+                "nftables",
+                "--nftables-layout",
+                "kube-proxy",
+            ][..],
+            dropped,
+        ),
+        (&["--proxy-mode", "iptables"][..], rejected),
+        (&["--proxy-mode", "ebpf"][..], rejected),
+    ] {
+        let base = [
+            "-f",
+            f,
+            "--node-name",
+            "node-a",
+            "--node-ip",
+            "192.0.2.10",
+            "--cluster-cidr",
+            "10.244.0.0/16",
+            "--to",
+            "192.0.2.200:80/tcp",
+            "--from",
+        ];
+        let (out, _, code) = trace(&[&base[..], &["192.0.2.101"], mode].concat());
+        assert_eq!(code, 1, "{mode:?}: {out}");
+        assert!(out.contains(out_of_range), "{mode:?}: {out}");
+        let (out, _, code) = trace(&[&base[..], &["192.0.2.100"], mode].concat());
+        assert_eq!(code, 1, "{mode:?}: {out}");
+        assert!(out.contains(rejected), "{mode:?}: {out}");
+    }
+}
+
 #[test]
 fn missing_or_conflicting_arguments_exit_64() {
     for args in [

@@ -567,10 +567,16 @@ fn why(
     };
     let in_ranges =
         svc.source_ranges.iter().any(|r| r.contains(&packet.src)) || svc.source_ranges.is_empty();
+    // nftables checks the source ranges first (kube-proxy's `firewall-check`, in
+    // filter-prerouting, whatever the endpoints); iptables writes no firewall rule for a
+    // Service without endpoints (it rejects them all), nor does the eBPF tc program look at
+    // the ranges before its no-endpoint verdict.
+    let out_of_range = frontend == Frontend::LoadBalancerIP && !in_ranges;
     let reason = match verdict {
         Verdict::Pass => Reason::Other,
+        _ if out_of_range && ctx.dataplane == Dataplane::Nftables => Reason::SourceRanges,
         _ if !svc.has_endpoints => Reason::NoEndpoints,
-        _ if frontend == Frontend::LoadBalancerIP && !in_ranges => Reason::SourceRanges,
+        _ if out_of_range => Reason::SourceRanges,
         _ if local_policy && svc.local_endpoints.is_empty() => {
             if external {
                 Reason::NoLocalEndpointsExternal
