@@ -562,6 +562,27 @@ fn an_out_of_range_client_of_a_service_without_endpoints_is_told_what_decided_in
     }
 }
 
+/// A kubeconfig that cannot be read is said once, with its path as given (kube's own error
+/// repeated its cause and quoted the path twice).
+#[test]
+fn an_unreadable_kubeconfig_is_named_once_and_exits_3() {
+    let (_, stderr, code) = trace(&[
+        "--kubeconfig",
+        "/nonexistent/kubeconfig",
+        "--rules",
+        "render",
+        "--from",
+        "203.0.113.5",
+        "--to",
+        "192.0.2.11:80/tcp",
+    ]);
+    assert_eq!(code, 3, "{stderr}");
+    assert_eq!(
+        stderr.trim(),
+        "nodeport: reading kubeconfig /nonexistent/kubeconfig: No such file or directory (os error 2)"
+    );
+}
+
 #[test]
 fn missing_or_conflicting_arguments_exit_64() {
     for args in [

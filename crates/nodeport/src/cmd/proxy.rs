@@ -291,6 +291,10 @@ pub(crate) async fn client(
 ) -> anyhow::Result<kube::Client> {
     let mut config = match (&kubeconfig, master) {
         (Some(path), _) => {
+            // Opened here first: kube's own error for a missing file repeats its cause and
+            // quotes the path twice.
+            std::fs::File::open(path)
+                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
             let kc = kube::config::Kubeconfig::read_from(path)
                 .with_context(|| format!("reading kubeconfig {}", path.display()))?;
             kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
