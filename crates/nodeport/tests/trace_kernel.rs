@@ -320,10 +320,10 @@ fn the_kernels_rules_trace_as_what_the_proxy_programs_and_as_the_packet_goes(mod
         "{mode:?}: {stderr}"
     );
     assert_eq!(comparable(&fallback), comparable(&alone), "{mode:?}");
-    if matches!(mode, Mode::Nftables | Mode::Ebpf) {
-        // The flat layout's affinity maps (the ebpf mode's np_affinity) remember a client
-        // that connected: the kernel's trace shows a new client's path (as the render) and
-        // says where this one goes.
+    if matches!(mode, Mode::Nftables | Mode::NftablesKubeProxy | Mode::Ebpf) {
+        // The flat layout's affinity maps (kube-proxy's layout: the endpoints' affinity sets;
+        // the ebpf mode's np_affinity) remember a client that connected: the kernel's trace
+        // shows a new client's path (as the render) and says where this one goes.
         c.apply(&service_yaml(
             "sticky",
             30060,

@@ -634,6 +634,14 @@ impl<'a> Tracer<'a> {
             AddrMatch::Nets(ns) => ns.iter().any(|n| n.contains(&ip)),
             AddrMatch::Set(name) => {
                 if name.starts_with("affinity-") {
+                    // kube-proxy's layout (and the flat layout's IPv6 affinity ports): a
+                    // client the test names, or, following the kernel's records, one its
+                    // listing holds (the element traffic added with `update @set`).
+                    if self.env.recorded_affinity
+                        && let Some(e) = self.index.get(&(name.as_str(), ElemKey::Addr(ip)))
+                    {
+                        return Some(Some(element_text(e)));
+                    }
                     self.env.affinity.iter().any(|(s, c)| s == name && *c == ip)
                 } else {
                     return self
