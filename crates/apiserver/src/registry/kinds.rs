@@ -162,13 +162,9 @@ pub fn validate(object: &Object) -> Vec<FieldError> {
                             ));
                         } else if let Ok(ip) = addr.ip.parse::<std::net::IpAddr>() {
                             // kube's validateEndpointAddress: ValidateNonSpecialIP.
-                            errs.extend(
-                                super::net_validation::special_ip_problems(&addr.ip, ip)
-                                    .into_iter()
-                                    .map(|p| {
-                                        FieldError::invalid(path.clone(), GoValue::Str(&addr.ip), p)
-                                    }),
-                            );
+                            errs.extend(super::net_validation::special_ip_errors(
+                                &path, &addr.ip, ip,
+                            ));
                         }
                     }
                 }
@@ -215,17 +211,11 @@ pub fn validate(object: &Object) -> Vec<FieldError> {
                         ));
                     } else if let Ok(ip) = addr.parse::<std::net::IpAddr>() {
                         // kube's validateEndpoints: ValidateEndpointIP after the format.
-                        errs.extend(
-                            super::net_validation::special_ip_problems(addr, ip)
-                                .into_iter()
-                                .map(|p| {
-                                    FieldError::invalid(
-                                        format!("endpoints[{i}].addresses[{j}]"),
-                                        GoValue::Str(addr),
-                                        p,
-                                    )
-                                }),
-                        );
+                        errs.extend(super::net_validation::special_ip_errors(
+                            &format!("endpoints[{i}].addresses[{j}]"),
+                            addr,
+                            ip,
+                        ));
                     }
                 }
             }

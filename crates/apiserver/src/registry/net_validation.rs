@@ -8,6 +8,8 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
+use crate::error::{FieldError, GoValue};
+
 /// `IsValidIP`'s text for a value that is not an address.
 pub const IP_HINT: &str = "must be a valid IP address, (e.g. 10.9.8.7 or 2001:db8::ffff)";
 /// `IsValidCIDR`'s text for a value that is not a CIDR.
@@ -188,6 +190,14 @@ pub fn special_ip_problems(value: &str, ip: IpAddr) -> Vec<String> {
         );
     }
     problems
+}
+
+/// [`special_ip_problems`] as the field errors kube returns for `path`.
+pub fn special_ip_errors(path: &str, value: &str, ip: IpAddr) -> Vec<FieldError> {
+    special_ip_problems(value, ip)
+        .into_iter()
+        .map(|p| FieldError::invalid(path, GoValue::Str(value), p))
+        .collect()
 }
 
 #[cfg(test)]

@@ -826,11 +826,7 @@ pub fn validate(svc: &Service) -> Vec<FieldError> {
         match ip.parse::<IpAddr>() {
             Err(_) => errs.push(FieldError::invalid(path, GoValue::Str(ip), IP_FORMAT_HINT)),
             // kube: "for historical reasons, this uses ValidateEndpointIP".
-            Ok(addr) => errs.extend(
-                net_validation::special_ip_problems(ip, addr)
-                    .into_iter()
-                    .map(|p| FieldError::invalid(path.clone(), GoValue::Str(ip), p)),
-            ),
+            Ok(addr) => errs.extend(net_validation::special_ip_errors(&path, ip, addr)),
         }
     }
     // dual stack <-> clusterIPs <-> ipFamilies

@@ -312,9 +312,7 @@ pub fn prepare(args: &Flags, text: &str, source: &str) -> anyhow::Result<Prepare
     // local endpoints).
     let mut node_name_flag = args.node_name.clone();
     if node_name_flag.is_none() && loaded.nodes.len() > 1 {
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .map(|h| h.trim().to_lowercase())
-            .unwrap_or_default();
+        let host = nodeport_proxy::nix_hostname().unwrap_or_default();
         if loaded.nodes.iter().any(|n| n.name == host) {
             node_name_flag = Some(host);
         } else {

@@ -1259,11 +1259,7 @@ fn node_notes(packet: &Packet, e: &Explanation, local: &[IpAddr]) -> Vec<String>
         ));
     }
     for ip in away {
-        let routed = std::process::Command::new("ip")
-            .args(["route", "get", &ip.to_string()])
-            .output()
-            .is_ok_and(|o| o.status.success());
-        if !routed {
+        if !routed(ip) {
             notes.push(format!(
                 "no route to the endpoint {ip}: a packet DNATed to it goes nowhere"
             ));

@@ -185,10 +185,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     super::raise_open_files_limit();
     let node_name = match &args.hostname_override {
         Some(name) => name.clone(),
-        None => std::fs::read_to_string("/proc/sys/kernel/hostname")
-            .context("read the host name")?
-            .trim()
-            .to_lowercase(),
+        None => nodeport_proxy::nix_hostname().context("read the host name")?,
     };
     let node_ips = node_ips(&args.node_ip)?;
     let mut proxy_config = proxy_config(&args, &node_name)?;
